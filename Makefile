@@ -1,0 +1,59 @@
+# kvgate developer entry points. `make help` lists them. CI (.ci/run) calls `make test`.
+SHELL := /bin/bash
+.DEFAULT_GOAL := help
+VENV ?= .venv
+PY := $(VENV)/bin/python
+export VIRTUAL_ENV := $(abspath $(VENV))
+export PATH := $(abspath $(VENV))/bin:$(PATH)
+CARGO_FEATURES_OFF := --no-default-features
+
+.PHONY: help
+help: ## list the targets
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
+
+$(VENV)/.deps: pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -c "import tomllib; p = tomllib.load(open('pyproject.toml', 'rb')); b = p['build-system']['requires']; d = p['project']; print('\n'.join(b + d['dependencies'] + [r for g in d['optional-dependencies'].values() for r in g]))" > $(VENV)/requirements.txt
+	$(PY) -m pip install -q -r $(VENV)/requirements.txt
+	touch $@
+
+.PHONY: venv
+venv: $(VENV)/.deps ## create .venv with every Python dependency
+
+.PHONY: build
+build: venv ## build the Rust extension (release) into .venv
+	$(VENV)/bin/maturin develop --release -q
+
+.PHONY: test-rust
+test-rust: ## cargo tests of the pure-Rust core
+	cargo test -p kvgate-core $(CARGO_FEATURES_OFF) -q
+
+.PHONY: test-py
+test-py: build ## pytest (unit, property, integration over loopback)
+	$(PY) -m pytest tests -q
+
+.PHONY: test
+test: test-rust test-py ## every test: cargo test + pytest
+
+.PHONY: lint
+lint: venv ## cargo fmt --check, clippy -D warnings, ruff
+	cargo fmt --all --check
+	cargo clippy -p kvgate-core --all-targets -- -D warnings
+	cargo clippy -p kvgate-core --all-targets $(CARGO_FEATURES_OFF) -- -D warnings
+	$(VENV)/bin/ruff check python tests benches
+	$(VENV)/bin/ruff format --check python tests benches
+
+.PHONY: format
+format: venv ## cargo fmt + ruff format
+	cargo fmt --all
+	$(VENV)/bin/ruff format python tests benches
+	$(VENV)/bin/ruff check --fix python tests benches
+
+.PHONY: bench
+bench: build ## benchmarks; figures go to benches/RESULTS.md
+	$(PY) -m pytest benches -q -p no:randomly --benchmark-enable --benchmark-disable-gc --benchmark-columns=min,median,ops
+
+.PHONY: demo
+demo: build ## the main job: the gateway in front of the built-in engine simulator, with demo traffic
+	$(PY) -m kvgate demo

@@ -1,0 +1,3 @@
+"""Stubs and user docs for the native module ``kvgate._core`` (rust/src/python.rs)."""
+
+__version__: str

@@ -1,0 +1,12 @@
+//! kvgate's native core, imported from Python as `kvgate._core`.
+//!
+//! The admission primitives (slots, token bucket, in-flight token budget, priority classes,
+//! adaptive control law, shared-memory state) and the request analyser live in plain Rust modules
+//! with no pyo3; `python` (behind the default `python` feature) is the only file that talks to
+//! Python.
+
+#[cfg(feature = "python")]
+mod python;
+
+#[cfg(feature = "python")]
+pub use python::_core;
