@@ -1,0 +1,461 @@
+"""Composition root: the :class:`Gateway` state and the aiohttp application around it.
+
+Only this module sees every part: the Rust admission core (``kvgate._core``), the per-model
+request analysers, the backends and their upstream session, tenants, metrics and the engine
+metrics pollers. Handlers (:mod:`kvgate.proxy.handler`) hold no policy of their own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import math
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import orjson
+from aiohttp import web
+
+from kvgate.errors import GatewayError
+from kvgate.metrics import GatewayMetrics
+from kvgate.proxy.handler import (
+    GATEWAY,
+    INFERENCE_ROUTES,
+    REJECT_REASON_HEADER,
+    error_response,
+    handle_inference,
+    handle_passthrough,
+)
+from kvgate.proxy.relay import Timeouts, copy_headers
+from kvgate.ratelimit_headers import rate_limit_headers, retry_after_headers
+
+__all__ = ["PRIORITY_CLASSES", "Backend", "Gateway", "ModelRoute", "Tenant", "create_app"]
+
+PRIORITY_CLASSES = ("critical", "standard", "sheddable")
+PRIORITY_HEADER = "x-kvgate-priority"
+
+
+@dataclass(slots=True)
+class Backend:
+    """One upstream engine (a replica).
+
+    Attributes:
+        name: declared name (a metric label).
+        url: base URL without trailing slash (``http://127.0.0.1:8000``).
+        id: index in the admission core.
+        models: model names it serves.
+        metrics_url: where its Prometheus text is scraped.
+        engine: engine adapter name (``auto``, ``vllm``, ...).
+        healthy: routing flag; a backend whose health check fails is skipped.
+        kv_usage: last KV-cache usage ratio (0..1) read from its metrics, or ``None``.
+        waiting: last waiting-request count read from its metrics, or ``None``.
+    """
+
+    name: str
+    url: str
+    id: int
+    models: list[str]
+    metrics_url: str
+    engine: str = "auto"
+    healthy: bool = True
+    kv_usage: float | None = None
+    waiting: int | None = None
+
+
+@dataclass(slots=True)
+class ModelRoute:
+    """A served model: its analyser and the backends (replicas) that serve it."""
+
+    name: str
+    analyzer: Any
+    backends: list[Backend]
+    count_text: Callable[[str], int] | None = None
+
+
+@dataclass(slots=True)
+class Tenant:
+    """A tenant: who is calling, at which priority class.
+
+    Attributes:
+        id: index in the admission core.
+        name: declared name (a metric label; never the key).
+        priority: ``critical`` | ``standard`` | ``sheddable``.
+        key_hashes: SHA-256 hex digests of its API keys.
+        max_wait_ms: longest time a refused request may wait in the priority queue.
+    """
+
+    id: int
+    name: str
+    priority: str = "standard"
+    key_hashes: tuple[str, ...] = ()
+    max_wait_ms: int = 0
+
+
+@dataclass
+class Gateway:
+    """Everything a request needs, built once at start-up (and swapped on reload).
+
+    Attributes:
+        controller: the Rust ``AdmissionController``.
+        models: model name → :class:`ModelRoute`.
+        backends: all backends, in core id order.
+        tenants: all tenants; ``anonymous`` (if any) is used when no key is sent.
+        max_body_bytes: the request body cap (bytes).
+        timeouts: upstream timeouts.
+        require_key: refuse requests without a known API key (401).
+    """
+
+    controller: Any
+    models: dict[str, ModelRoute]
+    backends: list[Backend]
+    tenants: list[Tenant]
+    max_body_bytes: int = 8 * 1024 * 1024
+    timeouts: Timeouts = field(default_factory=Timeouts)
+    anonymous: Tenant | None = None
+    session: aiohttp.ClientSession = field(init=False)
+    metrics: GatewayMetrics = field(init=False)
+    _by_hash: dict[bytes, Tenant] = field(init=False, default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for tenant in self.tenants:
+            for digest in tenant.key_hashes:
+                self._by_hash[bytes.fromhex(digest)] = tenant
+        self.metrics = GatewayMetrics(self.read_state, lambda: int(self.controller.leaks))
+
+    # ---- identification -------------------------------------------------------------------
+    def authenticate(self, request: web.Request) -> tuple[Tenant, str]:
+        """The tenant of a request and its priority class.
+
+        The key comes from ``Authorization: Bearer <key>`` (or ``api-key``); it is hashed with
+        SHA-256 and compared in constant time against every declared hash. A request may lower
+        its priority with ``x-kvgate-priority``; a higher value is ignored.
+
+        Raises:
+            GatewayError: 401 ``invalid_api_key`` for a missing or unknown key when there is no
+                anonymous tenant.
+        """
+        key = _api_key(request)
+        tenant: Tenant | None = None
+        if key:
+            digest = hashlib.sha256(key.encode("utf-8", "surrogatepass")).digest()
+            for known, candidate in self._by_hash.items():
+                if hmac.compare_digest(known, digest):
+                    tenant = candidate
+            if tenant is None and self._by_hash:
+                raise GatewayError(
+                    401,
+                    "Incorrect API key provided.",
+                    "invalid_request_error",
+                    code="invalid_api_key",
+                )
+        if tenant is None:
+            tenant = self.anonymous
+        if tenant is None:
+            raise GatewayError(
+                401,
+                "You didn't provide an API key. Send it as 'Authorization: Bearer <key>'.",
+                "invalid_request_error",
+                code="invalid_api_key",
+            )
+        priority = tenant.priority
+        asked = request.headers.get(PRIORITY_HEADER)
+        if asked in PRIORITY_CLASSES and PRIORITY_CLASSES.index(asked) > PRIORITY_CLASSES.index(
+            priority
+        ):
+            priority = asked
+        return tenant, priority
+
+    # ---- analysis and routing -------------------------------------------------------------
+    async def analyze(self, route: str, body: bytes) -> tuple[ModelRoute, Any]:
+        """Analyse the body with the model's Rust analyser (GIL released; large bodies run in
+        the default thread pool so the event loop never waits on a tokenizer).
+
+        Raises:
+            GatewayError: 400 invalid body / context overflow, 404 unknown model.
+        """
+        from kvgate import AnalysisError, peek_model
+
+        try:
+            name = peek_model(body)
+            model = self.models.get(name)
+            if model is None:
+                raise GatewayError(
+                    404,
+                    f"The model `{name}` does not exist.",
+                    "invalid_request_error",
+                    param="model",
+                    code="model_not_found",
+                )
+            if len(body) < 16_384:
+                analysis = model.analyzer.analyze(route, body)
+            else:
+                loop = asyncio.get_running_loop()
+                analysis = await loop.run_in_executor(None, model.analyzer.analyze, route, body)
+        except AnalysisError as err:
+            raise GatewayError(err.status, err.message, err.type, err.param, err.code) from None
+        return model, analysis
+
+    def pick_backend(self, model: ModelRoute) -> Backend:
+        """The healthy replica with the most headroom (free slot ratio, then lower KV usage).
+
+        Raises:
+            GatewayError: 503 when no replica of the model is healthy.
+        """
+        candidates = model.backends
+        if len(candidates) == 1:
+            only = candidates[0]
+            if only.healthy:
+                return only
+        healthy = [b for b in candidates if b.healthy]
+        if not healthy:
+            raise GatewayError(
+                503,
+                f"No healthy backend serves `{model.name}` right now.",
+                "server_error",
+                code="backend_unavailable",
+                headers={"Retry-After": "1"},
+            )
+        if len(healthy) == 1:
+            return healthy[0]
+
+        def headroom(b: Backend) -> tuple[float, float]:
+            st = self.controller.backend_state(b.id)
+            limit = max(1, st["concurrency_limit"])
+            return ((limit - st["in_use"]) / limit, -(b.kv_usage or 0.0))
+
+        return max(healthy, key=headroom)
+
+    def default_backend(self) -> Backend:
+        """The first healthy backend (for passthrough routes)."""
+        for b in self.backends:
+            if b.healthy:
+                return b
+        raise GatewayError(503, "No healthy backend.", "server_error", code="backend_unavailable")
+
+    # ---- responses ------------------------------------------------------------------------
+    def limit_headers(self, backend: Backend, tenant: Tenant) -> dict[str, str]:
+        """``x-ratelimit-*`` for this tenant on this backend: the tenant's own limits where it
+        has them, else the backend's (see :func:`kvgate.ratelimit_headers.rate_limit_headers`).
+        """
+        b = self.controller.backend_state(backend.id)
+        t = self.controller.tenant_state(tenant.id)
+        if t.get("concurrency_limit") is not None:
+            lim_r, used = t["concurrency_limit"], t["in_use"]
+        else:
+            lim_r, used = b["concurrency_limit"], b["in_use"]
+        if t.get("tpm_limit") is not None:
+            lim_t, avail, full = t["tpm_limit"], t["tokens_available"], t["time_to_full"]
+        else:
+            lim_t, avail, full = b["tpm_limit"], b["tokens_available"], b["time_to_full"]
+        return rate_limit_headers(
+            limit_requests=int(lim_r),
+            remaining_requests=int(lim_r - used),
+            reset_requests=float(b.get("slot_release_estimate", 0.0)) if used >= lim_r else 0.0,
+            limit_tokens=int(lim_t),
+            remaining_tokens=int(avail),
+            reset_tokens=float(full),
+        )
+
+    def success_headers(self, backend: Backend, tenant: Tenant) -> dict[str, str]:
+        """Headers added to an admitted request's response."""
+        return self.limit_headers(backend, tenant)
+
+    def rejection_response(
+        self,
+        decision: Any,
+        backend: Backend,
+        tenant: Tenant,
+        model: ModelRoute | None,
+        requested: int,
+    ) -> web.Response:
+        """429 (tenant over quota) or 503 (backend saturated / class shed) with ``Retry-After``
+        (computed; omitted with ``x-should-retry: false`` when it can never be admitted), the
+        ``x-ratelimit-*`` headers and ``x-kvgate-reject-reason``."""
+        reason: str = decision.reason
+        never = bool(decision.never)
+        headers = self.limit_headers(backend, tenant)
+        headers.update(retry_after_headers(None if never else decision.retry_after))
+        headers[REJECT_REASON_HEADER] = reason
+        name = model.name if model is not None else "this backend"
+        if decision.scope == "tenant":
+            status = 429
+            kind = "tokens" if "tpm" in reason else "requests"
+            wait = "" if never else f" Please try again in {_secs(decision.retry_after)}."
+            if never:
+                message = (
+                    f"Request too large for {name} for tenant {tenant.name} "
+                    f"({reason}): Requested {requested} tokens, which can never fit."
+                )
+            else:
+                message = (
+                    f"Rate limit reached for {name} for tenant {tenant.name} ({reason}).{wait}"
+                )
+            err = GatewayError(status, message, kind, None, "rate_limit_exceeded", headers)
+        else:
+            status = 503
+            if never:
+                message = (
+                    f"Request too large for {name}: {requested} tokens exceed what the "
+                    f"backend can ever hold in flight ({reason})."
+                )
+            elif reason == "shed":
+                message = (
+                    f"{name} is under memory pressure; sheddable traffic is refused for "
+                    f"now. Please try again in {_secs(decision.retry_after)}."
+                )
+            else:
+                message = (
+                    f"{name} is saturated ({reason}). Please try again in "
+                    f"{_secs(decision.retry_after)}."
+                )
+            err = GatewayError(
+                status, message, "server_error", None, "server_is_overloaded", headers
+            )
+        return error_response(err)
+
+    async def forward_raw(
+        self, request: web.Request, backend: Backend, body: bytes
+    ) -> web.Response:
+        """Forward a non-inference ``/v1/`` request as is (no token accounting)."""
+        url = backend.url + request.path_qs
+        try:
+            async with (
+                asyncio.timeout(self.timeouts.total),
+                self.session.request(
+                    request.method,
+                    url,
+                    data=body or None,
+                    headers={
+                        "Content-Type": request.headers.get("Content-Type", "application/json")
+                    },
+                ) as resp,
+            ):
+                raw = await resp.read()
+                return web.Response(
+                    status=resp.status, body=raw, headers=copy_headers(resp.headers, {})
+                )
+        except TimeoutError:
+            raise GatewayError(
+                504, "upstream timed out", "server_error", code="upstream_timeout"
+            ) from None
+        except aiohttp.ClientError as exc:
+            raise GatewayError(
+                502,
+                f"upstream unreachable: {exc.__class__.__name__}",
+                "server_error",
+                code="upstream_unreachable",
+            ) from None
+
+    # ---- state ----------------------------------------------------------------------------
+    def read_state(self) -> list[tuple[str, dict[str, Any]]]:
+        """``[(backend name, core state dict)]`` for metrics and ``/admin/state``."""
+        return [(b.name, self.controller.backend_state(b.id)) for b in self.backends]
+
+
+def _secs(value: float | None) -> str:
+    if value is None:
+        return "a while"
+    return f"{math.ceil(value * 1000) / 1000:g}s"
+
+
+def _api_key(request: web.Request) -> str | None:
+    auth = request.headers.get("Authorization", "")
+    if auth[:7].lower() == "bearer ":
+        return auth[7:].strip() or None
+    return request.headers.get("api-key") or None
+
+
+# ---- HTTP endpoints besides inference ----------------------------------------------------
+async def handle_models(request: web.Request) -> web.Response:
+    """``GET /v1/models``: the models this gateway serves (OpenAI list shape)."""
+    gw = request.app[GATEWAY]
+    now = int(time.time())
+    data = [
+        {
+            "id": name,
+            "object": "model",
+            "created": now,
+            "owned_by": "kvgate",
+            "max_model_len": getattr(route.analyzer, "context_window", None),
+        }
+        for name, route in gw.models.items()
+    ]
+    return web.Response(
+        body=orjson.dumps({"object": "list", "data": data}), content_type="application/json"
+    )
+
+
+async def handle_metrics(request: web.Request) -> web.Response:
+    """``GET /metrics``: Prometheus text exposition."""
+    gw = request.app[GATEWAY]
+    return web.Response(
+        body=gw.metrics.render(),
+        headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"},
+    )
+
+
+async def handle_healthz(request: web.Request) -> web.Response:
+    """``GET /healthz``: the process is up."""
+    return web.json_response({"status": "ok"})
+
+
+async def handle_readyz(request: web.Request) -> web.Response:
+    """``GET /readyz``: 200 when at least one backend is healthy, else 503."""
+    gw = request.app[GATEWAY]
+    ready = any(b.healthy for b in gw.backends)
+    return web.json_response({"ready": ready}, status=200 if ready else 503)
+
+
+async def handle_admin_state(request: web.Request) -> web.Response:
+    """``GET /admin/state``: each backend's limits, scale, in-use, KV usage and waiting."""
+    gw = request.app[GATEWAY]
+    backends = []
+    for b in gw.backends:
+        st = dict(gw.controller.backend_state(b.id))
+        st.update(name=b.name, url=b.url, healthy=b.healthy, kv_usage=b.kv_usage, waiting=b.waiting)
+        backends.append(st)
+    tenants = []
+    for t in gw.tenants:
+        st = dict(gw.controller.tenant_state(t.id))
+        st.update(name=t.name, priority=t.priority)
+        tenants.append(st)
+    return web.Response(
+        body=orjson.dumps(
+            {"backends": backends, "tenants": tenants}, option=orjson.OPT_NON_STR_KEYS
+        ),
+        content_type="application/json",
+    )
+
+
+def create_app(gateway: Gateway) -> web.Application:
+    """The aiohttp application for ``gateway``.
+
+    The app's ``client_max_size`` is the body cap, so a chunked body over it is cut off while it
+    is read. The upstream ``ClientSession`` lives in ``cleanup_ctx``. Run it with
+    ``handler_cancellation=True`` (``kvgate serve`` does) so a client disconnect cancels the
+    handler at once, even while it waits for the engine.
+    """
+    app = web.Application(client_max_size=gateway.max_body_bytes)
+    app[GATEWAY] = gateway
+
+    async def session_ctx(app: web.Application) -> AsyncIterator[None]:
+        connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300)
+        timeout = aiohttp.ClientTimeout(total=None, connect=gateway.timeouts.connect)
+        gateway.session = aiohttp.ClientSession(connector=connector, timeout=timeout)
+        yield
+        await gateway.session.close()
+
+    app.cleanup_ctx.append(session_ctx)
+    for route in INFERENCE_ROUTES:
+        app.router.add_post(route, handle_inference)
+    app.router.add_get("/v1/models", handle_models)
+    app.router.add_get("/metrics", handle_metrics)
+    app.router.add_get("/healthz", handle_healthz)
+    app.router.add_get("/readyz", handle_readyz)
+    app.router.add_get("/admin/state", handle_admin_state)
+    app.router.add_route("*", "/v1/{tail:.*}", handle_passthrough)
+    return app

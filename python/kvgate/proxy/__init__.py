@@ -1,0 +1,1 @@
+"""The streaming proxy: request handler, SSE relay, upstream backends."""

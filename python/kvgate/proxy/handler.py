@@ -1,0 +1,156 @@
+"""The inference request handler: body cap → auth → analysis → admission → relay → settle.
+
+Order (issue 5, DESIGN.md): the body-size cap is checked from ``Content-Length`` before a byte of
+the body is read (413), then the tenant is identified (401), the request analysed by the Rust
+analyser (400 / 404), admitted by the Rust core (429 for a tenant over its quota, 503 when the
+backend is saturated or the class is shed), forwarded, and finally its reservation settled with
+the real usage. Refusals charge nothing.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+import orjson
+from aiohttp import web
+
+from kvgate.errors import GatewayError
+from kvgate.proxy.relay import RelayResult, relay
+
+if TYPE_CHECKING:
+    from kvgate.app import Gateway
+
+__all__ = ["GATEWAY", "handle_inference", "handle_passthrough"]
+
+GATEWAY: web.AppKey[Gateway] = web.AppKey("kvgate.gateway")
+
+INFERENCE_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
+REJECT_REASON_HEADER = "x-kvgate-reject-reason"
+
+
+def error_response(err: GatewayError) -> web.Response:
+    """The client-facing response for a :class:`GatewayError`."""
+    headers = {"Content-Type": "application/json"}
+    if err.headers:
+        headers.update(err.headers)
+    return web.Response(status=err.status, body=err.body(), headers=headers)
+
+
+async def read_body(request: web.Request, max_body_bytes: int) -> bytes:
+    """Read the request body under the byte cap.
+
+    ``Content-Length`` over the cap is refused before reading; a chunked body is cut off when it
+    passes the cap (aiohttp's ``client_max_size``, set to the same cap by the app).
+
+    Raises:
+        GatewayError: 413 ``request_too_large``; 400 when the client breaks off mid-body.
+    """
+    length = request.content_length
+    if length is not None and length > max_body_bytes:
+        raise _too_large(length, max_body_bytes)
+    try:
+        return await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise _too_large(None, max_body_bytes) from None
+
+
+def _too_large(length: int | None, cap: int) -> GatewayError:
+    size = f"{length} bytes" if length is not None else "more than the cap"
+    return GatewayError(
+        413,
+        f"Request body is {size}; this gateway accepts at most {cap} bytes.",
+        "invalid_request_error",
+        code="request_too_large",
+        headers={"Connection": "close"},
+    )
+
+
+def rewrite_body(body: bytes, analysis: Any, add_usage: bool) -> bytes:
+    """The body to forward: the client's bytes, or a re-encoded copy when kvgate must add
+    ``stream_options.include_usage`` or inject the ``default_max_tokens`` it reserved for."""
+    inject = getattr(analysis, "inject_max_tokens", None)
+    if not add_usage and inject is None:
+        return body
+    data = orjson.loads(body)
+    if add_usage:
+        opts = data.get("stream_options")
+        data["stream_options"] = {**(opts if isinstance(opts, dict) else {}), "include_usage": True}
+    if inject is not None:
+        data["max_tokens"] = inject
+    return orjson.dumps(data)
+
+
+async def handle_inference(request: web.Request) -> web.StreamResponse:
+    """``POST /v1/chat/completions``, ``/v1/completions``, ``/v1/embeddings``."""
+    gw = request.app[GATEWAY]
+    started = time.perf_counter()
+    route = request.path
+    try:
+        body = await read_body(request, gw.max_body_bytes)
+        tenant, priority = gw.authenticate(request)
+        model, analysis = await gw.analyze(route, body)
+        backend = gw.pick_backend(model)
+        decision = gw.controller.admit(backend.id, tenant.id, priority, analysis.reserved_tokens)
+    except GatewayError as err:
+        gw.metrics.request_done(None, None, f"rejected_{err.status}")
+        return error_response(err)
+    if not decision.admitted:
+        gw.metrics.rejected(backend, tenant, decision.reason, time.perf_counter() - started)
+        return gw.rejection_response(decision, backend, tenant, model, analysis.reserved_tokens)
+    gw.metrics.admitted(backend, tenant, analysis.reserved_tokens, time.perf_counter() - started)
+
+    stream = bool(analysis.stream)
+    add_usage = stream and not analysis.include_usage and route != "/v1/embeddings"
+    result = RelayResult()
+    try:
+        forward = rewrite_body(body, analysis, add_usage)
+        headers = gw.success_headers(backend, tenant)
+        return await relay(
+            request,
+            gw.session,
+            backend.url + route,
+            forward,
+            stream=stream,
+            strip_usage_chunk=add_usage,
+            timeouts=gw.timeouts,
+            extra_headers=headers,
+            count_text=model.count_text,
+            result=result,
+        )
+    except GatewayError as err:
+        return error_response(err)
+    finally:
+        actual = _actual_tokens(analysis, result)
+        decision.release(actual)
+        gw.metrics.settled(backend, tenant, analysis.reserved_tokens, actual, result)
+
+
+def _actual_tokens(analysis: Any, result: RelayResult) -> int:
+    """Tokens to charge: prompt (engine's count if it gave one, else ours) + completion delivered.
+
+    A request that never reached the engine (unreachable upstream) is charged nothing.
+    """
+    if result.outcome == "upstream_unreachable":
+        return 0
+    prompt = result.prompt_tokens if result.prompt_tokens is not None else analysis.prompt_tokens
+    return int(prompt) + int(result.completion_tokens)
+
+
+async def handle_passthrough(request: web.Request) -> web.StreamResponse:
+    """Anything else under ``/v1/``: forwarded with a slot but no token charge (DESIGN.md)."""
+    gw = request.app[GATEWAY]
+    try:
+        body = await read_body(request, gw.max_body_bytes)
+        tenant, priority = gw.authenticate(request)
+        backend = gw.default_backend()
+        decision = gw.controller.admit(backend.id, tenant.id, priority, 0)
+    except GatewayError as err:
+        return error_response(err)
+    if not decision.admitted:
+        gw.metrics.rejected(backend, tenant, decision.reason, 0.0)
+        return gw.rejection_response(decision, backend, tenant, None, 0)
+    try:
+        return await gw.forward_raw(request, backend, body)
+    finally:
+        decision.release(0)

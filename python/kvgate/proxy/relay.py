@@ -1,0 +1,287 @@
+"""Forward one admitted request upstream and relay the answer, settling its token account.
+
+Every path — success, upstream error, timeout, client disconnect (the handler task is cancelled:
+the app runs with ``handler_cancellation=True``), exception — ends in ``finally`` with the
+upstream response *closed* (not released to the keep-alive pool, so the engine sees the
+disconnect and aborts the request, ENGINES.md §4) and the reservation released with the tokens
+actually used.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import aiohttp
+import orjson
+from aiohttp import web
+
+from kvgate.errors import GatewayError, error_body, reshape_upstream_error
+from kvgate.proxy.sse import SSEInspector
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Mapping
+
+__all__ = ["RelayResult", "Timeouts", "relay"]
+
+# Hop-by-hop headers (RFC 9110 §7.6.1) and the ones aiohttp recomputes; never copied across.
+_HOP_BY_HOP = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "te",
+        "trailer",
+        "transfer-encoding",
+        "upgrade",
+        "content-length",
+        "content-encoding",
+        "date",
+        "server",
+    }
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Timeouts:
+    """Upstream timeouts in seconds (``None`` = no limit).
+
+    Attributes:
+        connect: TCP connect to the upstream.
+        first_byte: from sending the request to the response headers (covers queueing and
+            prefill on the engine).
+        idle: longest gap between two body chunks of a streamed answer.
+        total: the whole exchange.
+    """
+
+    connect: float | None = 5.0
+    first_byte: float | None = 120.0
+    idle: float | None = 60.0
+    total: float | None = 900.0
+
+
+@dataclass(slots=True)
+class RelayResult:
+    """What the relay learnt, for settlement and metrics.
+
+    Attributes:
+        status: status sent to the client (0 if the client went away before headers).
+        prompt_tokens: from the engine's usage, else ``None``.
+        completion_tokens: from the engine's usage, else counted from delivered text, else 0.
+        usage_from_engine: whether the engine reported usage.
+        ttft: upstream time to first byte (seconds), or ``None``.
+        outcome: ``ok``, ``upstream_error``, ``upstream_timeout``, ``upstream_unreachable``,
+            ``client_disconnect``, ``stream_broken``.
+    """
+
+    status: int = 0
+    prompt_tokens: int | None = None
+    completion_tokens: int = 0
+    usage_from_engine: bool = False
+    ttft: float | None = None
+    outcome: str = "ok"
+
+
+def copy_headers(upstream: Mapping[str, str], extra: Mapping[str, str]) -> dict[str, str]:
+    """Upstream response headers minus hop-by-hop ones, plus ``extra`` (kvgate's own)."""
+    out = {k: v for k, v in upstream.items() if k.lower() not in _HOP_BY_HOP}
+    out.update(extra)
+    return out
+
+
+async def relay(
+    request: web.Request,
+    session: aiohttp.ClientSession,
+    url: str,
+    body: bytes,
+    *,
+    stream: bool,
+    strip_usage_chunk: bool,
+    timeouts: Timeouts,
+    extra_headers: Mapping[str, str],
+    count_text: Callable[[str], int] | None,
+    result: RelayResult,
+) -> web.StreamResponse:
+    """POST ``body`` to ``url`` and relay the answer to the client.
+
+    Args:
+        request: the client's request (its connection receives the answer).
+        session: the shared upstream ``ClientSession``.
+        url: full upstream URL.
+        body: the (possibly rewritten) JSON body to send.
+        stream: the request asked for SSE streaming.
+        strip_usage_chunk: the gateway added ``include_usage`` itself; drop that chunk.
+        timeouts: upstream timeouts.
+        extra_headers: kvgate's headers for the client (``x-ratelimit-*``, ...).
+        count_text: tokenizer count of delivered text, used when the engine sent no usage.
+        result: filled in as the relay goes, so the caller can settle even if this raises or is
+            cancelled.
+
+    Returns:
+        The response (already prepared and written for streams).
+
+    Raises:
+        GatewayError: 502 upstream unreachable / broken before headers, 504 upstream timeout
+            before headers.
+        asyncio.CancelledError: the client went away (the handler was cancelled).
+    """
+    started = time.perf_counter()
+    upstream: aiohttp.ClientResponse | None = None
+    headers = {"Content-Type": "application/json"}
+    auth = request.headers.get("X-Upstream-Authorization")
+    if auth:
+        headers["Authorization"] = auth
+    try:
+        try:
+            async with asyncio.timeout(timeouts.first_byte):
+                upstream = await session.post(url, data=body, headers=headers)
+        except TimeoutError:
+            result.outcome = "upstream_timeout"
+            raise GatewayError(
+                504, "upstream did not answer in time", "server_error", code="upstream_timeout"
+            ) from None
+        except aiohttp.ClientError as exc:
+            result.outcome = "upstream_unreachable"
+            raise GatewayError(
+                502,
+                f"upstream unreachable: {exc.__class__.__name__}",
+                "server_error",
+                code="upstream_unreachable",
+            ) from None
+        result.ttft = time.perf_counter() - started
+        if upstream.status >= 400:
+            result.outcome = "upstream_error"
+            raw = await _read_all(upstream, timeouts)
+            result.status = upstream.status
+            return web.Response(
+                status=upstream.status,
+                body=reshape_upstream_error(upstream.status, raw),
+                headers={"Content-Type": "application/json", **extra_headers},
+            )
+        if stream and upstream.content_type == "text/event-stream":
+            return await _relay_stream(
+                request, upstream, strip_usage_chunk, timeouts, extra_headers, count_text, result
+            )
+        raw = await _read_all(upstream, timeouts)
+        _settle_from_body(raw, result)
+        result.status = upstream.status
+        return web.Response(
+            status=upstream.status,
+            body=raw,
+            headers=copy_headers(upstream.headers, extra_headers),
+        )
+    except asyncio.CancelledError:
+        result.outcome = "client_disconnect"
+        raise
+    finally:
+        if upstream is not None:
+            # close, never release: a pooled connection would keep the engine generating
+            upstream.close()
+
+
+async def _read_all(upstream: aiohttp.ClientResponse, timeouts: Timeouts) -> bytes:
+    try:
+        async with asyncio.timeout(timeouts.total):
+            return await upstream.read()
+    except TimeoutError:
+        raise GatewayError(
+            504, "upstream body timed out", "server_error", code="upstream_timeout"
+        ) from None
+    except aiohttp.ClientError as exc:
+        raise GatewayError(
+            502, f"upstream broke: {exc.__class__.__name__}", "server_error", code="upstream_broken"
+        ) from None
+
+
+def _settle_from_body(raw: bytes, result: RelayResult) -> None:
+    try:
+        data: Any = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return
+    usage = data.get("usage") if isinstance(data, dict) else None
+    if isinstance(usage, dict):
+        _take_usage(usage, result)
+
+
+def _take_usage(usage: dict[str, Any], result: RelayResult) -> None:
+    prompt = usage.get("prompt_tokens")
+    completion = usage.get("completion_tokens")
+    if isinstance(prompt, int) and prompt >= 0:
+        result.prompt_tokens = prompt
+    if isinstance(completion, int) and completion >= 0:
+        result.completion_tokens = completion
+        result.usage_from_engine = True
+
+
+async def _relay_stream(
+    request: web.Request,
+    upstream: aiohttp.ClientResponse,
+    strip_usage_chunk: bool,
+    timeouts: Timeouts,
+    extra_headers: Mapping[str, str],
+    count_text: Callable[[str], int] | None,
+    result: RelayResult,
+) -> web.StreamResponse:
+    response = web.StreamResponse(
+        status=upstream.status, headers=copy_headers(upstream.headers, extra_headers)
+    )
+    inspector = SSEInspector(strip_usage_chunk=strip_usage_chunk)
+    await response.prepare(request)
+    result.status = upstream.status
+    content = upstream.content
+    loop = asyncio.get_running_loop()
+    deadline = None if timeouts.total is None else loop.time() + timeouts.total
+    try:
+        while True:
+            wait = timeouts.idle
+            if deadline is not None:
+                left = deadline - loop.time()
+                wait = left if wait is None else min(wait, left)
+            try:
+                async with asyncio.timeout(wait):
+                    data = await content.readany()
+            except TimeoutError:
+                result.outcome = "upstream_timeout"
+                await _write_error_event(response, "upstream stream timed out", "upstream_timeout")
+                break
+            except aiohttp.ClientError:
+                result.outcome = "stream_broken"
+                await _write_error_event(response, "upstream stream broke", "upstream_broken")
+                break
+            if not data:
+                tail = inspector.flush()
+                if tail:
+                    await response.write(tail)
+                if not inspector.done and inspector.error is None:
+                    result.outcome = "stream_broken"
+                    await _write_error_event(
+                        response, "upstream stream ended early", "upstream_broken"
+                    )
+                break
+            out = inspector.feed(data)
+            if out:
+                await response.write(out)
+        if result.outcome == "ok":
+            await response.write_eof()
+    finally:
+        if inspector.usage is not None:
+            _take_usage(inspector.usage, result)
+        if not result.usage_from_engine:
+            text = "".join(inspector.delivered_text)
+            counted = count_text(text) if (count_text is not None and text) else 0
+            result.completion_tokens = max(counted, inspector.content_chunks)
+        if inspector.error is not None and result.outcome == "ok":
+            result.outcome = "upstream_error"
+    return response
+
+
+async def _write_error_event(response: web.StreamResponse, message: str, code: str) -> None:
+    """End a stream whose upstream failed with an OpenAI error event (ENGINES.md §5.4)."""
+    try:
+        await response.write(b"data: " + error_body(message, "server_error", None, code) + b"\n\n")
+        await response.write_eof()
+    except (ConnectionError, RuntimeError):
+        pass

@@ -1,0 +1,170 @@
+"""Pure wire-format pieces of the gateway: SSE inspection, error reshaping, rate-limit headers."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
+
+import orjson
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvgate.errors import reshape_upstream_error
+from kvgate.proxy.sse import SSEInspector
+from kvgate.ratelimit_headers import go_duration, rate_limit_headers, retry_after_headers
+
+FIXTURES = Path(__file__).parent.parent / "fixtures" / "responses"
+STREAM = (FIXTURES / "openai-chat-stream-n2-tools-include-usage.sse").read_bytes()
+
+
+def _events(raw: bytes) -> list[bytes]:
+    parts = raw.split(b"\n\n")
+    return [p + b"\n\n" for p in parts if p.strip()]
+
+
+def test_sse_passthrough_is_byte_for_byte_and_reads_usage() -> None:
+    insp = SSEInspector(strip_usage_chunk=False)
+    out = insp.feed(STREAM) + insp.flush()
+    assert out == STREAM
+    assert insp.usage is not None
+    assert insp.usage["prompt_tokens"] == 85
+    assert insp.usage["completion_tokens"] == 43
+    assert insp.done
+
+
+def test_sse_strips_only_the_usage_chunk() -> None:
+    insp = SSEInspector(strip_usage_chunk=True)
+    out = insp.feed(STREAM) + insp.flush()
+    events = _events(STREAM)
+    usage_events = [e for e in events if b'"choices":[]' in e]
+    assert len(usage_events) == 1
+    assert out == b"".join(e for e in events if e not in usage_events)
+    assert insp.usage is not None
+    assert insp.usage["total_tokens"] == 128
+
+
+@given(st.lists(st.integers(min_value=1, max_value=len(STREAM) - 1), max_size=40))
+def test_sse_any_chunking_gives_the_same_bytes(cuts: list[int]) -> None:
+    """Upstream TCP chunks can split an event anywhere: output never re-frames."""
+    bounds = [0, *sorted(set(cuts)), len(STREAM)]
+    insp = SSEInspector(strip_usage_chunk=True)
+    out = b"".join(insp.feed(STREAM[a:b]) for a, b in itertools.pairwise(bounds))
+    out += insp.flush()
+    ref = SSEInspector(strip_usage_chunk=True)
+    assert out == ref.feed(STREAM) + ref.flush()
+    assert insp.usage == ref.usage
+    assert insp.delivered_text == ref.delivered_text
+
+
+def test_sse_collects_delivered_text_and_errors() -> None:
+    chunks = [
+        {"choices": [{"index": 0, "delta": {"content": "Hello"}}]},
+        {"choices": [{"index": 0, "text": " world"}]},
+        {"error": {"message": "boom", "type": "server_error", "param": None, "code": None}},
+    ]
+    raw = b"".join(b"data: " + orjson.dumps(c) + b"\r\n\r\n" for c in chunks)
+    insp = SSEInspector(strip_usage_chunk=False)
+    assert insp.feed(raw) == raw
+    assert "".join(insp.delivered_text) == "Hello world"
+    assert insp.content_chunks == 2
+    assert insp.error is not None
+    assert insp.error["message"] == "boom"
+    assert not insp.done
+
+
+def test_sse_garbage_events_pass_through() -> None:
+    raw = b": keep-alive\n\ndata: {not json\n\ndata: [1,2]\n\n"
+    insp = SSEInspector(strip_usage_chunk=True)
+    assert insp.feed(raw) == raw
+    assert insp.usage is None
+
+
+def test_sse_partial_tail_is_flushed() -> None:
+    insp = SSEInspector(strip_usage_chunk=False)
+    assert insp.feed(b'data: {"choices":[]}') == b""
+    assert insp.flush() == b'data: {"choices":[]}'
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "vllm-error-400-context-length-flat-pre-0.10.1.json",
+        "vllm-error-400-context-length-nested-0.10.1plus.json",
+    ],
+)
+def test_vllm_errors_are_reshaped_to_openai(name: str) -> None:
+    raw = (FIXTURES / name).read_bytes()
+    err = json.loads(reshape_upstream_error(400, raw))["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["type"] == "invalid_request_error"
+    assert err["code"] == "context_length_exceeded"
+    assert "maximum context length" in err["message"]
+
+
+def test_openai_shaped_error_passes_unchanged() -> None:
+    raw = (FIXTURES / "openai-error-400-context-length-exceeded.json").read_bytes()
+    assert reshape_upstream_error(400, raw) == raw
+
+
+@pytest.mark.parametrize(
+    ("status", "body", "type_"),
+    [
+        (429, b'{"error": "Model is overloaded", "error_type": "overloaded"}', "overloaded"),
+        (500, b"<html>Internal Server Error</html>", "server_error"),
+        (502, b"", "server_error"),
+        (
+            501,
+            b'{"error": {"code": 501, "message": "metrics off", "type": "not_supported_error"}}',
+            "not_supported_error",
+        ),
+    ],
+)
+def test_other_engine_errors_are_reshaped(status: int, body: bytes, type_: str) -> None:
+    err = json.loads(reshape_upstream_error(status, body))["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["type"] == type_
+    assert err["message"]
+    assert err["code"] is None or isinstance(err["code"], str)
+
+
+@pytest.mark.parametrize(
+    ("seconds", "text"),
+    [
+        (0, "0s"),
+        (-1, "0s"),
+        (0.004, "4ms"),
+        (0.012, "12ms"),
+        (1, "1s"),
+        (9.816, "9.816s"),
+        (360, "6m0s"),
+        (864, "14m24s"),
+        (90.5, "1m30.5s"),
+        (3723, "1h2m3s"),
+        (0.0000015, "1.5µs"),
+    ],
+)
+def test_go_duration_matches_go(seconds: float, text: str) -> None:
+    assert go_duration(seconds) == text
+
+
+def test_retry_after_rounds_up_and_never_is_explicit() -> None:
+    assert retry_after_headers(0.2) == {"Retry-After": "1", "retry-after-ms": "200"}
+    assert retry_after_headers(2.0001)["Retry-After"] == "3"
+    assert retry_after_headers(None) == {"x-should-retry": "false"}
+
+
+def test_rate_limit_headers_never_negative() -> None:
+    h = rate_limit_headers(
+        limit_requests=4,
+        remaining_requests=-1,
+        reset_requests=0.5,
+        limit_tokens=1000,
+        remaining_tokens=-20,
+        reset_tokens=360,
+    )
+    assert h["x-ratelimit-remaining-requests"] == "0"
+    assert h["x-ratelimit-remaining-tokens"] == "0"
+    assert h["x-ratelimit-reset-tokens"] == "6m0s"
+    assert h["x-ratelimit-reset-requests"] == "500ms"
