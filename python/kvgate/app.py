@@ -8,6 +8,7 @@ metrics pollers. Handlers (:mod:`kvgate.proxy.handler`) hold no policy of their 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import hmac
 import math
@@ -33,7 +34,15 @@ from kvgate.proxy.handler import (
 from kvgate.proxy.relay import Timeouts, copy_headers
 from kvgate.ratelimit_headers import rate_limit_headers, retry_after_headers
 
-__all__ = ["PRIORITY_CLASSES", "Backend", "Gateway", "ModelRoute", "Tenant", "create_app"]
+__all__ = [
+    "PRIORITY_CLASSES",
+    "Backend",
+    "Gateway",
+    "ModelRoute",
+    "Tenant",
+    "create_app",
+    "run_gateway",
+]
 
 PRIORITY_CLASSES = ("critical", "standard", "sheddable")
 PRIORITY_HEADER = "x-kvgate-priority"
@@ -459,3 +468,23 @@ def create_app(gateway: Gateway) -> web.Application:
     app.router.add_get("/admin/state", handle_admin_state)
     app.router.add_route("*", "/v1/{tail:.*}", handle_passthrough)
     return app
+
+
+@contextlib.asynccontextmanager
+async def run_gateway(
+    gateway: Gateway, *, host: str = "127.0.0.1", port: int = 0
+) -> AsyncIterator[str]:
+    """Serve ``gateway`` on ``host:port`` (default an ephemeral loopback port) for a block.
+
+    Yields the base URL (``http://127.0.0.1:PORT``). Runs with ``handler_cancellation=True`` as
+    ``kvgate serve`` does. Used by tests, the demo and embedding applications.
+    """
+    runner = web.AppRunner(create_app(gateway), handler_cancellation=True, access_log=None)
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, host, port)
+        await site.start()
+        bound = runner.addresses[0][1]
+        yield f"http://{host}:{bound}"
+    finally:
+        await runner.cleanup()
