@@ -82,6 +82,7 @@ def test_overflow_preempts_newest_and_everyone_still_gets_every_token() -> None:
         mine = [ev for ev in events if ev.seq_id == s.seq_id]
         assert len(mine) == 10  # tokens already sent are not sent again after a recompute
         assert mine[-1].finish_reason == "length"
+    assert e.peak_used_blocks == 8  # every block was in use before the first preemption
     assert e.prompt_tokens_total == 18  # a recompute does not count the prompt twice
     assert e.generation_tokens_total == 30
     assert e.used_blocks == 0

@@ -218,6 +218,7 @@ async def test_burst_overflow_preempts_and_every_request_completes() -> None:
         m = await scrape(http, sim)
         assert m["vllm:num_preemptions_total"].value > 0
         assert peak > 0.9
+        assert m["kvgate_sim_kv_cache_usage_peak"].value == 1.0  # a preemption means a full cache
         assert m["vllm:kv_cache_usage_perc"].value == 0.0
         assert m["vllm:num_requests_running"].value == 0
         assert m["vllm:num_requests_waiting"].value == 0

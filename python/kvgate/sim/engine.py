@@ -136,6 +136,8 @@ class Engine:
     """Paged KV cache + continuous-batching scheduler (sans-IO; see the module docstring).
 
     Counters (read by the ``/metrics`` collector; all monotonic):
+        peak_used_blocks (high-water mark of blocks in use: a burst that fills the cache shows
+        here even when the preemption that follows frees blocks before the next scrape),
         preemptions, ooms, failed, aborted, wasted_tokens (tokens generated for sequences that
         were then aborted), prompt_tokens_total (each sequence's prompt once, on its first
         prefill), generation_tokens_total, finished (by finish reason: stop, length, abort).
@@ -145,6 +147,7 @@ class Engine:
         """Build an empty engine for ``config`` (already validated by ``SimConfig``)."""
         self.config = config
         self.free_blocks: int = config.kv_blocks
+        self.peak_used_blocks: int = 0
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.down_until: float | None = None
@@ -274,6 +277,7 @@ class Engine:
             "used_blocks": self.used_blocks,
             "free_blocks": self.free_blocks,
             "kv_cache_usage": self.kv_cache_usage,
+            "peak_used_blocks": self.peak_used_blocks,
             "num_running": len(self.running),
             "num_waiting": len(self.waiting),
             "preemptions": self.preemptions,
@@ -354,6 +358,7 @@ class Engine:
     def _take(self, seq: Sequence, blocks: int) -> None:
         self.free_blocks -= blocks
         seq.blocks += blocks
+        self.peak_used_blocks = max(self.peak_used_blocks, self.used_blocks)
 
     def _free(self, seq: Sequence) -> None:
         self.free_blocks += seq.blocks
@@ -392,13 +397,14 @@ class Engine:
         """CUDA OOM: every live sequence fails, all blocks are freed, the engine goes down."""
         cfg = self.config
         block_bytes = cfg.kv_bytes_per_token * cfg.block_size
-        size = f"{block_bytes / (1 << 20):.2f} MiB" if block_bytes else "1 KV block"
+        size = f"{block_bytes / (1 << 20):.2f} MiB (one KV-cache block)" if block_bytes else None
         message = (
-            f"CUDA out of memory. Tried to allocate {size} for a KV-cache block; all "
+            f"CUDA out of memory. Tried to allocate {size or 'one more KV-cache block'}; all "
             f"{cfg.kv_blocks} blocks ({cfg.kv_capacity_tokens} tokens) are in use. "
             f"The engine crashed and is restarting (kvgate sim --on-overflow oom)."
         )
         result = StepResult(progressed=True)
+        self.peak_used_blocks = cfg.kv_blocks  # it asked for more than all of them
         for seq in [*self.running, *self.waiting]:
             seq.state = SeqState.FAILED
             seq.blocks = 0

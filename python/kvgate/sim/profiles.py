@@ -19,10 +19,10 @@ Worked examples (the presets below):
 * ``h800x8-llama3-70b`` — one 8×H800 (80 GB) node, tensor parallel 8, Llama-3.1-70B in bf16:
   80 layers × 8 KV heads × 128 head_dim × 2 × 2 B = 327,680 B = 320 KiB per token (40 KiB on each
   GPU). Pool = 8 × 79.6 GiB × 0.90 − 141.1 GB of weights − 8 × 2.5 GiB ≈ 421.7 GiB → 1,381,860
-  tokens → 86,366 blocks of 16. Ten 128k-token prompts need 1.31 M tokens: one burst fills it.
+  tokens → 86,366 blocks of 16. Eleven full 128k-token contexts (1.44 M tokens) overflow it.
 * ``l4-llama3-8b`` — a single NVIDIA L4 (24 GB), Llama-3.1-8B in bf16: 32 × 8 × 128 × 2 × 2 B =
   131,072 B = 128 KiB per token. Pool = 22.5 GiB × 0.90 − 16.1 GB − 1.25 GiB ≈ 4.04 GiB → 33,119
-  tokens → 2,069 blocks of 16; four 8k-token conversations fill it.
+  tokens → 2,069 blocks of 16; five full 8k-token contexts overflow it.
 * ``tiny`` — no real hardware: 128 blocks × 16 = 2,048 tokens and a 1,024-token window, so a
   handful of requests overflows the cache in a demo or a test.
 

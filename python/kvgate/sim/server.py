@@ -232,6 +232,11 @@ class _SimCollector:
             1.0 if e.down_until is None else 0.0,
         )
         yield gauge("kvgate_sim_kv_blocks_used", "KV-cache blocks in use.", e.used_blocks)
+        yield gauge(
+            "kvgate_sim_kv_cache_usage_peak",
+            "Highest KV-cache usage since start (ratio 0..1; 1 = every block was in use).",
+            e.peak_used_blocks / cfg.kv_blocks,
+        )
 
 
 # --------------------------------------------------------------------------- request parsing
