@@ -535,3 +535,23 @@ async def test_over_context_gets_400_with_the_maximum_context_length_phrase() ->
                 model="gpt-4o", messages=[{"role": "user", "content": "hi"}]
             )
         assert sim.engine.prompt_tokens_total == 0
+
+
+async def test_oom_mid_stream_sends_an_error_event_then_done() -> None:
+    cfg = burst_config(on_overflow="oom", restart_seconds=3600.0)
+    async with run_sim(cfg) as sim, aiohttp.ClientSession() as http:
+        body = {"prompt": "y" * 220, "max_tokens": 80, "ignore_eos": True, "stream": True}
+
+        async def one() -> tuple[int, list[bytes]]:
+            async with http.post(sim.base_url + "/completions", json=body) as r:
+                return r.status, [e for e in (await r.read()).split(b"\n\n") if e]
+
+        results = await asyncio.gather(*(one() for _ in range(8)))
+        started = [events for status, events in results if status == 200]
+        assert started  # admitted sequences were streaming when the cache overflowed
+        for events in started:
+            assert events[-1] == b"data: [DONE]"
+            err = orjson.loads(events[-2].removeprefix(b"data: "))["error"]
+            assert "CUDA out of memory" in err["message"]
+            assert err["code"] == 500
+        assert all(status in (200, 500) for status, _ in results)
