@@ -1,0 +1,419 @@
+"""The simulated engine: a paged KV cache and a continuous-batching scheduler, with no I/O.
+
+Nothing here sleeps, reads a clock or touches the network: :meth:`Engine.step` takes ``now``
+(seconds on any monotonic clock), changes the state the way one engine iteration would, and
+returns how long that iteration takes (wall seconds, already divided by ``speed``) and the events
+it produced. The server (:mod:`kvgate.sim.server`) sleeps that long and then delivers the events;
+tests drive it with a virtual clock.
+
+Memory model (vLLM's paged attention): the cache has ``kv_blocks`` blocks of ``block_size``
+tokens. A running sequence holds ``ceil((prompt + generated) / block_size)`` blocks: its prompt
+plus every token generated so far. Blocks go back to the pool the moment it finishes, is aborted,
+is preempted or fails. ``kv_cache_usage = 1 − free_blocks / kv_blocks`` (vLLM
+``BlockPool.get_usage``).
+
+One step (vLLM V1's scheduler, simplified):
+
+1. Decode: every running sequence, oldest first, gets one more token, which needs a new block
+   whenever it crosses a block boundary. With no free block, ``on_overflow="preempt"`` evicts the
+   *newest* running sequence (its blocks are freed, it goes to the front of the waiting queue and
+   later recomputes its prompt plus the tokens it already sent, which are not sent again) and
+   counts a preemption; ``"oom"`` crashes: every running and waiting sequence fails, and the
+   engine is unhealthy for ``restart_seconds / speed``, then comes back empty.
+2. Admit: if nothing was preempted in this step, waiting sequences are admitted first come first
+   served while ``max_num_seqs`` and free blocks allow (head-of-line blocking, like vLLM's FCFS
+   policy). Admission runs their prefill, which produces their next token.
+3. Duration = ``prefill_s_per_token × prefilled tokens + decode_base_s + decode_per_seq_s ×
+   batch size``, divided by ``speed``.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import math
+import random
+from collections import deque
+from dataclasses import dataclass, field
+
+from kvgate.sim.config import SimConfig
+
+# Words the simulator "generates"; one word = one token.
+_WORDS: tuple[str, ...] = (
+    "the", "cache", "block", "token", "engine", "request", "batch", "memory", "prefill", "decode",
+    "slot", "queue", "window", "context", "model", "stream", "budget", "page", "tensor", "kernel",
+    "quiet", "river", "stone", "light", "paper", "garden", "signal", "orbit", "harbor", "lantern",
+    "and", "of", "to", "in", "is", "that", "with", "for", "on", "as",
+)  # fmt: skip
+
+
+class SeqState(enum.Enum):
+    """Where a sequence is in its life."""
+
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+    ABORTED = "aborted"
+    FAILED = "failed"
+
+
+@dataclass(eq=False, slots=True)
+class Sequence:
+    """One generated sequence (a request has ``n`` of them per prompt).
+
+    Attributes:
+        seq_id: unique id, the key of :meth:`Engine.abort`.
+        prompt_tokens: prompt length, tokens.
+        max_tokens: most tokens it may generate (already capped by the context window).
+        target_tokens: the output length drawn for it (1 ≤ target ≤ max_tokens); reaching
+            ``max_tokens`` finishes with ``"length"``, fewer with ``"stop"``.
+        rng: source of its generated words.
+        generated: tokens generated so far (and sent to the client).
+        blocks: KV blocks held now.
+        state: see :class:`SeqState`.
+        finish_reason: ``"stop"`` / ``"length"`` once finished, ``"abort"`` once aborted.
+        preemptions: how often it was preempted.
+    """
+
+    seq_id: int
+    prompt_tokens: int
+    max_tokens: int
+    target_tokens: int
+    rng: random.Random
+    generated: int = 0
+    blocks: int = 0
+    state: SeqState = SeqState.WAITING
+    finish_reason: str | None = None
+    preemptions: int = 0
+    prompt_counted: bool = False
+
+    @property
+    def kv_tokens(self) -> int:
+        """Tokens whose KV it holds while running: prompt + generated."""
+        return self.prompt_tokens + self.generated
+
+
+@dataclass(frozen=True, slots=True)
+class TokenEvent:
+    """A sequence produced one token; ``finish_reason`` is set on its last one."""
+
+    seq_id: int
+    text: str
+    finish_reason: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class FailEvent:
+    """A sequence failed (the engine crashed with CUDA OOM); ``message`` is the error text."""
+
+    seq_id: int
+    message: str
+
+
+Event = TokenEvent | FailEvent
+
+
+@dataclass(slots=True)
+class StepResult:
+    """What one :meth:`Engine.step` did.
+
+    Attributes:
+        duration_s: wall seconds the step takes (simulated time / speed).
+        events: tokens and failures, to deliver once ``duration_s`` has passed.
+        progressed: False when nothing could run (idle, or down after an OOM).
+        prefill_tokens: tokens prefilled in this step.
+        batch_size: sequences that got a token in this step.
+    """
+
+    duration_s: float = 0.0
+    events: list[Event] = field(default_factory=list)
+    progressed: bool = False
+    prefill_tokens: int = 0
+    batch_size: int = 0
+
+
+class Engine:
+    """Paged KV cache + continuous-batching scheduler (sans-IO; see the module docstring).
+
+    Counters (read by the ``/metrics`` collector; all monotonic):
+        peak_used_blocks (high-water mark of blocks in use: a burst that fills the cache shows
+        here even when the preemption that follows frees blocks before the next scrape),
+        preemptions, ooms, failed, aborted, wasted_tokens (tokens generated for sequences that
+        were then aborted), prompt_tokens_total (each sequence's prompt once, on its first
+        prefill), generation_tokens_total, finished (by finish reason: stop, length, abort).
+    """
+
+    def __init__(self, config: SimConfig) -> None:
+        """Build an empty engine for ``config`` (already validated by ``SimConfig``)."""
+        self.config = config
+        self.free_blocks: int = config.kv_blocks
+        self.peak_used_blocks: int = 0
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.down_until: float | None = None
+        self.preemptions = 0
+        self.ooms = 0
+        self.failed = 0
+        self.aborted = 0
+        self.wasted_tokens = 0
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+        self.finished: dict[str, int] = {"stop": 0, "length": 0, "abort": 0}
+        self._next_id = 0
+        self._by_id: dict[int, Sequence] = {}
+
+    # ----------------------------------------------------------------- requests in and out
+
+    def new_sequence(
+        self,
+        prompt_tokens: int,
+        max_tokens: int | None,
+        *,
+        fingerprint: bytes,
+        index: int = 0,
+        ignore_eos: bool = False,
+        min_tokens: int = 0,
+    ) -> Sequence:
+        """Create (not queue) a sequence with its output length drawn from the seed.
+
+        Args:
+            prompt_tokens: prompt length, tokens (≥ 1, ≤ context window − 1).
+            max_tokens: cap on generated tokens; ``None`` = the rest of the context window.
+            fingerprint: bytes identifying the request (e.g. its prompt); with ``seed`` and
+                ``index`` it seeds the text and the length, so equal requests get equal output.
+            index: choice index within the request.
+            ignore_eos: generate exactly the cap (vLLM's ``ignore_eos``).
+            min_tokens: lower bound on the drawn length (vLLM's ``min_tokens``).
+
+        Raises:
+            ValueError: prompt + max_tokens over the context window, or a bad size.
+        """
+        ctx = self.config.context_window
+        if prompt_tokens < 1 or prompt_tokens >= ctx:
+            raise ValueError(f"prompt_tokens must be in 1..{ctx - 1}, got {prompt_tokens}")
+        room = ctx - prompt_tokens
+        cap = room if max_tokens is None else max_tokens
+        if cap < 1 or cap > room:
+            raise ValueError(f"max_tokens must be in 1..{room}, got {max_tokens}")
+        digest = hashlib.blake2b(fingerprint, digest_size=16).hexdigest()
+        rng = random.Random(f"{self.config.seed}:{digest}:{index}")
+        if ignore_eos:
+            target = cap
+        else:
+            drawn = 1 + int(rng.expovariate(1.0 / self.config.mean_output_tokens))
+            target = min(cap, max(drawn, min_tokens, 1))
+        seq = Sequence(
+            seq_id=self._next_id,
+            prompt_tokens=prompt_tokens,
+            max_tokens=cap,
+            target_tokens=target,
+            rng=rng,
+        )
+        self._next_id += 1
+        return seq
+
+    def add(self, seq: Sequence) -> None:
+        """Queue ``seq`` at the back of the waiting queue.
+
+        Raises:
+            RuntimeError: the engine is down after an OOM (check :meth:`is_healthy` first).
+        """
+        if self.down_until is not None:
+            raise RuntimeError("engine is down (restarting after CUDA out of memory)")
+        seq.state = SeqState.WAITING
+        self.waiting.append(seq)
+        self._by_id[seq.seq_id] = seq
+
+    def abort(self, seq_id: int) -> bool:
+        """Abort a waiting or running sequence and free its blocks at once.
+
+        Returns True if it was still live (then it counts as aborted; its generated tokens
+        count as wasted), False if it had already ended or is unknown.
+        """
+        seq = self._by_id.pop(seq_id, None)
+        if seq is None:
+            return False
+        if seq.state is SeqState.RUNNING:
+            self.running.remove(seq)
+            self._free(seq)
+        elif seq.state is SeqState.WAITING:
+            self.waiting.remove(seq)
+        seq.state = SeqState.ABORTED
+        seq.finish_reason = "abort"
+        self.aborted += 1
+        self.wasted_tokens += seq.generated
+        self.finished["abort"] += 1
+        return True
+
+    # ------------------------------------------------------------------------ state
+
+    def is_healthy(self, now: float) -> bool:
+        """False while restarting after an OOM; the restart completes once ``now`` passes it."""
+        if self.down_until is not None and now >= self.down_until:
+            self.down_until = None
+        return self.down_until is None
+
+    @property
+    def has_work(self) -> bool:
+        """True when a sequence is waiting or running (and the engine is not down)."""
+        return self.down_until is None and bool(self.waiting or self.running)
+
+    @property
+    def used_blocks(self) -> int:
+        """Blocks held by running sequences."""
+        return self.config.kv_blocks - self.free_blocks
+
+    @property
+    def kv_cache_usage(self) -> float:
+        """Ratio 0..1: ``1 − free_blocks / kv_blocks`` (vLLM ``BlockPool.get_usage``)."""
+        return self.used_blocks / self.config.kv_blocks
+
+    def snapshot(self) -> dict[str, object]:
+        """A JSON-able view of the state (the server's ``GET /sim/state``)."""
+        return {
+            "healthy": self.down_until is None,
+            "kv_blocks": self.config.kv_blocks,
+            "block_size": self.config.block_size,
+            "used_blocks": self.used_blocks,
+            "free_blocks": self.free_blocks,
+            "kv_cache_usage": self.kv_cache_usage,
+            "peak_used_blocks": self.peak_used_blocks,
+            "num_running": len(self.running),
+            "num_waiting": len(self.waiting),
+            "preemptions": self.preemptions,
+            "ooms": self.ooms,
+            "failed": self.failed,
+            "aborted": self.aborted,
+            "wasted_tokens": self.wasted_tokens,
+            "prompt_tokens_total": self.prompt_tokens_total,
+            "generation_tokens_total": self.generation_tokens_total,
+            "finished": dict(self.finished),
+            "running": [
+                {
+                    "seq_id": s.seq_id,
+                    "prompt_tokens": s.prompt_tokens,
+                    "generated": s.generated,
+                    "blocks": s.blocks,
+                }
+                for s in self.running
+            ],
+        }
+
+    # ------------------------------------------------------------------------- step
+
+    def step(self, now: float) -> StepResult:
+        """Run one engine iteration at time ``now`` (seconds); see the module docstring."""
+        result = StepResult()
+        if not self.is_healthy(now):
+            return result
+        preempted = False
+        # 1. decode, oldest first
+        for seq in list(self.running):
+            if seq.state is not SeqState.RUNNING:
+                continue  # preempted earlier in this loop
+            need = self._blocks_for(seq.kv_tokens + 1) - seq.blocks
+            while need > self.free_blocks:
+                if self.config.on_overflow == "oom":
+                    return self._crash(now)
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted = True
+                if victim is seq:
+                    break
+            if seq.state is not SeqState.RUNNING:
+                continue
+            self._take(seq, need)
+            self._emit(seq, result)
+        # 2. admit, first come first served
+        while not preempted and self.waiting and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            need = self._blocks_for(seq.kv_tokens + 1)
+            if need > self.free_blocks:
+                break
+            self.waiting.popleft()
+            seq.state = SeqState.RUNNING
+            self.running.append(seq)
+            self._take(seq, need)
+            result.prefill_tokens += seq.kv_tokens
+            if not seq.prompt_counted:
+                seq.prompt_counted = True
+                self.prompt_tokens_total += seq.prompt_tokens
+            self._emit(seq, result)
+        if result.batch_size:
+            cfg = self.config
+            simulated = (
+                cfg.prefill_s_per_token * result.prefill_tokens
+                + cfg.decode_base_s
+                + cfg.decode_per_seq_s * result.batch_size
+            )
+            result.duration_s = simulated / cfg.speed
+            result.progressed = True
+        return result
+
+    # ------------------------------------------------------------------------ internals
+
+    def _blocks_for(self, tokens: int) -> int:
+        return math.ceil(tokens / self.config.block_size)
+
+    def _take(self, seq: Sequence, blocks: int) -> None:
+        self.free_blocks -= blocks
+        seq.blocks += blocks
+        self.peak_used_blocks = max(self.peak_used_blocks, self.used_blocks)
+
+    def _free(self, seq: Sequence) -> None:
+        self.free_blocks += seq.blocks
+        seq.blocks = 0
+
+    def _emit(self, seq: Sequence, result: StepResult) -> None:
+        """Generate one token for a running sequence that already holds the block for it."""
+        word = seq.rng.choice(_WORDS)
+        text = word if seq.generated == 0 else " " + word
+        seq.generated += 1
+        self.generation_tokens_total += 1
+        result.batch_size += 1
+        finish: str | None = None
+        if seq.generated >= seq.max_tokens:
+            finish = "length"
+        elif seq.generated >= seq.target_tokens:
+            finish = "stop"
+        if finish is not None:
+            self.running.remove(seq)
+            self._free(seq)
+            seq.state = SeqState.FINISHED
+            seq.finish_reason = finish
+            self.finished[finish] += 1
+            self._by_id.pop(seq.seq_id, None)
+        result.events.append(TokenEvent(seq.seq_id, text, finish))
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self._free(seq)
+        seq.state = SeqState.WAITING
+        seq.preemptions += 1
+        self.waiting.appendleft(seq)
+        self.preemptions += 1
+
+    def _crash(self, now: float) -> StepResult:
+        """CUDA OOM: every live sequence fails, all blocks are freed, the engine goes down."""
+        cfg = self.config
+        block_bytes = cfg.kv_bytes_per_token * cfg.block_size
+        size = f"{block_bytes / (1 << 20):.2f} MiB (one KV-cache block)" if block_bytes else None
+        message = (
+            f"CUDA out of memory. Tried to allocate {size or 'one more KV-cache block'}; all "
+            f"{cfg.kv_blocks} blocks ({cfg.kv_capacity_tokens} tokens) are in use. "
+            f"The engine crashed and is restarting (kvgate sim --on-overflow oom)."
+        )
+        result = StepResult(progressed=True)
+        self.peak_used_blocks = cfg.kv_blocks  # it asked for more than all of them
+        for seq in [*self.running, *self.waiting]:
+            seq.state = SeqState.FAILED
+            seq.blocks = 0
+            self.failed += 1
+            self._by_id.pop(seq.seq_id, None)
+            result.events.append(FailEvent(seq.seq_id, message))
+        self.running.clear()
+        self.waiting.clear()
+        self.free_blocks = cfg.kv_blocks
+        self.ooms += 1
+        self.down_until = now + cfg.restart_seconds / cfg.speed
+        return result

@@ -1,0 +1,768 @@
+"""The simulator's HTTP face: an OpenAI-compatible aiohttp app in front of :class:`Engine`.
+
+Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (both streaming and not),
+``POST /v1/embeddings``, ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus text,
+vLLM names), and ``GET /sim/state`` (JSON snapshot of the engine, for tests).
+
+Conventions followed (see ``ENGINES.md``): errors use vLLM ≥ 0.10.1's nested body
+``{"error": {"message", "type", "param", "code"}}`` with ``type`` an exception-class name and
+``code`` the integer status; streams are SSE ``data: <json>`` events ending with
+``data: [DONE]``; ``stream_options.include_usage`` adds a final ``choices: []`` chunk carrying
+``usage`` and ``"usage": null`` on every other chunk (OpenAI); an error after the 200 status line
+is a ``data: {"error": ...}`` event. Generation runs on one asyncio task (the step loop), which
+waits on an event when there is no work, and streams one token per decode step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import math
+import random
+import time
+from collections.abc import AsyncIterator, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from kvgate.sim.config import SimConfig
+from kvgate.sim.engine import Engine, Event, FailEvent, Sequence
+from kvgate.sim.tokens import TokenCounter, render_chat
+
+MAX_N = 128
+"""Most choices (``n``) one request may ask for."""
+
+
+# --------------------------------------------------------------------------- errors
+
+
+class BadRequest(Exception):
+    """A request the simulator refuses; rendered as vLLM's nested error body."""
+
+    def __init__(
+        self, message: str, *, status: int = 400, err_type: str = "BadRequestError"
+    ) -> None:
+        """``status`` is the HTTP status (also the body's integer ``code``)."""
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.err_type = err_type
+
+
+def error_body(message: str, err_type: str, status: int, param: str | None = None) -> bytes:
+    """vLLM ≥ 0.10.1 error JSON: ``{"error": {"message", "type", "param", "code": status}}``."""
+    return orjson.dumps(
+        {"error": {"message": message, "type": err_type, "param": param, "code": status}}
+    )
+
+
+def error_response(status: int, message: str, err_type: str) -> web.Response:
+    """A JSON error response with :func:`error_body`."""
+    return web.Response(
+        status=status, body=error_body(message, err_type, status), content_type="application/json"
+    )
+
+
+# --------------------------------------------------------------------------- app state
+
+
+@dataclass(slots=True)
+class SimState:
+    """Per-app state: the engine, the step loop's wake-up event and the per-sequence sinks."""
+
+    config: SimConfig
+    engine: Engine
+    counter: TokenCounter
+    registry: CollectorRegistry
+    clock: Any = time.monotonic
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+    sinks: dict[int, asyncio.Queue[Event]] = field(default_factory=dict)
+    next_id: int = 0
+
+    def new_id(self, prefix: str) -> str:
+        """A response id such as ``chatcmpl-000000000000002a`` (a counter, deterministic)."""
+        self.next_id += 1
+        return f"{prefix}-{self.next_id:016x}"
+
+    def dispatch(self, events: Iterable[Event]) -> None:
+        """Hand each event to its request's queue (events of aborted sequences are dropped)."""
+        for ev in events:
+            q = self.sinks.get(ev.seq_id)
+            if q is None:
+                continue
+            q.put_nowait(ev)
+            if isinstance(ev, FailEvent) or ev.finish_reason is not None:
+                del self.sinks[ev.seq_id]
+
+
+STATE: web.AppKey[SimState] = web.AppKey("kvgate_sim_state", SimState)
+
+
+async def _step_loop(state: SimState) -> None:
+    """The engine loop: step, sleep the step's duration, deliver its tokens; idle on an event."""
+    engine = state.engine
+    while True:
+        if not engine.has_work:
+            state.wake.clear()
+            await state.wake.wait()
+            continue
+        result = engine.step(state.clock())
+        if not result.progressed:
+            state.wake.clear()
+            await state.wake.wait()
+            continue
+        await asyncio.sleep(result.duration_s)
+        state.dispatch(result.events)
+
+
+# --------------------------------------------------------------------------- metrics
+
+
+class _SimCollector:
+    """Renders the engine's state in vLLM's metric names at scrape time (ENGINES.md §2.1/§2.2)."""
+
+    def __init__(self, state: SimState) -> None:
+        self._state = state
+
+    def collect(self) -> Iterable[Metric]:
+        st = self._state
+        cfg, e = st.config, st.engine
+        e.is_healthy(st.clock())
+        v0 = cfg.metric_names == "v0"
+        names: list[str] = ["model_name"] if v0 else ["model_name", "engine"]
+        values: list[str] = [cfg.model] if v0 else [cfg.model, "0"]
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            g = GaugeMetricFamily(name, doc, labels=names)
+            g.add_metric(values, value)
+            return g
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            c = CounterMetricFamily(name, doc, labels=names)
+            c.add_metric(values, value)
+            return c
+
+        yield gauge(
+            "vllm:num_requests_running",
+            "Number of requests in model execution batches.",
+            len(e.running),
+        )
+        yield gauge(
+            "vllm:num_requests_waiting",
+            "Number of requests waiting to be processed.",
+            len(e.waiting),
+        )
+        usage = e.kv_cache_usage
+        if cfg.metric_names in ("v1", "both"):
+            yield gauge(
+                "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", usage
+            )
+        if cfg.metric_names in ("v0", "both"):
+            doc = "GPU KV-cache usage. 1 means 100 percent usage."
+            if cfg.metric_names == "both":
+                doc += " DEPRECATED: Use vllm:kv_cache_usage_perc instead."
+            yield gauge("vllm:gpu_cache_usage_perc", doc, usage)
+        if v0:
+            yield gauge(
+                "vllm:cpu_cache_usage_perc", "CPU KV-cache usage. 1 means 100 percent usage.", 0.0
+            )
+            yield gauge("vllm:num_requests_swapped", "Number of requests swapped to CPU.", 0)
+        yield counter(
+            "vllm:num_preemptions",
+            "Cumulative number of preemption from the engine.",
+            e.preemptions,
+        )
+        yield counter(
+            "vllm:prompt_tokens", "Number of prefill tokens processed.", e.prompt_tokens_total
+        )
+        yield counter(
+            "vllm:generation_tokens",
+            "Number of generation tokens processed.",
+            e.generation_tokens_total,
+        )
+        success = CounterMetricFamily(
+            "vllm:request_success",
+            "Count of successfully processed requests.",
+            labels=[*names, "finished_reason"],
+        )
+        for reason, count in e.finished.items():
+            success.add_metric([*values, reason], count)
+        yield success
+        info_labels = {
+            "block_size": str(cfg.block_size),
+            "cache_dtype": "auto",
+            "enable_prefix_caching": "False",
+            "gpu_memory_utilization": "0.9",
+            "num_gpu_blocks": str(cfg.kv_blocks),
+        }
+        if not v0:
+            info_labels["engine"] = "0"
+        info = GaugeMetricFamily(
+            "vllm:cache_config_info",
+            "Information of the LLMEngine CacheConfig",
+            labels=list(info_labels),
+        )
+        info.add_metric(list(info_labels.values()), 1.0)
+        yield info
+        # The simulator's own series (not vLLM names).
+        yield counter(
+            "kvgate_sim_oom", "Simulated CUDA out-of-memory crashes (--on-overflow oom).", e.ooms
+        )
+        yield counter(
+            "kvgate_sim_failed_requests", "Sequences failed by a simulated OOM crash.", e.failed
+        )
+        yield counter(
+            "kvgate_sim_aborted_requests",
+            "Sequences aborted because the client went away.",
+            e.aborted,
+        )
+        yield counter(
+            "kvgate_sim_wasted_tokens",
+            "Tokens generated for sequences that were then aborted (generated for nobody).",
+            e.wasted_tokens,
+        )
+        yield gauge(
+            "kvgate_sim_healthy",
+            "1 when healthy, 0 while restarting after an OOM.",
+            1.0 if e.down_until is None else 0.0,
+        )
+        yield gauge("kvgate_sim_kv_blocks_used", "KV-cache blocks in use.", e.used_blocks)
+        yield gauge(
+            "kvgate_sim_kv_cache_usage_peak",
+            "Highest KV-cache usage since start (ratio 0..1; 1 = every block was in use).",
+            e.peak_used_blocks / cfg.kv_blocks,
+        )
+
+
+# --------------------------------------------------------------------------- request parsing
+
+
+def _get_int(body: dict[str, Any], key: str, *, minimum: int, default: int | None) -> int | None:
+    value = body.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise BadRequest(f"'{key}' must be an integer, got {type(value).__name__}")
+    if value < minimum:
+        raise BadRequest(f"'{key}' must be at least {minimum}, got {value}")
+    return value
+
+
+def _get_bool(body: dict[str, Any], key: str) -> bool:
+    value = body.get(key, False)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise BadRequest(f"'{key}' must be a boolean, got {type(value).__name__}")
+    return value
+
+
+async def _read_json(request: web.Request) -> dict[str, Any]:
+    raw = await request.read()
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise BadRequest(f"Invalid JSON body: {exc}") from None
+    if not isinstance(body, dict):
+        raise BadRequest("The request body must be a JSON object")
+    return body
+
+
+def _check_model(state: SimState, body: dict[str, Any]) -> None:
+    model = body.get("model")
+    if model is not None and model != state.config.model:
+        raise BadRequest(
+            f"The model `{model}` does not exist.", status=404, err_type="NotFoundError"
+        )
+
+
+def _context_error(ctx: int, prompt: int, completion: int | None, what: str) -> BadRequest:
+    if completion is None:
+        return BadRequest(
+            f"This model's maximum context length is {ctx} tokens. However, your request has "
+            f"{prompt} input tokens. Please reduce the length of the input {what}."
+        )
+    return BadRequest(
+        f"This model's maximum context length is {ctx} tokens. However, you requested "
+        f"{prompt + completion} tokens ({prompt} in the {what}, {completion} in the completion). "
+        f"Please reduce the length of the {what} or completion."
+    )
+
+
+def _parse_prompts(value: Any, key: str) -> list[str | list[int]]:
+    """``prompt``/``input``: a string, a list of strings, a list of ints, or a list of lists."""
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, list) and value:
+        if all(isinstance(v, str) for v in value):
+            return list(value)
+        if all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+            return [list(value)]
+        if all(
+            isinstance(v, list)
+            and v
+            and all(isinstance(t, int) and not isinstance(t, bool) for t in v)
+            for v in value
+        ):
+            return [list(v) for v in value]
+    raise BadRequest(
+        f"'{key}' must be a non-empty string, list of strings, list of token ids, "
+        "or list of token-id lists"
+    )
+
+
+@dataclass(slots=True)
+class _Job:
+    """A parsed generation request: one entry per prompt, ``n`` sequences each."""
+
+    kind: str  # "chat" | "completion"
+    prompts: list[tuple[int, bytes]]  # (prompt tokens, fingerprint)
+    n: int
+    max_tokens: int | None
+    stream: bool
+    include_usage: bool
+    ignore_eos: bool
+    min_tokens: int
+
+
+def _common(state: SimState, body: dict[str, Any], job: _Job, what: str) -> _Job:
+    """Check every prompt against the context window (vLLM's 400)."""
+    ctx = state.config.context_window
+    for tokens, _ in job.prompts:
+        if tokens >= ctx:
+            raise _context_error(ctx, tokens, None, what)
+        if job.max_tokens is not None and tokens + job.max_tokens > ctx:
+            raise _context_error(ctx, tokens, job.max_tokens, what)
+    return job
+
+
+def _stream_flags(body: dict[str, Any]) -> tuple[bool, bool]:
+    stream = _get_bool(body, "stream")
+    opts = body.get("stream_options")
+    if opts is not None:
+        if not isinstance(opts, dict):
+            raise BadRequest("'stream_options' must be an object")
+        if not stream:
+            raise BadRequest("Stream options can only be defined when `stream=True`.")
+    include_usage = bool(opts and opts.get("include_usage"))
+    return stream, include_usage
+
+
+def _parse_chat(state: SimState, body: dict[str, Any]) -> _Job:
+    _check_model(state, body)
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise BadRequest("'messages' is required and must be a non-empty list")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise BadRequest(f"messages[{i}] must be an object with a string 'role'")
+        content = m.get("content")
+        if content is not None and not isinstance(content, str | list):
+            raise BadRequest(f"messages[{i}].content must be a string, a list of parts, or null")
+    max_tokens = _get_int(body, "max_completion_tokens", minimum=1, default=None)
+    if max_tokens is None:
+        max_tokens = _get_int(body, "max_tokens", minimum=1, default=None)
+    stream, include_usage = _stream_flags(body)
+    text = render_chat(messages)
+    job = _Job(
+        kind="chat",
+        prompts=[(max(1, state.counter.count(text)), text.encode())],
+        n=_get_int(body, "n", minimum=1, default=1) or 1,
+        max_tokens=max_tokens,
+        stream=stream,
+        include_usage=include_usage,
+        ignore_eos=_get_bool(body, "ignore_eos"),
+        min_tokens=_get_int(body, "min_tokens", minimum=0, default=0) or 0,
+    )
+    _extra_seed(body, job)
+    return _common(state, body, job, "messages")
+
+
+def _extra_seed(body: dict[str, Any], job: _Job) -> None:
+    """Fold a per-request ``seed`` into the fingerprints (same seed, same output)."""
+    seed = _get_int(body, "seed", minimum=-(2**63), default=None)
+    if seed is not None:
+        job.prompts = [(t, fp + b"|seed=" + str(seed).encode()) for t, fp in job.prompts]
+
+
+def _prompt_tokens(state: SimState, prompt: str | list[int]) -> tuple[int, bytes]:
+    if isinstance(prompt, str):
+        return max(1, state.counter.count(prompt)), prompt.encode()
+    return len(prompt), orjson.dumps(prompt)
+
+
+def _parse_completion(state: SimState, body: dict[str, Any]) -> _Job:
+    _check_model(state, body)
+    if "prompt" not in body:
+        raise BadRequest("'prompt' is required")
+    prompts = _parse_prompts(body["prompt"], "prompt")
+    stream, include_usage = _stream_flags(body)
+    job = _Job(
+        kind="completion",
+        prompts=[_prompt_tokens(state, p) for p in prompts],
+        n=_get_int(body, "n", minimum=1, default=1) or 1,
+        # vLLM's CompletionRequest and OpenAI's spec: max_tokens defaults to 16.
+        max_tokens=_get_int(body, "max_tokens", minimum=1, default=16),
+        stream=stream,
+        include_usage=include_usage,
+        ignore_eos=_get_bool(body, "ignore_eos"),
+        min_tokens=_get_int(body, "min_tokens", minimum=0, default=0) or 0,
+    )
+    _extra_seed(body, job)
+    return _common(state, body, job, "prompt")
+
+
+# --------------------------------------------------------------------------- handlers
+
+
+def _sse(obj: Any) -> bytes:
+    return b"data: " + orjson.dumps(obj) + b"\n\n"
+
+
+def _usage(prompt: int, completion: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+    }
+
+
+async def _generate(request: web.Request, job: _Job) -> web.StreamResponse:
+    """Queue the job's sequences, then stream or collect their tokens; abort them on exit."""
+    state = request.app[STATE]
+    engine = state.engine
+    if not engine.is_healthy(state.clock()):
+        return error_response(
+            503, "The engine is restarting after CUDA out of memory.", "ServiceUnavailableError"
+        )
+    if job.n > MAX_N:
+        return error_response(400, f"'n' must be at most {MAX_N}, got {job.n}", "BadRequestError")
+    seqs: list[Sequence] = []
+    index: dict[int, int] = {}
+    for p_i, (tokens, fingerprint) in enumerate(job.prompts):
+        for j in range(job.n):
+            seq = engine.new_sequence(
+                tokens,
+                job.max_tokens,
+                fingerprint=fingerprint,
+                index=j,
+                ignore_eos=job.ignore_eos,
+                min_tokens=job.min_tokens,
+            )
+            index[seq.seq_id] = p_i * job.n + j
+            seqs.append(seq)
+    queue: asyncio.Queue[Event] = asyncio.Queue()
+    for seq in seqs:
+        state.sinks[seq.seq_id] = queue
+        engine.add(seq)
+    state.wake.set()
+    prompt_total = sum(t for t, _ in job.prompts)
+    try:
+        if job.stream:
+            return await _stream(request, state, job, seqs, index, queue, prompt_total)
+        return await _collect(state, job, seqs, index, queue, prompt_total)
+    finally:
+        freed = False
+        for seq in seqs:
+            state.sinks.pop(seq.seq_id, None)
+            freed |= engine.abort(seq.seq_id)
+        if freed:
+            state.wake.set()
+
+
+async def _collect(
+    state: SimState,
+    job: _Job,
+    seqs: list[Sequence],
+    index: dict[int, int],
+    queue: asyncio.Queue[Event],
+    prompt_total: int,
+) -> web.Response:
+    texts: dict[int, list[str]] = {s.seq_id: [] for s in seqs}
+    reasons: dict[int, str] = {}
+    while len(reasons) < len(seqs):
+        ev = await queue.get()
+        if isinstance(ev, FailEvent):
+            return error_response(500, ev.message, "InternalServerError")
+        texts[ev.seq_id].append(ev.text)
+        if ev.finish_reason is not None:
+            reasons[ev.seq_id] = ev.finish_reason
+    completion = sum(s.generated for s in seqs)
+    choices = []
+    for seq in sorted(seqs, key=lambda s: index[s.seq_id]):
+        text = "".join(texts[seq.seq_id])
+        choice: dict[str, Any] = {"index": index[seq.seq_id], "logprobs": None}
+        if job.kind == "chat":
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        choice["finish_reason"] = reasons[seq.seq_id]
+        choices.append(choice)
+    body = {
+        "id": state.new_id("chatcmpl" if job.kind == "chat" else "cmpl"),
+        "object": "chat.completion" if job.kind == "chat" else "text_completion",
+        "created": int(time.time()),
+        "model": state.config.model,
+        "choices": choices,
+        "usage": _usage(prompt_total, completion),
+    }
+    return web.Response(body=orjson.dumps(body), content_type="application/json")
+
+
+async def _stream(
+    request: web.Request,
+    state: SimState,
+    job: _Job,
+    seqs: list[Sequence],
+    index: dict[int, int],
+    queue: asyncio.Queue[Event],
+    prompt_total: int,
+) -> web.StreamResponse:
+    chat = job.kind == "chat"
+    usage_on = job.include_usage and not state.config.no_usage
+    base: dict[str, Any] = {
+        "id": state.new_id("chatcmpl" if chat else "cmpl"),
+        "object": "chat.completion.chunk" if chat else "text_completion",
+        "created": int(time.time()),
+        "model": state.config.model,
+    }
+
+    def chunk(choices: list[dict[str, Any]]) -> bytes:
+        obj = {**base, "choices": choices}
+        if usage_on:
+            obj["usage"] = None
+        return _sse(obj)
+
+    resp: web.StreamResponse | None = None
+    done = 0
+    while done < len(seqs):
+        ev = await queue.get()
+        if isinstance(ev, FailEvent):
+            if resp is None:  # nothing sent yet: a real 500
+                return error_response(500, ev.message, "InternalServerError")
+            await resp.write(_sse(orjson.loads(error_body(ev.message, "InternalServerError", 500))))
+            await resp.write(b"data: [DONE]\n\n")
+            return resp
+        if resp is None:
+            resp = web.StreamResponse(
+                headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+            )
+            await resp.prepare(request)
+            if chat:  # vLLM/OpenAI: a first chunk per choice with the role
+                first = [
+                    {
+                        "index": index[s.seq_id],
+                        "delta": {"role": "assistant", "content": ""},
+                        "logprobs": None,
+                        "finish_reason": None,
+                    }
+                    for s in sorted(seqs, key=lambda s: index[s.seq_id])
+                ]
+                await resp.write(chunk(first))
+        i = index[ev.seq_id]
+        if chat:
+            choice: dict[str, Any] = {"index": i, "delta": {"content": ev.text}, "logprobs": None}
+        else:
+            choice = {"index": i, "text": ev.text, "logprobs": None}
+        choice["finish_reason"] = ev.finish_reason
+        await resp.write(chunk([choice]))
+        if ev.finish_reason is not None:
+            done += 1
+    assert resp is not None  # every sequence produced at least one token
+    if usage_on:
+        completion = sum(s.generated for s in seqs)
+        await resp.write(_sse({**base, "choices": [], "usage": _usage(prompt_total, completion)}))
+    await resp.write(b"data: [DONE]\n\n")
+    await resp.write_eof()
+    return resp
+
+
+def _bad_request_middleware() -> Any:
+    @web.middleware
+    async def middleware(request: web.Request, handler: Any) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except BadRequest as exc:
+            return error_response(exc.status, exc.message, exc.err_type)
+
+    return middleware
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    """``POST /v1/chat/completions`` (OpenAI Chat Completions; streaming and not)."""
+    state = request.app[STATE]
+    return await _generate(request, _parse_chat(state, await _read_json(request)))
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    """``POST /v1/completions`` (legacy Completions; ``max_tokens`` defaults to 16)."""
+    state = request.app[STATE]
+    return await _generate(request, _parse_completion(state, await _read_json(request)))
+
+
+async def embeddings(request: web.Request) -> web.Response:
+    """``POST /v1/embeddings``: deterministic unit vectors; no KV blocks, only a prefill delay."""
+    state = request.app[STATE]
+    body = await _read_json(request)
+    _check_model(state, body)
+    if "input" not in body:
+        raise BadRequest("'input' is required")
+    inputs = [_prompt_tokens(state, p) for p in _parse_prompts(body["input"], "input")]
+    ctx = state.config.context_window
+    for tokens, _ in inputs:
+        if tokens > ctx:
+            raise _context_error(ctx, tokens, None, "input")
+    if not state.engine.is_healthy(state.clock()):
+        return error_response(
+            503, "The engine is restarting after CUDA out of memory.", "ServiceUnavailableError"
+        )
+    total = sum(t for t, _ in inputs)
+    cfg = state.config
+    await asyncio.sleep(cfg.prefill_s_per_token * total / cfg.speed)
+    data = []
+    for i, (_, fp) in enumerate(inputs):
+        rng = random.Random(f"{cfg.seed}:{hashlib.blake2b(fp, digest_size=16).hexdigest()}")
+        vec = [rng.gauss(0.0, 1.0) for _ in range(cfg.embedding_dim)]
+        norm = math.sqrt(sum(v * v for v in vec)) or 1.0
+        data.append({"object": "embedding", "index": i, "embedding": [v / norm for v in vec]})
+    out = {
+        "object": "list",
+        "data": data,
+        "model": cfg.model,
+        "usage": {"prompt_tokens": total, "total_tokens": total},
+    }
+    return web.Response(body=orjson.dumps(out), content_type="application/json")
+
+
+async def models(request: web.Request) -> web.Response:
+    """``GET /v1/models``: the served model with ``max_model_len`` (as vLLM reports it)."""
+    cfg = request.app[STATE].config
+    body = {
+        "object": "list",
+        "data": [
+            {
+                "id": cfg.model,
+                "object": "model",
+                "created": 0,
+                "owned_by": "vllm",
+                "root": cfg.model,
+                "parent": None,
+                "max_model_len": cfg.context_window,
+            }
+        ],
+    }
+    return web.Response(body=orjson.dumps(body), content_type="application/json")
+
+
+async def health(request: web.Request) -> web.Response:
+    """``GET /health``: 200 (empty body, as vLLM) or 503 while restarting after an OOM."""
+    state = request.app[STATE]
+    if state.engine.is_healthy(state.clock()):
+        return web.Response(status=200)
+    return error_response(
+        503, "The engine is restarting after CUDA out of memory.", "ServiceUnavailableError"
+    )
+
+
+async def metrics(request: web.Request) -> web.Response:
+    """``GET /metrics``: Prometheus text exposition with vLLM's names (see ``_SimCollector``)."""
+    data = generate_latest(request.app[STATE].registry)
+    return web.Response(body=data, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+async def sim_state(request: web.Request) -> web.Response:
+    """``GET /sim/state``: :meth:`Engine.snapshot` as JSON (a test and debugging aid)."""
+    state = request.app[STATE]
+    state.engine.is_healthy(state.clock())
+    return web.Response(body=orjson.dumps(state.engine.snapshot()), content_type="application/json")
+
+
+# --------------------------------------------------------------------------- factory
+
+
+def create_app(config: SimConfig) -> web.Application:
+    """Build the simulator's aiohttp application for ``config``.
+
+    The step loop starts with the app (``cleanup_ctx``) and stops with it. Each app has its own
+    :class:`~prometheus_client.CollectorRegistry`, so several simulators can run in one process.
+    Run it with ``handler_cancellation=True`` (as :func:`run_sim` and the CLI do) so a client
+    that disconnects while its request waits or prefills is aborted at once, not at the next
+    token write.
+
+    Raises:
+        ValueError: invalid ``config`` or an unloadable tokenizer file.
+    """
+    config.validate()
+    registry = CollectorRegistry(auto_describe=False)
+    state = SimState(
+        config=config,
+        engine=Engine(config),
+        counter=TokenCounter(config.tokenizer),
+        registry=registry,
+    )
+    registry.register(_SimCollector(state))
+    app = web.Application(middlewares=[_bad_request_middleware()], client_max_size=64 << 20)
+    app[STATE] = state
+
+    async def step_loop_ctx(app: web.Application) -> AsyncIterator[None]:
+        state.clock = asyncio.get_running_loop().time
+        state.wake = asyncio.Event()
+        task = asyncio.create_task(_step_loop(state), name="kvgate-sim-step-loop")
+        yield
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+    app.cleanup_ctx.append(step_loop_ctx)
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/embeddings", embeddings)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/sim/state", sim_state)
+    return app
+
+
+@dataclass(frozen=True, slots=True)
+class RunningSim:
+    """A simulator started by :func:`run_sim`.
+
+    Attributes:
+        url: ``http://127.0.0.1:PORT`` (no trailing slash).
+        base_url: ``url + "/v1"``, what an OpenAI client's ``base_url`` wants.
+        app: the running application.
+        engine: its engine, for white-box assertions.
+    """
+
+    url: str
+    base_url: str
+    app: web.Application
+    engine: Engine
+
+
+@contextlib.asynccontextmanager
+async def run_sim(
+    config: SimConfig | None = None, *, host: str = "127.0.0.1", port: int = 0
+) -> AsyncIterator[RunningSim]:
+    """Serve a simulator on ``host:port`` (default 127.0.0.1, an ephemeral port) for a block.
+
+    ``async with run_sim(SimConfig.from_profile("tiny", speed=50)) as sim:`` then point a client
+    at ``sim.base_url``. The server stops (and its step loop with it) when the block exits.
+    """
+    app = create_app(config or SimConfig.from_profile())
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, host, port)
+        await site.start()
+        bound = runner.addresses[0][1]
+        url = f"http://{host}:{bound}"
+        yield RunningSim(url=url, base_url=url + "/v1", app=app, engine=app[STATE].engine)
+    finally:
+        await runner.cleanup()
