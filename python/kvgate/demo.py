@@ -173,6 +173,7 @@ def run(args: argparse.Namespace) -> int:
     exe = [sys.executable, "-m", "kvgate"]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     procs: list[subprocess.Popen[bytes]] = []
+    logs = contextlib.ExitStack()
     print(f"kvgate demo: simulator `{args.profile}` ({profile.summary})")
     try:
         sim = subprocess.Popen(
@@ -190,16 +191,16 @@ def run(args: argparse.Namespace) -> int:
             ],
             env=env,
             stdout=subprocess.DEVNULL,
-            stderr=open(tmp / "sim.log", "wb"),
-        )  # noqa: SIM115
+            stderr=logs.enter_context((tmp / "sim.log").open("wb")),
+        )
         procs.append(sim)
         _wait_http(sim_url + "/health", sim)
         gw = subprocess.Popen(
             [*exe, "serve", "--config", str(cfg_path), "--log-level", "WARNING"],
             env=env,
             stdout=subprocess.DEVNULL,
-            stderr=open(tmp / "gateway.log", "wb"),
-        )  # noqa: SIM115
+            stderr=logs.enter_context((tmp / "gateway.log").open("wb")),
+        )
         procs.append(gw)
         _wait_http(gw_url + "/healthz", gw)
         print(
@@ -218,6 +219,7 @@ def run(args: argparse.Namespace) -> int:
                 p.wait(timeout=15)
             if p.poll() is None:
                 p.kill()
+        logs.close()
 
 
 async def _drive(gw_url: str, sim_url: str, model: str, seconds: float) -> tuple[Any, float]:
