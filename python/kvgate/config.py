@@ -1,0 +1,615 @@
+"""kvgate's configuration file: a pydantic v2 model, YAML loading with ``${VAR}`` substitution.
+
+What: :func:`load_config` reads one YAML file into a validated, frozen :class:`Config`. A bad
+file raises :class:`ConfigError`, whose message lists every bad field as a path and a reason
+(``tenants[2].guaranteed_slots: must be ≥ 0``) — never a traceback. ``kvgate check-config FILE``
+(:mod:`kvgate.cli_check`) runs the same validation without starting anything.
+
+Environment variables: in any string value, ``${VAR}`` is replaced by the variable's value
+(``${VAR:-default}`` when unset uses ``default``; ``$${`` is a literal ``${``). A variable that is
+not set and has no default is an error naming the field. Substitution happens after YAML parsing,
+so a value can never change the structure of the file. Numbers may come from variables too
+(``port: ${PORT}``): pydantic converts the string.
+
+Units: seconds for timeouts and intervals, bytes for ``max_body_bytes``, tokens for token limits,
+ratios 0..1 for the adaptive watermarks and floor, milliseconds for ``max_wait_ms``.
+
+Cross-field rules (checked once the fields themselves are valid), each with its message:
+
+- names (backends, tenants, models in a backend) are unique;
+- adaptive ``low < high``; ``stale_after ≥ poll_interval``; ``scrape_timeout < poll_interval``;
+- ``default_max_tokens < context_window``; ``burst_tokens`` needs ``tokens_per_minute``;
+- a tenant's ``guaranteed_slots ≤ max_concurrency`` (its own cap), and on each backend the
+  guaranteed slots of the tenants that may use it sum to at most its ``max_concurrency``;
+- backends a tenant names, and ``anonymous_tenant``, exist;
+- an API-key hash belongs to one tenant only and is not the admin key;
+- ``timeouts.first_byte`` and ``timeouts.idle`` are ≤ ``timeouts.total``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit
+
+import yaml
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+
+__all__ = [
+    "AdaptiveConfig",
+    "BackendConfig",
+    "Config",
+    "ConfigError",
+    "ListenConfig",
+    "ModelConfig",
+    "QueueConfig",
+    "TenantConfig",
+    "TimeoutsConfig",
+    "load_config",
+    "parse_config",
+]
+
+Mode = Literal["enforce", "shadow"]
+Priority = Literal["critical", "standard", "sheddable"]
+# The adapters of kvgate.telemetry.engine_metrics.ENGINES, plus "auto" (kept equal by a test).
+EngineOption = Literal[
+    "auto",
+    "vllm",
+    "vllm-v0",
+    "sglang",
+    "tgi",
+    "llamacpp",
+    "triton-trtllm",
+    "trtllm-serve",
+    "lmdeploy",
+]
+
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+_HEX64_RE = re.compile(r"^[0-9a-fA-F]{64}$")
+_NAME_RULE = "must start with a letter or digit and hold only letters, digits, '.', '_', '-'"
+
+
+class ConfigError(ValueError):
+    """An invalid configuration file.
+
+    Attributes:
+        issues: ``(path, message)`` per problem, e.g. ``("tenants[2].guaranteed_slots",
+            "must be ≥ 0")``; the path is ``""`` for a problem with the file as a whole.
+        source: the file name, when loaded from a file.
+
+    ``str(err)`` is one line per issue, ``path: message``, after a header naming the file.
+    """
+
+    def __init__(self, issues: list[tuple[str, str]], source: str | None = None) -> None:
+        self.issues = issues
+        self.source = source
+        header = f"invalid configuration {source}" if source else "invalid configuration"
+        lines = [f"{p}: {m}" if p else m for p, m in issues]
+        super().__init__(header + ":\n" + "\n".join(f"  {ln}" for ln in lines))
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+def _name(value: str) -> str:
+    if not _NAME_RE.match(value):
+        raise ValueError(_NAME_RULE)
+    return value
+
+
+Name = Annotated[str, Field(min_length=1, max_length=64)]
+
+
+def _sha256_hex(value: str) -> str:
+    if not _HEX64_RE.match(value):
+        raise ValueError(
+            "must be a SHA-256 hex digest (64 hex characters; store the hash of the key, "
+            "never the key)"
+        )
+    return value.lower()
+
+
+#: A SHA-256 digest as 64 hex characters (normalised to lower case).
+Sha256Hex = Annotated[str, AfterValidator(_sha256_hex)]
+
+
+class ListenConfig(_Model):
+    """Where the gateway listens. ``port`` 0 picks a free port (tests)."""
+
+    host: str = "127.0.0.1"
+    port: int = Field(8080, ge=0, le=65535)
+
+
+class TimeoutsConfig(_Model):
+    """Upstream timeouts, seconds: TCP connect, first response byte, gap between two streamed
+    chunks, whole request."""
+
+    connect: float = Field(5.0, gt=0)
+    first_byte: float = Field(120.0, gt=0)
+    idle: float = Field(60.0, gt=0)
+    total: float = Field(600.0, gt=0)
+
+
+class ModelConfig(_Model):
+    """A model a backend serves.
+
+    ``tokenizer``: path to a HuggingFace ``tokenizer.json`` (relative paths are relative to the
+    config file), used to count prompt tokens exactly; ``None`` = the analyser's estimate.
+    ``chat_template``: a path to a Jinja template file, or an inline template (a string holding
+    ``{{`` or ``{%``); ``None`` = the tokenizer's own. ``context_window`` and
+    ``default_max_tokens`` (reserved when a request sends no ``max_tokens``) are in tokens.
+    """
+
+    name: Name
+    tokenizer: str | None = None
+    chat_template: str | None = None
+    context_window: int = Field(ge=1)
+    default_max_tokens: int | None = Field(None, ge=1)
+
+    @field_validator("tokenizer")
+    @classmethod
+    def _tokenizer_exists(cls, value: str | None, info: ValidationInfo) -> str | None:
+        return None if value is None else _existing_file(value, info)
+
+    @field_validator("chat_template")
+    @classmethod
+    def _template(cls, value: str | None, info: ValidationInfo) -> str | None:
+        if value is None or "{{" in value or "{%" in value:
+            return value
+        return _existing_file(value, info)
+
+
+def _existing_file(value: str, info: ValidationInfo) -> str:
+    base = (info.context or {}).get("base_dir")
+    path = Path(value).expanduser()
+    if not path.is_absolute() and base is not None:
+        path = Path(base) / path
+    if not path.is_file():
+        raise ValueError(f"file not found: {path}")
+    return str(path.resolve())
+
+
+class AdaptiveConfig(_Model):
+    """Adaptive feedback from the engine's metrics (DESIGN.md, issue 6).
+
+    ``high`` / ``low``: KV-usage watermarks (ratio 0..1): at or above ``high`` the limits are at
+    ``floor`` × base and sheddable traffic is shed; below ``low`` they grow back to base at
+    ``recovery_per_second`` (fraction of base per second). ``waiting_threshold``: engine queue
+    depth above which the backend counts as under pressure. ``poll_interval``, ``stale_after``
+    and ``scrape_timeout`` are seconds (``scrape_timeout`` default 0.8 × ``poll_interval``).
+    """
+
+    enabled: bool = True
+    high: float = Field(0.85, gt=0, le=1)
+    low: float = Field(0.70, ge=0, lt=1)
+    floor: float = Field(0.6, gt=0, le=1)
+    recovery_per_second: float = Field(0.1, gt=0, le=1)
+    waiting_threshold: int = Field(8, ge=0)
+    poll_interval: float = Field(1.0, gt=0)
+    stale_after: float = Field(5.0, gt=0)
+    scrape_timeout: float | None = Field(None, gt=0)
+
+
+class BackendConfig(_Model):
+    """One upstream engine.
+
+    ``url``: the engine's base URL (``http://host:port``, no ``/v1``). ``metrics_url`` defaults to
+    ``url + "/metrics"`` (trtllm-serve: set ``/prometheus/metrics``), ``health_url`` to
+    ``url + "/health"``. ``max_concurrency``: base concurrency limit (slots).
+    ``tokens_per_minute`` / ``burst_tokens``: base TPM token bucket (``None`` = no TPM limit;
+    burst defaults to one minute's worth). ``inflight_token_limit``: tokens (prompt + reserved
+    completion) in flight; ``None`` = the engine's stated KV capacity ×
+    ``capacity_safety_factor`` where the engine states one (vLLM, SGLang, TGI, Triton,
+    llama.cpp ``/slots``), else no such limit. ``mode: shadow`` counts this backend's refusals
+    without enforcing them.
+    """
+
+    name: Name
+    url: str
+    engine: EngineOption = "auto"
+    metrics_url: str | None = None
+    health_url: str | None = None
+    models: list[ModelConfig] = Field(min_length=1)
+    max_concurrency: int = Field(ge=1)
+    tokens_per_minute: int | None = Field(None, ge=1)
+    burst_tokens: int | None = Field(None, ge=1)
+    inflight_token_limit: int | None = Field(None, ge=1)
+    capacity_safety_factor: float = Field(0.9, gt=0, le=1)
+    adaptive: AdaptiveConfig = AdaptiveConfig()
+    mode: Mode = "enforce"
+
+    @field_validator("name")
+    @classmethod
+    def _name_ok(cls, value: str) -> str:
+        return _name(value)
+
+    @field_validator("url", "metrics_url", "health_url")
+    @classmethod
+    def _http_url(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        if any(c.isspace() or not c.isprintable() for c in value):
+            raise ValueError("must not contain spaces or control characters")
+        parts = urlsplit(value)
+        if parts.scheme not in ("http", "https") or not parts.netloc:
+            raise ValueError(f"must be an http:// or https:// URL, got {value!r}")
+        return value.rstrip("/")
+
+    @property
+    def effective_metrics_url(self) -> str:
+        """``metrics_url`` or ``url + "/metrics"``."""
+        return self.metrics_url or f"{self.url}/metrics"
+
+    @property
+    def effective_health_url(self) -> str:
+        """``health_url`` or ``url + "/health"``."""
+        return self.health_url or f"{self.url}/health"
+
+
+class TenantConfig(_Model):
+    """A tenant: who a request belongs to, and its class and quotas.
+
+    ``api_key_sha256``: SHA-256 hex digests (64 hex characters) of the tenant's API keys (keys
+    themselves never appear in the config; compare in constant time). ``priority``: its class.
+    ``guaranteed_slots``: slots carved out of each backend it may use (``backends``; ``None`` =
+    all) that only it can take. ``tokens_per_minute`` / ``max_concurrency``: its own quota and
+    cap (``None`` = none). ``max_wait_ms``: how long a refused request may wait in the queue
+    (0 = refuse at once). ``mode: shadow`` counts its refusals without enforcing them.
+    """
+
+    name: Name
+    api_key_sha256: list[Sha256Hex] = Field(default_factory=list)
+    priority: Priority = "standard"
+    guaranteed_slots: int = Field(0, ge=0)
+    tokens_per_minute: int | None = Field(None, ge=1)
+    max_concurrency: int | None = Field(None, ge=1)
+    max_wait_ms: int = Field(0, ge=0)
+    backends: list[str] | None = None
+    mode: Mode = "enforce"
+
+    @field_validator("name")
+    @classmethod
+    def _name_ok(cls, value: str) -> str:
+        return _name(value)
+
+
+class QueueConfig(_Model):
+    """The priority wait queue: at most ``max_size`` waiting requests (over it → 503)."""
+
+    max_size: int = Field(1024, ge=0)
+
+
+class Config(_Model):
+    """The whole file. See the module docstring for the cross-field rules."""
+
+    listen: ListenConfig = ListenConfig()
+    workers: int = Field(1, ge=1)
+    max_body_bytes: int = Field(10 * 1024 * 1024, ge=1)
+    timeouts: TimeoutsConfig = TimeoutsConfig()
+    backends: list[BackendConfig] = Field(min_length=1)
+    tenants: list[TenantConfig] = Field(default_factory=list)
+    anonymous_tenant: str | None = None
+    admin_key_sha256: Sha256Hex | None = None
+    queue: QueueConfig = QueueConfig()
+    mode: Mode = "enforce"
+
+    @model_validator(mode="after")
+    def _cross_field(self) -> Config:
+        issues = list(_cross_field_issues(self))
+        if issues:
+            # One ValueError carrying every issue, one per line, each with its full path;
+            # _issues_from() splits it again.
+            raise ValueError("\n".join(f"{_CROSS}{p}\t{m}" for p, m in issues))
+        return self
+
+    def backend(self, name: str) -> BackendConfig:
+        """The backend called ``name`` (``KeyError`` if none)."""
+        for b in self.backends:
+            if b.name == name:
+                return b
+        raise KeyError(name)
+
+    def tenant(self, name: str) -> TenantConfig:
+        """The tenant called ``name`` (``KeyError`` if none)."""
+        for t in self.tenants:
+            if t.name == name:
+                return t
+        raise KeyError(name)
+
+
+_CROSS = "\x00cross:"
+
+
+def _dupes(names: list[str]) -> Iterator[tuple[int, str, int]]:
+    seen: dict[str, int] = {}
+    for i, n in enumerate(names):
+        if n in seen:
+            yield i, n, seen[n]
+        else:
+            seen[n] = i
+
+
+def _cross_field_issues(cfg: Config) -> Iterator[tuple[str, str]]:
+    t = cfg.timeouts
+    for field_name in ("first_byte", "idle"):
+        if getattr(t, field_name) > t.total:
+            yield f"timeouts.{field_name}", f"must be ≤ timeouts.total ({t.total:g})"
+
+    for i, name, first in _dupes([b.name for b in cfg.backends]):
+        yield f"backends[{i}].name", f"duplicate backend name {name!r} (also backends[{first}])"
+    for bi, b in enumerate(cfg.backends):
+        p = f"backends[{bi}]"
+        for i, name, first in _dupes([m.name for m in b.models]):
+            yield f"{p}.models[{i}].name", f"duplicate model {name!r} (also models[{first}])"
+        for mi, m in enumerate(b.models):
+            if m.default_max_tokens is not None and m.default_max_tokens >= m.context_window:
+                yield (
+                    f"{p}.models[{mi}].default_max_tokens",
+                    f"must be < context_window ({m.context_window})",
+                )
+        if b.burst_tokens is not None and b.tokens_per_minute is None:
+            yield f"{p}.burst_tokens", "needs tokens_per_minute"
+        a = b.adaptive
+        if a.low >= a.high:
+            yield f"{p}.adaptive.low", f"must be < adaptive.high ({a.high:g})"
+        if a.stale_after < a.poll_interval:
+            yield f"{p}.adaptive.stale_after", f"must be ≥ poll_interval ({a.poll_interval:g})"
+        if a.scrape_timeout is not None and a.scrape_timeout >= a.poll_interval:
+            yield (
+                f"{p}.adaptive.scrape_timeout",
+                f"must be < poll_interval ({a.poll_interval:g})",
+            )
+
+    backend_names = {b.name for b in cfg.backends}
+    for i, name, first in _dupes([tn.name for tn in cfg.tenants]):
+        yield f"tenants[{i}].name", f"duplicate tenant name {name!r} (also tenants[{first}])"
+    key_owner: dict[str, int] = {}
+    for ti, tn in enumerate(cfg.tenants):
+        p = f"tenants[{ti}]"
+        if tn.max_concurrency is not None and tn.guaranteed_slots > tn.max_concurrency:
+            yield (
+                f"{p}.guaranteed_slots",
+                f"must be ≤ the tenant's max_concurrency ({tn.max_concurrency})",
+            )
+        for name in tn.backends or ():
+            if name not in backend_names:
+                yield f"{p}.backends", f"no backend named {name!r}"
+        for ki, key in enumerate(tn.api_key_sha256):
+            if key in key_owner:
+                yield (
+                    f"{p}.api_key_sha256[{ki}]",
+                    f"the same key hash is already used by tenants[{key_owner[key]}]",
+                )
+            else:
+                key_owner[key] = ti
+            if key == cfg.admin_key_sha256:
+                yield f"{p}.api_key_sha256[{ki}]", "the same key hash is the admin key"
+
+    for bi, b in enumerate(cfg.backends):
+        users = [
+            (tn.name, tn.guaranteed_slots)
+            for tn in cfg.tenants
+            if tn.guaranteed_slots and (tn.backends is None or b.name in tn.backends)
+        ]
+        total = sum(n for _, n in users)
+        if total > b.max_concurrency:
+            listed = ", ".join(f"{name} {n}" for name, n in users)
+            yield (
+                f"backends[{bi}].max_concurrency",
+                f"{b.max_concurrency} is less than the guaranteed slots of the tenants "
+                f"that use it ({total}: {listed})",
+            )
+
+    if cfg.anonymous_tenant is not None and cfg.anonymous_tenant not in {
+        tn.name for tn in cfg.tenants
+    }:
+        yield "anonymous_tenant", f"no tenant named {cfg.anonymous_tenant!r}"
+
+
+# ---------------------------------------------------------------------------------------------
+# error formatting
+
+
+def _path(loc: tuple[int | str, ...]) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += f".{part}" if out else str(part)
+    return out
+
+
+def _message(err: Any) -> str:
+    kind, ctx = err["type"], err.get("ctx") or {}
+    simple = {
+        "missing": "is required",
+        "extra_forbidden": "unknown field",
+        "int_type": "must be an integer",
+        "int_parsing": "must be an integer",
+        "int_from_float": "must be an integer",
+        "float_type": "must be a number",
+        "float_parsing": "must be a number",
+        "finite_number": "must be a finite number",
+        "bool_type": "must be true or false",
+        "bool_parsing": "must be true or false",
+        "string_type": "must be a string",
+        "list_type": "must be a list",
+        "model_type": "must be a mapping",
+        "model_attributes_type": "must be a mapping",
+        "dict_type": "must be a mapping",
+        "string_too_short": "must not be empty",
+    }
+    if kind in simple:
+        return simple[kind]
+    bounds = {
+        "greater_than_equal": ("≥", "ge"),
+        "greater_than": (">", "gt"),
+        "less_than_equal": ("≤", "le"),
+        "less_than": ("<", "lt"),
+    }
+    if kind in bounds:
+        sign, key = bounds[kind]
+        bound = ctx[key]
+        return (
+            f"must be {sign} {bound:g}" if isinstance(bound, float) else f"must be {sign} {bound}"
+        )
+    if kind == "literal_error":
+        return f"must be {ctx['expected']}"
+    if kind == "too_short":
+        return f"must have at least {ctx['min_length']} entry"
+    if kind == "string_too_long":
+        return f"must be at most {ctx['max_length']} characters"
+    if kind == "value_error":
+        return str(ctx.get("error", err["msg"]))
+    return str(err["msg"])
+
+
+def _issues_from(exc: ValidationError) -> list[tuple[str, str]]:
+    issues: list[tuple[str, str]] = []
+    for err in exc.errors(include_url=False):
+        message = _message(err)
+        if message.startswith(_CROSS):
+            for line in message.split("\n"):
+                path, _, text = line.removeprefix(_CROSS).partition("\t")
+                issues.append((path, text))
+        else:
+            issues.append((_path(tuple(err["loc"])), message))
+    return issues
+
+
+# ---------------------------------------------------------------------------------------------
+# loading
+
+_VAR_RE = re.compile(r"\$\$\{|\$\{([^}]*)\}")
+_VAR_NAME_RE = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)(?::-(.*))?$", re.S)
+
+
+def _substitute(node: Any, path: str, env: Mapping[str, str], issues: list[tuple[str, str]]) -> Any:
+    if isinstance(node, dict):
+        return {
+            k: _substitute(v, f"{path}.{k}" if path else str(k), env, issues)
+            for k, v in node.items()
+        }
+    if isinstance(node, list):
+        return [_substitute(v, f"{path}[{i}]", env, issues) for i, v in enumerate(node)]
+    if not isinstance(node, str) or "${" not in node:
+        return node
+
+    def repl(m: re.Match[str]) -> str:
+        if m.group(0) == "$${":
+            return "${"
+        ref = _VAR_NAME_RE.match(m.group(1))
+        if ref is None:
+            issues.append((path, f"bad environment reference ${{{m.group(1)}}}"))
+            return ""
+        name, default = ref.group(1), ref.group(2)
+        value = env.get(name)
+        if value is None:
+            if default is None:
+                issues.append((path, f"environment variable {name} is not set"))
+                return ""
+            return default
+        return value
+
+    return _VAR_RE.sub(repl, node)
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """SafeLoader that refuses duplicate mapping keys (PyYAML keeps the last one silently)."""
+
+
+def _construct_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode) -> dict[Any, Any]:
+    loader.flatten_mapping(node)
+    out: dict[Any, Any] = {}
+    for key_node, value_node in node.value:
+        key = loader.construct_object(key_node, deep=True)
+        if key in out:
+            mark = key_node.start_mark
+            raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", mark)
+        out[key] = loader.construct_object(value_node, deep=True)
+    return out
+
+
+_UniqueKeyLoader.add_constructor(
+    yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG,
+    _construct_mapping,  # type: ignore[arg-type]
+)
+
+
+def parse_config(
+    data: Any,
+    *,
+    env: Mapping[str, str] | None = None,
+    base_dir: str | Path | None = None,
+    source: str | None = None,
+) -> Config:
+    """Validate already-parsed YAML/JSON data (``${VAR}`` substitution included).
+
+    Args:
+        data: the parsed document (a mapping).
+        env: the variables for ``${VAR}`` (default ``os.environ``).
+        base_dir: directory that relative tokenizer / template paths are relative to.
+        source: a name for error messages (the file name).
+
+    Raises:
+        ConfigError: every problem found, as ``(path, message)`` issues.
+    """
+    if data is None:
+        raise ConfigError([("", "the file is empty")], source)
+    if not isinstance(data, dict):
+        raise ConfigError([("", "the top level must be a mapping of settings")], source)
+    issues: list[tuple[str, str]] = []
+    data = _substitute(data, "", os.environ if env is None else env, issues)
+    if issues:
+        raise ConfigError(issues, source)
+    context = {"base_dir": str(base_dir) if base_dir is not None else None}
+    try:
+        return Config.model_validate(data, context=context)
+    except ValidationError as exc:
+        raise ConfigError(_issues_from(exc), source) from None
+
+
+def load_config(path: str | Path, *, env: Mapping[str, str] | None = None) -> Config:
+    """Read and validate a kvgate YAML configuration file.
+
+    Args:
+        path: the file. Relative tokenizer / chat-template paths inside it are resolved against
+            its directory.
+        env: the variables for ``${VAR}`` substitution (default ``os.environ``).
+
+    Returns:
+        The validated, frozen :class:`Config`.
+
+    Raises:
+        ConfigError: the file cannot be read, is not YAML (with line and column), or any field
+            is invalid (every bad field listed with its path).
+    """
+    path = Path(path)
+    source = str(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise ConfigError([("", f"cannot read the file: {reason}")], source) from None
+    try:
+        data = yaml.load(text, Loader=_UniqueKeyLoader)  # a SafeLoader subclass: no objects
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+        problem = getattr(exc, "problem", None) or str(exc)
+        raise ConfigError([("", f"not valid YAML: {where}{problem}")], source) from None
+    return parse_config(data, env=env, base_dir=path.parent.resolve(), source=source)

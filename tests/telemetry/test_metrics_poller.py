@@ -1,0 +1,428 @@
+"""MetricsPoller against a scripted aiohttp metrics server on 127.0.0.1 (short intervals)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from kvgate.telemetry.engine_metrics import EngineReading
+from kvgate.telemetry.poller import MetricsPoller, PollTarget
+
+FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "metrics"
+INTERVAL = 0.05
+TIMEOUT = 0.03
+STALE_AFTER = 0.25
+
+
+def vllm_text(kv: str, waiting: int = 2) -> str:
+    return (
+        "# TYPE vllm:kv_cache_usage_perc gauge\n"
+        f'vllm:kv_cache_usage_perc{{engine="0",model_name="m"}} {kv}\n'
+        f'vllm:num_requests_running{{engine="0",model_name="m"}} 3\n'
+        f'vllm:num_requests_waiting{{engine="0",model_name="m"}} {waiting}\n'
+    )
+
+
+@dataclass
+class Script:
+    """What the fake engine answers; tests change it while the poller runs."""
+
+    mode: str = "ok"
+    kv: str = "0.5"
+    health: int = 200
+    slots: int = 200
+    hits: int = 0
+    release: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+SCRIPT = web.AppKey("script", Script)
+
+
+async def metrics_handler(request: web.Request) -> web.StreamResponse:
+    s = request.app[SCRIPT]
+    s.hits += 1
+    if s.mode == "hang":
+        await s.release.wait()
+    if s.mode == "500":
+        return web.Response(status=500, text="internal error")
+    if s.mode == "garbage":
+        return web.Response(text="<html><body>not metrics</body></html>\n")
+    if s.mode == "drop_kv":
+        return web.Response(text='vllm:num_requests_waiting{model_name="m"} 1\n')
+    if s.mode == "huge":
+        return web.Response(text="#" * 5000 + "\n" + vllm_text(s.kv))
+    if s.mode == "llamacpp":
+        return web.Response(text=(FIXTURES / "llamacpp-mainline-no-kv-metrics.prom").read_text())
+    return web.Response(text=vllm_text(s.kv))
+
+
+async def health_handler(request: web.Request) -> web.Response:
+    return web.Response(status=request.app[SCRIPT].health, text="ok")
+
+
+async def slots_handler(request: web.Request) -> web.Response:
+    s = request.app[SCRIPT]
+    if s.slots != 200:
+        return web.Response(status=s.slots, text="slots disabled")
+    body = [
+        {"id": 0, "n_ctx": 2048, "is_processing": True, "n_past": 100},
+        {"id": 1, "n_ctx": 2048, "is_processing": False},
+        {"id": 2, "n_ctx": 2048, "is_processing": False},
+        {"id": 3, "n_ctx": 2048, "is_processing": False},
+    ]
+    return web.json_response(body, dumps=json.dumps)
+
+
+class Engine:
+    """A scripted engine that can also stop listening (connection refused) and come back."""
+
+    def __init__(self) -> None:
+        self.script = Script()
+        app = web.Application()
+        app[SCRIPT] = self.script
+        app.router.add_get("/metrics", metrics_handler)
+        app.router.add_get("/health", health_handler)
+        app.router.add_get("/slots", slots_handler)
+        self.runner = web.AppRunner(app, handler_cancellation=True)
+        self.site: web.TCPSite | None = None
+        self.port = 0
+
+    async def start(self) -> None:
+        await self.runner.setup()
+        await self.listen()
+
+    async def listen(self) -> None:
+        self.site = web.TCPSite(self.runner, "127.0.0.1", self.port)
+        await self.site.start()
+        server = self.site._server
+        assert server is not None
+        self.port = server.sockets[0].getsockname()[1]
+
+    async def refuse(self) -> None:
+        assert self.site is not None
+        await self.site.stop()
+        self.site = None
+
+    def url(self, path: str) -> str:
+        return f"http://127.0.0.1:{self.port}{path}"
+
+    async def close(self) -> None:
+        self.script.release.set()
+        await self.runner.cleanup()
+
+
+class Recorder:
+    """A ReadingSink that records every call."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple] = []
+        self.changed = asyncio.Event()
+
+    def on_reading(self, backend: str, reading: EngineReading, now: float) -> None:
+        self.events.append(("reading", backend, reading))
+        self.changed.set()
+
+    def on_failure(self, backend: str, reason: str, message: str, now: float) -> None:
+        self.events.append(("failure", backend, reason))
+        self.changed.set()
+
+    def on_stale(self, backend: str, stale: bool, now: float) -> None:
+        self.events.append(("stale", backend, stale))
+        self.changed.set()
+
+    def on_health(self, backend: str, healthy: bool, now: float) -> None:
+        self.events.append(("health", backend, healthy))
+        self.changed.set()
+
+    def of(self, kind: str) -> list[tuple]:
+        return [e for e in self.events if e[0] == kind]
+
+
+async def wait_until(sink: Recorder, predicate: Callable[[], bool]) -> None:
+    """Bounded wait (5 s) for a condition the poller should reach, re-checked on each sink call."""
+    async with asyncio.timeout(5.0):
+        while not predicate():
+            sink.changed.clear()
+            await sink.changed.wait()
+
+
+@pytest.fixture
+async def engine() -> AsyncIterator[Engine]:
+    e = Engine()
+    await e.start()
+    yield e
+    await e.close()
+
+
+@pytest.fixture
+async def session() -> AsyncIterator[aiohttp.ClientSession]:
+    # force_close: each scrape opens a new connection, so "refusing" is seen at once
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as s:
+        yield s
+
+
+def target(server: Engine, **kw) -> PollTarget:
+    base = {
+        "name": "b1",
+        "metrics_url": server.url("/metrics"),
+        "engine": "auto",
+        "poll_interval": INTERVAL,
+        "scrape_timeout": TIMEOUT,
+        "stale_after": STALE_AFTER,
+    }
+    return PollTarget(**(base | kw))
+
+
+async def test_good_readings_flow(engine: Engine, session: aiohttp.ClientSession) -> None:
+    sink = Recorder()
+    async with MetricsPoller(session, sink, [target(engine, model="m")]) as poller:
+        await wait_until(sink, lambda: len(sink.of("reading")) >= 3)
+        st = poller.status("b1")
+        assert st.stale is False
+        assert st.scrape_errors == 0
+        assert st.age(asyncio.get_running_loop().time()) is not None
+        reading = sink.of("reading")[-1][2]
+        assert (reading.engine, reading.kv_usage, reading.running, reading.waiting) == (
+            "vllm",
+            0.5,
+            3,
+            2,
+        )
+        engine.script.kv = "0.9"
+        await wait_until(sink, lambda: sink.of("reading")[-1][2].kv_usage == 0.9)
+    assert not sink.of("failure")
+    assert not sink.of("stale")
+
+
+FAILURES = {
+    "refuse": "connect",
+    "hang": "timeout",
+    "500": "http_status",
+    "garbage": "unknown_engine",
+    "drop_kv": "missing_metric",
+    "nan": "bad_value",
+    "1.3": "bad_value",
+}
+
+
+@pytest.mark.parametrize("mode", sorted(FAILURES))
+async def test_failure_goes_stale_once_then_recovers(
+    mode: str, engine: Engine, session: aiohttp.ClientSession, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="kvgate.telemetry")
+    sink = Recorder()
+    async with MetricsPoller(session, sink, [target(engine)]) as poller:
+        await wait_until(sink, lambda: len(sink.of("reading")) >= 1)
+        # break the metrics endpoint
+        if mode == "refuse":
+            await engine.refuse()
+        elif mode in ("nan", "1.3"):
+            engine.script.kv = "NaN" if mode == "nan" else "1.3"
+        else:
+            engine.script.mode = mode
+        await wait_until(sink, lambda: bool(sink.of("stale")))
+        st = poller.status("b1")
+        assert st.stale is True
+        assert sink.of("stale") == [("stale", "b1", True)]
+        assert st.last_good_at is not None
+        age = st.age(asyncio.get_running_loop().time())
+        assert age is not None
+        assert age >= STALE_AFTER  # never stale before stale_after
+        reasons = {e[2] for e in sink.of("failure")}
+        assert reasons == {FAILURES[mode]}
+        assert st.errors_by_reason[FAILURES[mode]] == st.scrape_errors >= 2
+        # more failing scrapes: still one transition, one log line
+        errors_at_stale = st.scrape_errors
+        await wait_until(sink, lambda: st.scrape_errors >= errors_at_stale + 3)
+        assert sink.of("stale") == [("stale", "b1", True)]
+        # the endpoint comes back
+        if mode == "refuse":
+            await engine.listen()
+        engine.script.mode, engine.script.kv = "ok", "0.4"
+        engine.script.release.set()
+        await wait_until(sink, lambda: len(sink.of("stale")) == 2)
+        assert sink.of("stale") == [("stale", "b1", True), ("stale", "b1", False)]
+        await wait_until(sink, lambda: sink.of("reading")[-1][2].kv_usage == 0.4)
+        assert st.stale is False
+        assert st.last_error is None
+    # the "fresh again" transition comes before the reading that ends it
+    stale_false = sink.events.index(("stale", "b1", False))
+    assert sink.events[stale_false + 1][0] == "reading"
+    stale_logs = [r for r in caplog.records if "stale" in r.getMessage()]
+    fresh_logs = [r for r in caplog.records if "fresh again" in r.getMessage()]
+    assert len(stale_logs) == 1
+    assert stale_logs[0].levelno == logging.WARNING
+    assert len(fresh_logs) == 1
+
+
+async def test_never_answering_goes_stale_from_start(
+    engine: Engine, session: aiohttp.ClientSession
+) -> None:
+    engine.script.mode = "500"
+    sink = Recorder()
+    async with MetricsPoller(session, sink, [target(engine)]) as poller:
+        await wait_until(sink, lambda: bool(sink.of("stale")))
+        assert poller.status("b1").last_good_at is None
+        assert poller.status("b1").age(0.0) is None
+    assert not sink.of("reading")
+
+
+async def test_body_too_large(engine: Engine, session: aiohttp.ClientSession) -> None:
+    engine.script.mode = "huge"
+    sink = Recorder()
+    async with MetricsPoller(session, sink, [target(engine, max_body_bytes=1000)]):
+        await wait_until(sink, lambda: bool(sink.of("failure")))
+    assert sink.of("failure")[0][2] == "too_large"
+
+
+async def test_health_out_and_back(engine: Engine, session: aiohttp.ClientSession) -> None:
+    sink = Recorder()
+    t = target(engine, health_url=engine.url("/health"), unhealthy_after=3)
+    async with MetricsPoller(session, sink, [t]) as poller:
+        await wait_until(sink, lambda: len(sink.of("reading")) >= 2)
+        assert not sink.of("health")
+        engine.script.health = 503
+        await wait_until(sink, lambda: bool(sink.of("health")))
+        assert sink.of("health") == [("health", "b1", False)]
+        assert poller.status("b1").healthy is False
+        assert poller.status("b1").health_failures >= 3
+        # metrics still fine: the two signals are independent
+        assert poller.status("b1").stale is False
+        engine.script.health = 200
+        await wait_until(sink, lambda: len(sink.of("health")) == 2)
+        assert sink.of("health")[-1] == ("health", "b1", True)
+        assert poller.status("b1").healthy is True
+
+
+async def test_health_refused_takes_backend_out(
+    engine: Engine, session: aiohttp.ClientSession
+) -> None:
+    sink = Recorder()
+    t = target(engine, health_url=engine.url("/health"), unhealthy_after=2)
+    async with MetricsPoller(session, sink, [t]):
+        await wait_until(sink, lambda: len(sink.of("reading")) >= 1)
+        await engine.refuse()
+        await wait_until(sink, lambda: bool(sink.of("health")))
+        assert sink.of("health") == [("health", "b1", False)]
+
+
+async def test_llamacpp_slots(engine: Engine, session: aiohttp.ClientSession) -> None:
+    engine.script.mode = "llamacpp"
+    sink = Recorder()
+    t = target(engine, engine="llamacpp", slots_url=engine.url("/slots"))
+    async with MetricsPoller(session, sink, [t]):
+        await wait_until(sink, lambda: len(sink.of("reading")) >= 1)
+        r = sink.of("reading")[0][2]
+        assert (r.kv_usage, r.kv_capacity_tokens, r.waiting) == (0.25, 4 * 2048, 0)
+        # --no-slots: the queue alone still gives a good reading, no failure
+        engine.script.slots = 501
+        n = len(sink.of("reading"))
+        await wait_until(sink, lambda: len(sink.of("reading")) >= n + 2)
+        r = sink.of("reading")[-1][2]
+        assert (r.kv_usage, r.waiting) == (None, 0)
+    assert not sink.of("failure")
+
+
+async def test_two_backends_independent(engine: Engine, session: aiohttp.ClientSession) -> None:
+    other = Engine()
+    await other.start()
+    try:
+        other.script.mode = "500"
+        sink = Recorder()
+        targets = [target(engine), target(other, name="b2")]
+        async with MetricsPoller(session, sink, targets) as poller:
+            await wait_until(sink, lambda: bool(sink.of("stale")))
+            assert sink.of("stale") == [("stale", "b2", True)]
+            assert poller.status("b1").stale is False
+            assert {e[1] for e in sink.of("reading")} == {"b1"}
+            assert poller.backends == ["b1", "b2"]
+    finally:
+        await other.close()
+
+
+async def test_stop_ends_polling(engine: Engine, session: aiohttp.ClientSession) -> None:
+    sink = Recorder()
+    poller = MetricsPoller(session, sink, [target(engine)])
+    await poller.start()
+    await poller.start()  # idempotent
+    await wait_until(sink, lambda: len(sink.of("reading")) >= 2)
+    await poller.stop()
+    hits = engine.script.hits
+    await asyncio.sleep(INTERVAL * 4)
+    assert engine.script.hits == hits
+
+
+async def test_sink_exception_does_not_stop_polling(
+    engine: Engine, session: aiohttp.ClientSession
+) -> None:
+    class Exploding(Recorder):
+        def on_reading(self, backend: str, reading: EngineReading, now: float) -> None:
+            super().on_reading(backend, reading, now)
+            raise RuntimeError("sink bug")
+
+    sink = Exploding()
+    async with MetricsPoller(session, sink, [target(engine)]):
+        await wait_until(sink, lambda: len(sink.of("reading")) >= 3)
+
+
+async def test_poll_once_with_injected_clock(
+    engine: Engine, session: aiohttp.ClientSession
+) -> None:
+    now = [100.0]
+    sink = Recorder()
+    poller = MetricsPoller(session, sink, [target(engine, stale_after=5.0)], clock=lambda: now[0])
+    await poller.poll_once("b1")
+    assert poller.status("b1").last_good_at == 100.0
+    engine.script.mode = "500"
+    now[0] = 104.9
+    await poller.poll_once("b1")
+    assert poller.status("b1").stale is False
+    now[0] = 105.0
+    await poller.poll_once("b1")
+    assert poller.status("b1").stale is True
+    assert poller.status("b1").age(now[0]) == 5.0
+    assert sink.of("stale") == [("stale", "b1", True)]
+
+
+@pytest.mark.parametrize(
+    ("kw", "message"),
+    [
+        ({"scrape_timeout": INTERVAL}, "scrape_timeout"),
+        ({"scrape_timeout": 0.0}, "scrape_timeout"),
+        ({"poll_interval": 0.0, "scrape_timeout": None}, "poll_interval"),
+        ({"stale_after": INTERVAL / 2}, "stale_after"),
+        ({"unhealthy_after": 0}, "unhealthy_after"),
+        ({"engine": "ollama"}, "unknown engine"),
+        ({"max_body_bytes": 0}, "max_body_bytes"),
+    ],
+)
+def test_target_validation(kw: dict, message: str) -> None:
+    base = {
+        "name": "b",
+        "metrics_url": "http://127.0.0.1:1/metrics",
+        "poll_interval": INTERVAL,
+        "scrape_timeout": TIMEOUT,
+    }
+    with pytest.raises(ValueError, match=message):
+        PollTarget(**(base | kw))
+
+
+def test_default_timeout_is_shorter_than_interval() -> None:
+    t = PollTarget(name="b", metrics_url="http://127.0.0.1:1/metrics")
+    assert t.poll_interval == 1.0
+    assert t.stale_after == 5.0
+    assert 0 < t.timeout < t.poll_interval
+
+
+async def test_duplicate_backend_names(session: aiohttp.ClientSession) -> None:
+    t = PollTarget(name="b", metrics_url="http://127.0.0.1:1/metrics")
+    with pytest.raises(ValueError, match="duplicate"):
+        MetricsPoller(session, Recorder(), [t, t])
