@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import hashlib
 import hmac
+import logging
 import math
 import time
 from collections.abc import AsyncIterator, Callable
@@ -44,6 +45,8 @@ __all__ = [
     "run_gateway",
 ]
 
+logger = logging.getLogger("kvgate.gateway")
+
 PRIORITY_CLASSES = ("critical", "standard", "sheddable")
 PRIORITY_HEADER = "x-kvgate-priority"
 
@@ -70,7 +73,9 @@ class Backend:
     models: list[str]
     metrics_url: str
     engine: str = "auto"
+    config: Any = None
     healthy: bool = True
+    stale: bool = False
     kv_usage: float | None = None
     waiting: int | None = None
 
@@ -102,6 +107,7 @@ class Tenant:
     priority: str = "standard"
     key_hashes: tuple[str, ...] = ()
     max_wait_ms: int = 0
+    shadow: bool = False
 
 
 @dataclass
@@ -125,15 +131,33 @@ class Gateway:
     max_body_bytes: int = 8 * 1024 * 1024
     timeouts: Timeouts = field(default_factory=Timeouts)
     anonymous: Tenant | None = None
+    config: Any = None
+    config_path: str | None = None
+    poll: bool = False
     session: aiohttp.ClientSession = field(init=False)
     metrics: GatewayMetrics = field(init=False)
+    discovered_capacity: dict[str, int] = field(init=False, default_factory=dict)
+    poller: Any = field(init=False, default=None)
     _by_hash: dict[bytes, Tenant] = field(init=False, default_factory=dict)
 
     def __post_init__(self) -> None:
-        for tenant in self.tenants:
-            for digest in tenant.key_hashes:
-                self._by_hash[bytes.fromhex(digest)] = tenant
+        self.set_tenants(self.tenants, self.anonymous)
         self.metrics = GatewayMetrics(self.read_state, lambda: int(self.controller.leaks))
+
+    def set_tenants(self, tenants: list[Tenant], anonymous: Tenant | None) -> None:
+        """Replace the tenant table (start-up and reload): keys, classes, wait times."""
+        by_hash: dict[bytes, Tenant] = {}
+        for tenant in tenants:
+            for digest in tenant.key_hashes:
+                by_hash[bytes.fromhex(digest)] = tenant
+        self.tenants, self.anonymous, self._by_hash = tenants, anonymous, by_hash
+
+    def backend_named(self, name: str) -> Backend:
+        """The backend called ``name`` (``KeyError`` if none)."""
+        for b in self.backends:
+            if b.name == name:
+                return b
+        raise KeyError(name)
 
     # ---- identification -------------------------------------------------------------------
     def authenticate(self, request: web.Request) -> tuple[Tenant, str]:
@@ -233,7 +257,7 @@ class Gateway:
 
         def headroom(b: Backend) -> tuple[float, float]:
             st = self.controller.backend_state(b.id)
-            limit = max(1, st["concurrency_limit"])
+            limit = max(1, st["effective_concurrency"])
             return ((limit - st["in_use"]) / limit, -(b.kv_usage or 0.0))
 
         return max(healthy, key=headroom)
@@ -252,18 +276,19 @@ class Gateway:
         """
         b = self.controller.backend_state(backend.id)
         t = self.controller.tenant_state(tenant.id)
-        if t.get("concurrency_limit") is not None:
-            lim_r, used = t["concurrency_limit"], t["in_use"]
+        if t["max_concurrency"] is not None:
+            lim_r, used = t["max_concurrency"], t["in_use"]
         else:
-            lim_r, used = b["concurrency_limit"], b["in_use"]
-        if t.get("tpm_limit") is not None:
-            lim_t, avail, full = t["tpm_limit"], t["tokens_available"], t["time_to_full"]
+            lim_r, used = b["effective_concurrency"], b["in_use"]
+        if t["tokens_per_minute"] is not None:
+            lim_t, avail, full = t["tokens_per_minute"], t["available_tokens"], t["time_to_full"]
         else:
-            lim_t, avail, full = b["tpm_limit"], b["tokens_available"], b["time_to_full"]
+            lim_t = b["effective_tokens_per_minute"]
+            avail, full = b["available_tokens"], b["time_to_full"]
         return rate_limit_headers(
             limit_requests=int(lim_r),
             remaining_requests=int(lim_r - used),
-            reset_requests=float(b.get("slot_release_estimate", 0.0)) if used >= lim_r else 0.0,
+            reset_requests=float(b["hold_time_ewma"]) if used >= lim_r else 0.0,
             limit_tokens=int(lim_t),
             remaining_tokens=int(avail),
             reset_tokens=float(full),
@@ -440,6 +465,46 @@ async def handle_admin_state(request: web.Request) -> web.Response:
     )
 
 
+async def _poller_ctx(app: web.Application) -> AsyncIterator[None]:
+    """Engine metrics pollers feeding the adaptive law (one task per backend)."""
+    from kvgate.adaptive import AdaptiveSink, poll_targets
+    from kvgate.telemetry.poller import MetricsPoller
+
+    gateway = app[GATEWAY]
+    sink = AdaptiveSink(gateway)
+    poller = MetricsPoller(gateway.session, sink, poll_targets(gateway))
+    gateway.poller = poller
+    await poller.start()
+    yield
+    await poller.stop()
+
+
+async def _reload_ctx(app: web.Application) -> AsyncIterator[None]:
+    """SIGHUP reloads the configuration file; an invalid file leaves the old one in force."""
+    import signal
+
+    gateway = app[GATEWAY]
+    loop = asyncio.get_running_loop()
+
+    def reload() -> None:
+        from kvgate.config import load_config
+        from kvgate.gateway_build import apply_config
+
+        assert gateway.config_path is not None
+        try:
+            apply_config(gateway, load_config(gateway.config_path))
+        except Exception as exc:
+            logger.error(
+                "reload of %s refused, keeping the running configuration: %s",
+                gateway.config_path,
+                exc,
+            )
+
+    loop.add_signal_handler(signal.SIGHUP, reload)
+    yield
+    loop.remove_signal_handler(signal.SIGHUP)
+
+
 def create_app(gateway: Gateway) -> web.Application:
     """The aiohttp application for ``gateway``.
 
@@ -459,6 +524,10 @@ def create_app(gateway: Gateway) -> web.Application:
         await gateway.session.close()
 
     app.cleanup_ctx.append(session_ctx)
+    if gateway.poll:
+        app.cleanup_ctx.append(_poller_ctx)
+    if gateway.config_path:
+        app.cleanup_ctx.append(_reload_ctx)
     for route in INFERENCE_ROUTES:
         app.router.add_post(route, handle_inference)
     app.router.add_get("/v1/models", handle_models)

@@ -13,7 +13,7 @@ import os
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -44,17 +44,17 @@ class _StateCollector(Collector):
             (
                 "kvgate_concurrency_limit",
                 "Effective concurrency limit (base × adaptive scale).",
-                "concurrency_limit",
+                "effective_concurrency",
             ),
             (
                 "kvgate_tpm_limit",
                 "Effective tokens-per-minute limit of the backend bucket.",
-                "tpm_limit",
+                "effective_tokens_per_minute",
             ),
             (
                 "kvgate_tokens_available",
                 "Tokens available now in the backend TPM bucket.",
-                "tokens_available",
+                "available_tokens",
             ),
             (
                 "kvgate_inflight_tokens",
@@ -64,7 +64,7 @@ class _StateCollector(Collector):
             (
                 "kvgate_inflight_token_limit",
                 "Effective in-flight token budget.",
-                "inflight_token_limit",
+                "effective_inflight_token_limit",
             ),
             (
                 "kvgate_scale",
@@ -86,8 +86,9 @@ class GatewayMetrics:
 
     Args:
         read_state: returns ``[(backend_name, state_dict)]`` at scrape time; the dict keys are
-            ``in_use``, ``concurrency_limit``, ``tpm_limit``, ``tokens_available``,
-            ``inflight_tokens``, ``inflight_token_limit``, ``scale``.
+            those of ``AdmissionController.backend_state`` (``in_use``,
+            ``effective_concurrency``, ``effective_tokens_per_minute``, ``available_tokens``,
+            ``inflight_tokens``, ``effective_inflight_token_limit``, ``scale``).
         leaks: returns the core's leaked-reservation count.
     """
 
@@ -154,6 +155,60 @@ class GatewayMetrics:
             ["backend"],
             buckets=_RATIO_BUCKETS,
             registry=reg,
+        )
+        self.backend_kv_usage = Gauge(
+            "kvgate_backend_kv_usage",
+            "Engine KV-cache usage ratio (0..1), last good scrape.",
+            ["backend"],
+            registry=reg,
+            multiprocess_mode="max",
+        )
+        self.backend_waiting = Gauge(
+            "kvgate_backend_waiting",
+            "Requests waiting in the engine, last good scrape.",
+            ["backend"],
+            registry=reg,
+            multiprocess_mode="max",
+        )
+        self.shedding = Gauge(
+            "kvgate_shedding",
+            "1 while the class is shed on the backend.",
+            ["backend", "class"],
+            registry=reg,
+            multiprocess_mode="max",
+        )
+        self.scrape_errors = Counter(
+            "kvgate_metrics_scrape_errors",
+            "Failed scrapes of an engine's metrics.",
+            ["backend"],
+            registry=reg,
+        )
+        self.metrics_stale = Gauge(
+            "kvgate_metrics_stale",
+            "1 while the engine's metrics are stale.",
+            ["backend"],
+            registry=reg,
+            multiprocess_mode="max",
+        )
+        self.shadow_rejections = Counter(
+            "kvgate_shadow_rejections",
+            "Refusals computed in shadow mode (request admitted).",
+            ["reason"],
+            registry=reg,
+        )
+        self.queue_wait = Histogram(
+            "kvgate_queue_wait_seconds",
+            "Time refused requests waited in the priority queue.",
+            ["class"],
+            buckets=_TTFT_BUCKETS,
+            registry=reg,
+        )
+        self.queue_depth = Gauge(
+            "kvgate_queue_depth",
+            "Requests waiting in the priority queue.",
+            ["class"],
+            registry=reg,
+            multiprocess_mode="livesum",
         )
         self._leaks = leaks
         reg.register(_StateCollector(read_state))

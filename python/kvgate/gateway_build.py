@@ -1,0 +1,225 @@
+"""Build a :class:`~kvgate.app.Gateway` from a validated :class:`~kvgate.config.Config`.
+
+* :func:`build_controller` registers every backend and tenant in the Rust admission core (a
+  private region, or a named shared-memory region that worker processes attach to).
+* :func:`build_gateway` adds the per-model request analysers, the routing table, the tenants'
+  key table and, when asked, the engine metrics pollers that feed the adaptive control law.
+* :func:`apply_config` is SIGHUP's hot reload: new base limits, tenants and keys apply at once;
+  held slots and in-flight streams are untouched.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from kvgate.app import Backend, Gateway, ModelRoute, Tenant
+from kvgate.proxy.relay import Timeouts
+
+if TYPE_CHECKING:
+    from kvgate.config import Config
+
+__all__ = ["UNLIMITED_TPM", "apply_config", "build_controller", "build_gateway"]
+
+logger = logging.getLogger("kvgate.gateway")
+
+# A backend without ``tokens_per_minute`` in the config has no TPM limit; the core's bucket is
+# then sized so it never binds (2**40 tokens per minute, about 18 billion per second).
+UNLIMITED_TPM = 2**40
+
+
+def _backend_limits(b: Any) -> dict[str, Any]:
+    return {
+        "max_concurrency": b.max_concurrency,
+        "tokens_per_minute": b.tokens_per_minute or UNLIMITED_TPM,
+        "burst_tokens": b.burst_tokens,
+        "inflight_token_limit": b.inflight_token_limit,
+    }
+
+
+def _tenant_limits(t: Any) -> dict[str, Any]:
+    return {
+        "priority": t.priority,
+        "tokens_per_minute": t.tokens_per_minute,
+        "max_concurrency": t.max_concurrency,
+        "guaranteed_slots": t.guaranteed_slots,
+    }
+
+
+def _tenants_of(config: Config) -> list[Any]:
+    """The configured tenants, or one implicit ``anonymous`` tenant when none are declared."""
+    if config.tenants:
+        return list(config.tenants)
+    from kvgate.config import TenantConfig
+
+    return [TenantConfig(name="anonymous")]
+
+
+def build_controller(config: Config, *, shm_name: str | None = None, create: bool = True) -> Any:
+    """The admission core for ``config``.
+
+    Args:
+        config: the validated configuration.
+        shm_name: a shared-memory region name (``--workers N``), or ``None`` for a private one.
+        create: create (master) or attach to (worker) the named region.
+
+    Raises:
+        kvgate.SharedStateError: the region cannot be created or attached.
+        kvgate.InvalidConfigError: a limit the core refuses.
+    """
+    from kvgate import AdmissionController
+
+    if shm_name is not None and not create:
+        return AdmissionController.attach(shm_name)
+    controller = AdmissionController(shm_name=shm_name, create=True)
+    for b in config.backends:
+        controller.add_backend(b.name, **_backend_limits(b))
+    for t in _tenants_of(config):
+        controller.add_tenant(t.name, **_tenant_limits(t))
+    return controller
+
+
+def _analyzer(model: Any, max_body_bytes: int) -> Any:
+    from kvgate import RequestAnalyzer
+
+    kwargs: dict[str, Any] = {
+        "model": model.name,
+        "context_window": model.context_window,
+        "max_body_bytes": max_body_bytes,
+    }
+    if model.tokenizer:
+        kwargs["tokenizer_path"] = model.tokenizer
+    if model.chat_template:
+        kwargs["chat_template"] = model.chat_template
+    if model.default_max_tokens:
+        kwargs["default_max_tokens"] = model.default_max_tokens
+    return RequestAnalyzer(**kwargs)
+
+
+def build_gateway(
+    config: Config,
+    *,
+    shm_name: str | None = None,
+    config_path: str | None = None,
+    poll: bool = True,
+    controller: Any = None,
+) -> Gateway:
+    """The gateway state for ``config``.
+
+    Args:
+        config: the validated configuration.
+        shm_name: attach to this shared region (a worker of ``--workers N``); ``None`` builds a
+            private admission core.
+        config_path: the file SIGHUP reloads (``None``: reload disabled).
+        poll: start engine metrics pollers (adaptive limits, health checks) with the app.
+        controller: use this admission core instead of building one (tests, embedding).
+    """
+    if controller is None:
+        controller = build_controller(config, shm_name=shm_name, create=shm_name is None)
+    backends: list[Backend] = []
+    models: dict[str, ModelRoute] = {}
+    for b in config.backends:
+        backend_id = controller.backend_id(b.name)
+        backend = Backend(
+            name=b.name,
+            url=b.url.rstrip("/"),
+            id=backend_id,
+            models=[m.name for m in b.models],
+            metrics_url=b.effective_metrics_url,
+            engine=b.engine,
+            config=b,
+        )
+        backends.append(backend)
+        for m in b.models:
+            route = models.get(m.name)
+            if route is None:
+                analyzer = _analyzer(m, config.max_body_bytes)
+                models[m.name] = ModelRoute(
+                    m.name, analyzer, [backend], count_text=analyzer.count_tokens
+                )
+            else:
+                route.backends.append(backend)
+    gateway = Gateway(
+        controller=controller,
+        models=models,
+        backends=backends,
+        tenants=[],
+        max_body_bytes=config.max_body_bytes,
+        timeouts=Timeouts(
+            connect=config.timeouts.connect,
+            first_byte=config.timeouts.first_byte,
+            idle=config.timeouts.idle,
+            total=config.timeouts.total,
+        ),
+        config=config,
+        config_path=config_path,
+        poll=poll,
+    )
+    _set_tenants(gateway, config)
+    return gateway
+
+
+def _set_tenants(gateway: Gateway, config: Config) -> None:
+    tenants = [
+        Tenant(
+            id=gateway.controller.tenant_id(t.name),
+            name=t.name,
+            priority=t.priority,
+            key_hashes=tuple(t.api_key_sha256),
+            max_wait_ms=t.max_wait_ms,
+            shadow=(t.mode == "shadow"),
+        )
+        for t in _tenants_of(config)
+    ]
+    anonymous_name = config.anonymous_tenant or ("anonymous" if not config.tenants else None)
+    anonymous = next((t for t in tenants if t.name == anonymous_name), None)
+    gateway.set_tenants(tenants, anonymous)
+
+
+def apply_config(gateway: Gateway, new: Config) -> None:
+    """Hot reload: apply ``new`` to a running gateway (SIGHUP).
+
+    Base limits of existing backends and tenants change in the core (held slots and in-flight
+    streams are untouched); new tenants are added; keys, priority classes and wait times are
+    replaced at once. Backends and models cannot be added or removed by a reload (restart for
+    that).
+
+    Raises:
+        kvgate.config.ConfigError: the backends or models differ from the running set.
+        kvgate.InvalidConfigError: the core refuses a limit (nothing was changed before the
+            first refusal; later items keep their old values).
+    """
+    from kvgate.config import ConfigError
+
+    old = gateway.config
+    if old is not None:
+        before = [(b.name, b.url, [m.name for m in b.models]) for b in old.backends]
+        after = [(b.name, b.url, [m.name for m in b.models]) for b in new.backends]
+        if before != after:
+            raise ConfigError("backends and models cannot change on reload; restart kvgate")
+    ctl = gateway.controller
+    for b in new.backends:
+        limits = _backend_limits(b)
+        if limits["inflight_token_limit"] is None and gateway.discovered_capacity.get(b.name):
+            limits["inflight_token_limit"] = gateway.discovered_capacity[b.name]
+        ctl.update_backend(ctl.backend_id(b.name), **limits)
+    for t in _tenants_of(new):
+        tid = ctl.tenant_id(t.name)
+        if tid is None:
+            ctl.add_tenant(t.name, **_tenant_limits(t))
+        else:
+            ctl.update_tenant(tid, **_tenant_limits(t))
+    for backend, b in zip(gateway.backends, new.backends, strict=True):
+        backend.config = b
+    gateway.config = new
+    gateway.max_body_bytes = new.max_body_bytes
+    gateway.timeouts = Timeouts(
+        connect=new.timeouts.connect,
+        first_byte=new.timeouts.first_byte,
+        idle=new.timeouts.idle,
+        total=new.timeouts.total,
+    )
+    _set_tenants(gateway, new)
+    logger.info(
+        "configuration reloaded: %d backends, %d tenants", len(new.backends), len(_tenants_of(new))
+    )
