@@ -1,0 +1,364 @@
+"""The gateway end to end over loopback: real servers, the official openai client, raw sockets."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import aiohttp
+import openai
+import orjson
+import pytest
+
+from kvgate.sim import SimConfig, run_sim
+
+from .conftest import KEYS, config_for, sha
+from .fake_upstream import EVENTS, STREAM, USAGE_EVENT, run_upstream
+
+
+async def _until(pred, timeout: float = 2.0) -> None:
+    """Wait (bounded) until ``pred()`` is true; fails the test on timeout."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not pred():
+        if loop.time() > deadline:
+            raise AssertionError("condition not met in time")
+        await asyncio.sleep(0.01)
+
+
+@pytest.fixture
+async def sim():
+    async with run_sim(SimConfig.from_profile("tiny", speed=50, seed=3)) as running:
+        yield running
+
+
+async def test_openai_client_chat_and_completions_through_gateway(sim, gateway_for) -> None:
+    cfg = config_for(sim.url, [sim.engine.config.model])
+    async with gateway_for(cfg) as gw:
+        client = openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="unused", max_retries=0)
+        model = sim.engine.config.model
+        chat = await client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "hello there"}], max_tokens=8
+        )
+        assert chat.choices[0].message.content
+        assert chat.usage is not None
+        assert 1 <= chat.usage.completion_tokens <= 8
+        comp = await client.completions.create(model=model, prompt="once upon", max_tokens=5)
+        assert comp.usage is not None
+        assert comp.usage.completion_tokens <= 5
+
+        # streaming, with and without asking for usage
+        chunks = [
+            c
+            async for c in await client.chat.completions.create(
+                model=model,
+                messages=[{"role": "user", "content": "stream please"}],
+                max_tokens=6,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+        ]
+        assert chunks[-1].usage is not None
+        assert chunks[-1].choices == []
+        chunks = [
+            c
+            async for c in await client.chat.completions.create(
+                model=model,
+                messages=[{"role": "user", "content": "stream please"}],
+                max_tokens=6,
+                stream=True,
+            )
+        ]
+        assert all(c.usage is None for c in chunks)
+        assert all(c.choices for c in chunks)
+        await client.close()
+        state = gw.backend_state()
+        assert state["in_use"] == 0
+        assert state["inflight_tokens"] == 0
+        # every reservation was reconciled: the bucket lost only what was really used
+        used = state["burst_tokens"] - state["available_tokens"]
+        assert 0 < used < 4 * 1024
+
+
+async def test_stream_is_byte_for_byte_except_the_usage_chunk_it_asked_for(gateway_for) -> None:
+    async with run_upstream() as up, gateway_for(config_for(up.url, ["replay"])) as gw:
+        async with aiohttp.ClientSession() as s:
+            for include_usage in (True, False):
+                body = {
+                    "model": "replay",
+                    "messages": [{"role": "user", "content": "x"}],
+                    "stream": True,
+                    "max_tokens": 50,
+                }
+                if include_usage:
+                    body["stream_options"] = {"include_usage": True}
+                async with s.post(gw.url + "/v1/chat/completions", json=body) as r:
+                    assert r.status == 200
+                    assert r.headers["Content-Type"].startswith("text/event-stream")
+                    assert "x-ratelimit-remaining-tokens" in r.headers
+                    raw = await r.read()
+                expected = STREAM if include_usage else STREAM.replace(USAGE_EVENT, b"")
+                assert raw == expected
+                # the gateway asked the engine for usage in both cases
+                assert up.requests[-1]["stream_options"] == {"include_usage": True}
+        assert gw.backend_state()["in_use"] == 0
+        # settled from the engine's usage (85 + 43 tokens) both times
+        assert gw.gateway.metrics.tokens_refunded.labels("b0")._value.get() > 0
+
+
+async def test_client_disconnect_mid_stream_releases_at_once(gateway_for) -> None:
+    async with run_upstream() as up, gateway_for(config_for(up.url, ["slow"])) as gw:
+        before = gw.backend_state()["available_tokens"]
+        reader, writer = await asyncio.open_connection(*gw.url[7:].split(":"))
+        body = orjson.dumps(
+            {
+                "model": "slow",
+                "stream": True,
+                "max_tokens": 500,
+                "messages": [{"role": "user", "content": "hi"}],
+            }
+        )
+        writer.write(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+            b"Content-Type: application/json\r\n"
+            + f"Content-Length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
+        await writer.drain()
+        seen = b""
+        while seen.count(b"data: ") < 3:
+            seen += await asyncio.wait_for(reader.read(4096), 5)
+        assert gw.backend_state()["in_use"] == 1
+        writer.close()
+        await _until(lambda: gw.backend_state()["in_use"] == 0, timeout=1.0)
+        await _until(lambda: up.cancelled == 1, timeout=1.0)
+        state = gw.backend_state()
+        assert state["inflight_tokens"] == 0
+        # charged prompt + the few tokens delivered, the rest of the 500 refunded at once
+        charged = before - state["available_tokens"]
+        assert 0 < charged < 100
+
+
+async def test_content_length_over_cap_is_413_before_reading(gateway_for) -> None:
+    async with run_upstream() as up:
+        async with gateway_for(config_for(up.url, ["replay"], max_body_bytes=10_000)) as gw:
+            reader, writer = await asyncio.open_connection(*gw.url[7:].split(":"))
+            writer.write(
+                b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                b"Content-Type: application/json\r\nContent-Length: 1000000000\r\n\r\n"
+            )
+            await writer.drain()
+            head = await asyncio.wait_for(reader.read(4096), 2)
+            writer.close()
+            assert head.startswith(b"HTTP/1.1 413")
+            body = head.split(b"\r\n\r\n", 1)[1]
+            assert json.loads(body)["error"]["code"] == "request_too_large"
+            # chunked body over the cap is cut off too
+            async with aiohttp.ClientSession() as s:
+
+                async def gen():
+                    for _ in range(20):
+                        yield b" " * 1000
+
+                async with s.post(gw.url + "/v1/chat/completions", data=gen()) as r:
+                    assert r.status == 413
+            assert up.requests == []
+
+
+@pytest.mark.parametrize(("model", "status"), [("hang", 504), ("error500", 500)])
+async def test_upstream_failures_before_headers(gateway_for, model: str, status: int) -> None:
+    async with run_upstream() as up:
+        cfg = config_for(up.url, [model], timeouts={"first_byte": 0.3})
+        async with gateway_for(cfg) as gw:
+            async with aiohttp.ClientSession() as s:
+                body = {
+                    "model": model,
+                    "messages": [{"role": "user", "content": "x"}],
+                    "max_tokens": 5,
+                }
+                async with s.post(gw.url + "/v1/chat/completions", json=body) as r:
+                    assert r.status == status
+                    err = (await r.json())["error"]
+                    assert set(err) == {"message", "type", "param", "code"}
+            await _until(lambda: gw.backend_state()["in_use"] == 0)
+            assert gw.backend_state()["inflight_tokens"] == 0
+
+
+async def test_upstream_dies_mid_stream_ends_with_error_event(gateway_for) -> None:
+    async with run_upstream() as up, gateway_for(config_for(up.url, ["die"])) as gw:
+        async with aiohttp.ClientSession() as s:
+            body = {
+                "model": "die",
+                "messages": [{"role": "user", "content": "x"}],
+                "max_tokens": 5,
+                "stream": True,
+            }
+            async with s.post(gw.url + "/v1/chat/completions", json=body) as r:
+                raw = await r.read()
+        assert raw.startswith(EVENTS[0] + EVENTS[1])
+        last = raw.rstrip().rsplit(b"\n\n", 1)[-1]
+        assert json.loads(last[len(b"data: ") :])["error"]["code"] == "upstream_broken"
+        assert gw.backend_state()["in_use"] == 0
+
+
+async def test_upstream_refused_is_502_and_charges_nothing(gateway_for) -> None:
+    async with run_upstream() as up:
+        dead = up.url
+    async with gateway_for(config_for(dead, ["replay"])) as gw:
+        before = gw.backend_state()["available_tokens"]
+        async with aiohttp.ClientSession() as s:
+            body = {
+                "model": "replay",
+                "messages": [{"role": "user", "content": "x"}],
+                "max_tokens": 5,
+            }
+            async with s.post(gw.url + "/v1/chat/completions", json=body) as r:
+                assert r.status == 502
+        st = gw.backend_state()
+        assert st["in_use"] == 0
+        assert st["available_tokens"] >= before
+
+
+async def test_refusals_are_429_or_503_with_computed_headers(gateway_for) -> None:
+    tenants = [
+        {"name": "alice", "api_key_sha256": [sha(KEYS["alice"])], "tokens_per_minute": 600},
+        {"name": "bob", "api_key_sha256": [sha(KEYS["bob"])]},
+    ]
+    async with run_upstream() as up:
+        cfg = config_for(up.url, ["replay"], tenants=tenants)
+        async with gateway_for(cfg) as gw, aiohttp.ClientSession() as s:
+            url = gw.url + "/v1/chat/completions"
+
+            def body(max_tokens: int) -> dict:
+                return {
+                    "model": "replay",
+                    "max_tokens": max_tokens,
+                    "messages": [{"role": "user", "content": "hi"}],
+                }
+
+            alice = {"Authorization": f"Bearer {KEYS['alice']}"}
+            async with s.post(url, json=body(300), headers=alice) as r:
+                assert r.status == 200
+                assert int(r.headers["x-ratelimit-limit-tokens"]) == 600
+            before = gw.tenant_state("alice")["available_tokens"]
+            async with s.post(url, json=body(500), headers=alice) as r:
+                assert r.status == 429
+                assert r.headers["x-kvgate-reject-reason"] == "tenant-tpm"
+                assert float(r.headers["retry-after-ms"]) > 0
+                assert int(r.headers["Retry-After"]) >= 1
+                err = (await r.json())["error"]
+                assert err["type"] == "tokens"
+                assert err["code"] == "rate_limit_exceeded"
+            # a refusal charges nothing
+            assert gw.tenant_state("alice")["available_tokens"] >= before
+            # larger than the whole bucket: never admissible, no Retry-After
+            async with s.post(url, json=body(700), headers=alice) as r:
+                assert r.status == 429
+                assert "Retry-After" not in r.headers
+                assert r.headers["x-should-retry"] == "false"
+            # unknown / missing key
+            async with s.post(url, json=body(5), headers={"Authorization": "Bearer nope"}) as r:
+                assert r.status == 401
+                assert (await r.json())["error"]["code"] == "invalid_api_key"
+            async with s.post(url, json=body(5)) as r:
+                assert r.status == 401
+
+
+async def test_backend_saturation_is_503_with_retry_after(gateway_for) -> None:
+    async with run_upstream() as up:
+        cfg = config_for(up.url, ["slow", "replay"], max_concurrency=1)
+        async with gateway_for(cfg) as gw, aiohttp.ClientSession() as s:
+            url = gw.url + "/v1/chat/completions"
+            slow = await s.post(
+                url,
+                json={
+                    "model": "slow",
+                    "stream": True,
+                    "max_tokens": 300,
+                    "messages": [{"role": "user", "content": "x"}],
+                },
+            )
+            await slow.content.readline()
+            async with s.post(
+                url,
+                json={
+                    "model": "replay",
+                    "max_tokens": 5,
+                    "messages": [{"role": "user", "content": "x"}],
+                },
+            ) as r:
+                assert r.status == 503
+                assert r.headers["x-kvgate-reject-reason"] == "backend-slots"
+                assert int(r.headers["Retry-After"]) >= 1
+                assert r.headers["x-ratelimit-remaining-requests"] == "0"
+            slow.close()
+            await _until(lambda: gw.backend_state()["in_use"] == 0)
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "code"),
+    [
+        (b"{not json", 400, "invalid_json"),
+        (b'{"model": "replay", "messages": [], "max_tokens": 5}', 400, "empty_array"),
+        (
+            b'{"model": "replay", "messages": [{"role": "user", "content": "x"}],'
+            b' "max_tokens": "ten"}',
+            400,
+            "invalid_type",
+        ),
+        (
+            b'{"model": "nope", "messages": [{"role": "user", "content": "x"}]}',
+            404,
+            "model_not_found",
+        ),
+        (
+            b'{"model": "replay", "messages": [{"role": "user", "content": "x"}],'
+            b' "max_tokens": 5000}',
+            400,
+            "context_length_exceeded",
+        ),
+    ],
+)
+async def test_bad_requests_never_reach_the_engine(
+    gateway_for, body: bytes, status: int, code: str
+) -> None:
+    async with run_upstream() as up, gateway_for(config_for(up.url, ["replay"])) as gw:
+        async with (
+            aiohttp.ClientSession() as s,
+            s.post(
+                gw.url + "/v1/chat/completions",
+                data=body,
+                headers={"Content-Type": "application/json"},
+            ) as r,
+        ):
+            assert r.status == status
+            err = (await r.json())["error"]
+            assert err["code"] == code
+            assert err["type"] == "invalid_request_error"
+        assert up.requests == []
+        assert gw.backend_state()["in_use"] == 0
+
+
+async def test_models_health_ready_and_metrics(sim, gateway_for) -> None:
+    async with gateway_for(config_for(sim.url, [sim.engine.config.model])) as gw:
+        async with aiohttp.ClientSession() as s:
+            async with s.get(gw.url + "/v1/models") as r:
+                ids = [m["id"] for m in (await r.json())["data"]]
+                assert ids == [sim.engine.config.model]
+            async with s.get(gw.url + "/healthz") as r:
+                assert r.status == 200
+            async with s.get(gw.url + "/readyz") as r:
+                assert r.status == 200
+            async with s.get(gw.url + "/metrics") as r:
+                text = await r.text()
+        for name in (
+            "kvgate_slots_in_use",
+            "kvgate_concurrency_limit",
+            "kvgate_tpm_limit",
+            "kvgate_tokens_available",
+            "kvgate_inflight_tokens",
+            "kvgate_inflight_token_limit",
+            "kvgate_reservation_leaks_total",
+            "kvgate_admission_seconds",
+        ):
+            assert name in text, name
