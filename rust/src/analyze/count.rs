@@ -1,0 +1,77 @@
+//! Token counting: the model's HuggingFace tokenizer, or a documented byte estimate.
+
+use tokenizers::Tokenizer;
+
+use super::error::AnalysisError;
+
+/// How text is turned into a token count.
+pub enum Counter {
+    /// The model's own `tokenizer.json` (HuggingFace `tokenizers`): exact counts. Truncation and
+    /// padding are switched off at load time, since either would falsify a count.
+    Tokenizer(Box<Tokenizer>),
+    /// No tokenizer configured: `ceil(utf8_bytes / 4)` per piece of text (OpenAI's rule of thumb
+    /// of about four characters of English per token). Deterministic and cheap, never exact.
+    Estimate,
+}
+
+impl Counter {
+    /// Loads a tokenizer from `tokenizer.json` text and disables truncation and padding.
+    pub fn from_json(json: &str) -> Result<Self, String> {
+        let mut tok: Tokenizer = json
+            .parse()
+            .map_err(|e| format!("invalid tokenizer.json: {e}"))?;
+        tok.with_truncation(None)
+            .map_err(|e| format!("tokenizer truncation: {e}"))?;
+        tok.with_padding(None);
+        Ok(Self::Tokenizer(Box::new(tok)))
+    }
+
+    /// Whether counts are exact (a tokenizer is loaded).
+    pub fn is_exact(&self) -> bool {
+        matches!(self, Self::Tokenizer(_))
+    }
+
+    /// Vocabulary size including added tokens, for validating token-id prompts (`None` for the
+    /// estimate, which accepts any id).
+    pub fn vocab_size(&self) -> Option<u64> {
+        match self {
+            Self::Tokenizer(t) => Some(t.get_vocab_size(true) as u64),
+            Self::Estimate => None,
+        }
+    }
+
+    /// Tokens in one text. `add_special_tokens` applies the tokenizer's post-processor (BOS/EOS)
+    /// as engines do for raw prompts; chat templates already contain them, so pass `false` there.
+    pub fn count(&self, text: &str, add_special_tokens: bool) -> Result<u64, AnalysisError> {
+        match self {
+            Self::Tokenizer(t) => t
+                .encode_fast(text, add_special_tokens)
+                .map(|e| e.len() as u64)
+                .map_err(|e| AnalysisError::internal(format!("tokenizer failed: {e}"))),
+            Self::Estimate => Ok(estimate(text)),
+        }
+    }
+
+    /// Tokens in each text, encoded as one batch (the tokenizer parallelises across texts).
+    pub fn count_many(
+        &self,
+        texts: &[&str],
+        add_special_tokens: bool,
+    ) -> Result<Vec<u64>, AnalysisError> {
+        match self {
+            Self::Tokenizer(t) if texts.len() > 1 => t
+                .encode_batch_fast(texts.to_vec(), add_special_tokens)
+                .map(|es| es.iter().map(|e| e.len() as u64).collect())
+                .map_err(|e| AnalysisError::internal(format!("tokenizer failed: {e}"))),
+            _ => texts
+                .iter()
+                .map(|t| self.count(t, add_special_tokens))
+                .collect(),
+        }
+    }
+}
+
+/// The byte estimate: `ceil(len / 4)` tokens for `len` UTF-8 bytes.
+pub fn estimate(text: &str) -> u64 {
+    (text.len() as u64).div_ceil(4)
+}
