@@ -260,6 +260,7 @@ pub(crate) fn format_time(fmt: &str, secs: u64) -> String {
             Some('H') => write!(out, "{:02}", rem / 3600),
             Some('M') => write!(out, "{:02}", rem % 3600 / 60),
             Some('S') => write!(out, "{:02}", rem % 60),
+            Some('%') => out.write_char('%'),
             Some(o) => write!(out, "%{o}"),
             None => write!(out, "%"),
         };
