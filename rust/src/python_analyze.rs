@@ -38,7 +38,7 @@ pub struct PyAnalysisError {
 #[pymethods]
 impl PyAnalysisError {
     #[new]
-    #[pyo3(signature = (message, *, status = 400, r#type = "invalid_request_error".to_owned(), param = None, code = None))]
+    #[pyo3(signature = (message, status = 400, r#type = "invalid_request_error".to_owned(), param = None, code = None, /))]
     fn new(
         message: String,
         status: u16,
