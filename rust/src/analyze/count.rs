@@ -1,6 +1,10 @@
 //! Token counting: the model's HuggingFace tokenizer, or a documented byte estimate.
 
-use tokenizers::Tokenizer;
+use tokenizers::parallelism::{MaybeParallelIterator, MaybeParallelRefIterator};
+use tokenizers::{
+    Model, OffsetReferential, OffsetType, PostProcessor, PreTokenizer, Result as TkResult,
+    Tokenizer,
+};
 
 use super::error::AnalysisError;
 
@@ -44,9 +48,7 @@ impl Counter {
     /// as engines do for raw prompts; chat templates already contain them, so pass `false` there.
     pub fn count(&self, text: &str, add_special_tokens: bool) -> Result<u64, AnalysisError> {
         match self {
-            Self::Tokenizer(t) => t
-                .encode_fast(text, add_special_tokens)
-                .map(|e| e.len() as u64)
+            Self::Tokenizer(t) => count_tokens(t, text, add_special_tokens)
                 .map_err(|e| AnalysisError::internal(format!("tokenizer failed: {e}"))),
             Self::Estimate => Ok(estimate(text)),
         }
@@ -59,9 +61,10 @@ impl Counter {
         add_special_tokens: bool,
     ) -> Result<Vec<u64>, AnalysisError> {
         match self {
-            Self::Tokenizer(t) if texts.len() > 1 => t
-                .encode_batch_fast(texts.to_vec(), add_special_tokens)
-                .map(|es| es.iter().map(|e| e.len() as u64).collect())
+            Self::Tokenizer(t) if texts.len() > 1 => texts
+                .maybe_par_iter()
+                .map(|text| count_tokens(t, text, add_special_tokens))
+                .collect::<TkResult<Vec<u64>>>()
                 .map_err(|e| AnalysisError::internal(format!("tokenizer failed: {e}"))),
             _ => texts
                 .iter()
@@ -74,4 +77,43 @@ impl Counter {
 /// The byte estimate: `ceil(len / 4)` tokens for `len` UTF-8 bytes.
 pub fn estimate(text: &str) -> u64 {
     (text.len() as u64).div_ceil(4)
+}
+
+/// Texts longer than this (bytes) have their pre-tokenized words encoded in parallel.
+const PARALLEL_WORDS_MIN_BYTES: usize = 16 * 1024;
+
+/// Counts tokens the way `Tokenizer::encode_fast(text, add_special_tokens).len()` does, without
+/// building an `Encoding` (no token strings, offsets or masks are kept): added-token extraction
+/// and normalisation, pre-tokenisation, the model on each word, plus the post-processor's added
+/// tokens (BOS/EOS) when asked. Truncation and padding are off (see [`Counter::from_json`]), so
+/// this equals the encoding's length; the unit and Python tests check it against the
+/// `tokenizers` package. Long texts (rendered chat templates) are encoded word-parallel.
+fn count_tokens(t: &Tokenizer, text: &str, add_special_tokens: bool) -> TkResult<u64> {
+    let mut pretok = t
+        .get_added_vocabulary()
+        .extract_and_normalize(t.get_normalizer(), text);
+    if let Some(pre) = t.get_pre_tokenizer() {
+        pre.pre_tokenize(&mut pretok)?;
+    }
+    let model = t.get_model();
+    let splits = pretok.get_splits(OffsetReferential::Normalized, OffsetType::None);
+    let per_word = |(word, _, tokens): (&str, _, &Option<Vec<tokenizers::Token>>)| match tokens {
+        Some(done) => Ok(done.len()),
+        None => model.tokenize(word).map(|v| v.len()),
+    };
+    let words: usize = if text.len() >= PARALLEL_WORDS_MIN_BYTES {
+        splits
+            .into_maybe_par_iter()
+            .map(per_word)
+            .collect::<TkResult<Vec<usize>>>()?
+            .iter()
+            .sum()
+    } else {
+        splits.into_iter().map(per_word).sum::<TkResult<usize>>()?
+    };
+    let special = match (add_special_tokens, t.get_post_processor()) {
+        (true, Some(p)) => p.added_tokens(false),
+        _ => 0,
+    };
+    Ok((words + special) as u64)
 }

@@ -736,3 +736,24 @@ proptest! {
         let _ = a.analyze("/v1/completions", body.to_string().as_bytes());
     }
 }
+
+#[test]
+fn count_equals_encoding_length() {
+    let json = byte_tokenizer_json();
+    let counter = Counter::from_json(&json).unwrap();
+    let tok: tokenizers::Tokenizer = json.parse().unwrap();
+    let long = "word 😀 <|im_start|> 请求 ".repeat(2000);
+    for text in ["", "a", "x <s> y</s>", "日本語 😀\n\tcode()", long.as_str()] {
+        for special in [false, true] {
+            // The file's truncation (8) would cap the encoding; compare with it switched off.
+            let mut untruncated = tok.clone();
+            untruncated.with_truncation(None).unwrap();
+            let full = untruncated.encode_fast(text, special).unwrap().len();
+            assert_eq!(
+                counter.count(text, special).unwrap(),
+                full as u64,
+                "{special} {text:.40}"
+            );
+        }
+    }
+}
