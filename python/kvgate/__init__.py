@@ -10,6 +10,26 @@ from __future__ import annotations
 
 from kvgate import _core
 
+# --- request analysis (rust/src/python_analyze.rs) ---
+from kvgate._core import (
+    Analysis,
+    AnalysisError,
+    ModelRegistry,
+    RequestAnalyzer,
+    check_content_length,
+    peek_model,
+)
+
 __version__: str = _core.__version__
 
 __all__ = ["__version__"]
+
+# --- request analysis ---
+__all__ += [
+    "Analysis",
+    "AnalysisError",
+    "ModelRegistry",
+    "RequestAnalyzer",
+    "check_content_length",
+    "peek_model",
+]

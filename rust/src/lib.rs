@@ -7,6 +7,11 @@
 
 #[cfg(feature = "python")]
 mod python;
+#[cfg(feature = "python")]
+mod python_analyze;
 
 #[cfg(feature = "python")]
 pub use python::_core;
+
+/// Request analysis: body-size pre-reject, OpenAI body fields, prompt token count, context check.
+pub mod analyze;

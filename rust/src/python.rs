@@ -6,5 +6,6 @@ use pyo3::prelude::*;
 #[pymodule(gil_used = false)]
 pub fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    crate::python_analyze::register(m)?;
     Ok(())
 }
