@@ -9,7 +9,37 @@ live in submodules and are imported only when used.
 from __future__ import annotations
 
 from kvgate import _core
+from kvgate._core import (
+    AdaptiveLaw,
+    AdmissionController,
+    CoreError,
+    InvalidAmountError,
+    InvalidConfigError,
+    ManualClock,
+    NeverAdmissibleError,
+    OverReleaseError,
+    Rejection,
+    Reservation,
+    SharedStateError,
+    SlotPool,
+    TokenBucket,
+)
 
 __version__: str = _core.__version__
 
-__all__ = ["__version__"]
+__all__ = [
+    "AdaptiveLaw",
+    "AdmissionController",
+    "CoreError",
+    "InvalidAmountError",
+    "InvalidConfigError",
+    "ManualClock",
+    "NeverAdmissibleError",
+    "OverReleaseError",
+    "Rejection",
+    "Reservation",
+    "SharedStateError",
+    "SlotPool",
+    "TokenBucket",
+    "__version__",
+]
