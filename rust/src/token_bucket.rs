@@ -99,7 +99,8 @@ impl TokenBucket {
                 let base = tat.max(now - span_ns(old_burst, old_rate));
                 // Level in tokens (exact rational) re-expressed as time at the new rate.
                 let level_ns = i128::from(now - base);
-                let new_span = level_ns * i128::from(old_rate) / i128::from(rate);
+                // Rounded down (toward fewer tokens), so a rate change never grants tokens.
+                let new_span = (level_ns * i128::from(old_rate)).div_euclid(i128::from(rate));
                 let new_span = new_span.clamp(-i128::from(MAX_SPAN_NS), i128::from(MAX_SPAN_NS));
                 Some(now - new_span as i64)
             });
