@@ -5,6 +5,15 @@
 //! with no pyo3; `python` (behind the default `python` feature) is the only file that talks to
 //! Python.
 
+pub mod adaptive;
+pub mod admission;
+pub mod clock;
+pub mod error;
+pub mod priority;
+pub mod shm;
+pub mod slots;
+pub mod token_bucket;
+
 #[cfg(feature = "python")]
 mod python;
 #[cfg(feature = "python")]

@@ -290,6 +290,13 @@ impl PyRequestAnalyzer {
         self.inner.has_tokenizer()
     }
 
+    /// Tokens in generated text (no special tokens); raises `AnalysisError` (500) if the
+    /// tokenizer fails.
+    fn count_tokens(&self, py: Python<'_>, text: &str) -> PyResult<u64> {
+        let inner = &self.inner;
+        run(py, text.len(), || inner.count_text(text))
+    }
+
     fn __repr__(&self) -> String {
         let c = self.inner.config();
         format!(

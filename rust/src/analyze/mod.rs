@@ -259,6 +259,13 @@ impl RequestAnalyzer {
         self.counter.is_exact()
     }
 
+    /// Tokens in a piece of generated text (no special tokens added): the tokenizer's count,
+    /// or the byte estimate without one. The gateway uses it to settle a stream whose engine
+    /// sent no usage.
+    pub fn count_text(&self, text: &str) -> Result<u64, AnalysisError> {
+        self.counter.count(text, false)
+    }
+
     /// Analyses a raw body: size cap, JSON, `model` must equal this analyser's model (else 404),
     /// fields, count, context check.
     pub fn analyze(&self, route: &str, body: &[u8]) -> Result<Analysis, AnalysisError> {
