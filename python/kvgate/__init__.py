@@ -9,7 +9,53 @@ live in submodules and are imported only when used.
 from __future__ import annotations
 
 from kvgate import _core
+from kvgate._core import (
+    AdaptiveLaw,
+    AdmissionController,
+    CoreError,
+    InvalidAmountError,
+    InvalidConfigError,
+    ManualClock,
+    NeverAdmissibleError,
+    OverReleaseError,
+    Rejection,
+    Reservation,
+    SharedStateError,
+    SlotPool,
+    TokenBucket,
+)
+
+# --- request analysis (rust/src/python_analyze.rs) ---
+from kvgate._core import (
+    Analysis,
+    AnalysisError,
+    ModelRegistry,
+    RequestAnalyzer,
+    check_content_length,
+    peek_model,
+)
 
 __version__: str = _core.__version__
 
-__all__ = ["__version__"]
+__all__ = [
+    "AdaptiveLaw",
+    "AdmissionController",
+    "Analysis",
+    "AnalysisError",
+    "CoreError",
+    "InvalidAmountError",
+    "InvalidConfigError",
+    "ManualClock",
+    "ModelRegistry",
+    "NeverAdmissibleError",
+    "OverReleaseError",
+    "Rejection",
+    "RequestAnalyzer",
+    "Reservation",
+    "SharedStateError",
+    "SlotPool",
+    "TokenBucket",
+    "__version__",
+    "check_content_length",
+    "peek_model",
+]

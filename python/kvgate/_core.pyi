@@ -1,3 +1,609 @@
-"""Stubs and user docs for the native module ``kvgate._core`` (rust/src/python.rs)."""
+"""Stubs and user docs for the native module ``kvgate._core`` (rust/src/python.rs).
+
+Units: tokens (prompt + completion tokens of the model's tokenizer), slots (requests in flight),
+seconds (floats), nanoseconds (``*_ns`` ints), ratios 0..1. Every amount is an ``int`` in
+``0..=MAX_AMOUNT`` (2**62): a negative or larger int raises :class:`InvalidAmountError`; a
+``float``, ``bool`` or ``None`` raises ``TypeError``. Zero is a valid no-op. A refusal on the hot
+path is a value (``False`` or a :class:`Rejection`), never an exception; exceptions are for bad
+arguments and configuration only.
+"""
+
+from collections.abc import Sequence
+from types import TracebackType
+from typing import Any, Final, Literal, final
 
 __version__: str
+MAX_AMOUNT: int
+"""Largest accepted amount (2**62 tokens or slots)."""
+MAX_BACKENDS: int
+"""Backends one controller (region) can hold (32)."""
+MAX_TENANTS: int
+"""Tenants one controller (region) can hold (256)."""
+MAX_PROCS: int
+"""Processes that can attach to one shared region at a time (64)."""
+REGION_SIZE: int
+"""Size of the shared-memory region in bytes."""
+REASONS: tuple[str, ...]
+"""Every :attr:`Rejection.reason` label."""
+
+PriorityClass = Literal["critical", "standard", "sheddable"]
+RejectReason = Literal[
+    "tenant-tpm", "tenant-concurrency", "backend-slots", "backend-tpm", "inflight-tokens", "shed"
+]
+
+class CoreError(Exception):
+    """Base of every error raised by the admission core."""
+
+class InvalidAmountError(CoreError, ValueError):
+    """A token/slot amount is negative or above ``MAX_AMOUNT`` (2**62)."""
+
+class NeverAdmissibleError(CoreError, ValueError):
+    """More than the limit can ever hold (e.g. more tokens than a whole bucket): retrying can
+    never succeed."""
+
+    requested: int
+    """The amount asked for."""
+    limit: int
+    """The largest amount the limit can ever grant."""
+
+class OverReleaseError(CoreError, ValueError):
+    """A release of more than is held; nothing is changed."""
+
+class InvalidConfigError(CoreError, ValueError):
+    """An invalid configuration value or an unknown backend/tenant id."""
+
+class SharedStateError(CoreError, OSError):
+    """The shared-memory region could not be created, attached or validated."""
+
+class ManualClock:
+    """A test clock: time moves only when :meth:`advance` is called. Pass it as ``clock=`` to
+    any limiter or controller so refill and recovery are tested without sleeping."""
+
+    def __init__(self, start_ns: int = 0) -> None: ...
+    def advance(self, seconds: float) -> None:
+        """Moves the clock forward by ``seconds`` (finite, >= 0; else ``ValueError``)."""
+    def advance_ns(self, ns: int) -> None:
+        """Moves the clock forward by ``ns`` nanoseconds."""
+    @property
+    def now_ns(self) -> int:
+        """The current reading in nanoseconds."""
+
+class SlotPool:
+    """A lock-free pool of concurrency slots (compare-and-swap on one counter).
+
+    ``in_use`` is never above the limit in force when a slot was taken and never negative.
+    Lowering :attr:`limit` never cancels what is in flight; it only blocks new acquires until
+    ``in_use`` drops below it. ``clock`` is accepted for a uniform constructor and unused.
+
+    Raises: ``InvalidAmountError`` / ``TypeError`` for a bad ``limit``.
+    """
+
+    def __init__(self, limit: int, *, clock: ManualClock | None = None) -> None: ...
+    def try_acquire(self, n: int = 1) -> bool:
+        """Takes ``n`` slots if that stays within the limit; returns whether it did."""
+    def release(self, n: int = 1) -> None:
+        """Gives ``n`` slots back. Raises ``OverReleaseError`` (changing nothing) when fewer
+        than ``n`` are held."""
+    @property
+    def in_use(self) -> int:
+        """Slots held now."""
+    @property
+    def limit(self) -> int:
+        """The concurrency limit (slots); settable at run time."""
+    @limit.setter
+    def limit(self, value: int) -> None: ...
+
+class TokenBucket:
+    """A lock-free token bucket: ``tokens_per_minute`` refill, continuous from a monotonic clock
+    (or ``clock``), holding at most ``burst_tokens`` (default: one minute of tokens).
+
+    Starts full. :meth:`try_reserve` takes tokens up front (prompt + reserved completion);
+    :meth:`reconcile` settles with the real usage: unused tokens go back (never above full) and
+    an overrun is charged, which may put the bucket into debt bounded by one ``burst_tokens``
+    (an overrun is never free). The state is one word updated by compare-and-swap (GCRA).
+    Time costs are rounded up to whole nanoseconds, refunds down.
+
+    Raises: ``InvalidConfigError`` for a rate or burst of 0; ``InvalidAmountError`` /
+    ``TypeError`` for bad amounts.
+    """
+
+    def __init__(
+        self,
+        tokens_per_minute: int,
+        burst_tokens: int | None = None,
+        *,
+        clock: ManualClock | None = None,
+    ) -> None: ...
+    def try_reserve(self, tokens: int) -> bool:
+        """Takes ``tokens`` if available now. Raises ``NeverAdmissibleError`` when ``tokens >
+        burst_tokens`` (it can never succeed)."""
+    def reconcile(self, reserved: int, actual: int) -> None:
+        """Settles a reservation of ``reserved`` tokens with ``actual`` usage (refund or
+        overrun charge)."""
+    @property
+    def available(self) -> int:
+        """Whole tokens available now (negative when in debt)."""
+    @property
+    def tokens_per_minute(self) -> int:
+        """Refill rate (tokens per minute); settable: the current token level is kept."""
+    @tokens_per_minute.setter
+    def tokens_per_minute(self, value: int) -> None: ...
+    @property
+    def burst_tokens(self) -> int:
+        """Capacity (tokens)."""
+    def retry_after(self, tokens: int) -> float:
+        """Seconds until ``tokens`` are available (0.0 if now). Raises ``NeverAdmissibleError``
+        when ``tokens > burst_tokens``."""
+    def time_to_full(self) -> float:
+        """Seconds until the bucket is full again (for ``x-ratelimit-reset-tokens``)."""
+
+class AdaptiveLaw:
+    """The adaptive control law (DESIGN.md "Adaptive feedback").
+
+    Pressure is the engine's KV-cache usage ratio 0..1 (vLLM ``vllm:kv_cache_usage_perc``,
+    SGLang ``sglang:token_usage``); when the waiting requests (``vllm:num_requests_waiting``)
+    exceed ``waiting_threshold`` the pressure counts as the high watermark. Scale:
+    ``pressure >= high`` → ``floor``; ``<= low`` → 1.0; linear in between; a missing/stale
+    reading (``None``) → ``floor``. :meth:`update` applies decreases at once and bounds
+    increases to ``recovery_per_second`` per second. Shedding turns on at ``pressure >= high``
+    (or a missing reading) and off only when ``pressure < low`` (hysteresis).
+
+    Raises: ``InvalidConfigError`` unless ``0 <= low < high <= 1``, ``0 < floor <= 1``,
+    ``recovery_per_second > 0``.
+    """
+
+    def __init__(
+        self,
+        high: float = 0.85,
+        low: float = 0.70,
+        floor: float = 0.6,
+        recovery_per_second: float = 0.05,
+        waiting_threshold: int = 8,
+        *,
+        clock: ManualClock | None = None,
+    ) -> None: ...
+    def target(self, kv_usage: float | None, waiting: int = 0) -> float:
+        """The scale aimed at for a reading (pure). Raises ``InvalidConfigError`` (a
+        ``ValueError``) for ``kv_usage`` outside [0, 1] or NaN, ``ValueError`` for
+        ``waiting < 0``."""
+    def update(self, kv_usage: float | None, waiting: int = 0) -> float:
+        """Feeds one reading (at the clock's now) and returns the new, smoothed scale."""
+    @property
+    def scale(self) -> float:
+        """Current scale (floor..1)."""
+    @property
+    def shedding(self) -> bool:
+        """Whether the sheddable class should be shed."""
+    @property
+    def high(self) -> float: ...
+    @property
+    def low(self) -> float: ...
+    @property
+    def floor(self) -> float: ...
+    @property
+    def recovery_per_second(self) -> float: ...
+    @property
+    def waiting_threshold(self) -> int: ...
+
+class Reservation:
+    """An admitted request's hold on its slot, in-flight tokens and TPM tokens.
+
+    Release exactly once with :meth:`release` (a second call is a no-op), or use it as a
+    context manager. If it is dropped without release it releases itself (as reserved) and
+    increments :attr:`AdmissionController.leaks`. Truthy.
+    """
+
+    @property
+    def admitted(self) -> Literal[True]: ...
+    @property
+    def tokens(self) -> int:
+        """Tokens reserved (prompt + reserved completion)."""
+    @property
+    def backend(self) -> int: ...
+    @property
+    def tenant(self) -> int: ...
+    @property
+    def pool(self) -> Literal["guaranteed", "burst"]:
+        """Where the slot came from."""
+    @property
+    def released(self) -> bool: ...
+    def release(self, actual_tokens: int | None = None) -> None:
+        """Frees the slot and in-flight tokens and reconciles the tenant and backend buckets
+        with ``actual_tokens`` (prompt + real completion; ``None`` = as reserved). Idempotent.
+        A bad ``actual_tokens`` raises before anything is released."""
+    def __enter__(self) -> Reservation: ...
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None = None,
+        exc: BaseException | None = None,
+        tb: TracebackType | None = None,
+    ) -> bool: ...
+
+class Rejection:
+    """A refused admission: nothing is held. Falsy."""
+
+    @property
+    def admitted(self) -> Literal[False]: ...
+    @property
+    def reason(self) -> RejectReason:
+        """Which limit refused (low-cardinality metric label)."""
+    @property
+    def scope(self) -> Literal["tenant", "backend"]:
+        """``"tenant"`` (HTTP 429) or ``"backend"`` (HTTP 503)."""
+    @property
+    def retry_after(self) -> float | None:
+        """Estimated seconds until a retry may succeed; ``None`` when it never can."""
+    @property
+    def never(self) -> bool:
+        """True when the request can never be admitted (larger than a whole bucket or the
+        whole in-flight budget): answer with a 4xx, not "retry later"."""
+
+class AdmissionController:
+    """Admission against every limit: tenant concurrency and TPM, backend slots (guaranteed +
+    burst pool), in-flight tokens and backend TPM, in one lock-free call.
+
+    State lives in one fixed-capacity region, private (``shm_name=None``) or in named POSIX
+    shared memory so several worker processes share one set of limits: the master creates it
+    (``create=True`` replaces a stale region of that name and unlinks the name when the
+    controller is dropped), workers attach (``create=False`` or :meth:`attach`). Each process
+    keeps a ledger of what it holds; :meth:`reclaim_dead` (from any live process) gives back
+    what dead processes held (pid + start time, so pid reuse is detected).
+
+    Slots: each tenant's ``guaranteed_slots`` are carved out of every backend's (scaled)
+    ``max_concurrency``; the rest is the shared burst pool. A smaller scale shrinks the burst
+    pool first and the guarantees (proportionally) only when nothing else is left.
+    ``critical``/``standard`` requests use the tenant's guarantee, then the burst pool;
+    ``sheddable`` requests use only the burst pool and are refused (``shed``) while shedding.
+
+    Raises: ``SharedStateError`` when the region cannot be created or attached.
+    """
+
+    def __init__(
+        self,
+        *,
+        clock: ManualClock | None = None,
+        shm_name: str | None = None,
+        create: bool = True,
+    ) -> None: ...
+    @staticmethod
+    def attach(shm_name: str, *, clock: ManualClock | None = None) -> AdmissionController:
+        """Attaches to an existing shared region (a worker process)."""
+    @property
+    def shm_name(self) -> str | None: ...
+    @property
+    def leaks(self) -> int:
+        """Reservations dropped without release in this process (each released itself)."""
+    @property
+    def backend_count(self) -> int: ...
+    @property
+    def tenant_count(self) -> int: ...
+    def backend_id(self, name: str) -> int | None: ...
+    def tenant_id(self, name: str) -> int | None: ...
+    def add_backend(
+        self,
+        name: str,
+        *,
+        max_concurrency: int,
+        tokens_per_minute: int,
+        burst_tokens: int | None = None,
+        inflight_token_limit: int | None = None,
+    ) -> int:
+        """Registers a backend; returns its id. ``inflight_token_limit`` (tokens, from the
+        engine's KV capacity) ``None`` = unlimited; ``burst_tokens`` defaults to one minute.
+        Raises ``InvalidConfigError`` (duplicate name, zero limits, max_concurrency below the
+        tenants' guaranteed slots, more than ``MAX_BACKENDS``)."""
+    def update_backend(
+        self,
+        backend: int,
+        *,
+        max_concurrency: int | None = None,
+        tokens_per_minute: int | None = None,
+        burst_tokens: int | None = None,
+        inflight_token_limit: int | None = None,
+    ) -> None:
+        """Hot reload of base limits (``None`` = unchanged). Held slots and tokens are
+        untouched; the bucket's token level is kept."""
+    def add_tenant(
+        self,
+        name: str,
+        *,
+        priority: PriorityClass | int,
+        tokens_per_minute: int | None = None,
+        max_concurrency: int | None = None,
+        guaranteed_slots: int | None = 0,
+        burst_tokens: int | None = None,
+    ) -> int:
+        """Registers a tenant; returns its id. ``tokens_per_minute``/``max_concurrency``
+        ``None`` = no tenant limit. ``guaranteed_slots`` are reserved on every backend; a
+        sheddable tenant cannot have any. Raises ``InvalidConfigError``."""
+    def update_tenant(
+        self,
+        tenant: int,
+        *,
+        priority: PriorityClass | int | None = None,
+        tokens_per_minute: int | None = None,
+        max_concurrency: int | None = None,
+        guaranteed_slots: int | None = None,
+        burst_tokens: int | None = None,
+    ) -> None:
+        """Hot reload of a tenant (``None`` = unchanged)."""
+    def set_scale(self, backend: int, scale: float) -> None:
+        """Sets the adaptive scale (0 < scale <= 1), applied at once to the backend's
+        concurrency, TPM (rate and burst) and in-flight token limits. Raises
+        ``InvalidConfigError`` out of range."""
+    def set_shedding(self, backend: int, on: bool) -> None:
+        """Turns shedding of the sheddable class on or off."""
+    def admit(
+        self, backend: int, tenant: int, priority: PriorityClass | int, tokens: int
+    ) -> Reservation | Rejection:
+        """Admits a request of ``tokens`` (prompt + reserved completion; charged to the tenant
+        TPM, the backend TPM and the backend in-flight budget) or refuses it. Checks, in order:
+        never-admissible sizes, shedding, tenant concurrency, tenant TPM, backend slots,
+        in-flight tokens, backend TPM. After a refusal nothing is held. Raises
+        ``InvalidAmountError``/``TypeError`` for a bad ``tokens``, ``InvalidConfigError`` for an
+        unknown id or priority."""
+    def reclaim_dead(self) -> int:
+        """Gives back what dead attached processes held; returns the slots reclaimed."""
+    def backend_state(self, backend: int) -> dict[str, object]:
+        """Snapshot: name, scale, shedding, max_concurrency, effective_concurrency, in_use,
+        guaranteed_slots, burst_pool, burst_in_use, tokens_per_minute,
+        effective_tokens_per_minute, burst_tokens, effective_burst_tokens, available_tokens,
+        time_to_full (s), inflight_tokens, inflight_token_limit,
+        effective_inflight_token_limit, hold_time_ewma (s)."""
+    def tenant_state(self, tenant: int) -> dict[str, object]:
+        """Snapshot: name, priority, guaranteed_slots, max_concurrency, in_use,
+        tokens_per_minute, burst_tokens, available_tokens, time_to_full (s)."""
+
+# --- request analysis (rust/src/python_analyze.rs) ---
+
+
+class AnalysisError(ValueError):
+    """A request refused by the analyser, carrying OpenAI's error shape.
+
+    OpenAI ``Error`` schema (openai-openapi ``openapi.yaml``): ``{"error": {"message", "type",
+    "param", "code"}}``; all four keys are present, ``param`` / ``code`` may be ``None``.
+    ``str(err)`` is ``message``. (Standalone ``ValueError`` subclass for now; the admission
+    core's ``CoreError`` base, if any, is to be reconciled at merge time.)
+
+    Attributes:
+        status: HTTP status, ``400`` (invalid JSON / field, context overflow), ``404`` (unknown
+            model: code ``model_not_found``; unknown route: code ``unknown_url``), ``413`` (body
+            over the byte cap: code ``request_too_large``) or ``500`` (internal failure,
+            ``type`` ``server_error``, code ``internal_error``; never the client's fault).
+        type: ``"invalid_request_error"`` (or ``"server_error"`` for 500).
+        param: the offending field, e.g. ``"messages"``, ``"max_tokens"``, ``"prompt"``,
+            ``"input"``, ``"model"``, ``"messages[2].content[0].type"``; ``None`` for
+            whole-body errors (invalid JSON, 413).
+        code: ``"context_length_exceeded"``, ``"invalid_json"``, ``"invalid_type"``,
+            ``"invalid_value"``, ``"missing_required_parameter"``, ``"empty_array"``,
+            ``"integer_below_min_value"``, ``"integer_above_max_value"``,
+            ``"chat_template_error"`` (the template's ``raise_exception`` or a render failure),
+            ``"model_not_found"``, ``"unknown_url"``, ``"request_too_large"``,
+            ``"internal_error"``.
+        message: human-readable text. Context overflow keeps OpenAI's phrase: "This model's
+            maximum context length is N tokens. However, you requested M tokens (P in the
+            messages, C in the completion). ..." or, for the prompt alone, "... However, your
+            messages resulted in P tokens. ...".
+    """
+
+    status: Final[int]
+    type: Final[str]
+    param: Final[str | None]
+    code: Final[str | None]
+    message: Final[str]
+    def __init__(
+        self,
+        message: str,
+        status: int = 400,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        /,
+    ) -> None:
+        """Arguments are positional only (``BaseException.__init__`` takes no keywords)."""
+    def body(self) -> dict[str, dict[str, Any]]:
+        """The error body ``{"error": {"message", "type", "param", "code"}}`` as a dict."""
+    def to_json(self) -> bytes:
+        """The same body as compact JSON bytes, ready to send with ``status``."""
+
+@final
+class Analysis:
+    """What one request costs, as computed by ``RequestAnalyzer.analyze`` (immutable).
+
+    Attributes:
+        model: the body's ``model``.
+        route: ``"/v1/chat/completions"``, ``"/v1/completions"`` or ``"/v1/embeddings"``.
+        prompt_tokens: prompt tokens (tokens), summed over the prompts of a batched
+            completions / embeddings request.
+        completion_tokens: completion tokens reserved (tokens): per-choice limit × ``n`` ×
+            number of prompts. The per-choice limit is ``max_completion_tokens``, else
+            ``max_tokens``; when both are absent, ``default_max_tokens`` (capped at the room
+            left) if configured, else ``context_window - prompt_tokens`` (what vLLM / SGLang /
+            TGI allow, ENGINES.md §5.5). Always 0 for embeddings.
+        n: choices per prompt: ``n``, or ``max(n, best_of)`` on ``/v1/completions``; 1 for
+            embeddings.
+        stream: the body's ``stream`` (``False`` when absent or null).
+        include_usage: the body's ``stream_options.include_usage``.
+        reserved_tokens: ``prompt_tokens + completion_tokens`` (tokens): the TPM / in-flight
+            reservation to make before forwarding, reconciled with the real usage afterwards.
+        inject_max_tokens: set only when ``default_max_tokens`` was applied: the per-choice limit
+            (tokens) the gateway must write into the forwarded body as ``max_tokens`` so the
+            engine honours the same bound as the reservation.
+        counting: how ``prompt_tokens`` was obtained: ``"chat_template"`` (chat, the rendered
+            template counted with the tokenizer, no extra special tokens), ``"overhead"`` (chat
+            without a template: content, ``name``, ``tool_calls`` and ``tools`` JSON counted with
+            the tokenizer, plus ``per_message_overhead`` per message), ``"tokenizer"``
+            (completions / embeddings, counted with the tokenizer's special tokens), or
+            ``"estimate"`` (no tokenizer configured: ``ceil(utf8_bytes / 4)`` per text).
+    """
+
+    model: Final[str]
+    route: Final[str]
+    prompt_tokens: Final[int]
+    completion_tokens: Final[int]
+    n: Final[int]
+    stream: Final[bool]
+    include_usage: Final[bool]
+    reserved_tokens: Final[int]
+    inject_max_tokens: Final[int | None]
+    counting: Final[Literal["chat_template", "overhead", "tokenizer", "estimate"]]
+
+@final
+class RequestAnalyzer:
+    """One model's request analyser: body cap, OpenAI fields, prompt count, context check.
+
+    Thread-safe and immutable; ``analyze`` releases the GIL for bodies of 1 KiB or more, so the
+    gateway can call it from a thread pool (``loop.run_in_executor``) without blocking its event
+    loop.
+
+    Args:
+        model: the model name clients send in ``model``; ``analyze`` refuses any other name
+            with 404 ``model_not_found`` (use ``ModelRegistry`` to serve several).
+        context_window: context window in tokens (prompt + completion), e.g. vLLM's
+            ``max_model_len``; at least 1.
+        tokenizer_path: path of the model's HuggingFace ``tokenizer.json``.
+        tokenizer_json: the same file's text (give one of the two, or neither). Truncation and
+            padding settings in the file are switched off (they would falsify counts). With
+            no tokenizer, counts are the cheap deterministic estimate ``ceil(utf8_bytes / 4)``
+            per text (``counting == "estimate"``), never exact.
+        chat_template: a Jinja chat template; overrides the one in ``tokenizer_config_path``.
+        tokenizer_config_path: path of the model's ``tokenizer_config.json``: ``chat_template``
+            (a string, or a list of ``{"name", "template"}`` with ``default`` and ``tool_use``,
+            the latter used when the request has ``tools``), ``bos_token``, ``eos_token``.
+            Templates render like transformers' ``apply_chat_template`` (trim_blocks,
+            lstrip_blocks, loop controls; context ``messages``, ``tools``,
+            ``add_generation_prompt=True``, ``bos_token``, ``eos_token``, ``raise_exception``,
+            ``strftime_now``; ``tojson`` as ``json.dumps(ensure_ascii=False)``; Python ``str`` /
+            ``dict`` methods such as ``strip``, ``startswith``, ``split``, ``items``, ``get``).
+            Content-part arrays reach the template as their text parts joined with ``"\\n"``
+            (vLLM's "string" content format), and tool-call ``arguments`` strings as parsed
+            objects (as vLLM does).
+        per_message_overhead: chat without a template: tokens added per message for the role
+            and delimiters (tokens, default 4).
+        image_tokens: tokens charged per image content part (``image_url`` / ``input_image``);
+            default 765, OpenAI's price of one high-detail 512×512 tile (85 + 170 × 4).
+        audio_tokens: tokens charged per audio content part (``input_audio``), default 200.
+        default_max_tokens: completion tokens to reserve when a request sets neither
+            ``max_tokens`` nor ``max_completion_tokens`` (then reported as
+            ``Analysis.inject_max_tokens``); ``None`` reserves the rest of the window.
+        max_body_bytes: cap on the raw body (bytes, default 32 MiB); larger bodies get 413
+            without being parsed.
+
+    Raises:
+        ValueError: bad settings (``context_window`` 0, ``default_max_tokens`` 0, both
+            tokenizer sources, an invalid ``tokenizer.json`` / config / template).
+        OSError: a path that cannot be read.
+    """
+
+    def __init__(
+        self,
+        *,
+        model: str,
+        context_window: int,
+        tokenizer_path: str | None = None,
+        tokenizer_json: str | None = None,
+        chat_template: str | None = None,
+        tokenizer_config_path: str | None = None,
+        per_message_overhead: int = 4,
+        image_tokens: int = 765,
+        audio_tokens: int = 200,
+        default_max_tokens: int | None = None,
+        max_body_bytes: int = 33554432,
+    ) -> None: ...
+    def analyze(self, route: str, body: bytes) -> Analysis:
+        """Analyse one request body.
+
+        Args:
+            route: the request path: ``/v1/chat/completions``, ``/v1/completions`` or
+                ``/v1/embeddings`` (the ``/v1`` prefix is optional, a query string is ignored).
+            body: the raw body bytes.
+
+        Returns:
+            The ``Analysis``.
+
+        Raises:
+            AnalysisError: 413 body over ``max_body_bytes`` (checked before parsing); 400
+                invalid JSON (including invalid UTF-8, lone surrogate escapes, nesting deeper
+                than 128 levels), a non-object body, a missing / mistyped / out-of-range field
+                (``max_tokens`` and ``max_completion_tokens`` must be JSON integers >= 1,
+                ``n`` and ``best_of`` in 1..128 with ``best_of >= n``), empty ``messages`` /
+                ``prompt`` / ``input``, unknown content-part type, token ids outside the
+                vocabulary, more than 2048 embedding inputs, a chat template error, or the
+                context check (``prompt_tokens >= context_window`` with no limit requested, or
+                ``prompt + max_tokens > context_window``, per prompt); 404 ``model_not_found``
+                when ``model`` differs from this analyser's, ``unknown_url`` for another route;
+                500 on an internal failure (panics are caught, never crash the process).
+        """
+    @property
+    def model(self) -> str: ...
+    @property
+    def context_window(self) -> int:
+        """Context window (tokens)."""
+    @property
+    def max_body_bytes(self) -> int:
+        """Body cap (bytes)."""
+    @property
+    def default_max_tokens(self) -> int | None:
+        """Completion reservation when the request sets no limit (tokens), if configured."""
+    @property
+    def has_chat_template(self) -> bool: ...
+    @property
+    def has_tokenizer(self) -> bool:
+        """True when counts are exact (a ``tokenizer.json`` was given)."""
+    def count_tokens(self, text: str) -> int:
+        """Tokens in ``text`` without special tokens (tokens): the tokenizer's count, or
+        ``ceil(utf8_bytes / 4)`` without a tokenizer. The gateway settles a stream whose engine
+        sent no usage with it. Raises ``AnalysisError`` (500) if the tokenizer fails."""
+
+@final
+class ModelRegistry:
+    """Analysers of several models, picked by the body's ``model``.
+
+    Args:
+        analyzers: one ``RequestAnalyzer`` per model name.
+
+    Raises:
+        ValueError: two analysers for the same model.
+    """
+
+    def __init__(self, analyzers: Sequence[RequestAnalyzer]) -> None: ...
+    def analyze(self, route: str, body: bytes) -> Analysis:
+        """Parse once, choose the analyser by ``model``, check its body cap, analyse.
+
+        Raises:
+            AnalysisError: as ``RequestAnalyzer.analyze``; 404 ``model_not_found`` (param
+                ``"model"``) for a model no analyser serves; 413 above ``max_body_bytes`` of the
+                registry before parsing, and above the chosen model's cap after.
+        """
+    def get(self, model: str) -> RequestAnalyzer | None: ...
+    def models(self) -> list[str]:
+        """Model names, sorted."""
+    @property
+    def max_body_bytes(self) -> int:
+        """The largest body cap among the analysers (bytes): what to check ``Content-Length``
+        against before the model is known."""
+    def __len__(self) -> int: ...
+    def __contains__(self, model: str) -> bool: ...
+
+def check_content_length(content_length: int | None, max_body_bytes: int) -> None:
+    """Pre-reject a body from its declared size, before reading any of it.
+
+    Call with the ``Content-Length`` header value (``None`` when absent, e.g. chunked), and
+    while reading a chunked body with the running byte count.
+
+    Args:
+        content_length: declared or counted body size (bytes), or ``None``.
+        max_body_bytes: the cap (bytes).
+
+    Raises:
+        AnalysisError: 413, code ``request_too_large``, when ``content_length > max_body_bytes``.
+        OverflowError: a negative size.
+    """
+
+def peek_model(body: bytes) -> str:
+    """Read only ``model`` from a body (the rest is skipped without building values).
+
+    Raises:
+        AnalysisError: 400 ``invalid_json`` / ``invalid_type`` (non-object body or non-string
+            model) / ``missing_required_parameter`` (no ``model``).
+    """

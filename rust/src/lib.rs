@@ -5,8 +5,22 @@
 //! with no pyo3; `python` (behind the default `python` feature) is the only file that talks to
 //! Python.
 
+pub mod adaptive;
+pub mod admission;
+pub mod clock;
+pub mod error;
+pub mod priority;
+pub mod shm;
+pub mod slots;
+pub mod token_bucket;
+
 #[cfg(feature = "python")]
 mod python;
+#[cfg(feature = "python")]
+mod python_analyze;
 
 #[cfg(feature = "python")]
 pub use python::_core;
+
+/// Request analysis: body-size pre-reject, OpenAI body fields, prompt token count, context check.
+pub mod analyze;

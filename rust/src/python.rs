@@ -1,10 +1,883 @@
-//! The pyo3 bindings: the only file that knows about Python.
+//! The pyo3 bindings: the only file that knows about Python. User docs live in
+//! `python/kvgate/_core.pyi`.
 
+// Python methods with constant answers (`admitted`, `__bool__`) still take `&self`.
+#![allow(clippy::unused_self)]
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
+use pyo3::sync::PyOnceLock;
+use pyo3::types::{PyBool, PyDict, PyInt, PyString, PyTuple, PyType};
+
+use crate::adaptive::{AdaptiveLaw as RustLaw, LawParams};
+use crate::admission::{
+    Admission, BackendConfig, Pool, Reason, Refusal, TenantConfig, Ticket, MAX_BACKENDS, MAX_PROCS,
+    MAX_TENANTS, REGION_SIZE,
+};
+use crate::clock::{Clock, ManualClock as RustManualClock};
+use crate::error::{CoreError, MAX_AMOUNT};
+use crate::priority::Priority;
+use crate::slots::SlotCounter;
+use crate::token_bucket::TokenBucket as RustBucket;
+
+static CORE_ERROR: PyOnceLock<Py<PyType>> = PyOnceLock::new();
+static INVALID_AMOUNT: PyOnceLock<Py<PyType>> = PyOnceLock::new();
+static NEVER_ADMISSIBLE: PyOnceLock<Py<PyType>> = PyOnceLock::new();
+static OVER_RELEASE: PyOnceLock<Py<PyType>> = PyOnceLock::new();
+static INVALID_CONFIG: PyOnceLock<Py<PyType>> = PyOnceLock::new();
+static SHARED_STATE: PyOnceLock<Py<PyType>> = PyOnceLock::new();
+
+fn make_type(
+    py: Python<'_>,
+    name: &str,
+    doc: &str,
+    bases: &Bound<'_, PyTuple>,
+) -> PyResult<Py<PyType>> {
+    let ns = PyDict::new(py);
+    ns.set_item("__module__", "kvgate")?;
+    ns.set_item("__doc__", doc)?;
+    let ty = py
+        .import("builtins")?
+        .getattr("type")?
+        .call1((name, bases, ns))?;
+    Ok(ty.cast_into::<PyType>()?.unbind())
+}
+
+fn init_errors(py: Python<'_>) -> PyResult<()> {
+    let exc = py.get_type::<pyo3::exceptions::PyException>();
+    let core = make_type(
+        py,
+        "CoreError",
+        "Base of every kvgate core error.",
+        &PyTuple::new(py, [exc])?,
+    )?;
+    let core_b = core.bind(py).clone();
+    let value = py.get_type::<pyo3::exceptions::PyValueError>();
+    let os = py.get_type::<pyo3::exceptions::PyOSError>();
+    let leaf = |name: &str, doc: &str, other: &Bound<'_, PyType>| -> PyResult<Py<PyType>> {
+        make_type(
+            py,
+            name,
+            doc,
+            &PyTuple::new(py, [core_b.clone(), other.clone()])?,
+        )
+    };
+    let _ = INVALID_AMOUNT.set(
+        py,
+        leaf(
+            "InvalidAmountError",
+            "A token/slot amount is negative or absurd (> 2**62).",
+            &value,
+        )?,
+    );
+    let _ = NEVER_ADMISSIBLE.set(
+        py,
+        leaf(
+            "NeverAdmissibleError",
+            "More than the limit can ever hold; has .requested and .limit.",
+            &value,
+        )?,
+    );
+    let _ = OVER_RELEASE.set(
+        py,
+        leaf(
+            "OverReleaseError",
+            "A release of more than is held.",
+            &value,
+        )?,
+    );
+    let _ = INVALID_CONFIG.set(
+        py,
+        leaf(
+            "InvalidConfigError",
+            "Invalid configuration value or unknown id.",
+            &value,
+        )?,
+    );
+    let _ = SHARED_STATE.set(
+        py,
+        leaf(
+            "SharedStateError",
+            "Shared-memory region could not be created or attached.",
+            &os,
+        )?,
+    );
+    let _ = CORE_ERROR.set(py, core);
+    Ok(())
+}
+
+fn err_type<'py>(py: Python<'py>, cell: &PyOnceLock<Py<PyType>>) -> Bound<'py, PyType> {
+    cell.get(py)
+        .expect("kvgate._core errors initialised")
+        .bind(py)
+        .clone()
+}
+
+fn to_pyerr(py: Python<'_>, e: &CoreError) -> PyErr {
+    let msg = e.to_string();
+    let cell = match e {
+        CoreError::InvalidAmount { .. } => &INVALID_AMOUNT,
+        CoreError::NeverAdmissible { .. } => &NEVER_ADMISSIBLE,
+        CoreError::OverRelease { .. } => &OVER_RELEASE,
+        CoreError::InvalidConfig(_) => &INVALID_CONFIG,
+        CoreError::SharedState(_) => &SHARED_STATE,
+    };
+    let ty = err_type(py, cell);
+    let inst = match ty.call1((msg,)) {
+        Ok(i) => i,
+        Err(err) => return err,
+    };
+    if let CoreError::NeverAdmissible { requested, limit } = e {
+        let _ = inst.setattr("requested", requested);
+        let _ = inst.setattr("limit", limit);
+    }
+    PyErr::from_value(inst)
+}
+
+impl From<CoreError> for PyErr {
+    fn from(e: CoreError) -> Self {
+        Python::attach(|py| to_pyerr(py, &e))
+    }
+}
+
+/// Reads a token/slot amount: an `int` in 0..=2**62. Floats, None, bools and other types raise
+/// `TypeError`; negative or huge ints raise `InvalidAmountError`.
+fn amount(obj: &Bound<'_, PyAny>, what: &'static str) -> PyResult<u64> {
+    if !obj.is_exact_instance_of::<PyInt>()
+        && (obj.is_instance_of::<PyBool>() || !obj.is_instance_of::<PyInt>())
+    {
+        return Err(PyTypeError::new_err(format!(
+            "{what} must be an int (a whole number of tokens/slots), got {}",
+            obj.get_type()
+                .name()
+                .map_or_else(|_| "?".into(), |n| n.to_string())
+        )));
+    }
+    if let Ok(v) = obj.extract::<i64>() {
+        Ok(crate::error::check_amount(what, i128::from(v))?)
+    } else {
+        let v: i128 = obj.extract().unwrap_or(i128::MAX);
+        Err(CoreError::InvalidAmount { what, value: v }.into())
+    }
+}
+
+fn opt_amount(obj: Option<&Bound<'_, PyAny>>, what: &'static str) -> PyResult<Option<u64>> {
+    match obj {
+        None => Ok(None),
+        Some(o) if o.is_none() => Ok(None),
+        Some(o) => amount(o, what).map(Some),
+    }
+}
+
+fn priority_of(obj: &Bound<'_, PyAny>) -> PyResult<Priority> {
+    if let Ok(s) = obj.cast::<PyString>() {
+        return Ok(Priority::parse(s.to_str()?)?);
+    }
+    if obj.is_instance_of::<PyInt>() && !obj.is_instance_of::<PyBool>() {
+        let code: u64 = obj.extract().unwrap_or(u64::MAX);
+        return Ok(Priority::from_code(code)?);
+    }
+    Err(PyTypeError::new_err(
+        "priority must be 'critical', 'standard', 'sheddable' or 0/1/2",
+    ))
+}
+
+fn clock_of(clock: Option<&Bound<'_, ManualClock>>) -> Clock {
+    clock.map_or(Clock::Monotonic, |c| Clock::Manual(c.get().inner.clone()))
+}
+
+#[allow(clippy::cast_precision_loss)]
+fn secs(ns: u64) -> f64 {
+    ns as f64 / 1e9
+}
+
+/// A test clock that only moves when advanced.
+#[pyclass(frozen, module = "kvgate")]
+pub struct ManualClock {
+    inner: Arc<RustManualClock>,
+}
+
+#[pymethods]
+impl ManualClock {
+    #[new]
+    #[pyo3(signature = (start_ns=0))]
+    fn new(start_ns: u64) -> Self {
+        Self {
+            inner: Arc::new(RustManualClock::new(start_ns)),
+        }
+    }
+
+    fn advance(&self, seconds: f64) -> PyResult<()> {
+        if !(seconds.is_finite() && seconds >= 0.0) {
+            return Err(pyo3::exceptions::PyValueError::new_err(format!(
+                "seconds must be a finite number >= 0 (got {seconds})"
+            )));
+        }
+        self.inner.advance_ns((seconds * 1e9).round() as u64);
+        Ok(())
+    }
+
+    fn advance_ns(&self, ns: u64) {
+        self.inner.advance_ns(ns);
+    }
+
+    #[getter]
+    fn now_ns(&self) -> u64 {
+        self.inner.now_ns()
+    }
+
+    fn __repr__(&self) -> String {
+        format!("ManualClock(now_ns={})", self.inner.now_ns())
+    }
+}
+
+/// A lock-free pool of concurrency slots.
+#[pyclass(frozen, module = "kvgate")]
+pub struct SlotPool {
+    c: SlotCounter,
+}
+
+#[pymethods]
+impl SlotPool {
+    #[new]
+    #[pyo3(signature = (limit, *, clock=None))]
+    fn new(limit: &Bound<'_, PyAny>, clock: Option<&Bound<'_, ManualClock>>) -> PyResult<Self> {
+        let _ = clock; // slots do not depend on time; accepted for a uniform constructor.
+        Ok(Self {
+            c: SlotCounter::new(amount(limit, "limit")?),
+        })
+    }
+
+    #[pyo3(signature = (n=None))]
+    fn try_acquire(&self, n: Option<&Bound<'_, PyAny>>) -> PyResult<bool> {
+        let n = opt_amount(n, "n")?.unwrap_or(1);
+        Ok(self.c.try_acquire(n))
+    }
+
+    #[pyo3(signature = (n=None))]
+    fn release(&self, n: Option<&Bound<'_, PyAny>>) -> PyResult<()> {
+        let n = opt_amount(n, "n")?.unwrap_or(1);
+        Ok(self.c.release(n)?)
+    }
+
+    #[getter]
+    fn in_use(&self) -> u64 {
+        self.c.in_use()
+    }
+
+    #[getter]
+    fn limit(&self) -> u64 {
+        self.c.limit()
+    }
+
+    #[setter]
+    fn set_limit(&self, limit: &Bound<'_, PyAny>) -> PyResult<()> {
+        self.c.set_limit(amount(limit, "limit")?);
+        Ok(())
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "SlotPool(in_use={}, limit={})",
+            self.c.in_use(),
+            self.c.limit()
+        )
+    }
+}
+
+/// A lock-free token bucket (tokens per minute) with reserve / reconcile.
+#[pyclass(frozen, module = "kvgate")]
+pub struct TokenBucket {
+    b: RustBucket,
+    clock: Clock,
+}
+
+#[pymethods]
+impl TokenBucket {
+    #[new]
+    #[pyo3(signature = (tokens_per_minute, burst_tokens=None, *, clock=None))]
+    fn new(
+        tokens_per_minute: &Bound<'_, PyAny>,
+        burst_tokens: Option<&Bound<'_, PyAny>>,
+        clock: Option<&Bound<'_, ManualClock>>,
+    ) -> PyResult<Self> {
+        let rate = amount(tokens_per_minute, "tokens_per_minute")?;
+        let burst = opt_amount(burst_tokens, "burst_tokens")?.unwrap_or(rate);
+        Ok(Self {
+            b: RustBucket::new(rate, burst)?,
+            clock: clock_of(clock),
+        })
+    }
+
+    fn try_reserve(&self, tokens: &Bound<'_, PyAny>) -> PyResult<bool> {
+        let n = amount(tokens, "tokens")?;
+        Ok(self.b.try_reserve(n, self.clock.now_ns())?)
+    }
+
+    fn reconcile(&self, reserved: &Bound<'_, PyAny>, actual: &Bound<'_, PyAny>) -> PyResult<()> {
+        let r = amount(reserved, "reserved")?;
+        let a = amount(actual, "actual")?;
+        self.b.reconcile(r, a, self.clock.now_ns());
+        Ok(())
+    }
+
+    #[getter]
+    fn available(&self) -> i64 {
+        self.b.available(self.clock.now_ns())
+    }
+
+    #[getter]
+    fn tokens_per_minute(&self) -> u64 {
+        self.b.rate()
+    }
+
+    #[setter]
+    fn set_tokens_per_minute(&self, rate: &Bound<'_, PyAny>) -> PyResult<()> {
+        let rate = amount(rate, "tokens_per_minute")?;
+        Ok(self
+            .b
+            .set_params(rate, self.b.burst(), self.clock.now_ns())?)
+    }
+
+    #[getter]
+    fn burst_tokens(&self) -> u64 {
+        self.b.burst()
+    }
+
+    fn retry_after(&self, tokens: &Bound<'_, PyAny>) -> PyResult<f64> {
+        let n = amount(tokens, "tokens")?;
+        Ok(secs(self.b.retry_after_ns(n, self.clock.now_ns())?))
+    }
+
+    fn time_to_full(&self) -> f64 {
+        secs(self.b.time_to_full_ns(self.clock.now_ns()))
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "TokenBucket(tokens_per_minute={}, burst_tokens={}, available={})",
+            self.b.rate(),
+            self.b.burst(),
+            self.b.available(self.clock.now_ns())
+        )
+    }
+}
+
+/// The adaptive control law (KV-cache usage + waiting requests → scale).
+#[pyclass(module = "kvgate")]
+pub struct AdaptiveLaw {
+    law: RustLaw,
+    clock: Clock,
+}
+
+fn waiting_of(w: i64) -> PyResult<u64> {
+    u64::try_from(w).map_err(|_| {
+        pyo3::exceptions::PyValueError::new_err(format!("waiting must be >= 0 (got {w})"))
+    })
+}
+
+#[pymethods]
+impl AdaptiveLaw {
+    #[new]
+    #[pyo3(signature = (high=0.85, low=0.70, floor=0.6, recovery_per_second=0.05, waiting_threshold=8, *, clock=None))]
+    fn new(
+        high: f64,
+        low: f64,
+        floor: f64,
+        recovery_per_second: f64,
+        waiting_threshold: u64,
+        clock: Option<&Bound<'_, ManualClock>>,
+    ) -> PyResult<Self> {
+        let params = LawParams {
+            high,
+            low,
+            floor,
+            recovery_per_second,
+            waiting_threshold,
+        };
+        Ok(Self {
+            law: RustLaw::new(params)?,
+            clock: clock_of(clock),
+        })
+    }
+
+    #[pyo3(signature = (kv_usage, waiting=0))]
+    fn target(&self, kv_usage: Option<f64>, waiting: i64) -> PyResult<f64> {
+        Ok(self.law.target(kv_usage, waiting_of(waiting)?)?)
+    }
+
+    #[pyo3(signature = (kv_usage, waiting=0))]
+    fn update(&mut self, kv_usage: Option<f64>, waiting: i64) -> PyResult<f64> {
+        let now = self.clock.now_ns();
+        Ok(self.law.update(kv_usage, waiting_of(waiting)?, now)?)
+    }
+
+    #[getter]
+    fn scale(&self) -> f64 {
+        self.law.scale()
+    }
+
+    #[getter]
+    fn shedding(&self) -> bool {
+        self.law.shedding()
+    }
+
+    #[getter]
+    fn high(&self) -> f64 {
+        self.law.params().high
+    }
+
+    #[getter]
+    fn low(&self) -> f64 {
+        self.law.params().low
+    }
+
+    #[getter]
+    fn floor(&self) -> f64 {
+        self.law.params().floor
+    }
+
+    #[getter]
+    fn recovery_per_second(&self) -> f64 {
+        self.law.params().recovery_per_second
+    }
+
+    #[getter]
+    fn waiting_threshold(&self) -> u64 {
+        self.law.params().waiting_threshold
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "AdaptiveLaw(scale={:.3}, shedding={})",
+            self.law.scale(),
+            self.law.shedding()
+        )
+    }
+}
+
+/// An admitted request's hold on every limit.
+#[pyclass(frozen, module = "kvgate")]
+pub struct Reservation {
+    core: Arc<Admission>,
+    ticket: Ticket,
+    released: AtomicBool,
+}
+
+#[pymethods]
+impl Reservation {
+    #[getter]
+    fn admitted(&self) -> bool {
+        true
+    }
+
+    #[getter]
+    fn tokens(&self) -> u64 {
+        self.ticket.tokens
+    }
+
+    #[getter]
+    fn backend(&self) -> u32 {
+        self.ticket.backend
+    }
+
+    #[getter]
+    fn tenant(&self) -> u32 {
+        self.ticket.tenant
+    }
+
+    #[getter]
+    fn pool(&self) -> &'static str {
+        match self.ticket.pool {
+            Pool::Guaranteed => "guaranteed",
+            Pool::Burst => "burst",
+        }
+    }
+
+    #[getter]
+    fn released(&self) -> bool {
+        self.released.load(Ordering::Acquire)
+    }
+
+    #[pyo3(signature = (actual_tokens=None))]
+    fn release(&self, actual_tokens: Option<&Bound<'_, PyAny>>) -> PyResult<()> {
+        let actual = opt_amount(actual_tokens, "actual_tokens")?;
+        if self.released.swap(true, Ordering::AcqRel) {
+            return Ok(());
+        }
+        Ok(self.core.release(&self.ticket, actual)?)
+    }
+
+    fn __enter__(slf: Bound<'_, Self>) -> Bound<'_, Self> {
+        slf
+    }
+
+    #[pyo3(signature = (_exc_type=None, _exc=None, _tb=None))]
+    fn __exit__(
+        &self,
+        _exc_type: Option<&Bound<'_, PyAny>>,
+        _exc: Option<&Bound<'_, PyAny>>,
+        _tb: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<bool> {
+        self.release(None)?;
+        Ok(false)
+    }
+
+    fn __bool__(&self) -> bool {
+        true
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "Reservation(backend={}, tenant={}, tokens={}, pool={:?}, released={})",
+            self.ticket.backend,
+            self.ticket.tenant,
+            self.ticket.tokens,
+            self.pool(),
+            self.released()
+        )
+    }
+}
+
+impl Drop for Reservation {
+    fn drop(&mut self) {
+        if !self.released.swap(true, Ordering::AcqRel) {
+            let _ = self.core.release(&self.ticket, None);
+            self.core.count_leak();
+        }
+    }
+}
+
+/// A refusal: nothing is held.
+#[pyclass(frozen, module = "kvgate")]
+pub struct Rejection {
+    refusal: Refusal,
+}
+
+#[pymethods]
+impl Rejection {
+    #[getter]
+    fn admitted(&self) -> bool {
+        false
+    }
+
+    #[getter]
+    fn reason(&self) -> &'static str {
+        self.refusal.reason.as_str()
+    }
+
+    #[getter]
+    fn scope(&self) -> &'static str {
+        self.refusal.reason.scope()
+    }
+
+    #[getter]
+    fn retry_after(&self) -> Option<f64> {
+        self.refusal.retry_after_ns.map(secs)
+    }
+
+    #[getter]
+    fn never(&self) -> bool {
+        self.refusal.retry_after_ns.is_none()
+    }
+
+    fn __bool__(&self) -> bool {
+        false
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "Rejection(reason={:?}, scope={:?}, retry_after={:?})",
+            self.reason(),
+            self.scope(),
+            self.retry_after()
+        )
+    }
+}
+
+/// Admission against every limit of a backend and a tenant.
+#[pyclass(frozen, module = "kvgate")]
+pub struct AdmissionController {
+    core: Arc<Admission>,
+}
+
+#[pymethods]
+impl AdmissionController {
+    #[new]
+    #[pyo3(signature = (*, clock=None, shm_name=None, create=true))]
+    fn new(
+        clock: Option<&Bound<'_, ManualClock>>,
+        shm_name: Option<&str>,
+        create: bool,
+    ) -> PyResult<Self> {
+        let clock = clock_of(clock);
+        let core = match (shm_name, create) {
+            (None, _) => Admission::new_heap(clock)?,
+            (Some(name), true) => Admission::create_shm(name, clock)?,
+            (Some(name), false) => Admission::attach_shm(name, clock)?,
+        };
+        Ok(Self { core })
+    }
+
+    #[staticmethod]
+    #[pyo3(signature = (shm_name, *, clock=None))]
+    fn attach(shm_name: &str, clock: Option<&Bound<'_, ManualClock>>) -> PyResult<Self> {
+        Ok(Self {
+            core: Admission::attach_shm(shm_name, clock_of(clock))?,
+        })
+    }
+
+    #[getter]
+    fn shm_name(&self) -> Option<String> {
+        self.core.shm_name()
+    }
+
+    #[getter]
+    fn leaks(&self) -> u64 {
+        self.core.leaks()
+    }
+
+    #[getter]
+    fn backend_count(&self) -> u32 {
+        self.core.backend_count()
+    }
+
+    #[getter]
+    fn tenant_count(&self) -> u32 {
+        self.core.tenant_count()
+    }
+
+    fn backend_id(&self, name: &str) -> Option<u32> {
+        self.core.backend_id(name)
+    }
+
+    fn tenant_id(&self, name: &str) -> Option<u32> {
+        self.core.tenant_id(name)
+    }
+
+    #[pyo3(signature = (name, *, max_concurrency, tokens_per_minute, burst_tokens=None, inflight_token_limit=None))]
+    fn add_backend(
+        &self,
+        name: &str,
+        max_concurrency: &Bound<'_, PyAny>,
+        tokens_per_minute: &Bound<'_, PyAny>,
+        burst_tokens: Option<&Bound<'_, PyAny>>,
+        inflight_token_limit: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<u32> {
+        let c = BackendConfig {
+            max_concurrency: amount(max_concurrency, "max_concurrency")?,
+            tokens_per_minute: amount(tokens_per_minute, "tokens_per_minute")?,
+            burst_tokens: opt_amount(burst_tokens, "burst_tokens")?,
+            inflight_token_limit: opt_amount(inflight_token_limit, "inflight_token_limit")?,
+        };
+        Ok(self.core.add_backend(name, &c)?)
+    }
+
+    #[pyo3(signature = (backend, *, max_concurrency=None, tokens_per_minute=None, burst_tokens=None, inflight_token_limit=None))]
+    fn update_backend(
+        &self,
+        backend: u32,
+        max_concurrency: Option<&Bound<'_, PyAny>>,
+        tokens_per_minute: Option<&Bound<'_, PyAny>>,
+        burst_tokens: Option<&Bound<'_, PyAny>>,
+        inflight_token_limit: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<()> {
+        let mut c = self.core.backend_config(backend)?;
+        if let Some(v) = opt_amount(max_concurrency, "max_concurrency")? {
+            c.max_concurrency = v;
+        }
+        if let Some(v) = opt_amount(tokens_per_minute, "tokens_per_minute")? {
+            c.tokens_per_minute = v;
+        }
+        if let Some(v) = opt_amount(burst_tokens, "burst_tokens")? {
+            c.burst_tokens = Some(v);
+        }
+        if let Some(v) = opt_amount(inflight_token_limit, "inflight_token_limit")? {
+            c.inflight_token_limit = Some(v);
+        }
+        Ok(self.core.update_backend(backend, &c)?)
+    }
+
+    #[pyo3(signature = (name, *, priority, tokens_per_minute=None, max_concurrency=None, guaranteed_slots=None, burst_tokens=None))]
+    fn add_tenant(
+        &self,
+        name: &str,
+        priority: &Bound<'_, PyAny>,
+        tokens_per_minute: Option<&Bound<'_, PyAny>>,
+        max_concurrency: Option<&Bound<'_, PyAny>>,
+        guaranteed_slots: Option<&Bound<'_, PyAny>>,
+        burst_tokens: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<u32> {
+        let c = TenantConfig {
+            priority: priority_of(priority)?,
+            tokens_per_minute: opt_amount(tokens_per_minute, "tokens_per_minute")?,
+            burst_tokens: opt_amount(burst_tokens, "burst_tokens")?,
+            max_concurrency: opt_amount(max_concurrency, "max_concurrency")?,
+            guaranteed_slots: opt_amount(guaranteed_slots, "guaranteed_slots")?.unwrap_or(0),
+        };
+        Ok(self.core.add_tenant(name, &c)?)
+    }
+
+    #[pyo3(signature = (tenant, *, priority=None, tokens_per_minute=None, max_concurrency=None, guaranteed_slots=None, burst_tokens=None))]
+    fn update_tenant(
+        &self,
+        tenant: u32,
+        priority: Option<&Bound<'_, PyAny>>,
+        tokens_per_minute: Option<&Bound<'_, PyAny>>,
+        max_concurrency: Option<&Bound<'_, PyAny>>,
+        guaranteed_slots: Option<&Bound<'_, PyAny>>,
+        burst_tokens: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<()> {
+        let mut c = self.core.tenant_config(tenant)?;
+        if let Some(p) = priority.filter(|p| !p.is_none()) {
+            c.priority = priority_of(p)?;
+        }
+        if let Some(v) = opt_amount(tokens_per_minute, "tokens_per_minute")? {
+            c.tokens_per_minute = Some(v);
+            if c.burst_tokens.is_some() && burst_tokens.is_none() {
+                c.burst_tokens = Some(v);
+            }
+        }
+        if let Some(v) = opt_amount(burst_tokens, "burst_tokens")? {
+            c.burst_tokens = Some(v);
+        }
+        if let Some(v) = opt_amount(max_concurrency, "max_concurrency")? {
+            c.max_concurrency = Some(v);
+        }
+        if let Some(v) = opt_amount(guaranteed_slots, "guaranteed_slots")? {
+            c.guaranteed_slots = v;
+        }
+        Ok(self.core.update_tenant(tenant, &c)?)
+    }
+
+    fn set_scale(&self, backend: u32, scale: f64) -> PyResult<()> {
+        Ok(self.core.set_scale(backend, scale)?)
+    }
+
+    fn set_shedding(&self, backend: u32, on: bool) -> PyResult<()> {
+        Ok(self.core.set_shedding(backend, on)?)
+    }
+
+    fn admit(
+        &self,
+        py: Python<'_>,
+        backend: u32,
+        tenant: u32,
+        priority: &Bound<'_, PyAny>,
+        tokens: &Bound<'_, PyAny>,
+    ) -> PyResult<Py<PyAny>> {
+        let n = amount(tokens, "tokens")?;
+        let p = priority_of(priority)?;
+        match self.core.admit(backend, tenant, p, n)? {
+            Ok(ticket) => Ok(Bound::new(
+                py,
+                Reservation {
+                    core: self.core.clone(),
+                    ticket,
+                    released: AtomicBool::new(false),
+                },
+            )?
+            .into_any()
+            .unbind()),
+            Err(refusal) => Ok(Bound::new(py, Rejection { refusal })?.into_any().unbind()),
+        }
+    }
+
+    fn reclaim_dead(&self) -> u64 {
+        self.core.reclaim_dead()
+    }
+
+    fn backend_state<'py>(&self, py: Python<'py>, backend: u32) -> PyResult<Bound<'py, PyDict>> {
+        let s = self.core.backend_state(backend)?;
+        let d = PyDict::new(py);
+        d.set_item("name", s.name)?;
+        d.set_item("scale", s.scale)?;
+        d.set_item("shedding", s.shedding)?;
+        d.set_item("max_concurrency", s.max_concurrency)?;
+        d.set_item("effective_concurrency", s.effective_concurrency)?;
+        d.set_item("in_use", s.in_use)?;
+        d.set_item("guaranteed_slots", s.guaranteed_slots)?;
+        d.set_item("burst_pool", s.burst_pool)?;
+        d.set_item("burst_in_use", s.burst_in_use)?;
+        d.set_item("tokens_per_minute", s.tokens_per_minute)?;
+        d.set_item("effective_tokens_per_minute", s.effective_tokens_per_minute)?;
+        d.set_item("burst_tokens", s.burst_tokens)?;
+        d.set_item("effective_burst_tokens", s.effective_burst_tokens)?;
+        d.set_item("available_tokens", s.available_tokens)?;
+        d.set_item("time_to_full", secs(s.time_to_full_ns))?;
+        d.set_item("inflight_tokens", s.inflight_tokens)?;
+        d.set_item("inflight_token_limit", s.inflight_token_limit)?;
+        d.set_item(
+            "effective_inflight_token_limit",
+            s.effective_inflight_token_limit,
+        )?;
+        d.set_item("hold_time_ewma", secs(s.hold_time_ewma_ns))?;
+        Ok(d)
+    }
+
+    fn tenant_state<'py>(&self, py: Python<'py>, tenant: u32) -> PyResult<Bound<'py, PyDict>> {
+        let s = self.core.tenant_state(tenant)?;
+        let d = PyDict::new(py);
+        d.set_item("name", s.name)?;
+        d.set_item("priority", s.priority.as_str())?;
+        d.set_item("guaranteed_slots", s.guaranteed_slots)?;
+        d.set_item("max_concurrency", s.max_concurrency)?;
+        d.set_item("in_use", s.in_use)?;
+        d.set_item("tokens_per_minute", s.tokens_per_minute)?;
+        d.set_item("burst_tokens", s.burst_tokens)?;
+        d.set_item("available_tokens", s.available_tokens)?;
+        d.set_item("time_to_full", s.time_to_full_ns.map(secs))?;
+        Ok(d)
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "AdmissionController(backends={}, tenants={}, shm_name={:?})",
+            self.core.backend_count(),
+            self.core.tenant_count(),
+            self.core.shm_name()
+        )
+    }
+}
 
 /// The native module `kvgate._core`.
 #[pymodule(gil_used = false)]
 pub fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    let py = m.py();
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    init_errors(py)?;
+    m.add("CoreError", err_type(py, &CORE_ERROR))?;
+    m.add("InvalidAmountError", err_type(py, &INVALID_AMOUNT))?;
+    m.add("NeverAdmissibleError", err_type(py, &NEVER_ADMISSIBLE))?;
+    m.add("OverReleaseError", err_type(py, &OVER_RELEASE))?;
+    m.add("InvalidConfigError", err_type(py, &INVALID_CONFIG))?;
+    m.add("SharedStateError", err_type(py, &SHARED_STATE))?;
+    m.add("MAX_AMOUNT", MAX_AMOUNT)?;
+    m.add("MAX_BACKENDS", MAX_BACKENDS)?;
+    m.add("MAX_TENANTS", MAX_TENANTS)?;
+    m.add("MAX_PROCS", MAX_PROCS)?;
+    m.add("REGION_SIZE", REGION_SIZE)?;
+    m.add("REASONS", {
+        let all = [
+            Reason::TenantTpm,
+            Reason::TenantConcurrency,
+            Reason::BackendSlots,
+            Reason::BackendTpm,
+            Reason::InflightTokens,
+            Reason::Shed,
+        ];
+        PyTuple::new(py, all.map(Reason::as_str))?
+    })?;
+    m.add_class::<ManualClock>()?;
+    m.add_class::<SlotPool>()?;
+    m.add_class::<TokenBucket>()?;
+    m.add_class::<AdaptiveLaw>()?;
+    m.add_class::<AdmissionController>()?;
+    m.add_class::<Reservation>()?;
+    m.add_class::<Rejection>()?;
+    crate::python_analyze::register(m)?;
     Ok(())
 }

@@ -1,0 +1,99 @@
+"""pytest-benchmark of the admission core from Python (FFI cost included), each side by side with
+the pure-Python reference of the article's Go sketch (benches/reference_limiter.py).
+
+Each benchmarked call runs ``BATCH`` operation pairs, so pairs/s = BATCH / mean time.
+Run: ``make bench`` (or ``.venv/bin/python -m pytest benches/bench_core.py --benchmark-enable``).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from kvgate import AdmissionController, SlotPool, TokenBucket
+from reference_limiter import RefJointLimiter, RefSlotPool, RefTokenBucket
+
+BATCH = 1_000
+BIG = 2**40
+
+
+@pytest.mark.benchmark(group="slot acquire+release")
+def test_slots_rust(benchmark) -> None:  # type: ignore[no-untyped-def]
+    pool = SlotPool(64)
+    acquire, release = pool.try_acquire, pool.release
+
+    def run() -> None:
+        for _ in range(BATCH):
+            acquire(1)
+            release(1)
+
+    benchmark(run)
+    assert pool.in_use == 0
+
+
+@pytest.mark.benchmark(group="slot acquire+release")
+def test_slots_python_reference(benchmark) -> None:  # type: ignore[no-untyped-def]
+    pool = RefSlotPool(64)
+    acquire, release = pool.try_acquire, pool.release
+
+    def run() -> None:
+        for _ in range(BATCH):
+            acquire(1)
+            release(1)
+
+    benchmark(run)
+    assert pool.in_use == 0
+
+
+@pytest.mark.benchmark(group="reserve+reconcile")
+def test_bucket_rust(benchmark) -> None:  # type: ignore[no-untyped-def]
+    bucket = TokenBucket(BIG)
+    reserve, reconcile = bucket.try_reserve, bucket.reconcile
+
+    def run() -> None:
+        for _ in range(BATCH):
+            reserve(500)
+            reconcile(500, 400)
+
+    benchmark(run)
+
+
+@pytest.mark.benchmark(group="reserve+reconcile")
+def test_bucket_python_reference(benchmark) -> None:  # type: ignore[no-untyped-def]
+    bucket = RefTokenBucket(BIG)
+    reserve, reconcile = bucket.try_reserve, bucket.reconcile
+
+    def run() -> None:
+        for _ in range(BATCH):
+            reserve(500)
+            reconcile(500, 400)
+
+    benchmark(run)
+
+
+@pytest.mark.benchmark(group="admit+release")
+def test_admit_rust(benchmark) -> None:  # type: ignore[no-untyped-def]
+    ctl = AdmissionController()
+    b = ctl.add_backend("b", max_concurrency=64, tokens_per_minute=BIG, inflight_token_limit=BIG)
+    t = ctl.add_tenant("t", priority="standard", tokens_per_minute=BIG, max_concurrency=64)
+    admit = ctl.admit
+
+    def run() -> None:
+        for _ in range(BATCH):
+            admit(b, t, "standard", 500).release(400)
+
+    benchmark(run)
+    assert ctl.backend_state(b)["in_use"] == 0
+
+
+@pytest.mark.benchmark(group="admit+release")
+def test_admit_python_reference(benchmark) -> None:  # type: ignore[no-untyped-def]
+    lim = RefJointLimiter(64, BIG)
+    acquire, release = lim.acquire, lim.release
+
+    def run() -> None:
+        for _ in range(BATCH):
+            if acquire(500):
+                release(500, 400)
+
+    benchmark(run)
+    assert lim.in_use == 0

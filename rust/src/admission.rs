@@ -1,0 +1,1340 @@
+//! The admission controller: one call admits a request for (backend, tenant, priority class,
+//! tokens) against every limit that applies, or says which limit refused and when to retry.
+//!
+//! All state lives in one fixed-capacity `#[repr(C)]` [`Region`] made only of atomics, either
+//! heap-allocated (one process) or mapped from named shared memory (several worker processes
+//! sharing one set of limits). The code path is the same both ways. The hot path (`admit`,
+//! `release`) takes no lock: every limit is a compare-and-swap counter or a one-word GCRA token
+//! bucket. Registration of backends / tenants (rare) takes a small spin lock in the region.
+//!
+//! Concurrency slots of a backend: each tenant's guaranteed slots are carved out of the
+//! backend's (scaled) concurrency limit; the rest is the shared burst pool. When the scale
+//! shrinks the limit, the burst pool shrinks first; guarantees shrink (proportionally) only when
+//! the limit is below their sum. `critical` and `standard` requests use the tenant's guaranteed
+//! slots first, then the burst pool; `sheddable` requests use only the burst pool and are refused
+//! as a whole while the backend is shedding.
+//!
+//! Crash safety: every process keeps its own held counts in the region; `reclaim_dead` (from
+//! any live process) gives back what a dead process held. A process is identified by pid and
+//! start time, so a reused pid is not mistaken for the dead one. Counters are updated global
+//! first, ledger second on acquire, and ledger first, global second on release: a kill between
+//! the two can leak one unit (the limit shrinks by one) but never frees a unit twice.
+
+use std::ptr::NonNull;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use crate::clock::Clock;
+use crate::error::{check_amount, CoreError, MAX_AMOUNT};
+use crate::priority::Priority;
+use crate::shm::{process_alive, process_start_time, ShmMapping};
+use crate::slots::{add, sub, try_acquire_atomic, SlotCounter, UNLIMITED};
+use crate::token_bucket::TokenBucket;
+
+/// Most backends one region holds.
+pub const MAX_BACKENDS: usize = 32;
+/// Most tenants one region holds.
+pub const MAX_TENANTS: usize = 256;
+/// Most processes (controllers) attached to one region at a time.
+pub const MAX_PROCS: usize = 64;
+const NAME_WORDS: usize = 8;
+/// Longest backend / tenant name in bytes.
+pub const MAX_NAME_LEN: usize = NAME_WORDS * 8;
+const MAGIC: u64 = 0x6b76_6761_7465_0001; // "kvgate" + layout version 1
+const SCALE_ONE: u64 = 1_000_000; // scale is stored in parts per million
+const CLAIMING: u64 = u64::MAX;
+const RECLAIMING: u64 = u64::MAX - 1;
+/// Retry-after hint (ns) when a refusal depends on the adaptive scale (shed, scaled-down limit).
+const SCALE_RETRY_NS: u64 = 1_000_000_000;
+/// Retry-after hint (ns) for slot refusals before any hold time has been measured.
+const DEFAULT_HOLD_NS: u64 = 1_000_000_000;
+const MIN_RETRY_NS: u64 = 1_000_000;
+
+/// Region header.
+#[repr(C)]
+#[derive(Debug)]
+pub struct Header {
+    magic: AtomicU64,
+    size: AtomicU64,
+    reg_lock: AtomicU64,
+    n_backends: AtomicU64,
+    n_tenants: AtomicU64,
+    total_guaranteed: AtomicU64,
+}
+
+/// One backend's limits and counters.
+#[repr(C)]
+#[derive(Debug)]
+pub struct BackendState {
+    ready: AtomicU64,
+    name: [AtomicU64; NAME_WORDS],
+    max_concurrency: AtomicU64,
+    scale_ppm: AtomicU64,
+    shedding: AtomicU64,
+    in_use: AtomicU64,
+    burst: SlotCounter,
+    inflight: SlotCounter,
+    tpm: TokenBucket,
+    ewma_hold_ns: AtomicU64,
+}
+
+/// One tenant's quota and counters.
+#[repr(C)]
+#[derive(Debug)]
+pub struct TenantState {
+    ready: AtomicU64,
+    name: [AtomicU64; NAME_WORDS],
+    priority: AtomicU64,
+    guaranteed: AtomicU64,
+    conc: SlotCounter,
+    has_tpm: AtomicU64,
+    tpm: TokenBucket,
+    guar_in_use: [AtomicU64; MAX_BACKENDS],
+}
+
+/// One attached process's ledger of what it holds.
+#[repr(C)]
+#[derive(Debug)]
+pub struct ProcState {
+    pid: AtomicU64,
+    start_time: AtomicU64,
+    backend_total: [AtomicU64; MAX_BACKENDS],
+    backend_burst: [AtomicU64; MAX_BACKENDS],
+    backend_inflight: [AtomicU64; MAX_BACKENDS],
+    tenant_conc: [AtomicU64; MAX_TENANTS],
+    guar: [[AtomicU64; MAX_BACKENDS]; MAX_TENANTS],
+}
+
+/// The whole shared state. All-zero bytes are a valid (empty) region.
+#[repr(C)]
+#[derive(Debug)]
+pub struct Region {
+    header: Header,
+    backends: [BackendState; MAX_BACKENDS],
+    tenants: [TenantState; MAX_TENANTS],
+    procs: [ProcState; MAX_PROCS],
+}
+
+/// Size in bytes of the shared-memory region.
+pub const REGION_SIZE: usize = std::mem::size_of::<Region>();
+
+/// Why a request was refused. `as_str` gives the low-cardinality label.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Reason {
+    /// The tenant's token bucket (TPM).
+    TenantTpm,
+    /// The tenant's concurrency limit.
+    TenantConcurrency,
+    /// The backend's concurrency slots (guaranteed + burst pool).
+    BackendSlots,
+    /// The backend's token bucket (TPM).
+    BackendTpm,
+    /// The backend's in-flight token budget.
+    InflightTokens,
+    /// The class is being shed.
+    Shed,
+}
+
+impl Reason {
+    /// The label: `tenant-tpm`, `tenant-concurrency`, `backend-slots`, `backend-tpm`,
+    /// `inflight-tokens`, `shed`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Reason::TenantTpm => "tenant-tpm",
+            Reason::TenantConcurrency => "tenant-concurrency",
+            Reason::BackendSlots => "backend-slots",
+            Reason::BackendTpm => "backend-tpm",
+            Reason::InflightTokens => "inflight-tokens",
+            Reason::Shed => "shed",
+        }
+    }
+
+    /// Whose limit refused: `"tenant"` (HTTP 429) or `"backend"` (HTTP 503).
+    pub fn scope(self) -> &'static str {
+        match self {
+            Reason::TenantTpm | Reason::TenantConcurrency => "tenant",
+            _ => "backend",
+        }
+    }
+}
+
+/// A refusal: nothing is held after it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Refusal {
+    /// Which limit refused.
+    pub reason: Reason,
+    /// Estimated nanoseconds until a retry may succeed; `None` when it never can.
+    pub retry_after_ns: Option<u64>,
+}
+
+/// Which pool a reservation's slot came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Pool {
+    /// The tenant's guaranteed slots on that backend.
+    Guaranteed,
+    /// The backend's shared burst pool.
+    Burst,
+}
+
+/// What an admitted request holds; give it back with [`Admission::release`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Ticket {
+    /// Backend id.
+    pub backend: u32,
+    /// Tenant id.
+    pub tenant: u32,
+    /// Pool of the slot.
+    pub pool: Pool,
+    /// Tokens reserved (prompt + reserved completion).
+    pub tokens: u64,
+    /// Admission time (ns, controller clock).
+    pub admitted_ns: u64,
+}
+
+/// Configuration of a backend (base limits, before scaling).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BackendConfig {
+    /// Concurrency limit (slots), >= 1.
+    pub max_concurrency: u64,
+    /// Token bucket rate (tokens per minute), >= 1.
+    pub tokens_per_minute: u64,
+    /// Token bucket capacity (tokens); defaults to `tokens_per_minute`.
+    pub burst_tokens: Option<u64>,
+    /// In-flight token budget (tokens); `None` = unlimited.
+    pub inflight_token_limit: Option<u64>,
+}
+
+/// Configuration of a tenant.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TenantConfig {
+    /// The tenant's (default) priority class.
+    pub priority: Priority,
+    /// Tenant token bucket rate (tokens per minute); `None` = no tenant TPM limit.
+    pub tokens_per_minute: Option<u64>,
+    /// Tenant token bucket capacity; defaults to `tokens_per_minute`.
+    pub burst_tokens: Option<u64>,
+    /// Tenant concurrency limit across backends; `None` = unlimited.
+    pub max_concurrency: Option<u64>,
+    /// Slots reserved for this tenant on every backend (0 for sheddable tenants).
+    pub guaranteed_slots: u64,
+}
+
+/// A snapshot of a backend for status pages and `x-ratelimit-*` headers.
+#[derive(Debug, Clone, PartialEq)]
+pub struct BackendSnapshot {
+    /// Name.
+    pub name: String,
+    /// Current scale (0..1].
+    pub scale: f64,
+    /// Whether the sheddable class is shed.
+    pub shedding: bool,
+    /// Base concurrency limit.
+    pub max_concurrency: u64,
+    /// Scaled concurrency limit.
+    pub effective_concurrency: u64,
+    /// Slots held.
+    pub in_use: u64,
+    /// Sum of tenant guarantees (base).
+    pub guaranteed_slots: u64,
+    /// Burst pool size after scaling.
+    pub burst_pool: u64,
+    /// Burst pool slots held.
+    pub burst_in_use: u64,
+    /// Base TPM.
+    pub tokens_per_minute: u64,
+    /// Scaled TPM.
+    pub effective_tokens_per_minute: u64,
+    /// Base bucket capacity.
+    pub burst_tokens: u64,
+    /// Scaled bucket capacity.
+    pub effective_burst_tokens: u64,
+    /// Tokens in the bucket now (negative in debt).
+    pub available_tokens: i64,
+    /// Nanoseconds until the bucket is full.
+    pub time_to_full_ns: u64,
+    /// In-flight tokens held.
+    pub inflight_tokens: u64,
+    /// Base in-flight budget (`None` = unlimited).
+    pub inflight_token_limit: Option<u64>,
+    /// Scaled in-flight budget.
+    pub effective_inflight_token_limit: Option<u64>,
+    /// EWMA of slot hold times (ns).
+    pub hold_time_ewma_ns: u64,
+}
+
+/// A snapshot of a tenant.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TenantSnapshot {
+    /// Name.
+    pub name: String,
+    /// Priority class.
+    pub priority: Priority,
+    /// Guaranteed slots per backend.
+    pub guaranteed_slots: u64,
+    /// Concurrency limit (`None` = unlimited).
+    pub max_concurrency: Option<u64>,
+    /// Requests held across backends.
+    pub in_use: u64,
+    /// TPM (`None` = no tenant TPM limit).
+    pub tokens_per_minute: Option<u64>,
+    /// Bucket capacity.
+    pub burst_tokens: Option<u64>,
+    /// Tokens available now.
+    pub available_tokens: Option<i64>,
+    /// Nanoseconds until the bucket is full.
+    pub time_to_full_ns: Option<u64>,
+}
+
+enum Storage {
+    Heap(NonNull<Region>),
+    Shm(ShmMapping),
+}
+
+/// The admission controller over one region.
+pub struct Admission {
+    storage: Storage,
+    clock: Clock,
+    proc_idx: usize,
+    leaks: AtomicU64,
+}
+
+// SAFETY: the region is made only of atomics and outlives `Admission` (owned by `storage`).
+unsafe impl Send for Admission {}
+// SAFETY: idem.
+unsafe impl Sync for Admission {}
+
+impl std::fmt::Debug for Admission {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Admission")
+            .field("shm", &self.shm_name())
+            .field("proc_idx", &self.proc_idx)
+            .finish_non_exhaustive()
+    }
+}
+
+fn layout() -> std::alloc::Layout {
+    std::alloc::Layout::new::<Region>()
+}
+
+#[inline]
+fn scaled(base: u64, ppm: u64) -> u64 {
+    if base == UNLIMITED || base == 0 {
+        return base;
+    }
+    ((u128::from(base) * u128::from(ppm) / u128::from(SCALE_ONE)) as u64).max(1)
+}
+
+fn write_name(dst: &[AtomicU64; NAME_WORDS], name: &str) {
+    let mut buf = [0u8; MAX_NAME_LEN];
+    buf[..name.len()].copy_from_slice(name.as_bytes());
+    for (i, w) in dst.iter().enumerate() {
+        let mut b = [0u8; 8];
+        b.copy_from_slice(&buf[i * 8..i * 8 + 8]);
+        w.store(u64::from_le_bytes(b), Ordering::Release);
+    }
+}
+
+fn read_name(src: &[AtomicU64; NAME_WORDS]) -> String {
+    let mut buf = Vec::with_capacity(MAX_NAME_LEN);
+    for w in src {
+        buf.extend_from_slice(&w.load(Ordering::Acquire).to_le_bytes());
+    }
+    let end = buf.iter().position(|&b| b == 0).unwrap_or(buf.len());
+    String::from_utf8_lossy(&buf[..end]).into_owned()
+}
+
+fn check_name(name: &str) -> Result<(), CoreError> {
+    if name.is_empty() || name.len() > MAX_NAME_LEN || name.contains('\0') {
+        return Err(CoreError::InvalidConfig(format!(
+            "name {name:?} must be 1..={MAX_NAME_LEN} bytes without NUL"
+        )));
+    }
+    Ok(())
+}
+
+fn config_err<T>(msg: String) -> Result<T, CoreError> {
+    Err(CoreError::InvalidConfig(msg))
+}
+
+/// Releases the region's registration lock on drop.
+struct RegGuard<'a>(&'a AtomicU64);
+
+impl Drop for RegGuard<'_> {
+    fn drop(&mut self) {
+        self.0.store(0, Ordering::Release);
+    }
+}
+
+impl Admission {
+    /// A controller over a private heap region.
+    pub fn new_heap(clock: Clock) -> Result<Arc<Self>, CoreError> {
+        // SAFETY: Region is not zero-sized; all-zero bytes are a valid Region (atomics only).
+        #[allow(clippy::cast_ptr_alignment)] // the layout is Region's, so the block is aligned
+        let ptr = unsafe { std::alloc::alloc_zeroed(layout()) }.cast::<Region>();
+        let ptr = NonNull::new(ptr)
+            .ok_or_else(|| CoreError::SharedState("out of memory for the region".into()))?;
+        Self::finish(Storage::Heap(ptr), clock, true)
+    }
+
+    /// A controller over a new shared-memory region `name` (replacing any stale one).
+    pub fn create_shm(name: &str, clock: Clock) -> Result<Arc<Self>, CoreError> {
+        let map = ShmMapping::create(name, REGION_SIZE)?;
+        Self::finish(Storage::Shm(map), clock, true)
+    }
+
+    /// A controller attached to the existing shared-memory region `name`.
+    pub fn attach_shm(name: &str, clock: Clock) -> Result<Arc<Self>, CoreError> {
+        let map = ShmMapping::open(name, REGION_SIZE)?;
+        Self::finish(Storage::Shm(map), clock, false)
+    }
+
+    fn finish(storage: Storage, clock: Clock, create: bool) -> Result<Arc<Self>, CoreError> {
+        let mut me = Self {
+            storage,
+            clock,
+            proc_idx: 0,
+            leaks: AtomicU64::new(0),
+        };
+        let h = &me.region().header;
+        if create {
+            h.size.store(REGION_SIZE as u64, Ordering::Release);
+            h.magic.store(MAGIC, Ordering::Release);
+        } else {
+            let mut tries = 0;
+            while h.magic.load(Ordering::Acquire) == 0 && tries < 1000 {
+                std::thread::sleep(std::time::Duration::from_millis(1));
+                tries += 1;
+            }
+            if h.magic.load(Ordering::Acquire) != MAGIC
+                || h.size.load(Ordering::Acquire) != REGION_SIZE as u64
+            {
+                return Err(CoreError::SharedState(format!(
+                    "shared memory {:?} is not a kvgate region of this version",
+                    me.shm_name().unwrap_or_default()
+                )));
+            }
+        }
+        me.proc_idx = me.claim_proc()?;
+        Ok(Arc::new(me))
+    }
+
+    fn claim_proc(&self) -> Result<usize, CoreError> {
+        let pid = u64::from(std::process::id());
+        let start = process_start_time(std::process::id()).unwrap_or(0);
+        for (i, p) in self.region().procs.iter().enumerate() {
+            if p.pid
+                .compare_exchange(0, CLAIMING, Ordering::AcqRel, Ordering::Relaxed)
+                .is_ok()
+            {
+                p.start_time.store(start, Ordering::Release);
+                p.pid.store(pid, Ordering::Release);
+                return Ok(i);
+            }
+        }
+        Err(CoreError::SharedState(format!(
+            "all {MAX_PROCS} process entries of the region are taken; call reclaim_dead()"
+        )))
+    }
+
+    /// The region.
+    #[inline]
+    pub fn region(&self) -> &Region {
+        match &self.storage {
+            // SAFETY: allocated in new_heap, freed only in Drop.
+            Storage::Heap(p) => unsafe { p.as_ref() },
+            // SAFETY: the mapping is REGION_SIZE bytes, page aligned, lives as long as self.
+            Storage::Shm(m) => unsafe { m.as_ptr().cast::<Region>().as_ref() },
+        }
+    }
+
+    /// The shared-memory name, if the region is shared.
+    pub fn shm_name(&self) -> Option<String> {
+        match &self.storage {
+            Storage::Heap(_) => None,
+            Storage::Shm(m) => Some(m.name().to_owned()),
+        }
+    }
+
+    /// The controller's clock.
+    pub fn clock(&self) -> &Clock {
+        &self.clock
+    }
+
+    /// Reservations dropped without release (released automatically), in this process.
+    pub fn leaks(&self) -> u64 {
+        self.leaks.load(Ordering::Relaxed)
+    }
+
+    /// Counts one leak.
+    pub fn count_leak(&self) {
+        self.leaks.fetch_add(1, Ordering::Relaxed);
+    }
+
+    fn lock_registration(&self) -> RegGuard<'_> {
+        let lock = &self.region().header.reg_lock;
+        let me = u64::from(std::process::id());
+        let mut spins = 0u32;
+        loop {
+            match lock.compare_exchange(0, me, Ordering::AcqRel, Ordering::Acquire) {
+                Ok(_) => return RegGuard(lock),
+                Err(holder) => {
+                    spins += 1;
+                    if spins % 1000 == 0 {
+                        // A holder killed mid-registration must not block everyone forever.
+                        let dead = process_start_time(holder as u32).is_none();
+                        if dead
+                            && lock
+                                .compare_exchange(holder, me, Ordering::AcqRel, Ordering::Acquire)
+                                .is_ok()
+                        {
+                            return RegGuard(lock);
+                        }
+                    }
+                    std::thread::yield_now();
+                }
+            }
+        }
+    }
+
+    fn backend(&self, id: u32) -> Result<&BackendState, CoreError> {
+        let r = self.region();
+        let n = r.header.n_backends.load(Ordering::Acquire);
+        if u64::from(id) < n {
+            let b = &r.backends[id as usize];
+            if b.ready.load(Ordering::Acquire) == 1 {
+                return Ok(b);
+            }
+        }
+        config_err(format!("unknown backend id {id} ({n} backends registered)"))
+    }
+
+    fn tenant(&self, id: u32) -> Result<&TenantState, CoreError> {
+        let r = self.region();
+        let n = r.header.n_tenants.load(Ordering::Acquire);
+        if u64::from(id) < n {
+            let t = &r.tenants[id as usize];
+            if t.ready.load(Ordering::Acquire) == 1 {
+                return Ok(t);
+            }
+        }
+        config_err(format!("unknown tenant id {id} ({n} tenants registered)"))
+    }
+
+    /// Number of registered backends.
+    pub fn backend_count(&self) -> u32 {
+        self.region().header.n_backends.load(Ordering::Acquire) as u32
+    }
+
+    /// Number of registered tenants.
+    pub fn tenant_count(&self) -> u32 {
+        self.region().header.n_tenants.load(Ordering::Acquire) as u32
+    }
+
+    /// The id of the backend called `name`.
+    pub fn backend_id(&self, name: &str) -> Option<u32> {
+        (0..self.backend_count())
+            .find(|&i| self.backend(i).is_ok_and(|b| read_name(&b.name) == name))
+    }
+
+    /// The id of the tenant called `name`.
+    pub fn tenant_id(&self, name: &str) -> Option<u32> {
+        (0..self.tenant_count()).find(|&i| self.tenant(i).is_ok_and(|t| read_name(&t.name) == name))
+    }
+
+    fn min_backend_concurrency(&self) -> Option<(String, u64)> {
+        (0..self.backend_count())
+            .filter_map(|i| self.backend(i).ok())
+            .map(|b| {
+                (
+                    read_name(&b.name),
+                    b.max_concurrency.load(Ordering::Acquire),
+                )
+            })
+            .min_by_key(|(_, c)| *c)
+    }
+
+    fn check_backend_config(c: &BackendConfig) -> Result<(u64, u64), CoreError> {
+        if c.max_concurrency == 0 || c.max_concurrency > MAX_AMOUNT {
+            return config_err(format!(
+                "max_concurrency must be in 1..=2**62 (got {})",
+                c.max_concurrency
+            ));
+        }
+        if c.inflight_token_limit == Some(0) {
+            return config_err("inflight_token_limit must be >= 1 (or None for unlimited)".into());
+        }
+        let burst = c.burst_tokens.unwrap_or(c.tokens_per_minute);
+        TokenBucket::new(c.tokens_per_minute, burst)?;
+        Ok((c.tokens_per_minute, burst))
+    }
+
+    /// Registers a backend; returns its id.
+    pub fn add_backend(&self, name: &str, c: &BackendConfig) -> Result<u32, CoreError> {
+        check_name(name)?;
+        let (rate, burst) = Self::check_backend_config(c)?;
+        let _g = self.lock_registration();
+        if self.backend_id(name).is_some() {
+            return config_err(format!("backend {name:?} already exists"));
+        }
+        let h = &self.region().header;
+        let g = h.total_guaranteed.load(Ordering::Acquire);
+        if g > c.max_concurrency {
+            return config_err(format!(
+                "backend {name:?}: max_concurrency {} is below the tenants' guaranteed slots ({g})",
+                c.max_concurrency
+            ));
+        }
+        let id = h.n_backends.load(Ordering::Acquire) as usize;
+        if id >= MAX_BACKENDS {
+            return config_err(format!("at most {MAX_BACKENDS} backends"));
+        }
+        let b = &self.region().backends[id];
+        write_name(&b.name, name);
+        b.max_concurrency
+            .store(c.max_concurrency, Ordering::Release);
+        b.scale_ppm.store(SCALE_ONE, Ordering::Release);
+        b.shedding.store(0, Ordering::Release);
+        b.inflight
+            .set_limit(c.inflight_token_limit.unwrap_or(UNLIMITED));
+        b.tpm.init(rate, burst)?;
+        b.ready.store(1, Ordering::Release);
+        h.n_backends.store(id as u64 + 1, Ordering::Release);
+        Ok(id as u32)
+    }
+
+    /// Hot reload of a backend's base limits; held slots and tokens are untouched and the token
+    /// level is kept. Every field of `c` is applied (`None` in-flight limit = unlimited).
+    pub fn update_backend(&self, id: u32, c: &BackendConfig) -> Result<(), CoreError> {
+        let b = self.backend(id)?;
+        let (rate, burst) = Self::check_backend_config(c)?;
+        let _g = self.lock_registration();
+        let g = self
+            .region()
+            .header
+            .total_guaranteed
+            .load(Ordering::Acquire);
+        if g > c.max_concurrency {
+            return config_err(format!(
+                "max_concurrency {} is below the tenants' guaranteed slots ({g})",
+                c.max_concurrency
+            ));
+        }
+        b.max_concurrency
+            .store(c.max_concurrency, Ordering::Release);
+        b.inflight
+            .set_limit(c.inflight_token_limit.unwrap_or(UNLIMITED));
+        b.tpm.set_params(rate, burst, self.clock.now_ns())?;
+        Ok(())
+    }
+
+    /// The base configuration of a backend.
+    pub fn backend_config(&self, id: u32) -> Result<BackendConfig, CoreError> {
+        let b = self.backend(id)?;
+        let limit = b.inflight.limit();
+        Ok(BackendConfig {
+            max_concurrency: b.max_concurrency.load(Ordering::Acquire),
+            tokens_per_minute: b.tpm.rate(),
+            burst_tokens: Some(b.tpm.burst()),
+            inflight_token_limit: (limit != UNLIMITED).then_some(limit),
+        })
+    }
+
+    fn check_tenant_config(c: &TenantConfig) -> Result<Option<(u64, u64)>, CoreError> {
+        if c.priority == Priority::Sheddable && c.guaranteed_slots > 0 {
+            return config_err(
+                "a sheddable tenant cannot have guaranteed slots (it uses only the burst pool)"
+                    .into(),
+            );
+        }
+        if c.max_concurrency == Some(0) {
+            return config_err("max_concurrency must be >= 1 (or None for unlimited)".into());
+        }
+        if c.guaranteed_slots > MAX_AMOUNT {
+            return config_err("guaranteed_slots must be <= 2**62".into());
+        }
+        match c.tokens_per_minute {
+            None => {
+                if c.burst_tokens.is_some() {
+                    return config_err("burst_tokens needs tokens_per_minute".into());
+                }
+                Ok(None)
+            }
+            Some(rate) => {
+                let burst = c.burst_tokens.unwrap_or(rate);
+                TokenBucket::new(rate, burst)?;
+                Ok(Some((rate, burst)))
+            }
+        }
+    }
+
+    fn check_guarantees(&self, new_total: u64) -> Result<(), CoreError> {
+        if let Some((name, conc)) = self.min_backend_concurrency() {
+            if new_total > conc {
+                return config_err(format!(
+                    "guaranteed slots would total {new_total}, above backend {name:?}'s \
+                     max_concurrency {conc}"
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// Registers a tenant; returns its id.
+    pub fn add_tenant(&self, name: &str, c: &TenantConfig) -> Result<u32, CoreError> {
+        check_name(name)?;
+        let bucket = Self::check_tenant_config(c)?;
+        let _g = self.lock_registration();
+        if self.tenant_id(name).is_some() {
+            return config_err(format!("tenant {name:?} already exists"));
+        }
+        let h = &self.region().header;
+        let total = h.total_guaranteed.load(Ordering::Acquire) + c.guaranteed_slots;
+        self.check_guarantees(total)?;
+        let id = h.n_tenants.load(Ordering::Acquire) as usize;
+        if id >= MAX_TENANTS {
+            return config_err(format!("at most {MAX_TENANTS} tenants"));
+        }
+        let t = &self.region().tenants[id];
+        write_name(&t.name, name);
+        t.priority.store(c.priority as u64, Ordering::Release);
+        t.guaranteed.store(c.guaranteed_slots, Ordering::Release);
+        t.conc.set_limit(c.max_concurrency.unwrap_or(UNLIMITED));
+        if let Some((rate, burst)) = bucket {
+            t.tpm.init(rate, burst)?;
+            t.has_tpm.store(1, Ordering::Release);
+        } else {
+            t.has_tpm.store(0, Ordering::Release);
+        }
+        h.total_guaranteed.store(total, Ordering::Release);
+        t.ready.store(1, Ordering::Release);
+        h.n_tenants.store(id as u64 + 1, Ordering::Release);
+        Ok(id as u32)
+    }
+
+    /// Hot reload of a tenant (every field of `c` is applied; held slots are untouched). A
+    /// tenant TPM limit that is added starts with a full bucket.
+    pub fn update_tenant(&self, id: u32, c: &TenantConfig) -> Result<(), CoreError> {
+        let t = self.tenant(id)?;
+        let bucket = Self::check_tenant_config(c)?;
+        let _g = self.lock_registration();
+        let h = &self.region().header;
+        let old = t.guaranteed.load(Ordering::Acquire);
+        let total = h.total_guaranteed.load(Ordering::Acquire) - old + c.guaranteed_slots;
+        self.check_guarantees(total)?;
+        t.priority.store(c.priority as u64, Ordering::Release);
+        t.guaranteed.store(c.guaranteed_slots, Ordering::Release);
+        h.total_guaranteed.store(total, Ordering::Release);
+        t.conc.set_limit(c.max_concurrency.unwrap_or(UNLIMITED));
+        match bucket {
+            Some((rate, burst)) if t.has_tpm.load(Ordering::Acquire) == 1 => {
+                t.tpm.set_params(rate, burst, self.clock.now_ns())?;
+            }
+            Some((rate, burst)) => {
+                t.tpm.init(rate, burst)?;
+                t.has_tpm.store(1, Ordering::Release);
+            }
+            None => t.has_tpm.store(0, Ordering::Release),
+        }
+        Ok(())
+    }
+
+    /// The configuration of a tenant.
+    pub fn tenant_config(&self, id: u32) -> Result<TenantConfig, CoreError> {
+        let t = self.tenant(id)?;
+        let has = t.has_tpm.load(Ordering::Acquire) == 1;
+        let conc = t.conc.limit();
+        Ok(TenantConfig {
+            priority: Priority::from_code(t.priority.load(Ordering::Acquire))?,
+            tokens_per_minute: has.then(|| t.tpm.rate()),
+            burst_tokens: has.then(|| t.tpm.burst()),
+            max_concurrency: (conc != UNLIMITED).then_some(conc),
+            guaranteed_slots: t.guaranteed.load(Ordering::Acquire),
+        })
+    }
+
+    /// Sets a backend's scale (0 < scale <= 1), applied to its concurrency, TPM and in-flight
+    /// token limits at once (one atomic word read at check time).
+    pub fn set_scale(&self, id: u32, scale: f64) -> Result<(), CoreError> {
+        let b = self.backend(id)?;
+        if !(scale > 0.0 && scale <= 1.0) {
+            return config_err(format!("scale must be in (0, 1] (got {scale})"));
+        }
+        let ppm = ((scale * SCALE_ONE as f64).round() as u64).clamp(1, SCALE_ONE);
+        b.scale_ppm.store(ppm, Ordering::Release);
+        Ok(())
+    }
+
+    /// Turns shedding of the sheddable class on a backend on or off.
+    pub fn set_shedding(&self, id: u32, on: bool) -> Result<(), CoreError> {
+        self.backend(id)?
+            .shedding
+            .store(u64::from(on), Ordering::Release);
+        Ok(())
+    }
+
+    fn slot_retry(b: &BackendState, in_use: u64) -> u64 {
+        let hold = match b.ewma_hold_ns.load(Ordering::Relaxed) {
+            0 => DEFAULT_HOLD_NS,
+            h => h,
+        };
+        (hold / in_use.max(1)).max(MIN_RETRY_NS)
+    }
+
+    /// Admits a request of `tokens` (prompt + reserved completion) for `tenant` at `priority`
+    /// on `backend`, or refuses it. After a refusal nothing is held.
+    ///
+    /// Errors: unknown ids, or `tokens` above [`MAX_AMOUNT`].
+    #[allow(clippy::too_many_lines)] // one linear sequence of checks with their rollbacks
+    pub fn admit(
+        &self,
+        backend: u32,
+        tenant: u32,
+        priority: Priority,
+        tokens: u64,
+    ) -> Result<Result<Ticket, Refusal>, CoreError> {
+        check_amount("tokens", i128::from(tokens))?;
+        let b = self.backend(backend)?;
+        let t = self.tenant(tenant)?;
+        let refuse = |reason, retry_after_ns| {
+            Ok(Err(Refusal {
+                reason,
+                retry_after_ns,
+            }))
+        };
+        let has_tpm = t.has_tpm.load(Ordering::Acquire) == 1;
+        // Never admissible (against base limits).
+        if has_tpm && tokens > t.tpm.burst() {
+            return refuse(Reason::TenantTpm, None);
+        }
+        if tokens > b.tpm.burst() {
+            return refuse(Reason::BackendTpm, None);
+        }
+        if tokens > b.inflight.limit() {
+            return refuse(Reason::InflightTokens, None);
+        }
+        if priority == Priority::Sheddable && b.shedding.load(Ordering::Acquire) != 0 {
+            return refuse(Reason::Shed, Some(SCALE_RETRY_NS));
+        }
+        let now = self.clock.now_ns();
+        let ppm = b.scale_ppm.load(Ordering::Acquire);
+
+        // Tenant concurrency.
+        // Always counted (limit UNLIMITED when none), so the tenant's in_use is exact.
+        if !t.conc.try_acquire(1) {
+            return refuse(
+                Reason::TenantConcurrency,
+                Some(Self::slot_retry(b, t.conc.in_use())),
+            );
+        }
+        let undo_tenant_conc = || {
+            let _ = t.conc.release(1);
+        };
+        // Tenant TPM.
+        let (t_rate, t_burst) = (t.tpm.rate(), t.tpm.burst());
+        if has_tpm && !t.tpm.try_reserve_with(tokens, now, t_rate, t_burst) {
+            undo_tenant_conc();
+            let ra = t
+                .tpm
+                .retry_after_ns_with(tokens, now, t_rate, t_burst)
+                .unwrap_or(SCALE_RETRY_NS)
+                .max(MIN_RETRY_NS);
+            return refuse(Reason::TenantTpm, Some(ra));
+        }
+        let undo_tenant = || {
+            undo_tenant_conc();
+            if has_tpm {
+                t.tpm.refund_with(tokens, now, t_rate, t_burst);
+            }
+        };
+        // Backend slot: guaranteed first (not for sheddable), then the burst pool.
+        let limit = scaled(b.max_concurrency.load(Ordering::Acquire), ppm);
+        let g_total = self
+            .region()
+            .header
+            .total_guaranteed
+            .load(Ordering::Acquire);
+        let g_t = t.guaranteed.load(Ordering::Acquire);
+        let guar = &t.guar_in_use[backend as usize];
+        let mut pool = None;
+        if priority != Priority::Sheddable && g_t > 0 {
+            let g_eff = if limit >= g_total {
+                g_t
+            } else {
+                (u128::from(g_t) * u128::from(limit) / u128::from(g_total)) as u64
+            };
+            if try_acquire_atomic(guar, 1, g_eff) {
+                pool = Some(Pool::Guaranteed);
+            }
+        }
+        if pool.is_none() {
+            let burst_pool = limit.saturating_sub(g_total);
+            if b.burst.try_acquire_within(1, burst_pool) {
+                pool = Some(Pool::Burst);
+            }
+        }
+        let Some(pool) = pool else {
+            undo_tenant();
+            return refuse(
+                Reason::BackendSlots,
+                Some(Self::slot_retry(b, b.in_use.load(Ordering::Relaxed))),
+            );
+        };
+        let undo_slot = || match pool {
+            Pool::Guaranteed => sub(guar, 1),
+            Pool::Burst => {
+                let _ = b.burst.release(1);
+            }
+        };
+        // In-flight tokens.
+        let base_inflight = b.inflight.limit();
+        let inflight_limit = scaled(base_inflight, ppm);
+        if !b.inflight.try_acquire_within(tokens, inflight_limit) {
+            undo_slot();
+            undo_tenant();
+            let ra = if tokens > inflight_limit {
+                SCALE_RETRY_NS
+            } else {
+                Self::slot_retry(b, b.in_use.load(Ordering::Relaxed))
+            };
+            return refuse(Reason::InflightTokens, Some(ra));
+        }
+        // Backend TPM (scaled).
+        let rate = scaled(b.tpm.rate(), ppm);
+        let burst = scaled(b.tpm.burst(), ppm);
+        if !b.tpm.try_reserve_with(tokens, now, rate, burst) {
+            let _ = b.inflight.release(tokens);
+            undo_slot();
+            undo_tenant();
+            let ra = b
+                .tpm
+                .retry_after_ns_with(tokens, now, rate, burst)
+                .unwrap_or(SCALE_RETRY_NS)
+                .max(MIN_RETRY_NS);
+            return refuse(Reason::BackendTpm, Some(ra));
+        }
+        add(&b.in_use, 1);
+        // Ledger of this process (global first, ledger second).
+        let p = &self.region().procs[self.proc_idx];
+        let bi = backend as usize;
+        add(&p.backend_total[bi], 1);
+        match pool {
+            Pool::Guaranteed => add(&p.guar[tenant as usize][bi], 1),
+            Pool::Burst => add(&p.backend_burst[bi], 1),
+        }
+        add(&p.backend_inflight[bi], tokens);
+        add(&p.tenant_conc[tenant as usize], 1);
+        Ok(Ok(Ticket {
+            backend,
+            tenant,
+            pool,
+            tokens,
+            admitted_ns: now,
+        }))
+    }
+
+    /// Releases what `ticket` holds and reconciles the token buckets with `actual` tokens
+    /// (prompt + real completion; `None` = as reserved). Call exactly once per ticket.
+    ///
+    /// Errors: `actual` above [`MAX_AMOUNT`] (nothing is released then).
+    pub fn release(&self, ticket: &Ticket, actual: Option<u64>) -> Result<(), CoreError> {
+        let actual = match actual {
+            Some(a) => check_amount("actual tokens", i128::from(a))?,
+            None => ticket.tokens,
+        };
+        let b = self.backend(ticket.backend)?;
+        let t = self.tenant(ticket.tenant)?;
+        let now = self.clock.now_ns();
+        let (bi, ti) = (ticket.backend as usize, ticket.tenant as usize);
+        let p = &self.region().procs[self.proc_idx];
+        // Ledger first, global second.
+        sub(&p.backend_total[bi], 1);
+        match ticket.pool {
+            Pool::Guaranteed => sub(&p.guar[ti][bi], 1),
+            Pool::Burst => sub(&p.backend_burst[bi], 1),
+        }
+        sub(&p.backend_inflight[bi], ticket.tokens);
+        sub(&p.tenant_conc[ti], 1);
+        sub(&b.in_use, 1);
+        match ticket.pool {
+            Pool::Guaranteed => sub(&t.guar_in_use[bi], 1),
+            Pool::Burst => b.burst.release_saturating(1).into_unit(),
+        }
+        b.inflight.release_saturating(ticket.tokens).into_unit();
+        t.conc.release_saturating(1).into_unit();
+        // Reconcile both buckets with the real usage.
+        if t.has_tpm.load(Ordering::Acquire) == 1 {
+            t.tpm.reconcile(ticket.tokens, actual, now);
+        }
+        let ppm = b.scale_ppm.load(Ordering::Acquire);
+        b.tpm.reconcile_with(
+            ticket.tokens,
+            actual,
+            now,
+            scaled(b.tpm.rate(), ppm),
+            scaled(b.tpm.burst(), ppm),
+        );
+        // EWMA (1/8) of hold times, racy by design: it is only an estimate.
+        let hold = now.saturating_sub(ticket.admitted_ns).max(1);
+        let old = b.ewma_hold_ns.load(Ordering::Relaxed);
+        let new = if old == 0 {
+            hold
+        } else {
+            (i128::from(old) + (i128::from(hold) - i128::from(old)) / 8).max(1) as u64
+        };
+        b.ewma_hold_ns.store(new, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Reclaims what dead processes attached to this region held (slots, in-flight tokens,
+    /// tenant concurrency). Returns the number of concurrency slots given back.
+    pub fn reclaim_dead(&self) -> u64 {
+        let r = self.region();
+        let mut slots = 0;
+        for p in &r.procs {
+            let pid = p.pid.load(Ordering::Acquire);
+            if pid == 0 || pid == CLAIMING || pid == RECLAIMING {
+                continue;
+            }
+            if process_alive(pid as u32, p.start_time.load(Ordering::Acquire)) {
+                continue;
+            }
+            if p.pid
+                .compare_exchange(pid, RECLAIMING, Ordering::AcqRel, Ordering::Relaxed)
+                .is_err()
+            {
+                continue;
+            }
+            slots += Self::drain(r, p);
+            p.start_time.store(0, Ordering::Release);
+            p.pid.store(0, Ordering::Release);
+        }
+        slots
+    }
+
+    /// Moves a ledger's holdings out of the global counters; returns slots given back.
+    fn drain(r: &Region, p: &ProcState) -> u64 {
+        let mut slots = 0;
+        for (bi, b) in r.backends.iter().enumerate() {
+            let total = p.backend_total[bi].swap(0, Ordering::AcqRel);
+            sub(&b.in_use, total);
+            slots += total;
+            b.burst
+                .release_saturating(p.backend_burst[bi].swap(0, Ordering::AcqRel))
+                .into_unit();
+            b.inflight
+                .release_saturating(p.backend_inflight[bi].swap(0, Ordering::AcqRel))
+                .into_unit();
+        }
+        for (ti, t) in r.tenants.iter().enumerate() {
+            t.conc
+                .release_saturating(p.tenant_conc[ti].swap(0, Ordering::AcqRel))
+                .into_unit();
+            for (bi, g) in p.guar[ti].iter().enumerate() {
+                sub(&t.guar_in_use[bi], g.swap(0, Ordering::AcqRel));
+            }
+        }
+        slots
+    }
+
+    /// A snapshot of a backend.
+    pub fn backend_state(&self, id: u32) -> Result<BackendSnapshot, CoreError> {
+        let b = self.backend(id)?;
+        let now = self.clock.now_ns();
+        let ppm = b.scale_ppm.load(Ordering::Acquire);
+        let conc = b.max_concurrency.load(Ordering::Acquire);
+        let eff = scaled(conc, ppm);
+        let g = self
+            .region()
+            .header
+            .total_guaranteed
+            .load(Ordering::Acquire);
+        let (rate, burst) = (b.tpm.rate(), b.tpm.burst());
+        let (erate, eburst) = (scaled(rate, ppm), scaled(burst, ppm));
+        let il = b.inflight.limit();
+        Ok(BackendSnapshot {
+            name: read_name(&b.name),
+            scale: ppm as f64 / SCALE_ONE as f64,
+            shedding: b.shedding.load(Ordering::Acquire) != 0,
+            max_concurrency: conc,
+            effective_concurrency: eff,
+            in_use: b.in_use.load(Ordering::Acquire),
+            guaranteed_slots: g,
+            burst_pool: eff.saturating_sub(g),
+            burst_in_use: b.burst.in_use(),
+            tokens_per_minute: rate,
+            effective_tokens_per_minute: erate,
+            burst_tokens: burst,
+            effective_burst_tokens: eburst,
+            available_tokens: b.tpm.available_with(now, erate, eburst),
+            time_to_full_ns: b.tpm.time_to_full_ns_with(now, erate, eburst),
+            inflight_tokens: b.inflight.in_use(),
+            inflight_token_limit: (il != UNLIMITED).then_some(il),
+            effective_inflight_token_limit: (il != UNLIMITED).then(|| scaled(il, ppm)),
+            hold_time_ewma_ns: b.ewma_hold_ns.load(Ordering::Relaxed),
+        })
+    }
+
+    /// A snapshot of a tenant.
+    pub fn tenant_state(&self, id: u32) -> Result<TenantSnapshot, CoreError> {
+        let t = self.tenant(id)?;
+        let c = self.tenant_config(id)?;
+        let now = self.clock.now_ns();
+        let has = c.tokens_per_minute.is_some();
+        let in_use = t.conc.in_use();
+        Ok(TenantSnapshot {
+            name: read_name(&t.name),
+            priority: c.priority,
+            guaranteed_slots: c.guaranteed_slots,
+            max_concurrency: c.max_concurrency,
+            in_use,
+            tokens_per_minute: c.tokens_per_minute,
+            burst_tokens: c.burst_tokens,
+            available_tokens: has.then(|| t.tpm.available(now)),
+            time_to_full_ns: has.then(|| t.tpm.time_to_full_ns(now)),
+        })
+    }
+}
+
+/// Discards a count where only the side effect matters.
+trait IntoUnit {
+    fn into_unit(self);
+}
+
+impl IntoUnit for u64 {
+    fn into_unit(self) {}
+}
+
+impl Drop for Admission {
+    fn drop(&mut self) {
+        let r = self.region();
+        let p = &r.procs[self.proc_idx];
+        // Anything still in this controller's ledger is given back (leaked reservations release
+        // themselves before the controller can drop, so this is normally empty).
+        Self::drain(r, p);
+        p.start_time.store(0, Ordering::Release);
+        p.pid.store(0, Ordering::Release);
+        if let Storage::Heap(ptr) = self.storage {
+            // SAFETY: allocated with this layout in new_heap; no reference outlives self.
+            unsafe { std::alloc::dealloc(ptr.as_ptr().cast(), layout()) };
+        }
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::many_single_char_names)] // a: admission, b: backend, t: tenant, r: refusal
+mod tests {
+    use super::*;
+    use crate::clock::ManualClock;
+
+    fn setup() -> (Arc<Admission>, Arc<ManualClock>, u32) {
+        let mc = Arc::new(ManualClock::new(0));
+        let a = Admission::new_heap(Clock::Manual(mc.clone())).unwrap();
+        let b = a
+            .add_backend(
+                "b0",
+                &BackendConfig {
+                    max_concurrency: 4,
+                    tokens_per_minute: 6000,
+                    burst_tokens: None,
+                    inflight_token_limit: Some(1000),
+                },
+            )
+            .unwrap();
+        (a, mc, b)
+    }
+
+    fn tenant(a: &Admission, name: &str, p: Priority, g: u64, tpm: Option<u64>) -> u32 {
+        a.add_tenant(
+            name,
+            &TenantConfig {
+                priority: p,
+                tokens_per_minute: tpm,
+                burst_tokens: None,
+                max_concurrency: None,
+                guaranteed_slots: g,
+            },
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn admits_and_releases_everything() {
+        let (a, _mc, b) = setup();
+        let t = tenant(&a, "t", Priority::Standard, 0, Some(600));
+        let tk = a.admit(b, t, Priority::Standard, 100).unwrap().unwrap();
+        let s = a.backend_state(b).unwrap();
+        assert_eq!(
+            (s.in_use, s.inflight_tokens, s.available_tokens),
+            (1, 100, 5900)
+        );
+        a.release(&tk, Some(40)).unwrap();
+        let s = a.backend_state(b).unwrap();
+        assert_eq!(
+            (s.in_use, s.inflight_tokens, s.available_tokens),
+            (0, 0, 5960)
+        );
+        assert_eq!(a.tenant_state(t).unwrap().available_tokens, Some(560));
+    }
+
+    #[test]
+    fn refusal_reasons_and_nothing_held() {
+        let (a, _mc, b) = setup();
+        let t = tenant(&a, "t", Priority::Standard, 0, Some(600));
+        let r = a.admit(b, t, Priority::Standard, 601).unwrap().unwrap_err();
+        assert_eq!((r.reason, r.retry_after_ns), (Reason::TenantTpm, None));
+        let zero = a.admit(b, t, Priority::Standard, 0).unwrap().unwrap();
+        a.release(&zero, None).unwrap();
+        let u = tenant(&a, "u", Priority::Standard, 0, None);
+        let r = a
+            .admit(b, u, Priority::Standard, 1001)
+            .unwrap()
+            .unwrap_err();
+        assert_eq!((r.reason, r.retry_after_ns), (Reason::InflightTokens, None));
+        let mut held: Vec<_> = (0..3)
+            .map(|_| a.admit(b, u, Priority::Standard, 300).unwrap().unwrap())
+            .collect();
+        let r = a.admit(b, u, Priority::Standard, 200).unwrap().unwrap_err();
+        assert_eq!(r.reason, Reason::InflightTokens);
+        assert!(r.retry_after_ns.is_some());
+        held.push(a.admit(b, u, Priority::Standard, 50).unwrap().unwrap());
+        let r = a.admit(b, u, Priority::Standard, 1).unwrap().unwrap_err();
+        assert_eq!(r.reason, Reason::BackendSlots);
+        assert_eq!(r.reason.scope(), "backend");
+        let s = a.backend_state(b).unwrap();
+        assert_eq!((s.in_use, s.inflight_tokens), (4, 950));
+        for tk in &held {
+            a.release(tk, None).unwrap();
+        }
+        a.set_shedding(b, true).unwrap();
+        let r = a.admit(b, u, Priority::Sheddable, 1).unwrap().unwrap_err();
+        assert_eq!(r.reason, Reason::Shed);
+        assert!(a.admit(b, u, Priority::Critical, 1).unwrap().is_ok());
+    }
+
+    #[test]
+    fn guarantees_and_burst_pool_under_scale() {
+        let (a, _mc, b) = setup(); // 4 slots
+        let gold = tenant(&a, "gold", Priority::Critical, 2, None);
+        let batch = tenant(&a, "batch", Priority::Sheddable, 0, None);
+        // Burst pool = 4 - 2 = 2: sheddable gets two, not more.
+        let s1 = a.admit(b, batch, Priority::Sheddable, 1).unwrap().unwrap();
+        let _s2 = a.admit(b, batch, Priority::Sheddable, 1).unwrap().unwrap();
+        assert_eq!(
+            a.admit(b, batch, Priority::Sheddable, 1)
+                .unwrap()
+                .unwrap_err()
+                .reason,
+            Reason::BackendSlots
+        );
+        // The guarantee is still there for gold.
+        let g1 = a.admit(b, gold, Priority::Critical, 1).unwrap().unwrap();
+        assert_eq!(g1.pool, Pool::Guaranteed);
+        let _g2 = a.admit(b, gold, Priority::Critical, 1).unwrap().unwrap();
+        assert!(a.admit(b, gold, Priority::Critical, 1).unwrap().is_err());
+        // Scale 0.5: limit 2 -> burst pool 0, guarantees intact.
+        a.set_scale(b, 0.5).unwrap();
+        a.release(&s1, None).unwrap();
+        assert!(a.admit(b, batch, Priority::Sheddable, 1).unwrap().is_err());
+        a.release(&g1, None).unwrap();
+        assert!(a.admit(b, gold, Priority::Critical, 1).unwrap().is_ok());
+        // Scale 0.25: limit 1 < guarantees 2 -> gold keeps only 1 (already held 2).
+        a.set_scale(b, 0.25).unwrap();
+        assert_eq!(a.backend_state(b).unwrap().burst_pool, 0);
+        assert!(a.admit(b, gold, Priority::Critical, 1).unwrap().is_err());
+        assert!(a.set_scale(b, 0.0).is_err());
+        assert!(a.set_scale(b, 1.5).is_err());
+    }
+
+    #[test]
+    fn config_validation() {
+        let (a, _mc, _b) = setup();
+        let bad = TenantConfig {
+            priority: Priority::Sheddable,
+            tokens_per_minute: None,
+            burst_tokens: None,
+            max_concurrency: None,
+            guaranteed_slots: 1,
+        };
+        assert!(a.add_tenant("x", &bad).is_err());
+        let too_many = TenantConfig {
+            priority: Priority::Critical,
+            guaranteed_slots: 5,
+            ..bad
+        };
+        assert!(a.add_tenant("x", &too_many).is_err());
+        assert!(a.admit(9, 0, Priority::Critical, 1).is_err());
+    }
+
+    #[test]
+    fn shm_shared_and_reclaim() {
+        let name = format!("kvgate-test-adm-{}", std::process::id());
+        let a = Admission::create_shm(&name, Clock::Monotonic).unwrap();
+        let b = a
+            .add_backend(
+                "b",
+                &BackendConfig {
+                    max_concurrency: 3,
+                    tokens_per_minute: 1_000_000,
+                    burst_tokens: None,
+                    inflight_token_limit: None,
+                },
+            )
+            .unwrap();
+        let t = tenant(&a, "t", Priority::Standard, 0, None);
+        let w = Admission::attach_shm(&name, Clock::Monotonic).unwrap();
+        assert_eq!(w.backend_id("b"), Some(b));
+        let tk = w.admit(b, t, Priority::Standard, 10).unwrap().unwrap();
+        assert_eq!(a.backend_state(b).unwrap().in_use, 1);
+        // Pretend the worker died: mark its ledger with a pid that is not alive.
+        let p = &a.region().procs[w.proc_idx];
+        p.pid.store(0x3fff_fff0, Ordering::Release);
+        assert_eq!(a.reclaim_dead(), 1);
+        let s = a.backend_state(b).unwrap();
+        assert_eq!((s.in_use, s.inflight_tokens), (0, 0));
+        assert_eq!(tk.tokens, 10);
+    }
+
+    /// Rust-only throughput of admit + release (run with
+    /// `cargo test --release -p kvgate-core --no-default-features -- --ignored --nocapture`).
+    #[test]
+    #[ignore = "benchmark"]
+    fn bench_admit_release() {
+        let a = Admission::new_heap(Clock::Monotonic).unwrap();
+        let b = a
+            .add_backend(
+                "b",
+                &BackendConfig {
+                    max_concurrency: 1024,
+                    tokens_per_minute: MAX_AMOUNT,
+                    burst_tokens: None,
+                    inflight_token_limit: Some(1 << 40),
+                },
+            )
+            .unwrap();
+        let t = a
+            .add_tenant(
+                "t",
+                &TenantConfig {
+                    priority: Priority::Standard,
+                    tokens_per_minute: Some(MAX_AMOUNT),
+                    burst_tokens: None,
+                    max_concurrency: Some(1024),
+                    guaranteed_slots: 0,
+                },
+            )
+            .unwrap();
+        let n = 5_000_000u32;
+        let start = std::time::Instant::now();
+        for _ in 0..n {
+            let tk = a.admit(b, t, Priority::Standard, 500).unwrap().unwrap();
+            a.release(&tk, Some(400)).unwrap();
+        }
+        let el = start.elapsed().as_secs_f64();
+        println!(
+            "rust admit+release: {n} pairs in {el:.3} s = {:.0} pairs/s ({:.1} ns/pair)",
+            f64::from(n) / el,
+            el * 1e9 / f64::from(n)
+        );
+        assert_eq!(a.backend_state(b).unwrap().in_use, 0);
+    }
+}

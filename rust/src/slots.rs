@@ -1,0 +1,220 @@
+//! Lock-free counters of concurrency slots (and, with weights, of in-flight tokens).
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use crate::error::CoreError;
+
+/// "No limit" for a counter.
+pub const UNLIMITED: u64 = u64::MAX;
+
+/// A counter of held units (slots or tokens) with a runtime-settable limit.
+///
+/// `#[repr(C)]` and made only of atomics, so it can live in a shared-memory region; all-zero
+/// bytes are a valid counter (nothing held, limit 0). Acquire and release are compare-and-swap
+/// loops: the count is never above the limit in force at the moment of the acquire, and never
+/// negative (an over-release is an error and changes nothing). Lowering the limit never cancels
+/// what is held; it only blocks new acquires until the count drops below it.
+#[repr(C)]
+#[derive(Debug, Default)]
+pub struct SlotCounter {
+    in_use: AtomicU64,
+    limit: AtomicU64,
+}
+
+impl SlotCounter {
+    /// A counter with nothing held and the given limit (units).
+    pub const fn new(limit: u64) -> Self {
+        Self {
+            in_use: AtomicU64::new(0),
+            limit: AtomicU64::new(limit),
+        }
+    }
+
+    /// Units held now.
+    #[inline]
+    pub fn in_use(&self) -> u64 {
+        self.in_use.load(Ordering::Acquire)
+    }
+
+    /// The configured limit.
+    #[inline]
+    pub fn limit(&self) -> u64 {
+        self.limit.load(Ordering::Acquire)
+    }
+
+    /// Sets the limit; held units are untouched.
+    pub fn set_limit(&self, limit: u64) {
+        self.limit.store(limit, Ordering::Release);
+    }
+
+    /// Takes `n` units if that keeps the count within the configured limit. `n == 0` always
+    /// succeeds and changes nothing.
+    #[inline]
+    pub fn try_acquire(&self, n: u64) -> bool {
+        self.try_acquire_within(n, self.limit())
+    }
+
+    /// Takes `n` units if that keeps the count within `limit` (an effective limit computed by the
+    /// caller, e.g. scaled). Returns whether it did.
+    #[inline]
+    pub fn try_acquire_within(&self, n: u64, limit: u64) -> bool {
+        try_acquire_atomic(&self.in_use, n, limit)
+    }
+
+    /// Gives back `n` units. Fails with [`CoreError::OverRelease`] (changing nothing) when fewer
+    /// than `n` are held.
+    #[inline]
+    pub fn release(&self, n: u64) -> Result<(), CoreError> {
+        if n == 0 {
+            return Ok(());
+        }
+        let mut cur = self.in_use.load(Ordering::Relaxed);
+        loop {
+            if n > cur {
+                return Err(CoreError::OverRelease {
+                    requested: n,
+                    held: cur,
+                });
+            }
+            match self.in_use.compare_exchange_weak(
+                cur,
+                cur - n,
+                Ordering::AcqRel,
+                Ordering::Relaxed,
+            ) {
+                Ok(_) => return Ok(()),
+                Err(actual) => cur = actual,
+            }
+        }
+    }
+
+    /// Gives back up to `n` units, stopping at zero; returns how many were given back. Used when
+    /// reclaiming the holdings of a dead process.
+    pub fn release_saturating(&self, n: u64) -> u64 {
+        let prev = self
+            .in_use
+            .fetch_update(Ordering::AcqRel, Ordering::Relaxed, |v| {
+                Some(v.saturating_sub(n))
+            })
+            .unwrap_or(0);
+        prev.min(n)
+    }
+}
+
+/// Adds `n` to the count `a` if that keeps it within `limit` (a CAS loop); `n == 0` always
+/// succeeds. The building block of [`SlotCounter`], also used on bare counters in the region.
+#[inline]
+pub fn try_acquire_atomic(a: &AtomicU64, n: u64, limit: u64) -> bool {
+    if n == 0 {
+        return true;
+    }
+    let mut cur = a.load(Ordering::Relaxed);
+    loop {
+        if cur > limit || n > limit - cur {
+            return false;
+        }
+        match a.compare_exchange_weak(cur, cur + n, Ordering::AcqRel, Ordering::Relaxed) {
+            Ok(_) => return true,
+            Err(actual) => cur = actual,
+        }
+    }
+}
+
+/// Adds `delta` to a plain atomic statistic or per-process ledger entry.
+#[inline]
+pub(crate) fn add(a: &AtomicU64, delta: u64) {
+    if delta != 0 {
+        a.fetch_add(delta, Ordering::AcqRel);
+    }
+}
+
+/// Subtracts `delta` from a plain atomic statistic or ledger entry, stopping at zero.
+#[inline]
+pub(crate) fn sub(a: &AtomicU64, delta: u64) {
+    if delta != 0 {
+        let _ = a.fetch_update(Ordering::AcqRel, Ordering::Relaxed, |v| {
+            Some(v.saturating_sub(delta))
+        });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+    use std::sync::Arc;
+
+    #[test]
+    fn acquire_release_limits() {
+        let c = SlotCounter::new(2);
+        assert!(c.try_acquire(1));
+        assert!(c.try_acquire(1));
+        assert!(!c.try_acquire(1));
+        assert!(c.try_acquire(0));
+        c.release(2).unwrap();
+        assert_eq!(c.in_use(), 0);
+        assert_eq!(
+            c.release(1),
+            Err(CoreError::OverRelease {
+                requested: 1,
+                held: 0
+            })
+        );
+    }
+
+    #[test]
+    fn lowering_limit_keeps_holders() {
+        let c = SlotCounter::new(3);
+        assert!(c.try_acquire(3));
+        c.set_limit(1);
+        assert_eq!(c.in_use(), 3);
+        assert!(!c.try_acquire(1));
+        c.release(2).unwrap();
+        assert!(!c.try_acquire(1));
+        c.release(1).unwrap();
+        assert!(c.try_acquire(1));
+    }
+
+    #[test]
+    fn threads_never_exceed_limit() {
+        let c = Arc::new(SlotCounter::new(3));
+        let handles: Vec<_> = (0..4)
+            .map(|_| {
+                let c = c.clone();
+                std::thread::spawn(move || {
+                    for _ in 0..20_000 {
+                        if c.try_acquire(1) {
+                            assert!(c.in_use() <= 3);
+                            c.release(1).unwrap();
+                        }
+                    }
+                })
+            })
+            .collect();
+        for h in handles {
+            h.join().unwrap();
+        }
+        assert_eq!(c.in_use(), 0);
+    }
+
+    proptest! {
+        #[test]
+        fn matches_model(limit in 0u64..20, ops in proptest::collection::vec((any::<bool>(), 0u64..6), 0..60)) {
+            let c = SlotCounter::new(limit);
+            let mut model = 0u64;
+            for (acq, n) in ops {
+                if acq {
+                    let ok = model + n <= limit;
+                    prop_assert_eq!(c.try_acquire(n), ok);
+                    if ok { model += n; }
+                } else {
+                    let ok = n <= model;
+                    prop_assert_eq!(c.release(n).is_ok(), ok);
+                    if ok { model -= n; }
+                }
+                prop_assert_eq!(c.in_use(), model);
+                prop_assert!(model <= limit);
+            }
+        }
+    }
+}

@@ -1,0 +1,164 @@
+"""Bad input to the admission core raises clearly and changes nothing."""
+
+from __future__ import annotations
+
+import pytest
+
+import kvgate
+from kvgate import (
+    AdaptiveLaw,
+    AdmissionController,
+    InvalidAmountError,
+    InvalidConfigError,
+    ManualClock,
+    NeverAdmissibleError,
+    OverReleaseError,
+    SlotPool,
+    TokenBucket,
+)
+
+BAD_INTS = [-1, -(2**70), 2**63, 2**62 + 1]
+BAD_TYPES = [1.0, 0.5, None, "3", True]
+
+
+def test_error_tree() -> None:
+    assert issubclass(InvalidAmountError, kvgate.CoreError)
+    assert issubclass(InvalidAmountError, ValueError)
+    assert issubclass(NeverAdmissibleError, ValueError)
+    assert issubclass(OverReleaseError, ValueError)
+    assert issubclass(kvgate.SharedStateError, OSError)
+    assert issubclass(InvalidConfigError, ValueError)
+
+
+@pytest.mark.parametrize("bad", BAD_INTS)
+def test_slot_pool_bad_ints(bad: int) -> None:
+    pool = SlotPool(4)
+    with pytest.raises(InvalidAmountError, match="invalid n amount"):
+        pool.try_acquire(bad)
+    with pytest.raises(InvalidAmountError):
+        pool.release(bad)
+    with pytest.raises(InvalidAmountError):
+        SlotPool(bad)
+    assert pool.in_use == 0
+
+
+@pytest.mark.parametrize("bad", BAD_TYPES)
+def test_slot_pool_bad_types(bad: object) -> None:
+    pool = SlotPool(4)
+    if bad is None:  # None means "the default n=1" for the optional argument
+        assert pool.try_acquire(bad)
+        pool.release(bad)
+        return
+    with pytest.raises(TypeError, match="must be an int"):
+        pool.try_acquire(bad)  # type: ignore[arg-type]
+    assert pool.in_use == 0
+
+
+def test_slot_pool_zero_and_over_release() -> None:
+    pool = SlotPool(1)
+    assert pool.try_acquire(0)
+    pool.release(0)
+    with pytest.raises(OverReleaseError, match="only 0 held"):
+        pool.release()
+    assert pool.try_acquire()
+    with pytest.raises(OverReleaseError):
+        pool.release(2)
+    assert pool.in_use == 1
+    with pytest.raises(TypeError):
+        pool.limit = 2.5  # type: ignore[assignment]
+
+
+@pytest.mark.parametrize("bad", [*BAD_INTS, *BAD_TYPES])
+def test_token_bucket_bad_amounts(bad: object) -> None:
+    clock = ManualClock()
+    b = TokenBucket(600, clock=clock)
+    exc = InvalidAmountError if isinstance(bad, int) and not isinstance(bad, bool) else TypeError
+    with pytest.raises(exc):
+        b.try_reserve(bad)  # type: ignore[arg-type]
+    with pytest.raises(exc):
+        b.reconcile(10, bad)  # type: ignore[arg-type]
+    with pytest.raises(exc):
+        TokenBucket(bad)  # type: ignore[arg-type]
+    assert b.available == 600
+
+
+def test_token_bucket_zero_and_never() -> None:
+    b = TokenBucket(60, 10, clock=ManualClock())
+    assert b.try_reserve(0)
+    b.reconcile(0, 0)
+    assert b.available == 10
+    with pytest.raises(NeverAdmissibleError) as ei:
+        b.try_reserve(11)
+    assert (ei.value.requested, ei.value.limit) == (11, 10)
+    with pytest.raises(NeverAdmissibleError):
+        b.retry_after(11)
+    with pytest.raises(InvalidConfigError):
+        TokenBucket(0)
+    with pytest.raises(InvalidConfigError):
+        TokenBucket(10, 0)
+
+
+def test_adaptive_law_bad_input() -> None:
+    law = AdaptiveLaw(clock=ManualClock())
+    for bad in (1.01, -0.1, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="kv_usage"):
+            law.target(bad, 0)
+        with pytest.raises(ValueError, match="kv_usage"):
+            law.update(bad, 0)
+    with pytest.raises(ValueError, match="waiting"):
+        law.update(0.5, -1)
+    assert law.scale == 1.0
+    with pytest.raises(InvalidConfigError):
+        AdaptiveLaw(high=0.5, low=0.7)
+    with pytest.raises(InvalidConfigError):
+        AdaptiveLaw(floor=0.0)
+
+
+def _controller() -> tuple[AdmissionController, int, int]:
+    ctl = AdmissionController(clock=ManualClock())
+    b = ctl.add_backend("b", max_concurrency=2, tokens_per_minute=6000, inflight_token_limit=500)
+    t = ctl.add_tenant("t", priority="standard", tokens_per_minute=1000)
+    return ctl, b, t
+
+
+@pytest.mark.parametrize("bad", [*BAD_INTS, *BAD_TYPES])
+def test_admit_bad_tokens(bad: object) -> None:
+    ctl, b, t = _controller()
+    exc = InvalidAmountError if isinstance(bad, int) and not isinstance(bad, bool) else TypeError
+    with pytest.raises(exc):
+        ctl.admit(b, t, "standard", bad)  # type: ignore[arg-type]
+    assert ctl.backend_state(b)["in_use"] == 0
+    assert ctl.tenant_state(t)["available_tokens"] == 1000
+
+
+def test_admit_bad_ids_priority_and_release() -> None:
+    ctl, b, t = _controller()
+    with pytest.raises(InvalidConfigError, match="unknown backend"):
+        ctl.admit(7, t, "standard", 1)
+    with pytest.raises(InvalidConfigError, match="unknown tenant"):
+        ctl.admit(b, 7, "standard", 1)
+    with pytest.raises(InvalidConfigError, match="priority"):
+        ctl.admit(b, t, "urgent", 1)
+    with pytest.raises(TypeError, match="priority"):
+        ctl.admit(b, t, 1.0, 1)  # type: ignore[arg-type]
+    r = ctl.admit(b, t, "standard", 0)
+    assert r.admitted
+    assert isinstance(r, kvgate.Reservation)
+    with pytest.raises(InvalidAmountError):
+        r.release(-5)
+    assert not r.released, "a bad release argument must not release"
+    with pytest.raises(TypeError):
+        r.release(2.5)  # type: ignore[arg-type]
+    r.release(0)
+    r.release(0)  # second release is a no-op
+    assert ctl.backend_state(b)["in_use"] == 0
+    with pytest.raises(InvalidConfigError):
+        ctl.set_scale(b, 0.0)
+    with pytest.raises(InvalidConfigError):
+        ctl.set_scale(b, 1.5)
+    with pytest.raises(InvalidConfigError, match="sheddable"):
+        ctl.add_tenant("s", priority="sheddable", guaranteed_slots=1)
+    with pytest.raises(InvalidConfigError, match="guaranteed"):
+        ctl.add_tenant("g", priority="critical", guaranteed_slots=3)
+    with pytest.raises(InvalidConfigError, match="already exists"):
+        ctl.add_backend("b", max_concurrency=1, tokens_per_minute=1)

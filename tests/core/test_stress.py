@@ -1,0 +1,167 @@
+"""Stress: many threads and several processes hammering shared limits; a worker killed with
+SIGKILL while holding slots has them reclaimed."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import threading
+import uuid
+
+import pytest
+
+from kvgate import AdmissionController, SlotPool
+
+LIMIT = 4
+ROUNDS = 3_000
+
+
+def test_threads_hammer_slot_pool() -> None:
+    pool = SlotPool(LIMIT)
+    stop = threading.Event()
+    sampled: list[int] = []
+    held: list[int] = []
+
+    def sample() -> None:
+        while not stop.is_set():
+            sampled.append(pool.in_use)
+
+    def work() -> None:
+        for _ in range(ROUNDS):
+            if pool.try_acquire():
+                held.append(pool.in_use)  # sampled while holding
+                pool.release()
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    workers = [threading.Thread(target=work) for _ in range(8)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    stop.set()
+    sampler.join()
+    assert held
+    assert min(held) >= 1
+    assert max(held + sampled) <= LIMIT
+    assert pool.in_use == 0
+
+
+def test_threads_hammer_controller() -> None:
+    ctl = AdmissionController()
+    b = ctl.add_backend("b", max_concurrency=LIMIT, tokens_per_minute=2**40)
+    t = ctl.add_tenant("t", priority="standard")
+    seen: list[int] = []
+
+    def work() -> None:
+        for _ in range(ROUNDS):
+            r = ctl.admit(b, t, "standard", 7)
+            if r.admitted:
+                seen.append(ctl.backend_state(b)["in_use"])
+                r.release(3)
+
+    workers = [threading.Thread(target=work) for _ in range(6)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    assert seen
+    assert max(seen) <= LIMIT
+    s = ctl.backend_state(b)
+    assert (s["in_use"], s["inflight_tokens"]) == (0, 0)
+    assert ctl.leaks == 0
+
+
+def _hammer(name: str, rounds: int, out: mp.Queue) -> None:  # type: ignore[type-arg]
+    ctl = AdmissionController.attach(name)
+    b = ctl.backend_id("b")
+    t = ctl.tenant_id("t")
+    assert b is not None
+    assert t is not None
+    admitted = 0
+    for _ in range(rounds):
+        r = ctl.admit(b, t, "standard", 5)
+        if r.admitted:
+            admitted += 1
+            r.release(5)
+    out.put(admitted)
+
+
+def _hold_and_wait(name: str, n: int, ready: mp.Event) -> None:  # type: ignore[type-arg]
+    ctl = AdmissionController(shm_name=name, create=False)
+    b = ctl.backend_id("b")
+    t = ctl.tenant_id("t")
+    assert b is not None
+    assert t is not None
+    held = [ctl.admit(b, t, "standard", 100) for _ in range(n)]
+    assert all(h.admitted for h in held)
+    ready.set()
+    threading.Event().wait(60)  # killed long before
+
+
+@pytest.fixture
+def shared() -> tuple[AdmissionController, int, int]:
+    ctl = AdmissionController(shm_name=f"kvgate-test-{uuid.uuid4().hex[:12]}")
+    b = ctl.add_backend("b", max_concurrency=LIMIT, tokens_per_minute=2**40)
+    t = ctl.add_tenant("t", priority="standard")
+    return ctl, b, t
+
+
+def test_processes_hammer_shared_limits(shared: tuple[AdmissionController, int, int]) -> None:
+    ctl, b, _t = shared
+    name = ctl.shm_name
+    assert name is not None
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_hammer, args=(name, ROUNDS, out)) for _ in range(3)]
+    for p in procs:
+        p.start()
+    peak = 0
+    while any(p.is_alive() for p in procs):
+        peak = max(peak, ctl.backend_state(b)["in_use"])
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    admitted = [out.get(timeout=10) for _ in procs]
+    assert sum(admitted) > 0
+    assert peak <= LIMIT
+    s = ctl.backend_state(b)
+    assert (s["in_use"], s["inflight_tokens"], s["burst_in_use"]) == (0, 0, 0)
+
+
+def test_sigkilled_worker_slots_are_reclaimed(
+    shared: tuple[AdmissionController, int, int],
+) -> None:
+    ctl, b, t = shared
+    name = ctl.shm_name
+    assert name is not None
+    ctx = mp.get_context("spawn")
+    ready = ctx.Event()
+    worker = ctx.Process(target=_hold_and_wait, args=(name, 3, ready))
+    worker.start()
+    assert ready.wait(60)
+    s = ctl.backend_state(b)
+    assert (s["in_use"], s["inflight_tokens"]) == (3, 300)
+    assert ctl.reclaim_dead() == 0, "a live worker's slots are not touched"
+    assert worker.pid is not None
+    os.kill(worker.pid, signal.SIGKILL)
+    worker.join(timeout=30)
+    assert worker.exitcode == -signal.SIGKILL
+    assert ctl.reclaim_dead() == 3
+    s = ctl.backend_state(b)
+    assert (s["in_use"], s["inflight_tokens"], s["burst_in_use"]) == (0, 0, 0)
+    assert ctl.tenant_state(t)["in_use"] == 0
+    assert ctl.reclaim_dead() == 0
+    # The freed capacity is usable again.
+    held = [ctl.admit(b, t, "standard", 1) for _ in range(LIMIT)]
+    assert all(h.admitted for h in held)
+
+
+def test_attach_errors() -> None:
+    from kvgate import SharedStateError
+
+    with pytest.raises(SharedStateError):
+        AdmissionController.attach(f"kvgate-missing-{uuid.uuid4().hex[:8]}")
+    with pytest.raises(SharedStateError, match="invalid shared-memory name"):
+        AdmissionController(shm_name="a/b")
