@@ -9,28 +9,26 @@ live in submodules and are imported only when used.
 from __future__ import annotations
 
 from kvgate import _core
+
+# --- request analysis (rust/src/python_analyze.rs) ---
 from kvgate._core import (
     AdaptiveLaw,
     AdmissionController,
+    Analysis,
+    AnalysisError,
     CoreError,
     InvalidAmountError,
     InvalidConfigError,
     ManualClock,
+    ModelRegistry,
     NeverAdmissibleError,
     OverReleaseError,
     Rejection,
+    RequestAnalyzer,
     Reservation,
     SharedStateError,
     SlotPool,
     TokenBucket,
-)
-
-# --- request analysis (rust/src/python_analyze.rs) ---
-from kvgate._core import (
-    Analysis,
-    AnalysisError,
-    ModelRegistry,
-    RequestAnalyzer,
     check_content_length,
     peek_model,
 )

@@ -356,7 +356,6 @@ class AdmissionController:
 
 # --- request analysis (rust/src/python_analyze.rs) ---
 
-
 class AnalysisError(ValueError):
     """A request refused by the analyser, carrying OpenAI's error shape.
 

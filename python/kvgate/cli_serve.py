@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import shutil
 import signal
 import sys
 import tempfile
@@ -79,35 +80,35 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"kvgate serve: invalid configuration:\n{exc}", file=sys.stderr)
         return 2
-    overrides = {
-        k: v
-        for k, v in (
-            ("host", args.host),
-            ("port", args.port),
-            ("workers", args.workers),
-            ("max_body_bytes", args.max_body_bytes),
-        )
-        if v is not None
-    }
-    if overrides:
-        config = config.model_copy(update=overrides)
+    config = _apply_overrides(config, args)
     if config.workers <= 1:
         return _serve_single(config, args.grace, config_path=args.config)
     return _serve_workers(config, args.grace, config_path=args.config)
 
 
+def _apply_overrides(config: Any, args: argparse.Namespace) -> Any:
+    """Command-line flags win over the file: listen address, workers, body cap."""
+    update: dict[str, Any] = {}
+    listen = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
+    if listen:
+        update["listen"] = config.listen.model_copy(update=listen)
+    if args.workers is not None:
+        update["workers"] = args.workers
+    if args.max_body_bytes is not None:
+        update["max_body_bytes"] = args.max_body_bytes
+    return config.model_copy(update=update) if update else config
+
+
 def _config_from_flags(args: argparse.Namespace) -> Any:
     """A one-backend configuration from quick-start flags; models discovered from the
     upstream's ``GET /v1/models`` unless ``--model`` is given."""
-    from kvgate.config import Config
+    from kvgate.config import ConfigError, parse_config
 
     url = args.upstream.rstrip("/")
     discovered = {} if args.model else _discover_models(url)
     names = args.model or list(discovered)
     if not names:
-        from kvgate.config import ConfigError
-
-        raise ConfigError(f"upstream {url} lists no models (GET /v1/models); pass --model NAME")
+        raise ConfigError([("", f"upstream {url} lists no models (GET /v1/models); pass --model")])
     models = [
         {
             "name": name,
@@ -126,7 +127,8 @@ def _config_from_flags(args: argparse.Namespace) -> Any:
     }
     if args.inflight_tokens is not None:
         backend["inflight_token_limit"] = args.inflight_tokens
-    return Config.model_validate({"backends": [backend], "anonymous_tenant": True})
+    # no tenants declared: every request runs as one implicit `anonymous` standard tenant
+    return parse_config({"backends": [backend]}, base_dir=os.getcwd(), source="command line")
 
 
 def _discover_models(url: str) -> dict[str, int | None]:
@@ -141,7 +143,7 @@ def _discover_models(url: str) -> dict[str, int | None]:
     except (OSError, ValueError) as exc:
         from kvgate.config import ConfigError
 
-        raise ConfigError(f"cannot list models at {url}/v1/models: {exc}") from None
+        raise ConfigError([("", f"cannot list models at {url}/v1/models: {exc}")]) from None
     out: dict[str, int | None] = {}
     for item in data.get("data", []):
         if isinstance(item, dict) and isinstance(item.get("id"), str):
@@ -177,8 +179,8 @@ def _serve_single(
     app = create_app(gateway)
     web.run_app(
         app,
-        host=config.host,
-        port=config.port,
+        host=config.listen.host,
+        port=config.listen.port,
         reuse_port=shm_name is not None,
         handler_cancellation=True,
         shutdown_timeout=grace,
@@ -186,18 +188,22 @@ def _serve_single(
         print=(lambda *_: None)
         if worker
         else (
-            lambda *_: print(f"kvgate: serving on http://{config.host}:{config.port}", flush=True)
+            lambda *_: print(
+                f"kvgate: serving on http://{config.listen.host}:{config.listen.port}", flush=True
+            )
         ),
     )
     return 0
 
 
 def _serve_workers(config: Any, grace: float, *, config_path: str | None) -> int:
-    from kvgate.gateway_build import build_controller
-
+    # prometheus_client picks its multiprocess value class when first imported: set the
+    # directory before anything imports it, so every worker's counters land in shared files
     shm_name = f"kvgate-{os.getpid()}-{int(time.time())}"
     prom_dir = tempfile.mkdtemp(prefix="kvgate-prom-")
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = prom_dir
+    from kvgate.gateway_build import build_controller
+
     controller = build_controller(config, shm_name=shm_name, create=True)
     children: dict[int, int] = {}
     stopping = False
@@ -235,7 +241,7 @@ def _serve_workers(config: Any, grace: float, *, config_path: str | None) -> int
     for i in range(config.workers):
         spawn(i)
     print(
-        f"kvgate: {config.workers} workers serving on http://{config.host}:{config.port}",
+        f"kvgate: {config.workers} workers serving on http://{config.listen.host}:{config.listen.port}",
         flush=True,
     )
     code = 0
@@ -262,4 +268,5 @@ def _serve_workers(config: Any, grace: float, *, config_path: str | None) -> int
         elif os.waitstatus_to_exitcode(status) not in (0, -signal.SIGTERM, -signal.SIGINT):
             code = 1
     del controller
+    shutil.rmtree(prom_dir, ignore_errors=True)
     return code

@@ -57,8 +57,7 @@ def _config(sim_url: str, model: str, context: int, port: int, workers: int) -> 
         return hashlib.sha256(key.encode()).hexdigest()
 
     return {
-        "host": "127.0.0.1",
-        "port": port,
+        "listen": {"host": "127.0.0.1", "port": port},
         "workers": workers,
         "backends": [
             {
