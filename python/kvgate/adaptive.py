@@ -79,9 +79,12 @@ class AdaptiveSink:
             return
         backend = self._gw.backend_named(name)
         was_shedding = bool(law.shedding)
+        before = law.scale
         scale = law.update(kv_usage, waiting)
         ctl = self._gw.controller
         ctl.set_scale(backend.id, scale)
+        if scale > before and self._gw.queue:
+            self._gw.queue.notify()  # limits grew: waiters may fit now
         if bool(law.shedding) != was_shedding:
             ctl.set_shedding(backend.id, bool(law.shedding))
             self._gw.metrics.shedding.labels(name, "sheddable").set(1 if law.shedding else 0)

@@ -49,6 +49,34 @@ logger = logging.getLogger("kvgate.gateway")
 
 PRIORITY_CLASSES = ("critical", "standard", "sheddable")
 PRIORITY_HEADER = "x-kvgate-priority"
+MAX_WAIT_HEADER = "x-kvgate-max-wait-ms"
+
+
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    """A refusal decided in Python (queue full, shed while waiting, wait timed out before the
+    core was asked); mirrors the core's ``Rejection`` (``admitted``, ``reason``, ``scope``,
+    ``retry_after`` seconds or ``None``, ``never``)."""
+
+    reason: str
+    scope: str = "backend"
+    retry_after: float | None = 1.0
+    never: bool = False
+    admitted: bool = False
+
+
+class _ShadowAdmission:
+    """What a request refused in shadow mode runs with: it holds nothing and releases nothing
+    (the refusal was counted in ``kvgate_shadow_rejections_total``)."""
+
+    __slots__ = ()
+    admitted = True
+
+    def release(self, actual_tokens: int | None = None) -> None:
+        """Nothing to give back."""
+
+
+SHADOW_ADMISSION = _ShadowAdmission()
 
 
 @dataclass(slots=True)
@@ -138,11 +166,122 @@ class Gateway:
     metrics: GatewayMetrics = field(init=False)
     discovered_capacity: dict[str, int] = field(init=False, default_factory=dict)
     poller: Any = field(init=False, default=None)
+    queue: Any = field(init=False, default=None)
     _by_hash: dict[bytes, Tenant] = field(init=False, default_factory=dict)
 
     def __post_init__(self) -> None:
+        from kvgate.admission.wait_queue import PriorityWaitQueue
+
         self.set_tenants(self.tenants, self.anonymous)
         self.metrics = GatewayMetrics(self.read_state, lambda: int(self.controller.leaks))
+        size = self.config.queue.max_size if self.config is not None else 1024
+        self.queue = (
+            PriorityWaitQueue(max_waiters=size, on_wait=self._observe_wait) if size > 0 else None
+        )
+        self.metrics.queue_depth_of = (
+            (lambda cls: self.queue.depth(cls)) if self.queue is not None else (lambda cls: 0)
+        )
+
+    def reload(self) -> bool:
+        """Re-read ``config_path`` and apply it (SIGHUP). An invalid file is refused with a log
+        line and the running configuration stays in force; returns whether it was applied."""
+        from kvgate.config import load_config
+        from kvgate.gateway_build import apply_config
+
+        if self.config_path is None:
+            return False
+        try:
+            apply_config(self, load_config(self.config_path))
+        except Exception as exc:
+            logger.error(
+                "reload of %s refused, keeping the running configuration: %s",
+                self.config_path,
+                exc,
+            )
+            return False
+        return True
+
+    def _observe_wait(self, priority: str, seconds: float) -> None:
+        self.metrics.queue_wait.labels(priority).observe(seconds)
+
+    def shadow(self, backend: Backend, tenant: Tenant) -> bool:
+        """Whether refusals for this tenant on this backend are only counted (``mode: shadow``
+        on the gateway, the backend or the tenant)."""
+        if tenant.shadow:
+            return True
+        cfg = self.config
+        return cfg is not None and (
+            cfg.mode == "shadow" or (backend.config is not None and backend.config.mode == "shadow")
+        )
+
+    def max_wait(self, request: web.Request, tenant: Tenant) -> float:
+        """Seconds a refused request may wait: the tenant's ``max_wait_ms``, shortened (never
+        lengthened) by the client's ``x-kvgate-max-wait-ms`` header."""
+        wait_ms = tenant.max_wait_ms
+        asked = request.headers.get(MAX_WAIT_HEADER)
+        if asked is not None:
+            with contextlib.suppress(ValueError):
+                wait_ms = min(wait_ms, max(0, int(asked)))
+        return wait_ms / 1000.0
+
+    async def admit_slow(
+        self,
+        request: web.Request,
+        backend: Backend,
+        tenant: Tenant,
+        priority: str,
+        tokens: int,
+        refusal: Any,
+    ) -> Any:
+        """Admission when the fast path did not admit: shadow mode, then the priority wait
+        queue (critical before standard before sheddable, fair between tenants, bounded).
+
+        Args:
+            refusal: the core's ``Rejection`` from the fast path, or ``None`` when the fast path
+                was skipped because requests are queued.
+
+        Returns:
+            A ``Reservation``, the shadow admission, or a refusal (``Rejection`` /
+            :class:`Refusal`) whose ``reason`` names what refused it.
+        """
+        if refusal is not None and self.shadow(backend, tenant):
+            self.metrics.shadow_rejections.labels(refusal.reason).inc()
+            return SHADOW_ADMISSION
+        wait = self.max_wait(request, tenant)
+        queue = self.queue
+        if queue is None or (
+            refusal is not None and (refusal.never or refusal.reason == "shed" or wait <= 0)
+        ):
+            if refusal is None:  # no queue configured: decide now
+                return self.controller.admit(backend.id, tenant.id, priority, tokens)
+            return refusal
+        from kvgate.admission.wait_queue import QueueFull, Shed, WaitTimeout
+
+        last: list[Any] = [refusal]
+        controller = self.controller
+
+        def try_admit() -> Any:
+            decision = controller.admit(backend.id, tenant.id, priority, tokens)
+            if decision.admitted:
+                return decision
+            last[0] = decision
+            return None
+
+        try:
+            return await queue.wait(
+                tenant=tenant.name, priority=priority, max_wait=wait, try_admit=try_admit
+            )
+        except WaitTimeout:
+            if last[0] is not None:
+                if self.shadow(backend, tenant):
+                    self.metrics.shadow_rejections.labels(last[0].reason).inc()
+                    return SHADOW_ADMISSION
+                return last[0]
+            return Refusal("queued", retry_after=max(wait, 0.1))
+        except QueueFull:
+            return Refusal("queue-full")
+        except Shed:
+            return Refusal("shed")
 
     def set_tenants(self, tenants: list[Tenant], anonymous: Tenant | None) -> None:
         """Replace the tenant table (start-up and reload): keys, classes, wait times."""
@@ -445,17 +584,41 @@ async def handle_readyz(request: web.Request) -> web.Response:
 
 
 async def handle_admin_state(request: web.Request) -> web.Response:
-    """``GET /admin/state``: each backend's limits, scale, in-use, KV usage and waiting."""
+    """``GET /admin/state``: each backend's base and effective limits, scale, in-use, KV usage,
+    waiting and age of the last good scrape; each tenant's usage, quota and queue depth.
+    Needs the admin key (``Authorization: Bearer``) when ``admin_key_sha256`` is configured."""
     gw = request.app[GATEWAY]
+    want = getattr(gw.config, "admin_key_sha256", None)
+    if want:
+        key = _api_key(request) or ""
+        digest = hashlib.sha256(key.encode("utf-8", "surrogatepass")).digest()
+        if not hmac.compare_digest(digest, bytes.fromhex(want)):
+            return error_response(
+                GatewayError(
+                    401, "Admin key required.", "invalid_request_error", code="invalid_api_key"
+                )
+            )
     backends = []
     for b in gw.backends:
         st = dict(gw.controller.backend_state(b.id))
-        st.update(name=b.name, url=b.url, healthy=b.healthy, kv_usage=b.kv_usage, waiting=b.waiting)
+        st.update(
+            name=b.name,
+            url=b.url,
+            healthy=b.healthy,
+            stale=b.stale,
+            kv_usage=b.kv_usage,
+            waiting=b.waiting,
+            last_good_scrape_age=_scrape_age(gw, b),
+        )
         backends.append(st)
     tenants = []
     for t in gw.tenants:
         st = dict(gw.controller.tenant_state(t.id))
-        st.update(name=t.name, priority=t.priority)
+        st.update(
+            name=t.name,
+            priority=t.priority,
+            queue_depth=gw.queue.tenant_depth(t.name) if gw.queue is not None else 0,
+        )
         tenants.append(st)
     return web.Response(
         body=orjson.dumps(
@@ -471,7 +634,12 @@ async def _poller_ctx(app: web.Application) -> AsyncIterator[None]:
     from kvgate.telemetry.poller import MetricsPoller
 
     gateway = app[GATEWAY]
-    sink = AdaptiveSink(gateway)
+
+    def shed_waiters(_backend: str) -> None:
+        if gateway.queue is not None:
+            gateway.queue.shed("sheddable")
+
+    sink = AdaptiveSink(gateway, on_shed=shed_waiters)
     poller = MetricsPoller(gateway.session, sink, poll_targets(gateway))
     gateway.poller = poller
     await poller.start()
@@ -486,23 +654,17 @@ async def _reload_ctx(app: web.Application) -> AsyncIterator[None]:
     gateway = app[GATEWAY]
     loop = asyncio.get_running_loop()
 
-    def reload() -> None:
-        from kvgate.config import load_config
-        from kvgate.gateway_build import apply_config
-
-        assert gateway.config_path is not None
-        try:
-            apply_config(gateway, load_config(gateway.config_path))
-        except Exception as exc:
-            logger.error(
-                "reload of %s refused, keeping the running configuration: %s",
-                gateway.config_path,
-                exc,
-            )
-
-    loop.add_signal_handler(signal.SIGHUP, reload)
+    loop.add_signal_handler(signal.SIGHUP, gateway.reload)
     yield
     loop.remove_signal_handler(signal.SIGHUP)
+
+
+def _scrape_age(gw: Gateway, b: Backend) -> float | None:
+    """Seconds since the backend's last good metrics scrape (``None``: never, or no poller)."""
+    if gw.poller is None:
+        return None
+    status = gw.poller.status(b.name)
+    return status.age(asyncio.get_running_loop().time()) if status.last_good_at else None
 
 
 def create_app(gateway: Gateway) -> web.Application:

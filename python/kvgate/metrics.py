@@ -203,16 +203,11 @@ class GatewayMetrics:
             buckets=_TTFT_BUCKETS,
             registry=reg,
         )
-        self.queue_depth = Gauge(
-            "kvgate_queue_depth",
-            "Requests waiting in the priority queue.",
-            ["class"],
-            registry=reg,
-            multiprocess_mode="livesum",
-        )
+        self.queue_depth_of: Callable[[str], int] = lambda cls: 0
         self._leaks = leaks
         reg.register(_StateCollector(read_state))
         reg.register(_LeakCollector(leaks))
+        reg.register(_QueueCollector(lambda cls: self.queue_depth_of(cls)))
 
     def request_done(self, backend: Any, tenant: Any, outcome: str) -> None:
         """Count a finished request (``backend``/``tenant`` may be ``None`` before routing)."""
@@ -270,6 +265,19 @@ class _LeakCollector(Collector):
             "kvgate_reservation_leaks", "Reservations dropped without release (self-released)."
         )
         fam.add_metric([], float(self._leaks()))
+        yield fam
+
+
+class _QueueCollector(Collector):
+    def __init__(self, depth: Callable[[str], int]) -> None:
+        self._depth = depth
+
+    def collect(self) -> Iterator[Any]:
+        fam = GaugeMetricFamily(
+            "kvgate_queue_depth", "Requests waiting in the priority queue.", labels=["class"]
+        )
+        for cls in ("critical", "standard", "sheddable"):
+            fam.add_metric([cls], float(self._depth(cls)))
         yield fam
 
 

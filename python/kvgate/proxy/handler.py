@@ -91,13 +91,19 @@ async def handle_inference(request: web.Request) -> web.StreamResponse:
         tenant, priority = gw.authenticate(request)
         model, analysis = await gw.analyze(route, body)
         backend = gw.pick_backend(model)
-        decision = gw.controller.admit(backend.id, tenant.id, priority, analysis.reserved_tokens)
     except GatewayError as err:
         gw.metrics.request_done(None, None, f"rejected_{err.status}")
         return error_response(err)
-    if not decision.admitted:
-        gw.metrics.rejected(backend, tenant, decision.reason, time.perf_counter() - started)
-        return gw.rejection_response(decision, backend, tenant, model, analysis.reserved_tokens)
+    tokens = analysis.reserved_tokens
+    # fast path: nobody queued, admitted at once; else the priority wait queue decides
+    decision = (
+        gw.controller.admit(backend.id, tenant.id, priority, tokens) if not gw.queue else None
+    )
+    if decision is None or not decision.admitted:
+        decision = await gw.admit_slow(request, backend, tenant, priority, tokens, decision)
+        if not decision.admitted:
+            gw.metrics.rejected(backend, tenant, decision.reason, time.perf_counter() - started)
+            return gw.rejection_response(decision, backend, tenant, model, tokens)
     gw.metrics.admitted(backend, tenant, analysis.reserved_tokens, time.perf_counter() - started)
 
     stream = bool(analysis.stream)
@@ -123,6 +129,8 @@ async def handle_inference(request: web.Request) -> web.StreamResponse:
     finally:
         actual = _actual_tokens(analysis, result)
         decision.release(actual)
+        if gw.queue:
+            gw.queue.notify()
         gw.metrics.settled(backend, tenant, analysis.reserved_tokens, actual, result)
 
 
@@ -144,13 +152,19 @@ async def handle_passthrough(request: web.Request) -> web.StreamResponse:
         body = await read_body(request, gw.max_body_bytes)
         tenant, priority = gw.authenticate(request)
         backend = gw.default_backend()
-        decision = gw.controller.admit(backend.id, tenant.id, priority, 0)
     except GatewayError as err:
         return error_response(err)
-    if not decision.admitted:
-        gw.metrics.rejected(backend, tenant, decision.reason, 0.0)
-        return gw.rejection_response(decision, backend, tenant, None, 0)
+    decision = gw.controller.admit(backend.id, tenant.id, priority, 0) if not gw.queue else None
+    if decision is None or not decision.admitted:
+        decision = await gw.admit_slow(request, backend, tenant, priority, 0, decision)
+        if not decision.admitted:
+            gw.metrics.rejected(backend, tenant, decision.reason, 0.0)
+            return gw.rejection_response(decision, backend, tenant, None, 0)
     try:
         return await gw.forward_raw(request, backend, body)
+    except GatewayError as err:
+        return error_response(err)
     finally:
         decision.release(0)
+        if gw.queue:
+            gw.queue.notify()
