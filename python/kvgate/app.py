@@ -22,6 +22,7 @@ import aiohttp
 import orjson
 from aiohttp import web
 
+from kvgate.config import TimeoutsConfig
 from kvgate.errors import GatewayError
 from kvgate.metrics import GatewayMetrics
 from kvgate.proxy.handler import (
@@ -32,7 +33,7 @@ from kvgate.proxy.handler import (
     handle_inference,
     handle_passthrough,
 )
-from kvgate.proxy.relay import Timeouts, copy_headers
+from kvgate.proxy.relay import copy_headers
 from kvgate.ratelimit_headers import rate_limit_headers, retry_after_headers
 
 __all__ = [
@@ -148,7 +149,7 @@ class Gateway:
         backends: all backends, in core id order.
         tenants: all tenants; ``anonymous`` (if any) is used when no key is sent.
         max_body_bytes: the request body cap (bytes).
-        timeouts: upstream timeouts.
+        timeouts: upstream and client timeouts (seconds).
         require_key: refuse requests without a known API key (401).
     """
 
@@ -157,7 +158,7 @@ class Gateway:
     backends: list[Backend]
     tenants: list[Tenant]
     max_body_bytes: int = 8 * 1024 * 1024
-    timeouts: Timeouts = field(default_factory=Timeouts)
+    timeouts: TimeoutsConfig = field(default_factory=TimeoutsConfig)
     anonymous: Tenant | None = None
     config: Any = None
     config_path: str | None = None
@@ -710,7 +711,12 @@ async def run_gateway(
     Yields the base URL (``http://127.0.0.1:PORT``). Runs with ``handler_cancellation=True`` as
     ``kvgate serve`` does. Used by tests, the demo and embedding applications.
     """
-    runner = web.AppRunner(create_app(gateway), handler_cancellation=True, access_log=None)
+    runner = web.AppRunner(
+        create_app(gateway),
+        handler_cancellation=True,
+        access_log=None,
+        keepalive_timeout=gateway.timeouts.client_header,
+    )
     await runner.setup()
     try:
         site = web.TCPSite(runner, host, port)

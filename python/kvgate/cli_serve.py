@@ -184,6 +184,7 @@ def _serve_single(
         reuse_port=shm_name is not None,
         handler_cancellation=True,
         shutdown_timeout=grace,
+        keepalive_timeout=config.timeouts.client_header,
         access_log=None,
         print=(lambda *_: None)
         if worker

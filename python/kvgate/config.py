@@ -134,13 +134,18 @@ class ListenConfig(_Model):
 
 
 class TimeoutsConfig(_Model):
-    """Upstream timeouts, seconds: TCP connect, first response byte, gap between two streamed
-    chunks, whole request."""
+    """Timeouts, seconds. Upstream: TCP connect, first response byte (covers the engine's queue
+    and prefill), gap between two streamed chunks, whole request. Client: ``client_header`` —
+    a connection that has not sent a complete request head in this time is closed (also the
+    keep-alive idle time); ``client_body`` — a body that has not fully arrived in this time gets
+    408 (slow clients are cut off instead of holding a connection)."""
 
     connect: float = Field(5.0, gt=0)
     first_byte: float = Field(120.0, gt=0)
     idle: float = Field(60.0, gt=0)
     total: float = Field(600.0, gt=0)
+    client_header: float = Field(15.0, gt=0)
+    client_body: float = Field(30.0, gt=0)
 
 
 class ModelConfig(_Model):

@@ -14,7 +14,6 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from kvgate.app import Backend, Gateway, ModelRoute, Tenant
-from kvgate.proxy.relay import Timeouts
 
 if TYPE_CHECKING:
     from kvgate.config import Config
@@ -145,12 +144,7 @@ def build_gateway(
         backends=backends,
         tenants=[],
         max_body_bytes=config.max_body_bytes,
-        timeouts=Timeouts(
-            connect=config.timeouts.connect,
-            first_byte=config.timeouts.first_byte,
-            idle=config.timeouts.idle,
-            total=config.timeouts.total,
-        ),
+        timeouts=config.timeouts,
         config=config,
         config_path=config_path,
         poll=poll,
@@ -213,12 +207,7 @@ def apply_config(gateway: Gateway, new: Config) -> None:
         backend.config = b
     gateway.config = new
     gateway.max_body_bytes = new.max_body_bytes
-    gateway.timeouts = Timeouts(
-        connect=new.timeouts.connect,
-        first_byte=new.timeouts.first_byte,
-        idle=new.timeouts.idle,
-        total=new.timeouts.total,
-    )
+    gateway.timeouts = new.timeouts
     _set_tenants(gateway, new)
     logger.info(
         "configuration reloaded: %d backends, %d tenants", len(new.backends), len(_tenants_of(new))

@@ -385,3 +385,29 @@ async def test_models_health_ready_and_metrics(sim, gateway_for) -> None:
             "kvgate_admission_seconds",
         ):
             assert name in text, name
+
+
+async def test_slow_clients_are_cut_off(gateway_for) -> None:
+    """A body trickling in slower than ``client_body`` gets 408; a request head that never
+    completes is closed after ``client_header``; nothing reaches the engine."""
+    async with run_upstream() as up:
+        cfg = config_for(up.url, ["replay"], timeouts={"client_body": 0.3, "client_header": 0.5})
+        async with gateway_for(cfg) as gw:
+            host, port = gw.url[7:].split(":")
+            reader, writer = await asyncio.open_connection(host, port)
+            writer.write(
+                b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                b'Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{"mo'
+            )
+            await writer.drain()
+            head = await asyncio.wait_for(reader.read(4096), 5)
+            assert head.startswith(b"HTTP/1.1 408")
+            writer.close()
+            # slowloris: half a request line, then nothing
+            reader, writer = await asyncio.open_connection(host, port)
+            writer.write(b"POST /v1/chat/comp")
+            await writer.drain()
+            assert await asyncio.wait_for(reader.read(4096), 5) == b""  # closed by the gateway
+            writer.close()
+            assert up.requests == []
+            assert gw.backend_state()["in_use"] == 0

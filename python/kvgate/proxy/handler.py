@@ -9,6 +9,7 @@ the real usage. Refusals charge nothing.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -37,22 +38,32 @@ def error_response(err: GatewayError) -> web.Response:
     return web.Response(status=err.status, body=err.body(), headers=headers)
 
 
-async def read_body(request: web.Request, max_body_bytes: int) -> bytes:
-    """Read the request body under the byte cap.
+async def read_body(request: web.Request, max_body_bytes: int, body_seconds: float) -> bytes:
+    """Read the request body under the byte cap and the client body timeout.
 
     ``Content-Length`` over the cap is refused before reading; a chunked body is cut off when it
-    passes the cap (aiohttp's ``client_max_size``, set to the same cap by the app).
+    passes the cap (aiohttp's ``client_max_size``, set to the same cap by the app); a body that
+    has not fully arrived after ``body_seconds`` is cut off.
 
     Raises:
-        GatewayError: 413 ``request_too_large``; 400 when the client breaks off mid-body.
+        GatewayError: 413 ``request_too_large``; 408 ``request_timeout``.
     """
     length = request.content_length
     if length is not None and length > max_body_bytes:
         raise _too_large(length, max_body_bytes)
     try:
-        return await request.read()
+        async with asyncio.timeout(body_seconds):
+            return await request.read()
     except web.HTTPRequestEntityTooLarge:
         raise _too_large(None, max_body_bytes) from None
+    except TimeoutError:
+        raise GatewayError(
+            408,
+            f"The request body did not arrive within {body_seconds:g} s.",
+            "invalid_request_error",
+            code="request_timeout",
+            headers={"Connection": "close"},
+        ) from None
 
 
 def _too_large(length: int | None, cap: int) -> GatewayError:
@@ -87,7 +98,7 @@ async def handle_inference(request: web.Request) -> web.StreamResponse:
     started = time.perf_counter()
     route = request.path
     try:
-        body = await read_body(request, gw.max_body_bytes)
+        body = await read_body(request, gw.max_body_bytes, gw.timeouts.client_body)
         tenant, priority = gw.authenticate(request)
         model, analysis = await gw.analyze(route, body)
         backend = gw.pick_backend(model)
@@ -149,7 +160,7 @@ async def handle_passthrough(request: web.Request) -> web.StreamResponse:
     """Anything else under ``/v1/``: forwarded with a slot but no token charge (DESIGN.md)."""
     gw = request.app[GATEWAY]
     try:
-        body = await read_body(request, gw.max_body_bytes)
+        body = await read_body(request, gw.max_body_bytes, gw.timeouts.client_body)
         tenant, priority = gw.authenticate(request)
         backend = gw.default_backend()
     except GatewayError as err:

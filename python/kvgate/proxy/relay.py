@@ -24,7 +24,9 @@ from kvgate.proxy.sse import SSEInspector
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping
 
-__all__ = ["RelayResult", "Timeouts", "relay"]
+    from kvgate.config import TimeoutsConfig as Timeouts
+
+__all__ = ["RelayResult", "relay"]
 
 # Hop-by-hop headers (RFC 9110 §7.6.1) and the ones aiohttp recomputes; never copied across.
 _HOP_BY_HOP = frozenset(
@@ -43,24 +45,6 @@ _HOP_BY_HOP = frozenset(
         "server",
     }
 )
-
-
-@dataclass(frozen=True, slots=True)
-class Timeouts:
-    """Upstream timeouts in seconds (``None`` = no limit).
-
-    Attributes:
-        connect: TCP connect to the upstream.
-        first_byte: from sending the request to the response headers (covers queueing and
-            prefill on the engine).
-        idle: longest gap between two body chunks of a streamed answer.
-        total: the whole exchange.
-    """
-
-    connect: float | None = 5.0
-    first_byte: float | None = 120.0
-    idle: float | None = 60.0
-    total: float | None = 900.0
 
 
 @dataclass(slots=True)
