@@ -10,7 +10,38 @@ arguments and configuration only.
 
 from collections.abc import Sequence
 from types import TracebackType
-from typing import Any, Final, Literal, final
+from typing import Any, Final, Literal, Self, final
+
+from typing_extensions import disjoint_base
+
+__all__ = [
+    "MAX_AMOUNT",
+    "MAX_BACKENDS",
+    "MAX_PROCS",
+    "MAX_TENANTS",
+    "REASONS",
+    "REGION_SIZE",
+    "AdaptiveLaw",
+    "AdmissionController",
+    "Analysis",
+    "AnalysisError",
+    "CoreError",
+    "InvalidAmountError",
+    "InvalidConfigError",
+    "ManualClock",
+    "ModelRegistry",
+    "NeverAdmissibleError",
+    "OverReleaseError",
+    "Rejection",
+    "RequestAnalyzer",
+    "Reservation",
+    "SharedStateError",
+    "SlotPool",
+    "TokenBucket",
+    "__version__",
+    "check_content_length",
+    "peek_model",
+]
 
 __version__: str
 MAX_AMOUNT: int
@@ -55,11 +86,12 @@ class InvalidConfigError(CoreError, ValueError):
 class SharedStateError(CoreError, OSError):
     """The shared-memory region could not be created, attached or validated."""
 
+@final
 class ManualClock:
     """A test clock: time moves only when :meth:`advance` is called. Pass it as ``clock=`` to
     any limiter or controller so refill and recovery are tested without sleeping."""
 
-    def __init__(self, start_ns: int = 0) -> None: ...
+    def __new__(cls, start_ns: int = 0) -> Self: ...
     def advance(self, seconds: float) -> None:
         """Moves the clock forward by ``seconds`` (finite, >= 0; else ``ValueError``)."""
     def advance_ns(self, ns: int) -> None:
@@ -68,6 +100,7 @@ class ManualClock:
     def now_ns(self) -> int:
         """The current reading in nanoseconds."""
 
+@final
 class SlotPool:
     """A lock-free pool of concurrency slots (compare-and-swap on one counter).
 
@@ -78,12 +111,13 @@ class SlotPool:
     Raises: ``InvalidAmountError`` / ``TypeError`` for a bad ``limit``.
     """
 
-    def __init__(self, limit: int, *, clock: ManualClock | None = None) -> None: ...
-    def try_acquire(self, n: int = 1) -> bool:
-        """Takes ``n`` slots if that stays within the limit; returns whether it did."""
-    def release(self, n: int = 1) -> None:
-        """Gives ``n`` slots back. Raises ``OverReleaseError`` (changing nothing) when fewer
-        than ``n`` are held."""
+    def __new__(cls, limit: int, *, clock: ManualClock | None = None) -> Self: ...
+    def try_acquire(self, n: int | None = None) -> bool:
+        """Takes ``n`` slots (``None`` = 1) if that stays within the limit; returns whether it
+        did."""
+    def release(self, n: int | None = None) -> None:
+        """Gives ``n`` slots (``None`` = 1) back. Raises ``OverReleaseError`` (changing nothing)
+        when fewer than ``n`` are held."""
     @property
     def in_use(self) -> int:
         """Slots held now."""
@@ -93,6 +127,7 @@ class SlotPool:
     @limit.setter
     def limit(self, value: int) -> None: ...
 
+@final
 class TokenBucket:
     """A lock-free token bucket: ``tokens_per_minute`` refill, continuous from a monotonic clock
     (or ``clock``), holding at most ``burst_tokens`` (default: one minute of tokens).
@@ -107,13 +142,13 @@ class TokenBucket:
     ``TypeError`` for bad amounts.
     """
 
-    def __init__(
-        self,
+    def __new__(
+        cls,
         tokens_per_minute: int,
         burst_tokens: int | None = None,
         *,
         clock: ManualClock | None = None,
-    ) -> None: ...
+    ) -> Self: ...
     def try_reserve(self, tokens: int) -> bool:
         """Takes ``tokens`` if available now. Raises ``NeverAdmissibleError`` when ``tokens >
         burst_tokens`` (it can never succeed)."""
@@ -137,6 +172,7 @@ class TokenBucket:
     def time_to_full(self) -> float:
         """Seconds until the bucket is full again (for ``x-ratelimit-reset-tokens``)."""
 
+@final
 class AdaptiveLaw:
     """The adaptive control law (DESIGN.md "Adaptive feedback").
 
@@ -152,8 +188,8 @@ class AdaptiveLaw:
     ``recovery_per_second > 0``.
     """
 
-    def __init__(
-        self,
+    def __new__(
+        cls,
         high: float = 0.85,
         low: float = 0.70,
         floor: float = 0.6,
@@ -161,7 +197,7 @@ class AdaptiveLaw:
         waiting_threshold: int = 8,
         *,
         clock: ManualClock | None = None,
-    ) -> None: ...
+    ) -> Self: ...
     def target(self, kv_usage: float | None, waiting: int = 0) -> float:
         """The scale aimed at for a reading (pure). Raises ``InvalidConfigError`` (a
         ``ValueError``) for ``kv_usage`` outside [0, 1] or NaN, ``ValueError`` for
@@ -185,6 +221,7 @@ class AdaptiveLaw:
     @property
     def waiting_threshold(self) -> int: ...
 
+@final
 class Reservation:
     """An admitted request's hold on its slot, in-flight tokens and TPM tokens.
 
@@ -219,6 +256,7 @@ class Reservation:
         tb: TracebackType | None = None,
     ) -> bool: ...
 
+@final
 class Rejection:
     """A refused admission: nothing is held. Falsy."""
 
@@ -238,6 +276,7 @@ class Rejection:
         """True when the request can never be admitted (larger than a whole bucket or the
         whole in-flight budget): answer with a 4xx, not "retry later"."""
 
+@final
 class AdmissionController:
     """Admission against every limit: tenant concurrency and TPM, backend slots (guaranteed +
     burst pool), in-flight tokens and backend TPM, in one lock-free call.
@@ -258,13 +297,13 @@ class AdmissionController:
     Raises: ``SharedStateError`` when the region cannot be created or attached.
     """
 
-    def __init__(
-        self,
+    def __new__(
+        cls,
         *,
         clock: ManualClock | None = None,
         shm_name: str | None = None,
         create: bool = True,
-    ) -> None: ...
+    ) -> Self: ...
     @staticmethod
     def attach(shm_name: str, *, clock: ManualClock | None = None) -> AdmissionController:
         """Attaches to an existing shared region (a worker process)."""
@@ -310,12 +349,12 @@ class AdmissionController:
         priority: PriorityClass | int,
         tokens_per_minute: int | None = None,
         max_concurrency: int | None = None,
-        guaranteed_slots: int | None = 0,
+        guaranteed_slots: int | None = None,
         burst_tokens: int | None = None,
     ) -> int:
         """Registers a tenant; returns its id. ``tokens_per_minute``/``max_concurrency``
-        ``None`` = no tenant limit. ``guaranteed_slots`` are reserved on every backend; a
-        sheddable tenant cannot have any. Raises ``InvalidConfigError``."""
+        ``None`` = no tenant limit. ``guaranteed_slots`` (``None`` = 0) are reserved on every
+        backend; a sheddable tenant cannot have any. Raises ``InvalidConfigError``."""
     def update_tenant(
         self,
         tenant: int,
@@ -356,6 +395,7 @@ class AdmissionController:
 
 # --- request analysis (rust/src/python_analyze.rs) ---
 
+@disjoint_base
 class AnalysisError(ValueError):
     """A request refused by the analyser, carrying OpenAI's error shape.
 
@@ -390,16 +430,18 @@ class AnalysisError(ValueError):
     param: Final[str | None]
     code: Final[str | None]
     message: Final[str]
-    def __init__(
-        self,
+    def __new__(
+        cls,
         message: str,
         status: int = 400,
-        type: str = "invalid_request_error",
+        type: str = ...,
         param: str | None = None,
         code: str | None = None,
         /,
-    ) -> None:
-        """Arguments are positional only (``BaseException.__init__`` takes no keywords)."""
+    ) -> Self:
+        """Arguments are positional only (``BaseException.__init__`` takes no keywords).
+        ``type`` defaults to ``"invalid_request_error"`` (the native signature shows it as
+        ``...``)."""
     def body(self) -> dict[str, dict[str, Any]]:
         """The error body ``{"error": {"message", "type", "param", "code"}}`` as a dict."""
     def to_json(self) -> bytes:
@@ -494,8 +536,8 @@ class RequestAnalyzer:
         OSError: a path that cannot be read.
     """
 
-    def __init__(
-        self,
+    def __new__(
+        cls,
         *,
         model: str,
         context_window: int,
@@ -507,8 +549,8 @@ class RequestAnalyzer:
         image_tokens: int = 765,
         audio_tokens: int = 200,
         default_max_tokens: int | None = None,
-        max_body_bytes: int = 33554432,
-    ) -> None: ...
+        max_body_bytes: int = ...,  # 33554432 (32 MiB, analyze::DEFAULT_MAX_BODY_BYTES)
+    ) -> Self: ...
     def analyze(self, route: str, body: bytes) -> Analysis:
         """Analyse one request body.
 
@@ -565,7 +607,7 @@ class ModelRegistry:
         ValueError: two analysers for the same model.
     """
 
-    def __init__(self, analyzers: Sequence[RequestAnalyzer]) -> None: ...
+    def __new__(cls, analyzers: Sequence[RequestAnalyzer]) -> Self: ...
     def analyze(self, route: str, body: bytes) -> Analysis:
         """Parse once, choose the analyser by ``model``, check its body cap, analyse.
 
@@ -582,7 +624,7 @@ class ModelRegistry:
         """The largest body cap among the analysers (bytes): what to check ``Content-Length``
         against before the model is known."""
     def __len__(self) -> int: ...
-    def __contains__(self, model: str) -> bool: ...
+    def __contains__(self, model: str, /) -> bool: ...
 
 def check_content_length(content_length: int | None, max_body_bytes: int) -> None:
     """Pre-reject a body from its declared size, before reading any of it.
