@@ -37,13 +37,14 @@ test-py: build ## pytest (unit, property, integration over loopback)
 test: test-rust test-py ## every test: cargo test + pytest
 
 .PHONY: lint
-lint: build ## cargo fmt --check, clippy -D warnings, ruff, stubtest (_core.pyi vs the built module)
+lint: build ## cargo fmt --check, clippy -D warnings, ruff, stubtest (_core.pyi vs the built module), mypy
 	cargo fmt --all --check
 	cargo clippy -p kvgate-core --all-targets -- -D warnings
 	cargo clippy -p kvgate-core --all-targets $(CARGO_FEATURES_OFF) -- -D warnings
 	$(VENV)/bin/ruff check python tests benches
 	$(VENV)/bin/ruff format --check python tests benches
 	$(PY) -m mypy.stubtest kvgate._core --allowlist .mypy-stubtest-allowlist
+	$(PY) -m mypy python/kvgate
 
 .PHONY: format
 format: venv ## cargo fmt + ruff format

@@ -31,8 +31,8 @@ def main(argv: list[str] | None = None) -> int:
         if name == chosen:
             importlib.import_module(module).add_arguments(p)
     args = parser.parse_args(argv)
-    module = importlib.import_module(SUBCOMMANDS[args.command][0])
-    return int(module.run(args) or 0)
+    chosen_module = importlib.import_module(SUBCOMMANDS[args.command][0])
+    return int(chosen_module.run(args) or 0)
 
 
 if __name__ == "__main__":

@@ -190,7 +190,9 @@ def apply_config(gateway: Gateway, new: Config) -> None:
         before = [(b.name, b.url, [m.name for m in b.models]) for b in old.backends]
         after = [(b.name, b.url, [m.name for m in b.models]) for b in new.backends]
         if before != after:
-            raise ConfigError("backends and models cannot change on reload; restart kvgate")
+            raise ConfigError(
+                [("backends", "backends and models cannot change on reload; restart kvgate")]
+            )
     ctl = gateway.controller
     for b in new.backends:
         limits = _backend_limits(b)

@@ -320,8 +320,9 @@ class Engine:
                 preempted = True
                 if victim is seq:
                     break
+            # _preempt() above may have moved seq itself back to WAITING (mypy cannot see that)
             if seq.state is not SeqState.RUNNING:
-                continue
+                continue  # type: ignore[unreachable]
             self._take(seq, need)
             self._emit(seq, result)
         # 2. admit, first come first served

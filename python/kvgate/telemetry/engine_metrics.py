@@ -579,11 +579,15 @@ def _read_triton(view: _View, out: _Fields, slots: SlotsSnapshot | None) -> None
         out.sources["kv_usage"] = f'{kvm}{{kv_cache_block_type="fraction"}}'
     elif used and total:
         name = f'{kvm}{{kv_cache_block_type="used"}} / {{kv_cache_block_type="max"}}'
-        ratios = [({}, used[k] / total[k]) for k in used if total.get(k)]
+        ratios: list[tuple[dict[str, str], float]] = [
+            ({}, used[k] / total[k]) for k in used if total.get(k)
+        ]
         if ratios:
             out.kv_usage = _usage(name, ratios, ())
             out.sources["kv_usage"] = name
-    caps = [({}, total[k] * tokens_per[k]) for k in total if k in tokens_per]
+    caps: list[tuple[dict[str, str], float]] = [
+        ({}, total[k] * tokens_per[k]) for k in total if k in tokens_per
+    ]
     if caps:
         out.kv_capacity_tokens = round(_total(kvm, caps, ()))
         out.sources["kv_capacity_tokens"] = (
