@@ -263,7 +263,6 @@ async def test_soak_1000_requests_over_two_workers(tmp_path: Path) -> None:
         assert st["up"].active == 0
 
 
-@pytest.mark.slow
 async def test_sigkill_worker_is_restarted_and_its_slots_reclaimed_then_sigterm(
     tmp_path: Path,
 ) -> None:
