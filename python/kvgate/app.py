@@ -245,6 +245,14 @@ class Gateway:
             A ``Reservation``, the shadow admission, or a refusal (``Rejection`` /
             :class:`Refusal`) whose ``reason`` names what refused it.
         """
+        if (
+            refusal is None
+            and priority == "sheddable"
+            and self.controller.backend_state(backend.id)["shedding"]
+        ):
+            # the fast path was skipped because others are queued: a shed class must still be
+            # answered at once, not parked behind them until its wait runs out
+            refusal = Refusal("shed")
         if refusal is not None and self.shadow(backend, tenant):
             self.metrics.shadow_rejections.labels(refusal.reason).inc()
             return SHADOW_ADMISSION

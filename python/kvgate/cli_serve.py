@@ -224,9 +224,16 @@ def _serve_workers(config: Any, grace: float, *, config_path: str | None) -> int
             os._exit(code)
         children[pid] = index
 
+    forwarded: set[int] = set()
+
     def forward(signum: int, _frame: Any) -> None:
         nonlocal stopping
         stopping = True
+        if signum in forwarded:
+            # a repeated SIGTERM would raise GracefulExit inside the workers' drain and cut
+            # the streams it is letting finish; SIGKILL is the way to force a stop
+            return
+        forwarded.add(signum)
         for pid in list(children):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signum)

@@ -1,0 +1,486 @@
+"""Issue 7 end to end: tenants and keys, priority classes and shedding, the priority wait queue,
+shadow mode, /admin/state and hot reload (in process and by a real SIGHUP)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import orjson
+
+from kvgate.app import run_gateway
+from kvgate.config import Config, load_config
+from kvgate.gateway_build import build_gateway
+from kvgate.sim import SimConfig, run_sim
+
+from .conftest import sha
+from .fake_upstream import run_upstream
+from .helpers import (
+    bearer,
+    chat,
+    free_port,
+    get_text,
+    metric,
+    start_kvgate,
+    stop_process,
+    until,
+    wait_http_up,
+)
+
+ADMIN_KEY = "sk-admin-0123456789"
+
+
+def config_data(
+    url: str,
+    models: list[str],
+    *,
+    max_concurrency: int = 8,
+    tenants: list[dict[str, Any]] | None = None,
+    adaptive: dict[str, Any] | None = None,
+    inflight: int | None = None,
+    **top: Any,
+) -> dict[str, Any]:
+    """A one-backend configuration document (the shape of the YAML file)."""
+    backend: dict[str, Any] = {
+        "name": "b0",
+        "url": url,
+        "models": [{"name": m, "context_window": 1024} for m in models],
+        "max_concurrency": max_concurrency,
+        "tokens_per_minute": 1_000_000,
+        "adaptive": adaptive or {"enabled": False},
+    }
+    if inflight is not None:
+        backend["inflight_token_limit"] = inflight
+    data: dict[str, Any] = {"backends": [backend], **top}
+    if tenants is not None:
+        data["tenants"] = tenants
+    return data
+
+
+def tenant(name: str, key: str, priority: str = "standard", **kw: Any) -> dict[str, Any]:
+    return {"name": name, "api_key_sha256": [sha(key)], "priority": priority, **kw}
+
+
+async def post(
+    s: aiohttp.ClientSession, url: str, body: dict[str, Any], key: str | None, **headers: str
+) -> tuple[int, str | None, bytes]:
+    h = dict(headers)
+    if key is not None:
+        h.update(bearer(key))
+    async with s.post(url + "/v1/chat/completions", json=body, headers=h) as r:
+        return r.status, r.headers.get("x-kvgate-reject-reason"), await r.read()
+
+
+# ---- two tenants on one simulated engine --------------------------------------------------
+
+
+async def test_critical_chat_keeps_its_guarantee_while_sheddable_flood_is_shed() -> None:
+    sim_cfg = SimConfig.from_profile("tiny", speed=10, seed=1)
+    model = sim_cfg.model
+    async with run_sim(sim_cfg) as sim:
+        data = config_data(
+            sim.url,
+            [model],
+            max_concurrency=8,
+            inflight=100_000,  # no in-flight budget from discovery: let KV usage climb
+            adaptive={
+                "enabled": True,
+                "poll_interval": 0.05,
+                "stale_after": 2.0,
+                "recovery_per_second": 0.5,
+            },
+            tenants=[
+                tenant("chat", "sk-chat", "critical", guaranteed_slots=2, max_wait_ms=3000),
+                tenant("batch", "sk-batch", "sheddable"),
+            ],
+        )
+        gateway = build_gateway(Config.model_validate(data), poll=True)
+        async with run_gateway(gateway) as url, aiohttp.ClientSession() as s:
+            long_doc = " ".join(f"paragraph{i}" for i in range(100))  # ~300 prompt tokens
+            batch: list[tuple[int, str | None]] = []
+            chats: list[tuple[int, float]] = []
+            stop = asyncio.Event()
+
+            async def flood() -> None:
+                while not stop.is_set():
+                    body = chat(model, long_doc, max_tokens=300, ignore_eos=True)
+                    status, reason, _ = await post(s, url, body, "sk-batch")
+                    batch.append((status, reason))
+                    if status != 200:
+                        await asyncio.sleep(0.02)
+
+            async def online() -> None:
+                for i in range(12):
+                    started = time.monotonic()
+                    status, _, _ = await post(s, url, chat(model, f"hello {i}", 8), "sk-chat")
+                    chats.append((status, time.monotonic() - started))
+                    await asyncio.sleep(0.05)
+
+            flooders = [asyncio.create_task(flood()) for _ in range(6)]
+            try:
+                await until(lambda: sim.engine.kv_cache_usage >= 0.85, timeout=15)
+                await online()
+                await until(lambda: any(r == "shed" for _, r in batch), timeout=15)
+            finally:
+                stop.set()
+                for t in flooders:
+                    t.cancel()
+                await asyncio.gather(*flooders, return_exceptions=True)
+            # the critical tenant: every request admitted, and what it waited in the queue is
+            # bounded by its max_wait (histogram of kvgate_queue_wait_seconds)
+            assert [st for st, _ in chats] == [200] * 12, chats
+            text = await get_text(url + "/metrics")
+            waited = metric(text, "kvgate_queue_wait_seconds_count", **{"class": "critical"})
+            within = metric(
+                text, "kvgate_queue_wait_seconds_bucket", **{"class": "critical", "le": "5.0"}
+            )
+            assert (waited or 0) == (within or 0)
+            # the sheddable tenant was shed with 503 / reason shed once KV usage crossed high
+            shed = [st for st, r in batch if r == "shed"]
+            assert shed
+            assert set(shed) == {503}
+            assert metric(text, "kvgate_rejections_total", backend="b0", reason="shed")
+            await until(lambda: gateway.controller.backend_state(0)["in_use"] == 0)
+            assert gateway.controller.backend_state(0)["inflight_tokens"] == 0
+
+
+async def test_fairness_between_two_standard_tenants() -> None:
+    sim_cfg = SimConfig.from_profile("tiny", speed=10, seed=2)
+    model = sim_cfg.model
+    async with run_sim(sim_cfg) as sim:
+        data = config_data(
+            sim.url,
+            [model],
+            max_concurrency=2,
+            tenants=[
+                tenant("flood", "sk-flood", max_wait_ms=30_000),
+                tenant("quiet", "sk-quiet", max_wait_ms=30_000),
+            ],
+        )
+        gateway = build_gateway(Config.model_validate(data), poll=False)
+        async with run_gateway(gateway) as url, aiohttp.ClientSession() as s:
+            done: list[str] = []
+
+            async def one(who: str, key: str, i: int) -> int:
+                body = chat(model, f"{who} {i}", max_tokens=40, ignore_eos=True)
+                status, _, _ = await post(s, url, body, key)
+                done.append(who)
+                return status
+
+            floods = [asyncio.create_task(one("flood", "sk-flood", i)) for i in range(16)]
+            await until(lambda: gateway.queue.tenant_depth("flood") >= 10)
+            quiet = [asyncio.create_task(one("quiet", "sk-quiet", i)) for i in range(4)]
+            assert await asyncio.gather(*quiet) == [200] * 4
+            # the quiet tenant took turns with the flood instead of waiting behind all of it
+            flood_left = 16 - done.count("flood")
+            assert flood_left >= 4, done
+            assert await asyncio.gather(*floods) == [200] * 16
+            assert gateway.controller.backend_state(0)["in_use"] == 0
+
+
+# ---- keys, priority header, secrets -------------------------------------------------------
+
+
+async def test_keys_priority_header_and_secrets_never_leak(caplog) -> None:
+    caplog.set_level(logging.DEBUG)
+    secret, batch_key, wrong = "sk-alice-TOPSECRET-1", "sk-batch-TOPSECRET-2", "sk-WRONG-3"
+    async with run_upstream() as up:
+        data = config_data(
+            up.url,
+            ["replay"],
+            tenants=[tenant("alice", secret, "critical"), tenant("batch", batch_key, "sheddable")],
+            admin_key_sha256=sha(ADMIN_KEY),
+        )
+        gateway = build_gateway(Config.model_validate(data), poll=False)
+        async with run_gateway(gateway) as url, aiohttp.ClientSession() as s:
+            body = chat("replay")
+            for key in (None, wrong, ""):
+                status, _, raw = await post(s, url, body, key)
+                assert status == 401
+                assert json.loads(raw)["error"]["code"] == "invalid_api_key"
+            assert (await post(s, url, body, secret))[0] == 200
+            gateway.controller.set_shedding(0, True)
+            # the sheddable tenant asking for critical is still shed
+            assert (await post(s, url, body, batch_key))[:2] == (503, "shed")
+            status, reason, _ = await post(
+                s, url, body, batch_key, **{"x-kvgate-priority": "critical"}
+            )
+            assert (status, reason) == (503, "shed")
+            # a critical tenant may lower itself (and then is shed); junk values are ignored
+            status, reason, _ = await post(
+                s, url, body, secret, **{"x-kvgate-priority": "sheddable"}
+            )
+            assert (status, reason) == (503, "shed")
+            for junk in ("bogus", "CRITICAL", "sheddable,critical"):
+                status, _, _ = await post(s, url, body, secret, **{"x-kvgate-priority": junk})
+                assert status == 200, junk
+            gateway.controller.set_shedding(0, False)
+            # /admin/state needs the admin key, not a tenant key
+            for headers in ({}, bearer(secret), bearer("sk-admin-wrong")):
+                async with s.get(url + "/admin/state", headers=headers) as r:
+                    assert r.status == 401
+            async with s.get(url + "/admin/state", headers=bearer(ADMIN_KEY)) as r:
+                assert r.status == 200
+                state_raw = await r.read()
+            state = orjson.loads(state_raw)
+            assert {t["name"] for t in state["tenants"]} == {"alice", "batch"}
+            assert all("queue_depth" in t for t in state["tenants"])
+            metrics_raw = await get_text(url + "/metrics")
+        gateway.reload()  # no config path: a no-op, but must not log a key either
+    logged = caplog.text + "".join(str(r.args) for r in caplog.records)
+    for key in (secret, batch_key, wrong, ADMIN_KEY):
+        assert key not in logged
+        assert key not in metrics_raw
+        assert key.encode() not in state_raw
+    assert 'tenant="alice"' in metrics_raw
+
+
+# ---- queue: bounded, cancel-safe, client-shortened waits ----------------------------------
+
+
+async def test_wait_queue_bound_cancel_and_client_max_wait() -> None:
+    async with run_upstream() as up:
+        data = config_data(
+            up.url,
+            ["slow", "replay"],
+            max_concurrency=1,
+            tenants=[tenant("t", "sk-t", max_wait_ms=20_000)],
+            queue={"max_size": 2},
+        )
+        gateway = build_gateway(Config.model_validate(data), poll=False)
+        queue = gateway.queue
+        async with run_gateway(gateway) as url, aiohttp.ClientSession() as s:
+            held = await s.post(
+                url + "/v1/chat/completions",
+                json=chat("slow", max_tokens=300, stream=True),
+                headers=bearer("sk-t"),
+            )
+            await held.content.readline()
+            waiters = [asyncio.create_task(post(s, url, chat("replay"), "sk-t")) for _ in range(2)]
+            await until(lambda: queue.depth() == 2)
+            # over the bound: 503 queue-full at once
+            status, reason, raw = await post(s, url, chat("replay"), "sk-t")
+            assert (status, reason) == (503, "queue-full")
+            assert json.loads(raw)["error"]["type"] == "server_error"
+            # a client that goes away while waiting leaves the queue at once
+            waiters[1].cancel()
+            await until(lambda: queue.depth() == 1, timeout=1.0)
+            # the client's own header shortens its wait (tenant allows 20 s)
+            started = time.monotonic()
+            status, _, _ = await post(
+                s, url, chat("replay"), "sk-t", **{"x-kvgate-max-wait-ms": "100"}
+            )
+            assert status == 503
+            assert time.monotonic() - started < 5.0
+            # a longer header never lengthens it past the tenant's max_wait (here: not refused
+            # early either; it is admitted once the held stream ends)
+            assert queue.depth() == 1
+            held.close()
+            assert (await waiters[0])[0] == 200
+            await until(lambda: gateway.controller.backend_state(0)["in_use"] == 0)
+            assert queue.depth() == 0
+            text = await get_text(url + "/metrics")
+            assert metric(text, "kvgate_rejections_total", reason="queue-full") == 1
+            assert metric(text, "kvgate_queue_depth", **{"class": "standard"}) == 0
+
+
+# ---- shadow mode ----------------------------------------------------------------------------
+
+
+async def test_shadow_tenant_over_quota_is_admitted_and_counted() -> None:
+    async with run_upstream() as up:
+        data = config_data(
+            up.url,
+            ["slow", "replay"],
+            tenants=[
+                tenant("trial", "sk-trial", max_concurrency=1, mode="shadow"),
+                tenant("strict", "sk-strict", max_concurrency=1),
+            ],
+        )
+        gateway = build_gateway(Config.model_validate(data), poll=False)
+        async with run_gateway(gateway) as url, aiohttp.ClientSession() as s:
+            held = []
+            for key in ("sk-trial", "sk-strict"):
+                r = await s.post(
+                    url + "/v1/chat/completions",
+                    json=chat("slow", max_tokens=300, stream=True),
+                    headers=bearer(key),
+                )
+                await r.content.readline()
+                held.append(r)
+            # both over their concurrency cap: shadow admits (and counts), enforce refuses
+            assert (await post(s, url, chat("replay"), "sk-trial"))[0] == 200
+            assert (await post(s, url, chat("replay"), "sk-strict"))[:2] == (
+                429,
+                "tenant-concurrency",
+            )
+            text = await get_text(url + "/metrics")
+            assert metric(text, "kvgate_shadow_rejections_total", reason="tenant-concurrency") == 1
+            for r in held:
+                r.close()
+            await until(lambda: gateway.controller.backend_state(0)["in_use"] == 0)
+
+
+# ---- hot reload -----------------------------------------------------------------------------
+
+
+async def _stream_to_end(s: aiohttp.ClientSession, url: str, body: dict, key: str, started):
+    async with s.post(url + "/v1/chat/completions", json=body, headers=bearer(key)) as r:
+        assert r.status == 200
+        first = await r.content.readline()
+        started.set()
+        raw = first + await r.read()
+    events = [e for e in raw.split(b"\n\n") if e.strip()]
+    assert events[-1] == b"data: [DONE]", events[-3:]
+    usage = orjson.loads(events[-2][6:])["usage"]
+    assert b'"error"' not in raw
+    return usage["completion_tokens"]
+
+
+async def test_hot_reload_under_load(tmp_path: Path, caplog) -> None:
+    caplog.set_level(logging.INFO, logger="kvgate.gateway")
+    sim_cfg = SimConfig.from_profile("tiny", speed=5, seed=4)
+    model = sim_cfg.model
+    path = tmp_path / "kvgate.yaml"
+    alice = tenant("alice", "sk-alice", tokens_per_minute=100_000)
+    async with run_sim(sim_cfg) as sim:
+        path.write_text(json.dumps(config_data(sim.url, [model], tenants=[alice])))
+        gateway = build_gateway(load_config(path), config_path=str(path), poll=False)
+        ctl = gateway.controller
+        async with run_gateway(gateway) as url, aiohttp.ClientSession() as s:
+            body = chat(model, "a story", max_tokens=150, ignore_eos=True, stream=True)
+            body["stream_options"] = {"include_usage": True}
+            events = [asyncio.Event() for _ in range(4)]
+            streams = [
+                asyncio.create_task(_stream_to_end(s, url, body, "sk-alice", ev)) for ev in events
+            ]
+            for ev in events:
+                await asyncio.wait_for(ev.wait(), 10)
+            assert ctl.backend_state(0)["in_use"] == 4
+            # new limits (below what is in flight) and a new tenant, while the streams run
+            carol = tenant("carol", "sk-carol", "critical")
+            alice2 = {**alice, "tokens_per_minute": 50_000}
+            new = config_data(sim.url, [model], max_concurrency=2, tenants=[alice2, carol])
+            path.write_text(json.dumps(new))
+            assert gateway.reload() is True
+            st = ctl.backend_state(0)
+            assert (st["max_concurrency"], st["in_use"]) == (2, 4)  # held slots untouched
+            assert ctl.tenant_state(ctl.tenant_id("alice"))["tokens_per_minute"] == 50_000
+            # the new limit applies at once; the new tenant's key is known (503, not 401)
+            assert (await post(s, url, chat(model), "sk-alice"))[:2] == (503, "backend-slots")
+            assert (await post(s, url, chat(model), "sk-carol"))[:2] == (503, "backend-slots")
+            # an invalid file is refused; the running configuration stays
+            path.write_text(
+                json.dumps(
+                    config_data(
+                        sim.url, [model], max_concurrency=5, tenants=[{**carol, "priority": "vip"}]
+                    )
+                )
+            )
+            assert gateway.reload() is False
+            assert ctl.backend_state(0)["max_concurrency"] == 2
+            assert "reload" in caplog.text
+            assert "refused" in caplog.text
+            # no stream was cut
+            assert await asyncio.gather(*streams) == [150] * 4
+            await until(lambda: ctl.backend_state(0)["in_use"] == 0)
+            assert ctl.backend_state(0)["inflight_tokens"] == 0
+            assert (await post(s, url, chat(model), "sk-carol"))[0] == 200
+
+
+async def test_sighup_reloads_a_running_kvgate_serve(tmp_path: Path) -> None:
+    sim_cfg = SimConfig.from_profile("tiny", speed=5, seed=5)
+    model = sim_cfg.model
+    path = tmp_path / "kvgate.yaml"
+    port = free_port()
+    top = {"listen": {"host": "127.0.0.1", "port": port}, "admin_key_sha256": sha(ADMIN_KEY)}
+    alice = tenant("alice", "sk-alice")
+    async with run_sim(sim_cfg) as sim:
+        path.write_text(json.dumps(config_data(sim.url, [model], tenants=[alice], **top)))
+        proc = await start_kvgate("serve", "--config", str(path))
+        url = f"http://127.0.0.1:{port}"
+        try:
+            async with aiohttp.ClientSession() as s:
+                await wait_http_up(url + "/healthz")
+
+                async def limit() -> int:
+                    async with s.get(url + "/admin/state", headers=bearer(ADMIN_KEY)) as r:
+                        return (await r.json())["backends"][0]["max_concurrency"]
+
+                assert await limit() == 8
+                started = asyncio.Event()
+                body = chat(model, "x", max_tokens=150, ignore_eos=True, stream=True)
+                body["stream_options"] = {"include_usage": True}
+                stream = asyncio.create_task(_stream_to_end(s, url, body, "sk-alice", started))
+                await asyncio.wait_for(started.wait(), 10)
+                assert (await post(s, url, chat(model), "sk-carol"))[0] == 401
+                new = config_data(
+                    sim.url,
+                    [model],
+                    max_concurrency=3,
+                    tenants=[alice, tenant("carol", "sk-carol")],
+                    **top,
+                )
+                path.write_text(json.dumps(new))
+                proc.send_signal(signal.SIGHUP)
+
+                async def reloaded() -> bool:
+                    return await limit() == 3
+
+                await until(reloaded, timeout=10, interval=0.05)
+                assert (await post(s, url, chat(model), "sk-carol"))[0] == 200
+                # an invalid file: refused, old configuration in force, process alive
+                path.write_text("backends: [")
+                proc.send_signal(signal.SIGHUP)
+                await asyncio.sleep(0.5)
+                assert proc.returncode is None
+                assert await limit() == 3
+                assert (await post(s, url, chat(model), "sk-carol"))[0] == 200
+                assert await stream == 150  # the stream ran through both reloads
+        finally:
+            err = await stop_process(proc)
+        assert b"refused" in err
+        assert b"not valid YAML" in err
+        assert b"sk-alice" not in err
+        assert b"sk-carol" not in err
+
+
+async def test_sheddable_is_shed_at_once_even_behind_queued_requests() -> None:
+    async with run_upstream() as up:
+        data = config_data(
+            up.url,
+            ["slow", "replay"],
+            max_concurrency=1,
+            tenants=[
+                tenant("chat", "sk-chat", "critical", max_wait_ms=20_000),
+                tenant("batch", "sk-batch", "sheddable", max_wait_ms=20_000),
+            ],
+        )
+        gateway = build_gateway(Config.model_validate(data), poll=False)
+        async with run_gateway(gateway) as url, aiohttp.ClientSession() as s:
+            held = await s.post(
+                url + "/v1/chat/completions",
+                json=chat("slow", max_tokens=300, stream=True),
+                headers=bearer("sk-chat"),
+            )
+            await held.content.readline()
+            batch_waiter = asyncio.create_task(post(s, url, chat("replay"), "sk-batch"))
+            chat_waiter = asyncio.create_task(post(s, url, chat("replay"), "sk-chat"))
+            await until(lambda: gateway.queue.depth() == 2)
+            # shedding starts (as the adaptive sink does it): queued sheddable answered at once
+            gateway.controller.set_shedding(0, True)
+            gateway.queue.shed("sheddable")
+            assert (await asyncio.wait_for(batch_waiter, 2))[:2] == (503, "shed")
+            # a new sheddable request is shed at once, not parked behind the critical waiter
+            started = time.monotonic()
+            assert (await post(s, url, chat("replay"), "sk-batch"))[:2] == (503, "shed")
+            assert time.monotonic() - started < 5.0
+            held.close()
+            assert (await chat_waiter)[0] == 200
+            await until(lambda: gateway.controller.backend_state(0)["in_use"] == 0)

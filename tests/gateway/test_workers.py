@@ -1,0 +1,327 @@
+"""Issue 5 end to end: `kvgate serve --workers 2` as a subprocess in front of the simulator (also
+a subprocess) and the fake upstream: a 1,000-request soak with disconnects and upstream errors,
+SIGKILL of a worker mid-flight, graceful SIGTERM; and the non-streaming disconnect path."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import random
+import signal
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import orjson
+import pytest
+
+from kvgate.app import run_gateway
+from kvgate.config import Config
+from kvgate.gateway_build import build_gateway
+from kvgate.sim import SimConfig, run_sim
+
+from .fake_upstream import run_upstream
+from .helpers import (
+    chat,
+    free_port,
+    get_text,
+    metric,
+    start_kvgate,
+    stop_process,
+    until,
+    wait_http_up,
+)
+
+SIM_MODEL = "kvgate-sim-tiny"
+
+
+# ---- non-streaming disconnect (in process) ---------------------------------------------------
+
+
+async def test_non_streaming_disconnect_aborts_upstream_and_releases() -> None:
+    sim_cfg = SimConfig.from_profile("tiny", speed=5, seed=9)
+    async with run_sim(sim_cfg) as sim:
+        cfg = Config.model_validate(
+            {
+                "backends": [
+                    {
+                        "name": "b0",
+                        "url": sim.url,
+                        "models": [{"name": SIM_MODEL, "context_window": 1024}],
+                        "max_concurrency": 4,
+                    }
+                ]
+            }
+        )
+        gateway = build_gateway(cfg, poll=False)
+        ctl = gateway.controller
+        async with run_gateway(gateway) as url:
+            before = ctl.backend_state(0)["available_tokens"]
+            _reader, writer = await asyncio.open_connection(*url[7:].split(":"))
+            body = orjson.dumps(chat(SIM_MODEL, "write a lot", max_tokens=400, ignore_eos=True))
+            writer.write(
+                b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                b"Content-Type: application/json\r\n"
+                + f"Content-Length: {len(body)}\r\n\r\n".encode()
+                + body
+            )
+            await writer.drain()
+            # generating (non-streaming: nothing is sent to the client yet)
+            await until(lambda: sim.engine.generation_tokens_total >= 20, timeout=10)
+            assert ctl.backend_state(0)["in_use"] == 1
+            writer.close()
+            await until(lambda: ctl.backend_state(0)["in_use"] == 0, timeout=1.0)
+            await until(lambda: sim.engine.aborted == 1, timeout=1.0)
+            assert sim.engine.running == []
+            st = ctl.backend_state(0)
+            assert st["inflight_tokens"] == 0
+            # the reservation (prompt + 400) was settled, not kept: no completion was delivered
+            assert st["available_tokens"] >= before - 50
+
+
+# ---- kvgate serve --workers 2 -----------------------------------------------------------------
+
+
+@contextlib.asynccontextmanager
+async def workers_stack(tmp_path: Path, *, grace: float = 10.0) -> AsyncIterator[dict[str, Any]]:
+    """Simulator (subprocess) + fake upstream (in process) + `kvgate serve --workers 2`."""
+    sim_port, gw_port = free_port(), free_port()
+    sim = await start_kvgate(
+        "sim", "--profile", "tiny", "--speed", "20", "--port", str(sim_port), "--seed", "3"
+    )
+    gw = None
+    try:
+        async with run_upstream() as up:
+            dead = f"http://127.0.0.1:{free_port()}"
+            sim_url = f"http://127.0.0.1:{sim_port}"
+
+            def backend(name: str, url: str, models: list[str], **kw: Any) -> dict[str, Any]:
+                return {
+                    "name": name,
+                    "url": url,
+                    "models": [{"name": m, "context_window": 1024} for m in models],
+                    "max_concurrency": 32,
+                    "tokens_per_minute": 10_000_000,
+                    **kw,
+                }
+
+            config = {
+                "listen": {"host": "127.0.0.1", "port": gw_port},
+                "workers": 2,
+                "backends": [
+                    backend(
+                        "sim",
+                        sim_url,
+                        [SIM_MODEL],
+                        adaptive={"enabled": True, "poll_interval": 0.2, "stale_after": 2.0},
+                    ),
+                    backend("fake", up.url, ["error500", "die", "slow"]),
+                    backend("dead", dead, ["gone"], max_concurrency=8),
+                ],
+                "tenants": [{"name": "anon", "max_wait_ms": 3000}],
+                "anonymous_tenant": "anon",
+                "queue": {"max_size": 300},
+            }
+            path = tmp_path / "kvgate.yaml"
+            path.write_text(json.dumps(config))
+            await wait_http_up(sim_url + "/health")
+            gw = await start_kvgate("serve", "--config", str(path), "--grace", str(grace))
+            url = f"http://127.0.0.1:{gw_port}"
+            await wait_http_up(url + "/healthz")
+            yield {"url": url, "sim": sim_url, "proc": gw, "up": up, "port": gw_port}
+    finally:
+        if gw is not None:
+            await stop_process(gw)
+        await stop_process(sim)
+
+
+def children(pid: int) -> set[int]:
+    """PIDs whose parent is ``pid`` (from /proc)."""
+    out = set()
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError):
+                stat = Path(f"/proc/{entry}/stat").read_text()
+                if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                    out.add(int(entry))
+    return out
+
+
+def worker_holding(client_port: int, server_port: int, workers: set[int]) -> int | None:
+    """The worker process whose socket is the server end of the client's connection."""
+    inode = None
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        parts = line.split()
+        local, remote = parts[1], parts[2]
+        if (
+            int(local.split(":")[1], 16) == server_port
+            and int(remote.split(":")[1], 16) == client_port
+        ):
+            inode = parts[9]
+    if inode is None:
+        return None
+    for pid in workers:
+        with contextlib.suppress(OSError):
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                with contextlib.suppress(OSError):
+                    if os.readlink(f"/proc/{pid}/fd/{fd}") == f"socket:[{inode}]":
+                        return pid
+    return None
+
+
+async def idle(url: str) -> str:
+    """Wait until every backend's slots and in-flight tokens are back to 0; return /metrics."""
+    last = ""
+
+    async def check() -> bool:
+        nonlocal last
+        last = await get_text(url + "/metrics")
+        return all(
+            metric(last, name, backend=b) == 0
+            for b in ("sim", "fake", "dead")
+            for name in ("kvgate_slots_in_use", "kvgate_inflight_tokens")
+        )
+
+    await until(check, timeout=20, interval=0.1)
+    return last
+
+
+@pytest.mark.slow
+async def test_soak_1000_requests_over_two_workers(tmp_path: Path) -> None:
+    rng = random.Random(1234)
+    async with workers_stack(tmp_path) as st:
+        url = st["url"]
+        outcomes: dict[str, int] = {}
+        connector = aiohttp.TCPConnector(limit=0, force_close=True)
+        async with aiohttp.ClientSession(connector=connector) as s:
+
+            async def one(i: int) -> None:
+                kind = rng.choices(
+                    [
+                        "stream",
+                        "stream_cut",
+                        "plain",
+                        "plain_cut",
+                        "error500",
+                        "die",
+                        "gone",
+                        "bad",
+                    ],
+                    weights=[25, 20, 20, 10, 8, 7, 5, 5],
+                )[0]
+                model = {"error500": "error500", "die": "die", "gone": "gone"}.get(kind, SIM_MODEL)
+                body = chat(model, f"soak {i}", max_tokens=rng.randint(5, 40))
+                if kind.startswith("stream") or kind == "die":
+                    body["stream"] = True
+                data = b"{broken" if kind == "bad" else orjson.dumps(body)
+                key = kind
+                try:
+                    async with asyncio.timeout(60):
+                        if kind == "plain_cut":
+                            req = asyncio.create_task(
+                                s.post(url + "/v1/chat/completions", data=data)
+                            )
+                            await asyncio.sleep(rng.uniform(0, 0.05))
+                            req.cancel()
+                            with contextlib.suppress(asyncio.CancelledError, aiohttp.ClientError):
+                                r = await req
+                                r.close()
+                            key = "plain_cut"
+                        else:
+                            async with s.post(url + "/v1/chat/completions", data=data) as r:
+                                key = f"{kind}:{r.status}"
+                                if kind == "stream_cut" and r.status == 200:
+                                    for _ in range(rng.randint(1, 3)):
+                                        await r.content.readline()
+                                    r.close()
+                                else:
+                                    await r.read()
+                except aiohttp.ClientError as exc:
+                    key = f"{kind}:{type(exc).__name__}"
+                outcomes[key] = outcomes.get(key, 0) + 1
+
+            await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(1000))), 120)
+        print("\nsoak outcomes:", dict(sorted(outcomes.items())))
+        assert sum(outcomes.values()) == 1000
+        assert outcomes.get("stream:200", 0) > 50
+        assert outcomes.get("error500:500", 0) > 0
+        assert outcomes.get("gone:502", 0) > 0
+        assert outcomes.get("bad:400", 0) > 0
+        text = await idle(url)
+        # scrape each worker (new connections spread over SO_REUSEPORT): no leak anywhere
+        for _ in range(6):
+            text = await get_text(url + "/metrics")
+            assert metric(text, "kvgate_reservation_leaks_total") == 0
+        assert metric(text, "kvgate_requests_total") >= 900
+        async with aiohttp.ClientSession() as s, s.get(st["sim"] + "/sim/state") as r:
+            sim_state = await r.json()
+        assert sim_state["num_running"] == 0
+        assert sim_state["num_waiting"] == 0
+        assert st["up"].active == 0
+
+
+async def test_sigkill_worker_is_restarted_and_its_slots_reclaimed_then_sigterm(
+    tmp_path: Path,
+) -> None:
+    async with workers_stack(tmp_path, grace=10.0) as st:
+        url, proc = st["url"], st["proc"]
+        await until(lambda: len(children(proc.pid)) == 2)
+        workers = children(proc.pid)
+        s = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, force_close=True))
+        held = []
+        try:
+            for i in range(8):
+                r = await s.post(
+                    url + "/v1/chat/completions",
+                    json=chat("slow", f"hold {i}", max_tokens=300, stream=True),
+                )
+                assert r.status == 200
+                await r.content.readline()
+                held.append(r)
+            state = await get_text(url + "/metrics")
+            assert metric(state, "kvgate_slots_in_use", backend="fake") == 8
+            owners = [
+                worker_holding(
+                    r.connection.transport.get_extra_info("sockname")[1], st["port"], workers
+                )
+                for r in held
+            ]
+            victim = next(p for p in owners if p is not None)
+            os.kill(victim, signal.SIGKILL)
+            # the master restarts it
+            await until(lambda: len(children(proc.pid) - {victim}) == 2, timeout=20)
+            assert victim not in children(proc.pid)
+            await wait_http_up(url + "/healthz")
+            # the survivors' streams are still running; close them
+            for r, owner in zip(held, owners, strict=True):
+                if owner != victim:
+                    r.close()
+            # the victim's slots were reclaimed by the master: in use back to 0
+            await idle(url)
+            await until(lambda: st["up"].active == 0, timeout=5)
+        finally:
+            for r in held:
+                r.close()
+            await s.close()
+
+        # SIGTERM: a running stream finishes within the grace period, then the gateway exits
+        async with aiohttp.ClientSession() as c:
+            body = chat(SIM_MODEL, "last one", max_tokens=400, ignore_eos=True, stream=True)
+            body["stream_options"] = {"include_usage": True}
+            async with c.post(url + "/v1/chat/completions", json=body) as r:
+                assert r.status == 200
+                first = await r.content.readline()
+                proc.send_signal(signal.SIGTERM)
+                await asyncio.sleep(0.1)
+                proc.send_signal(signal.SIGTERM)  # repeated: must not cut the drain
+                raw = first + await r.read()
+        events = [e for e in raw.split(b"\n\n") if e.strip()]
+        assert events[-1] == b"data: [DONE]"
+        assert orjson.loads(events[-2][6:])["usage"]["completion_tokens"] == 400
+        _, err = await asyncio.wait_for(proc.communicate(), 15)
+        assert proc.returncode == 0, err.decode(errors="replace")[-2000:]
+        async with aiohttp.ClientSession() as c, c.get(st["sim"] + "/sim/state") as r:
+            assert (await r.json())["num_running"] == 0
