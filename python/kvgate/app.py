@@ -80,6 +80,14 @@ class _ShadowAdmission:
 SHADOW_ADMISSION = _ShadowAdmission()
 
 
+class _NeverFits(Exception):
+    """Raised from a queued ``try_admit`` whose request can never be admitted."""
+
+    def __init__(self, rejection: Any) -> None:
+        super().__init__(rejection.reason)
+        self.rejection = rejection
+
+
 @dataclass(slots=True)
 class Backend:
     """One upstream engine (a replica).
@@ -245,14 +253,10 @@ class Gateway:
             A ``Reservation``, the shadow admission, or a refusal (``Rejection`` /
             :class:`Refusal`) whose ``reason`` names what refused it.
         """
-        if (
-            refusal is None
-            and priority == "sheddable"
-            and self.controller.backend_state(backend.id)["shedding"]
-        ):
-            # the fast path was skipped because others are queued: a shed class must still be
-            # answered at once, not parked behind them until its wait runs out
-            refusal = Refusal("shed")
+        if refusal is None:
+            # the fast path was skipped because others are queued: what can never fit, and a
+            # shed class, must still be answered at once, not parked behind them
+            refusal = self._refuse_without_queueing(backend, tenant, priority, tokens)
         if refusal is not None and self.shadow(backend, tenant):
             self.metrics.shadow_rejections.labels(refusal.reason).inc()
             return SHADOW_ADMISSION
@@ -274,12 +278,16 @@ class Gateway:
             if decision.admitted:
                 return decision
             last[0] = decision
+            if decision.never:  # limits shrank by a reload: leave the queue, don't block it
+                raise _NeverFits(decision)
             return None
 
         try:
             return await queue.wait(
                 tenant=tenant.name, priority=priority, max_wait=wait, try_admit=try_admit
             )
+        except _NeverFits as never:
+            return never.rejection
         except WaitTimeout:
             if last[0] is not None:
                 if self.shadow(backend, tenant):
@@ -291,6 +299,23 @@ class Gateway:
             return Refusal("queue-full")
         except Shed:
             return Refusal("shed")
+
+    def _refuse_without_queueing(
+        self, backend: Backend, tenant: Tenant, priority: str, tokens: int
+    ) -> Refusal | None:
+        """The refusal a request gets without waiting, judged from the core's base limits
+        (the same never-admissible rules ``admit`` applies first), or ``None``."""
+        b = self.controller.backend_state(backend.id)
+        t = self.controller.tenant_state(tenant.id)
+        if t["burst_tokens"] is not None and tokens > t["burst_tokens"]:
+            return Refusal("tenant-tpm", scope="tenant", retry_after=None, never=True)
+        if tokens > b["burst_tokens"]:
+            return Refusal("backend-tpm", retry_after=None, never=True)
+        if b["inflight_token_limit"] is not None and tokens > b["inflight_token_limit"]:
+            return Refusal("inflight-tokens", retry_after=None, never=True)
+        if priority == "sheddable" and b["shedding"]:
+            return Refusal("shed")
+        return None
 
     def set_tenants(self, tenants: list[Tenant], anonymous: Tenant | None) -> None:
         """Replace the tenant table (start-up and reload): keys, classes, wait times."""

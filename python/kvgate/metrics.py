@@ -204,9 +204,14 @@ class GatewayMetrics:
             registry=reg,
         )
         self.queue_depth_of: Callable[[str], int] = lambda cls: 0
+        self.reservation_leaks = Counter(
+            "kvgate_reservation_leaks",
+            "Reservations dropped without release (each released itself); summed over workers.",
+            registry=reg,
+        )
         self._leaks = leaks
+        self._leaks_seen = 0
         reg.register(_StateCollector(read_state))
-        reg.register(_LeakCollector(leaks))
         reg.register(_QueueCollector(lambda cls: self.queue_depth_of(cls)))
 
     def request_done(self, backend: Any, tenant: Any, outcome: str) -> None:
@@ -239,12 +244,21 @@ class GatewayMetrics:
         if reserved > 0:
             self.usage_ratio.labels(backend.name).observe(actual / reserved)
         self.tenant_tokens.labels(tenant.name).inc(actual)
+        self.sync_leaks()
         if result.ttft is not None:
             self.ttft_seconds.labels(backend.name).observe(result.ttft)
         self.request_done(backend, tenant, result.outcome)
 
+    def sync_leaks(self) -> None:
+        """Carry the core's per-process leak count into the (multiprocess-aware) counter."""
+        leaks = self._leaks()
+        if leaks > self._leaks_seen:
+            self.reservation_leaks.inc(leaks - self._leaks_seen)
+            self._leaks_seen = leaks
+
     def render(self) -> bytes:
         """The exposition text for ``GET /metrics``."""
+        self.sync_leaks()
         if self._multiproc:
             from prometheus_client import multiprocess
 
@@ -252,20 +266,6 @@ class GatewayMetrics:
             multiprocess.MultiProcessCollector(merged)
             return generate_latest(merged) + generate_latest(_GaugesOnly(self.registry))
         return generate_latest(self.registry)
-
-
-class _LeakCollector(Collector):
-    def __init__(self, leaks: Callable[[], int]) -> None:
-        self._leaks = leaks
-
-    def collect(self) -> Iterator[Any]:
-        from prometheus_client.core import CounterMetricFamily
-
-        fam = CounterMetricFamily(
-            "kvgate_reservation_leaks", "Reservations dropped without release (self-released)."
-        )
-        fam.add_metric([], float(self._leaks()))
-        yield fam
 
 
 class _QueueCollector(Collector):
@@ -297,7 +297,6 @@ class _GaugesOnly(Collector):
                     "kvgate_tokens_available",
                     "kvgate_inflight",
                     "kvgate_scale",
-                    "kvgate_reservation_leaks",
                 )
             ):
                 yield metric

@@ -411,3 +411,42 @@ async def test_slow_clients_are_cut_off(gateway_for) -> None:
             writer.close()
             assert up.requests == []
             assert gw.backend_state()["in_use"] == 0
+
+
+async def test_never_admissible_is_answered_at_once_even_behind_queued_requests(
+    gateway_for,
+) -> None:
+    tenants = [{"name": "alice", "api_key_sha256": [sha(KEYS["alice"])], "max_wait_ms": 20_000}]
+    async with run_upstream() as up:
+        cfg = config_for(
+            up.url, ["slow"], tenants=tenants, max_concurrency=1, inflight_token_limit=500
+        )
+        async with gateway_for(cfg) as gw, aiohttp.ClientSession() as s:
+            url = gw.url + "/v1/chat/completions"
+            alice = {"Authorization": f"Bearer {KEYS['alice']}"}
+
+            def body(max_tokens: int, stream: bool = False) -> dict:
+                return {
+                    "model": "slow",
+                    "max_tokens": max_tokens,
+                    "stream": stream,
+                    "messages": [{"role": "user", "content": "x"}],
+                }
+
+            held = await s.post(url, json=body(100, stream=True), headers=alice)
+            await held.content.readline()
+            queued = asyncio.create_task(s.post(url, json=body(100), headers=alice))
+            await _until(lambda: len(gw.gateway.queue) == 1)
+            loop = asyncio.get_running_loop()
+            t0 = loop.time()
+            async with s.post(url, json=body(900), headers=alice) as r:
+                assert r.status == 503
+                assert r.headers["x-kvgate-reject-reason"] == "inflight-tokens"
+                assert r.headers["x-should-retry"] == "false"
+                assert "Retry-After" not in r.headers
+            assert loop.time() - t0 < 5  # not parked for the tenant's 20 s
+            held.close()
+            resp = await queued
+            assert resp.status == 200
+            resp.release()
+            await _until(lambda: gw.backend_state()["in_use"] == 0)
