@@ -16,7 +16,8 @@ then ``preempt``) starts a fresh ``kvgate sim`` per run and plays the traffic ag
   best F);
 * ``d-adaptive`` — kvgate with adaptation and tenants (priority classes, guaranteed slots,
   per-class waits); in the oom pass also ``d-adaptive-noburst`` (the same traffic without the
-  burst) for the critical TTFT target.
+  burst) for the critical TTFT target, and one run per ``adaptive_variants`` entry of
+  ``mix.yaml`` (the article's watermarks; the default TPM bucket).
 
 For each run it records the engine's OOMs (``kvgate_sim_oom_total``), preemptions
 (``vllm:num_preemptions_total``), peak KV usage (``kvgate_sim_kv_cache_usage_peak``), the
@@ -184,13 +185,18 @@ def gateway_config(
     context: int,
     capacity: int,
     inflight_fraction: float | None = None,
-    adaptive_overrides: dict[str, Any] | None = None,
+    overrides: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The kvgate YAML (as a dict) for run ``kind``: ``count_limit``, ``static`` or
-    ``adaptive`` (the ``runs`` section of ``mix.yaml``), with wall-clock units;
-    ``adaptive_overrides`` replace fields of the ``adaptive`` block (e.g. the watermarks)."""
+    ``adaptive`` (the ``runs`` section of ``mix.yaml``), with wall-clock units; ``overrides``
+    (a variant of ``adaptive_variants``) replace fields of the run's settings, and its
+    ``adaptive`` dict fields of the ``adaptive`` block."""
     speed = float(mix["speed"])
-    spec = mix["runs"][kind]
+    spec = dict(mix["runs"][kind])
+    over = {k: v for k, v in (overrides or {}).items() if k != "name"}
+    if "adaptive" in over:
+        over["adaptive"] = dict(spec.get("adaptive", {})) | over["adaptive"]
+    spec |= over
     backend: dict[str, Any] = {
         "name": "sim",
         "url": sim_url,
@@ -204,12 +210,14 @@ def gateway_config(
         backend["adaptive"] = {"enabled": False}
     else:
         backend["tokens_per_minute"] = int(spec["tokens_per_minute"] * speed)
+        if spec.get("burst_tokens"):
+            backend["burst_tokens"] = int(spec["burst_tokens"])  # a bucket size: no time unit
         fraction = inflight_fraction if inflight_fraction is not None else spec["inflight_fraction"]
         backend["inflight_token_limit"] = int(capacity * fraction)
         if kind == "static":
             backend["adaptive"] = {"enabled": False}
         else:
-            a = dict(spec["adaptive"]) | dict(adaptive_overrides or {})
+            a = dict(spec["adaptive"])
             a["enabled"] = True
             a["recovery_per_second"] = min(1.0, a["recovery_per_second"] * speed)
             for k in ("poll_interval", "stale_after"):
@@ -333,7 +341,7 @@ def run_one(
     traffic: TrafficMix,
     settings: dict[str, Any] | None = None,
     inflight_fraction: float | None = None,
-    adaptive_overrides: dict[str, Any] | None = None,
+    overrides: dict[str, Any] | None = None,
 ) -> RunResult:
     """Start a fresh simulator (and gateway unless ``kind == "direct"``), play ``traffic``,
     return what was measured."""
@@ -388,7 +396,7 @@ def run_one(
                 context=profile.context_window,
                 capacity=capacity,
                 inflight_fraction=inflight_fraction,
-                adaptive_overrides=adaptive_overrides,
+                overrides=overrides,
             )
             result.settings["gateway"] = cfg["backends"][0] | {"tenants": cfg["tenants"]}
             (tmp / "kvgate.yaml").write_text(yaml.safe_dump(cfg))
@@ -684,7 +692,7 @@ def main(argv: list[str] | None = None) -> int:
     noburst = build_traffic(mix, model, burst=False)
     modes = [m.strip() for m in args.passes.split(",") if m.strip()]
     fractions = [float(f) for f in mix["runs"]["static"]["inflight_fractions"]]
-    extra = 2 if mix["runs"].get("adaptive_article_watermarks") else 1
+    extra = 1 + len(mix["runs"].get("adaptive_variants", ()))
     plan_count = sum((3 + extra + len(fractions)) if m == modes[0] else 4 for m in modes)
     print(
         f"protection scenario: {profile.name} ({profile.kv_blocks * profile.block_size:,} KV "
@@ -731,15 +739,8 @@ def main(argv: list[str] | None = None) -> int:
         do("d-adaptive", mode, "adaptive", full)
         if mode == modes[0]:
             do("d-adaptive-noburst", mode, "adaptive", noburst)
-            article = mix["runs"].get("adaptive_article_watermarks")
-            if article:
-                do(
-                    f"d-adaptive-{article['high']:g}-{article['low']:g}",
-                    mode,
-                    "adaptive",
-                    full,
-                    adaptive_overrides=article,
-                )
+            for variant in mix["runs"].get("adaptive_variants", ()):
+                do(variant["name"], mode, "adaptive", full, overrides=variant)
     total = time.monotonic() - started
     rows = [summarize(r, mix) for r in runs]
     print()
@@ -821,7 +822,7 @@ def write_outputs(
                 "wall_seconds": total,
                 "load_average_end": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
             },
-            indent=1,
+            separators=(",", ":"),
         )
     )
     if ("a-direct", first) in by and ("d-adaptive", first) in by:
@@ -885,7 +886,8 @@ t={mix["bursts"][0]["at"]} s ten ~32k-token prompts at once. Each run starts a f
 Runs: (a) straight to the engine; (b) kvgate with a request-count limit only; (c) kvgate with
 static joint limits (concurrency + TPM + an in-flight token budget of F × KV capacity, swept;
 best F = {best_fraction}); (d) kvgate with adaptation and tenants (priority classes, guaranteed
-slots for chat). Times are simulated seconds (wall × {mix["speed"]:g}); goodput = completion
+slots for chat, a small TPM bucket), plus variants of (d) in the oom pass: without the burst
+(for the TTFT target) and each `adaptive_variants` entry of `mix.yaml`. Times are simulated seconds (wall × {mix["speed"]:g}); goodput = completion
 tokens that reached a client / simulated seconds from the first arrival until the last request
 ended; TTFT over streamed requests that completed (critical: chat; standard: documents +
 burst; sheddable: summaries; failed requests have none, so check "completed" next to it);
@@ -951,11 +953,17 @@ def findings(mix: dict[str, Any], rows: list[dict[str, Any]], best: float | None
         conc = mix["runs"]["count_limit"]["max_concurrency"]
         out.append(
             f"- (b) a request-count limit ({conc} slots, nothing else): {b['ooms']} OOM, peak KV "
-            f"{b['kv_peak']:.2f}. Slots do not see prompt length: the long generations and the "
-            "burst fit in the slots and not in the KV cache. This run sits at the edge (the "
-            "slots hold back part of the load, the cache still reaches 100%, and whether a "
-            "decode step then finds no free block depends on timing), so its OOM count can "
-            "differ between repeated runs."
+            f"{b['kv_peak']:.2f}, critical p99 TTFT {_s(b['critical_p99'])} s. "
+            + (
+                "Slots do not see prompt length: the long generations and the burst fit in the "
+                "slots but not in the KV cache."
+                if b["ooms"]
+                else "No crash in this run, but the cache was full: the slots held back part of "
+                "the load, and whether a decode step then finds no free block depends on timing, "
+                "so a rerun can crash — the slot count does not see prompt length."
+                if b["kv_peak"] >= 0.99
+                else "The slot count kept the cache below full in this run."
+            )
         )
     statics = [r for r in rows if r["run"].startswith("c-static-") and r["mode"] == "oom"]
     if statics:
@@ -977,7 +985,8 @@ def findings(mix: dict[str, Any], rows: list[dict[str, Any]], best: float | None
             f"- (d) adaptation + tenants (base in-flight budget "
             f"{mix['runs']['adaptive']['inflight_fraction']:g} × KV capacity, watermarks "
             f"{mix['runs']['adaptive']['adaptive']['high']:g} / "
-            f"{mix['runs']['adaptive']['adaptive']['low']:g}): {d['ooms']} OOM, peak KV "
+            f"{mix['runs']['adaptive']['adaptive']['low']:g}, TPM bucket "
+            f"{mix['runs']['adaptive'].get('burst_tokens') or 0:,} tokens): {d['ooms']} OOM, peak KV "
             f"{d['kv_peak']:.2f}; chat on "
             f"guaranteed slots and first in the priority queue: {frac(crit)} done, p99 TTFT "
             f"{_s(d['critical_p99'])} s; the burst finished {frac(d['burst_done'])}; the "
@@ -995,6 +1004,17 @@ def findings(mix: dict[str, Any], rows: list[dict[str, Any]], best: float | None
             f"{art['squeezed_s']:.0f} simulated s (vs {d['squeezed_s']:.0f} s in (d)) the "
             "effective budget was under the tokens in flight, and only guaranteed-slot chat "
             "could be admitted (gateway note 2)."
+        )
+    mb, nb = get("d-adaptive-minute-bucket"), get("d-adaptive-noburst")
+    if mb and d and nb and mb["critical_burst_p99"] and nb["critical_burst_p99"]:
+        out.append(
+            f"- d-adaptive-minute-bucket (as (d) with the default TPM bucket, one minute's worth): "
+            f"goodput {mb['goodput']:,.0f} tok/s, critical p99 TTFT {_s(mb['critical_p99'])} s "
+            f"overall and {_s(mb['critical_burst_p99'])} s in the burst window "
+            f"({mb['critical_burst_p99'] / nb['critical_burst_p99']:.2f}× the no-burst run, vs "
+            f"{(d['critical_burst_p99'] or 0) / nb['critical_burst_p99']:.2f}× for (d)). A big "
+            "bucket lets several large prompts through at once and the engine prefills them in "
+            "one step while every running chat waits; the small bucket spaces them out."
         )
     ap, dp = get("a-direct", "preempt"), get("d-adaptive", "preempt")
     if ap and dp:
