@@ -56,6 +56,10 @@ format: venv ## cargo fmt + ruff format
 bench: build ## benchmarks; figures go to benches/RESULTS.md
 	$(PY) -m pytest benches -q -p no:randomly --benchmark-enable --benchmark-disable-gc --benchmark-columns=min,median,ops
 
+.PHONY: bench-protect
+bench-protect: build ## protection scenario (issue 8): engine alone vs kvgate; RESULTS.md + plots
+	$(PY) benches/protection/run.py
+
 .PHONY: demo
 demo: build ## the main job: the gateway in front of the built-in engine simulator, with demo traffic
 	$(PY) -m kvgate demo

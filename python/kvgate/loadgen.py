@@ -70,6 +70,8 @@ class Stream:
         stream: stream the answer (SSE).
         route: ``chat`` (``/v1/chat/completions``) or ``embeddings``.
         start: seconds after the run starts; ``stop``: when arrivals end.
+        ignore_eos: send vLLM's ``"ignore_eos": true`` so the engine generates exactly
+            ``max_tokens`` (long generations whose length the client fixes).
     """
 
     name: str
@@ -81,11 +83,13 @@ class Stream:
     route: str = "chat"
     start: float = 0.0
     stop: float = float("inf")
+    ignore_eos: bool = False
 
 
 @dataclass(frozen=True, slots=True)
 class Burst:
-    """``count`` requests of one class arriving together at ``at`` seconds."""
+    """``count`` requests of one class arriving together at ``at`` seconds (``ignore_eos`` as
+    in :class:`Stream`)."""
 
     name: str
     api_key: str
@@ -94,6 +98,7 @@ class Burst:
     prompt_tokens: int
     max_tokens: int
     stream: bool = True
+    ignore_eos: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,6 +134,8 @@ class ClassStats:
         reasons: ``x-kvgate-reject-reason`` → count.
         errors: transport errors or broken streams.
         ttft: seconds from send to the first content byte, per ok request.
+        ttft_at: scheduled send time of each ``ttft`` entry, seconds after the run started
+            (same order), to split TTFT by phase (e.g. during a burst).
         completion_tokens: completion tokens that reached the client (from usage when given,
             else content chunks).
     """
@@ -139,6 +146,7 @@ class ClassStats:
     reasons: Counter[str] = field(default_factory=Counter)
     errors: int = 0
     ttft: list[float] = field(default_factory=list)
+    ttft_at: list[float] = field(default_factory=list)
     completion_tokens: int = 0
 
 
@@ -161,7 +169,9 @@ def _prompt(rng: random.Random, tokens: int) -> str:
     return " ".join(words)
 
 
-def _body(model: str, route: str, prompt: str, max_tokens: int, stream: bool) -> bytes:
+def _body(
+    model: str, route: str, prompt: str, max_tokens: int, stream: bool, ignore_eos: bool = False
+) -> bytes:
     if route == "embeddings":
         return orjson.dumps({"model": model, "input": prompt})
     body: dict[str, Any] = {
@@ -170,6 +180,8 @@ def _body(model: str, route: str, prompt: str, max_tokens: int, stream: bool) ->
         "max_tokens": max_tokens,
         "stream": stream,
     }
+    if ignore_eos:
+        body["ignore_eos"] = True
     if stream:
         body["stream_options"] = {"include_usage": True}
     return orjson.dumps(body)
@@ -182,6 +194,7 @@ async def _one(
     route: str,
     body: bytes,
     stats: ClassStats,
+    at: float = 0.0,
 ) -> None:
     path = "/v1/embeddings" if route == "embeddings" else "/v1/chat/completions"
     stats.sent += 1
@@ -229,6 +242,7 @@ async def _one(
             stats.ok += 1
             if first is not None:
                 stats.ttft.append(first)
+                stats.ttft_at.append(at)
             stats.completion_tokens += usage_tokens if usage_tokens is not None else chunks
     except (TimeoutError, aiohttp.ClientError, ValueError):
         stats.errors += 1
@@ -267,11 +281,13 @@ async def drive(
             t += rng.expovariate(s.rate)
             if t >= end:
                 break
-            body = _body(mix.model, s.route, _prompt(rng, s.prompt_tokens), s.max_tokens, s.stream)
+            prompt = _prompt(rng, s.prompt_tokens)
+            body = _body(mix.model, s.route, prompt, s.max_tokens, s.stream, s.ignore_eos)
             schedule.append((t, s.name, s.api_key, s.route, body))
     for b in mix.bursts:
         for _ in range(b.count):
-            body = _body(mix.model, "chat", _prompt(rng, b.prompt_tokens), b.max_tokens, b.stream)
+            prompt = _prompt(rng, b.prompt_tokens)
+            body = _body(mix.model, "chat", prompt, b.max_tokens, b.stream, b.ignore_eos)
             schedule.append((b.at, b.name, b.api_key, "chat", body))
     schedule.sort(key=lambda item: item[0])
 
@@ -296,7 +312,9 @@ async def drive(
                 delay = t0 + at - loop.time()
                 if delay > 0:
                     await asyncio.sleep(delay)
-                task = asyncio.create_task(_one(session, base_url, key, route, body, stats[name]))
+                task = asyncio.create_task(
+                    _one(session, base_url, key, route, body, stats[name], at)
+                )
                 tasks.add(task)
                 task.add_done_callback(tasks.discard)
             left = t0 + mix.duration - loop.time()

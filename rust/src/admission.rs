@@ -12,7 +12,8 @@
 //! shrinks the limit, the burst pool shrinks first; guarantees shrink (proportionally) only when
 //! the limit is below their sum. `critical` and `standard` requests use the tenant's guaranteed
 //! slots first, then the burst pool; `sheddable` requests use only the burst pool and are refused
-//! as a whole while the backend is shedding.
+//! as a whole while the backend is shedding. The in-flight token budget is scaled too, except
+//! for a request holding a guaranteed slot, which is checked against the base (unscaled) budget.
 //!
 //! Crash safety: every process keeps its own held counts in the region; `reclaim_dead` (from
 //! any live process) gives back what a dead process held. A process is identified by pid and
@@ -885,9 +886,17 @@ impl Admission {
                 let _ = b.burst.release(1);
             }
         };
-        // In-flight tokens.
+        // In-flight tokens. A request on a guaranteed slot is held to the base budget (the
+        // engine's KV capacity × safety factor, so the engine stays protected), not the scaled
+        // one: the adaptive scale shrinks what the others share, never a guarantee. Without
+        // this, a scale below the tokens already in flight (long generations holding their
+        // reservations) refuses even a critical tenant's short chat until they finish.
         let base_inflight = b.inflight.limit();
-        let inflight_limit = scaled(base_inflight, ppm);
+        let inflight_limit = if pool == Pool::Guaranteed {
+            base_inflight
+        } else {
+            scaled(base_inflight, ppm)
+        };
         if !b.inflight.try_acquire_within(tokens, inflight_limit) {
             undo_slot();
             undo_tenant();
@@ -1243,6 +1252,39 @@ mod tests {
         assert!(a.admit(b, gold, Priority::Critical, 1).unwrap().is_err());
         assert!(a.set_scale(b, 0.0).is_err());
         assert!(a.set_scale(b, 1.5).is_err());
+    }
+
+    #[test]
+    fn guaranteed_slot_keeps_the_base_inflight_budget_under_scale() {
+        let (a, _mc, b) = setup(); // 4 slots, in-flight budget 1000 tokens
+        let gold = tenant(&a, "gold", Priority::Critical, 1, None);
+        let std_t = tenant(&a, "std", Priority::Standard, 0, None);
+        let long = a.admit(b, std_t, Priority::Standard, 700).unwrap().unwrap();
+        // Scale 0.75: 3 slots (1 guaranteed + 2 burst), scaled budget 750 tokens.
+        a.set_scale(b, 0.75).unwrap();
+        let r = a
+            .admit(b, std_t, Priority::Standard, 100)
+            .unwrap()
+            .unwrap_err();
+        assert_eq!(r.reason, Reason::InflightTokens);
+        // The guaranteed slot is held to the base budget: 700 + 100 <= 1000.
+        let g = a.admit(b, gold, Priority::Critical, 100).unwrap().unwrap();
+        assert_eq!(g.pool, Pool::Guaranteed);
+        // Its guarantee used up, gold falls back to the burst pool and the scaled budget.
+        let r = a
+            .admit(b, gold, Priority::Critical, 100)
+            .unwrap()
+            .unwrap_err();
+        assert_eq!(r.reason, Reason::InflightTokens);
+        a.release(&g, None).unwrap();
+        // Never past the base budget, guarantee or not: 700 + 301 > 1000.
+        let r = a
+            .admit(b, gold, Priority::Critical, 301)
+            .unwrap()
+            .unwrap_err();
+        assert_eq!(r.reason, Reason::InflightTokens);
+        a.release(&long, None).unwrap();
+        assert_eq!(a.backend_state(b).unwrap().inflight_tokens, 0);
     }
 
     #[test]
