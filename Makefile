@@ -53,6 +53,11 @@ format: venv ## cargo fmt + ruff format
 .PHONY: bench
 bench: build ## benchmarks; figures go to benches/RESULTS.md
 	$(PY) -m pytest benches -q -p no:randomly --benchmark-enable --benchmark-disable-gc --benchmark-columns=min,median,ops
+	$(PY) benches/load/run_load.py
+
+.PHONY: bench-load
+bench-load: build ## load benchmark (wrk): kvgate vs bare aiohttp vs LiteLLM; writes benches/RESULTS.md
+	$(PY) benches/load/run_load.py
 
 .PHONY: demo
 demo: build ## the main job: the gateway in front of the built-in engine simulator, with demo traffic
