@@ -542,6 +542,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--client-cpu", default="0", help="taskset CPU list for wrk")
     p.add_argument("--no-litellm", action="store_true", help="skip LiteLLM")
     p.add_argument("--no-write", action="store_true", help="do not touch benches/RESULTS.md")
+    p.add_argument(
+        "--only", default=None, help="comma-separated target names to measure (implies --no-write)"
+    )
+    p.add_argument(
+        "--compare-src",
+        metavar="DIR",
+        default=None,
+        help="also run kvgate (1 worker) from another source tree DIR (a directory holding a "
+        "`kvgate` package with its built `_core`), as `kvgate-alt-1w`: before/after a change",
+    )
     p.add_argument("--cmdline", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
 
@@ -564,12 +574,12 @@ def main(argv: list[str] | None = None) -> int:
     up.port = free_port()
     up.argv[-1] = str(up.port)
 
-    def kvgate(name: str, workers: int, extra: list[str]) -> Server:
+    def kvgate(name: str, workers: int, extra: list[str], src: str | None = None) -> Server:
         port = free_port()
         argv = [py, "-m", "kvgate", "serve", "--upstream", up.url, "--port", str(port)]
         argv += ["--model", "fast", "--no-adaptive", "--log-level", "WARNING"]
         argv += ["--workers", str(workers), *extra]
-        return Server(name, argv, port)
+        return Server(name, argv, port, env={"PYTHONPATH": src} if src else {})
 
     port429, portproxy = free_port(), free_port()
     servers = [
@@ -583,6 +593,12 @@ def main(argv: list[str] | None = None) -> int:
         kvgate("kvgate-1w", 1, ["--max-concurrency", "100000", "--tpm", str(10**12)]),
         kvgate("kvgate-2w", 2, ["--max-concurrency", "100000", "--tpm", str(10**12)]),
     ]
+    if args.compare_src:
+        src = str(Path(args.compare_src).resolve())
+        servers += [
+            kvgate("kvgate-alt-refuse-1w", 1, ["--tpm", "60"], src),
+            kvgate("kvgate-alt-1w", 1, ["--max-concurrency", "100000", "--tpm", str(10**12)], src),
+        ]
     by = {s.name: s for s in servers}
     litellm: Server | None = None
     if not args.no_litellm:
@@ -620,6 +636,14 @@ def main(argv: list[str] | None = None) -> int:
         Target("kvgate-2w", "admit", by["kvgate-2w"], body),
         Target("kvgate-2w", "admit-stream", by["kvgate-2w"], sbody),
     ]
+    if args.compare_src:
+        targets[5:5] = [
+            Target("kvgate-alt-refuse-1w", "refuse", by["kvgate-alt-refuse-1w"], body, True),
+        ]
+        targets += [
+            Target("kvgate-alt-1w", "admit", by["kvgate-alt-1w"], body),
+            Target("kvgate-alt-1w", "admit-stream", by["kvgate-alt-1w"], sbody),
+        ]
     lat_keys = {
         "direct/admit",
         "direct/admit-stream",
@@ -660,6 +684,10 @@ def main(argv: list[str] | None = None) -> int:
         for t in targets:
             checks.append(f"`{t.name}` {t.path}: {check_target(t)}")
             print(f"  check {t.name} {t.path}: {checks[-1].split(': ', 1)[1]}", flush=True)
+        if args.only:
+            keep = set(args.only.split(","))
+            targets = [t for t in targets if t.name in keep]
+            args.no_write = True
         lat_targets = [t for t in targets if f"{t.name}/{t.path}" in lat_keys]
         total = args.rounds * (len(targets) + len(lat_targets))
         step = 0
