@@ -690,6 +690,16 @@ def main(argv: list[str] | None = None) -> int:
             args.no_write = True
         lat_targets = [t for t in targets if f"{t.name}/{t.path}" in lat_keys]
         total = args.rounds * (len(targets) + len(lat_targets))
+        est = args.rounds * (
+            len(targets) * (args.duration + args.warmup + 0.5)
+            + len(lat_targets) * (args.latency_duration + 0.5)
+        )
+        print(
+            f"load bench: {len(targets)} targets + {len(lat_targets)} latency runs × "
+            f"{args.rounds} rounds, about {est:.0f} s; servers on CPU {args.server_cpu}, "
+            f"wrk on CPU {args.client_cpu}",
+            flush=True,
+        )
         step = 0
         for r in range(args.rounds):
             res: dict[str, Measure] = {}
