@@ -305,9 +305,12 @@ LITELLM_KEY = "sk-kvgate-bench"
 
 
 def litellm_config(upstream: str, path: Path) -> None:
-    """LiteLLM proxy config: the fast upstream as an OpenAI-compatible deployment with its own
-    parallel-request limit and TPM/RPM limits, far above the load (so every request is admitted,
-    as for kvgate's admit path)."""
+    """LiteLLM proxy config: the fast upstream as an OpenAI-compatible deployment with LiteLLM's
+    own limits, all far above the load (every request admitted, as on kvgate's admit path):
+    the deployment's ``tpm``/``rpm`` with ``usage-based-routing-v2`` (its TPM/RPM-aware router,
+    which answers 429 when a deployment's TPM would be exceeded), the deployment's
+    ``max_parallel_requests`` (router semaphore) and ``global_max_parallel_requests`` (the
+    proxy's parallel-request limiter). A master key, no database."""
     path.write_text(
         f"""model_list:
   - model_name: fast
@@ -320,13 +323,10 @@ def litellm_config(upstream: str, path: Path) -> None:
       rpm: 10000000
 router_settings:
   routing_strategy: usage-based-routing-v2
-  enable_pre_call_checks: true
 litellm_settings:
   telemetry: false
-  drop_params: true
 general_settings:
   master_key: {LITELLM_KEY}
-  max_parallel_requests: 1000
   global_max_parallel_requests: 1000
 """
     )
@@ -506,6 +506,13 @@ def render(
         "path: `--max-concurrency 100000 --tpm 1000000000000` (every request reserved, "
         "forwarded, settled with the upstream's usage, counted in the metrics). The bare 429 "
         "handler does not read the body or look at anything.",
+        "",
+        "LiteLLM: its proxy CLI (`litellm --config`, one process, master key, no database) in "
+        "front of the same upstream, with its own limits far above the load: per-deployment "
+        "`tpm: 1000000000`, `rpm: 10000000` under `routing_strategy: usage-based-routing-v2` "
+        "(TPM/RPM-aware routing, 429 when the deployment's TPM would be exceeded), per-deployment "
+        "`max_parallel_requests: 1000` and `general_settings.global_max_parallel_requests: "
+        "1000` (the proxy's parallel-request limiter); requests carry the master key.",
         "",
         "Checks before measuring (one request each):",
         "",
