@@ -350,7 +350,7 @@ def machine_notes(server_cpu: str, client_cpu: str, load_start: tuple, load_end:
                 break
     import aiohttp
 
-    wrk_v = subprocess.run(["wrk", "-v"], capture_output=True, text=True).stdout.split("\n")[0]
+    wrk_v = subprocess.run(["wrk", "-v"], capture_output=True, text=True).stdout.split(" [")[0]
     return (
         f"Machine: {os.cpu_count()} vCPUs ({model}), shared with other jobs (load average "
         f"{load_start[0]:.2f} at start, {load_end[0]:.2f} at end). Servers pinned with "
@@ -398,6 +398,14 @@ def target_rows(res: dict[str, Measure], lat: dict[str, Measure]) -> list[tuple[
                 "≤ 1.2×",
             )
         )
+    refuse_cpu = cpu("kvgate-refuse-1w/refuse")
+    rows.append(
+        (
+            "refusals/s one fully used core could make, kvgate 1w (1 s ÷ CPU per refusal)",
+            fmt(1e6 / refuse_cpu if refuse_cpu else None),
+            "–",
+        )
+    )
     for w in (1, 2):
         for path in ("admit", "admit-stream"):
             rows.append(
