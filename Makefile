@@ -52,7 +52,7 @@ format: venv ## cargo fmt + ruff format
 
 .PHONY: bench
 bench: build ## benchmarks; figures go to benches/RESULTS.md
-	$(PY) -m pytest benches -q -p no:randomly --benchmark-enable --benchmark-disable-gc --benchmark-columns=min,median,ops
+	$(PY) -m pytest benches -q -p no:randomly -o python_files='bench_*.py' --benchmark-enable --benchmark-disable-gc --benchmark-columns=min,median,ops
 	$(PY) benches/load/run_load.py
 
 .PHONY: bench-load
