@@ -54,7 +54,12 @@ format: venv ## cargo fmt + ruff format
 
 .PHONY: bench
 bench: build ## benchmarks; figures go to benches/RESULTS.md
-	$(PY) -m pytest benches -q -p no:randomly --benchmark-enable --benchmark-disable-gc --benchmark-columns=min,median,ops
+	$(PY) -m pytest benches -q -p no:randomly -o python_files='bench_*.py' --benchmark-enable --benchmark-disable-gc --benchmark-columns=min,median,ops
+	$(PY) benches/load/run_load.py
+
+.PHONY: bench-load
+bench-load: build ## load benchmark (wrk): kvgate vs bare aiohttp vs LiteLLM; writes benches/RESULTS.md
+	$(PY) benches/load/run_load.py
 
 .PHONY: bench-protect
 bench-protect: build ## protection scenario (issue 8): engine alone vs kvgate; RESULTS.md + plots

@@ -22,6 +22,7 @@ import aiohttp
 import orjson
 from aiohttp import web
 
+from kvgate import AnalysisError, peek_model
 from kvgate.config import TimeoutsConfig
 from kvgate.errors import GatewayError
 from kvgate.metrics import GatewayMetrics
@@ -383,8 +384,6 @@ class Gateway:
         Raises:
             GatewayError: 400 invalid body / context overflow, 404 unknown model.
         """
-        from kvgate import AnalysisError, peek_model
-
         try:
             name = peek_model(body)
             model = self.models.get(name)

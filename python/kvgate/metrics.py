@@ -209,14 +209,26 @@ class GatewayMetrics:
             "Reservations dropped without release (each released itself); summed over workers.",
             registry=reg,
         )
+        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
         self._leaks = leaks
         self._leaks_seen = 0
         reg.register(_StateCollector(read_state))
         reg.register(_QueueCollector(lambda cls: self.queue_depth_of(cls)))
 
+    def _child(self, metric: Any, *values: str) -> Any:
+        """``metric.labels(*values)``, looked up once per label set and then kept (the hot path
+        pays a dict lookup instead of prometheus_client's label validation and lock; the child
+        is the same object ``labels()`` would return)."""
+        key = (id(metric), values)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*values)
+        return child
+
     def request_done(self, backend: Any, tenant: Any, outcome: str) -> None:
         """Count a finished request (``backend``/``tenant`` may be ``None`` before routing)."""
-        self.requests.labels(
+        self._child(
+            self.requests,
             backend.name if backend is not None else "",
             tenant.name if tenant is not None else "",
             outcome,
@@ -224,29 +236,30 @@ class GatewayMetrics:
 
     def rejected(self, backend: Any, tenant: Any, reason: str, seconds: float) -> None:
         """Count an admission refusal."""
-        self.rejections.labels(backend.name, reason).inc()
+        self._child(self.rejections, backend.name, reason).inc()
         self.request_done(backend, tenant, "rejected")
         self.admission_seconds.observe(seconds)
 
     def admitted(self, backend: Any, tenant: Any, reserved: int, seconds: float) -> None:
         """Count an admission and its reservation."""
-        self.tokens_reserved.labels(backend.name).inc(reserved)
+        self._child(self.tokens_reserved, backend.name).inc(reserved)
         self.admission_seconds.observe(seconds)
 
     def settled(
         self, backend: Any, tenant: Any, reserved: int, actual: int, result: RelayResult
     ) -> None:
         """Record a settlement: refund or overrun, ratio, TTFT and the request outcome."""
+        name = backend.name
         if actual <= reserved:
-            self.tokens_refunded.labels(backend.name).inc(reserved - actual)
+            self._child(self.tokens_refunded, name).inc(reserved - actual)
         else:
-            self.tokens_overrun.labels(backend.name).inc(actual - reserved)
+            self._child(self.tokens_overrun, name).inc(actual - reserved)
         if reserved > 0:
-            self.usage_ratio.labels(backend.name).observe(actual / reserved)
-        self.tenant_tokens.labels(tenant.name).inc(actual)
+            self._child(self.usage_ratio, name).observe(actual / reserved)
+        self._child(self.tenant_tokens, tenant.name).inc(actual)
         self.sync_leaks()
         if result.ttft is not None:
-            self.ttft_seconds.labels(backend.name).observe(result.ttft)
+            self._child(self.ttft_seconds, name).observe(result.ttft)
         self.request_done(backend, tenant, result.outcome)
 
     def sync_leaks(self) -> None:

@@ -168,6 +168,8 @@ async def relay(
 
 async def _read_all(upstream: aiohttp.ClientResponse, timeouts: Timeouts) -> bytes:
     try:
+        if upstream.content.is_eof():  # the whole body is already here: nothing to wait for
+            return await upstream.read()
         async with asyncio.timeout(timeouts.total):
             return await upstream.read()
     except TimeoutError:
@@ -225,8 +227,11 @@ async def _relay_stream(
                 left = deadline - loop.time()
                 wait = left if wait is None else min(wait, left)
             try:
-                async with asyncio.timeout(wait):
-                    data = await content.readany()
+                # bytes already buffered need no timer (a uvloop timer costs a few µs per chunk)
+                data = content.read_nowait()
+                if not data and not content.at_eof():
+                    async with asyncio.timeout(wait):
+                        data = await content.readany()
             except TimeoutError:
                 result.outcome = "upstream_timeout"
                 await _write_error_event(response, "upstream stream timed out", "upstream_timeout")

@@ -28,6 +28,18 @@ def _split_point(buf: bytes | bytearray, start: int) -> tuple[int, int]:
     return best, size
 
 
+def _may_carry_usage_or_error(payload: bytes) -> bool:
+    """Whether a ``data:`` payload may hold a non-null ``usage`` or an ``error`` key (a cheap
+    byte test; ``True`` when unsure). Inside JSON strings a quote is escaped, so ``"usage"`` in
+    the bytes is a key (or a string value), never generated text."""
+    if b'"error"' in payload:
+        return True
+    i = payload.find(b'"usage"')
+    if i == -1:
+        return False
+    return not payload[i + 7 : i + 24].lstrip(b" \t\r\n:").startswith(b"null")
+
+
 class SSEInspector:
     """Cuts an upstream SSE byte stream into complete events and inspects each one.
 
@@ -45,16 +57,56 @@ class SSEInspector:
         done: ``True`` once ``data: [DONE]`` was seen.
     """
 
-    __slots__ = ("_buf", "content_chunks", "delivered_text", "done", "error", "strip", "usage")
+    __slots__ = (
+        "_buf",
+        "_chunks",
+        "_cr",
+        "_pending",
+        "_text",
+        "done",
+        "error",
+        "strip",
+        "usage",
+    )
 
     def __init__(self, *, strip_usage_chunk: bool) -> None:
         self.strip = strip_usage_chunk
         self._buf = bytearray()
+        self._cr = False  # a CR was seen: events may end with \r\n\r\n or \r\r too
         self.usage: dict[str, Any] | None = None
-        self.delivered_text: list[str] = []
-        self.content_chunks = 0
+        self._text: list[str] = []
+        self._chunks = 0
+        # payloads with neither usage nor error, parsed for their text only when asked: the
+        # text is needed only when the engine reports no usage (a broken stream, llama.cpp)
+        self._pending: list[bytes] = []
         self.error: dict[str, Any] | None = None
         self.done = False
+
+    @property
+    def delivered_text(self) -> list[str]:
+        """Text pieces of the events handed out so far (see the class attributes)."""
+        if self._pending:
+            self._parse_pending()
+        return self._text
+
+    @property
+    def content_chunks(self) -> int:
+        """Events handed out so far that carried generated text."""
+        if self._pending:
+            self._parse_pending()
+        return self._chunks
+
+    def _parse_pending(self) -> None:
+        pending, self._pending = self._pending, []
+        for payload in pending:
+            try:
+                obj = orjson.loads(payload)
+            except orjson.JSONDecodeError:
+                continue
+            if isinstance(obj, dict):
+                choices = obj.get("choices")
+                if isinstance(choices, list):
+                    self._collect_text(choices)
 
     def feed(self, data: bytes) -> bytes:
         """Take the next upstream bytes; return the complete events to write now (maybe ``b""``).
@@ -65,20 +117,32 @@ class SSEInspector:
         """
         buf = self._buf
         buf += data
-        end, size = _split_point(buf, 0)
+        if not self._cr and b"\r" in data:
+            self._cr = True
+        if self._cr:
+            end, size = _split_point(buf, 0)
+        else:  # only LF line ends so far (every engine we know): one separator to look for
+            end, size = buf.find(b"\n\n"), 2
         if end == -1:
             return b""
-        out = bytearray()
+        out: bytearray | None = None  # set once an event is dropped
         pos = 0
         while end != -1:
             stop = end + size
             event = bytes(buf[pos:stop])
             if self._inspect(event):
-                out += event
+                if out is not None:
+                    out += event
+            elif out is None:
+                out = bytearray(buf[:pos])
             pos = stop
-            end, size = _split_point(buf, pos)
+            if self._cr:
+                end, size = _split_point(buf, pos)
+            else:
+                end = buf.find(b"\n\n", pos)
+        kept = bytes(buf[:pos]) if out is None else bytes(out)
         del buf[:pos]
-        return bytes(out)
+        return kept
 
     def flush(self) -> bytes:
         """Whatever partial event remains at end of stream (written as is)."""
@@ -97,6 +161,11 @@ class SSEInspector:
             if payload == b"[DONE]":
                 self.done = True
                 continue
+            if not _may_carry_usage_or_error(payload):
+                self._pending.append(payload)
+                continue
+            if self._pending:  # keep the text in stream order
+                self._parse_pending()
             try:
                 obj = orjson.loads(payload)
             except orjson.JSONDecodeError:
@@ -123,7 +192,7 @@ class SSEInspector:
                 continue
             text = choice.get("text")
             if isinstance(text, str) and text:
-                self.delivered_text.append(text)
+                self._text.append(text)
                 found = True
             delta = choice.get("delta")
             if not isinstance(delta, dict):
@@ -131,7 +200,7 @@ class SSEInspector:
             for key in ("content", "reasoning_content", "reasoning"):
                 piece = delta.get(key)
                 if isinstance(piece, str) and piece:
-                    self.delivered_text.append(piece)
+                    self._text.append(piece)
                     found = True
             calls = delta.get("tool_calls")
             if isinstance(calls, list):
@@ -141,7 +210,7 @@ class SSEInspector:
                         for key in ("name", "arguments"):
                             piece = fn.get(key)
                             if isinstance(piece, str) and piece:
-                                self.delivered_text.append(piece)
+                                self._text.append(piece)
                                 found = True
         if found:
-            self.content_chunks += 1
+            self._chunks += 1
