@@ -53,9 +53,10 @@ format: venv ## cargo fmt + ruff format
 	$(VENV)/bin/ruff check --fix python tests benches
 
 .PHONY: bench
-bench: build ## benchmarks; figures go to benches/RESULTS.md
+bench: build ## every benchmark (~15 min): core + analyser, load, protection; rewrites benches/RESULTS.md and the plots
 	$(PY) -m pytest benches -q -p no:randomly -o python_files='bench_*.py' --benchmark-enable --benchmark-disable-gc --benchmark-columns=min,median,ops
 	$(PY) benches/load/run_load.py
+	$(PY) benches/protection/run.py
 
 .PHONY: bench-load
 bench-load: build ## load benchmark (wrk): kvgate vs bare aiohttp vs LiteLLM; writes benches/RESULTS.md
