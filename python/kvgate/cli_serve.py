@@ -171,11 +171,18 @@ def _serve_single(
 ) -> int:
     from aiohttp import web
 
+    from kvgate import CoreError
     from kvgate.app import create_app
     from kvgate.gateway_build import build_gateway
 
     _install_uvloop()
-    gateway = build_gateway(config, shm_name=shm_name, config_path=config_path, poll=(worker == 0))
+    # every worker polls the engines itself: its routing (health) is local, while the scale and
+    # shedding it derives land in the shared region (the same readings give the same law output)
+    try:
+        gateway = build_gateway(config, shm_name=shm_name, config_path=config_path, poll=True)
+    except (CoreError, ValueError, OSError) as exc:
+        print(f"kvgate serve: cannot start: {exc}", file=sys.stderr)
+        return 2
     app = create_app(gateway)
     web.run_app(
         app,
@@ -203,9 +210,15 @@ def _serve_workers(config: Any, grace: float, *, config_path: str | None) -> int
     shm_name = f"kvgate-{os.getpid()}-{int(time.time())}"
     prom_dir = tempfile.mkdtemp(prefix="kvgate-prom-")
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = prom_dir
+    from kvgate import CoreError
     from kvgate.gateway_build import build_controller
 
-    controller = build_controller(config, shm_name=shm_name, create=True)
+    try:
+        controller = build_controller(config, shm_name=shm_name, create=True)
+    except (CoreError, ValueError, OSError) as exc:
+        print(f"kvgate serve: cannot start: {exc}", file=sys.stderr)
+        shutil.rmtree(prom_dir, ignore_errors=True)
+        return 2
     children: dict[int, int] = {}
     stopping = False
 

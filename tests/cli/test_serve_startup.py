@@ -1,0 +1,58 @@
+"""``kvgate serve`` refuses to start with a clear message (exit 2), never a traceback."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+
+def _serve(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "kvgate", "serve", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
+def test_unloadable_tokenizer_is_a_clear_startup_error(tmp_path: Path) -> None:
+    tok = tmp_path / "tokenizer.json"
+    tok.write_text('{"not": "a tokenizer"}')
+    cfg = tmp_path / "kvgate.yaml"
+    cfg.write_text(
+        "backends:\n"
+        "  - name: b0\n"
+        "    url: http://127.0.0.1:9\n"
+        "    max_concurrency: 4\n"
+        "    models:\n"
+        f"      - {{name: m, context_window: 1024, tokenizer: {tok}}}\n"
+    )
+    done = _serve("--config", str(cfg), "--port", "0")
+    assert done.returncode == 2
+    assert "kvgate serve: cannot start:" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_invalid_config_lists_the_bad_fields(tmp_path: Path) -> None:
+    cfg = tmp_path / "kvgate.yaml"
+    cfg.write_text("backends:\n  - name: b0\n    url: http://127.0.0.1:9\n    max_concurrency: 0\n")
+    done = _serve("--config", str(cfg))
+    assert done.returncode == 2
+    assert "backends[0].max_concurrency" in done.stderr
+    assert "backends[0].models" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_neither_config_nor_upstream(tmp_path: Path) -> None:
+    done = _serve()
+    assert done.returncode == 2
+    assert "--config" in done.stderr
+
+
+def test_unreachable_upstream_for_model_discovery() -> None:
+    done = _serve("--upstream", "http://127.0.0.1:9")
+    assert done.returncode == 2
+    assert "cannot list models" in done.stderr
+    assert "Traceback" not in done.stderr
