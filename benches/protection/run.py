@@ -766,7 +766,16 @@ def render(path: Path) -> int:
     verdict = targets(rows, modes[0], best_fraction)
     print(table(rows))
     print("\n".join(verdict))
-    write_outputs(mix, runs, rows, verdict, float(data["wall_seconds"]), modes, best_fraction)
+    write_outputs(
+        mix,
+        runs,
+        rows,
+        verdict,
+        float(data["wall_seconds"]),
+        modes,
+        best_fraction,
+        load_average_end=data.get("load_average_end"),
+    )
     return 0
 
 
@@ -809,8 +818,13 @@ def write_outputs(
     total: float,
     modes: list[str],
     best_fraction: float | None,
+    *,
+    load_average_end: float | None = None,
 ) -> None:
-    """results.json, the two plots, README.md and the RESULTS.md section."""
+    """results.json, the two plots, README.md and the RESULTS.md section. ``load_average_end``:
+    the load average measured when the runs ended (default: now, right after a run)."""
+    if load_average_end is None and hasattr(os, "getloadavg"):
+        load_average_end = os.getloadavg()[0]
     first = modes[0]
     by = {(r.name, r.mode): r for r in runs}
     (HERE / "results.json").write_text(
@@ -820,7 +834,7 @@ def write_outputs(
                 "rows": rows,
                 "runs": [r.__dict__ for r in runs],
                 "wall_seconds": total,
-                "load_average_end": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+                "load_average_end": load_average_end,
             },
             separators=(",", ":"),
         )
@@ -840,7 +854,37 @@ def write_outputs(
     text = results.read_text() if results.exists() else "# Benchmark results\n"
     text = replace_section(text, SECTION, body)
     results.write_text(text)
-    print(f"wrote {results.relative_to(ROOT)}, benches/protection/README.md, plots, results.json")
+    top = ROOT / "README.md"
+    if top.exists():
+        top.write_text(replace_marked(top.read_text(), readme_block(rows, verdict)))
+    print(
+        f"wrote {results.relative_to(ROOT)}, README.md (protection block), "
+        "benches/protection/README.md, plots, results.json"
+    )
+
+
+README_BEGIN = "<!-- protection:begin (written by benches/protection/run.py) -->"
+README_END = "<!-- protection:end -->"
+
+
+def replace_marked(text: str, body: str) -> str:
+    """``text`` with the block between :data:`README_BEGIN` and :data:`README_END` replaced by
+    ``body`` (markers kept); unchanged when the markers are absent."""
+    start, end = text.find(README_BEGIN), text.find(README_END)
+    if start == -1 or end == -1 or end < start:
+        return text
+    return text[: start + len(README_BEGIN)] + "\n" + body.strip("\n") + "\n" + text[end:]
+
+
+def readme_block(rows: list[dict[str, Any]], verdict: list[str]) -> str:
+    """The main README's protection block: the main plot, the table of the first mode, the
+    targets."""
+    return f"""![KV usage and kvgate's effective limits over time](benches/protection/protection_timeline.png)
+
+{table([r for r in rows if r["mode"] == rows[0]["mode"]])}
+
+{chr(10).join(verdict)}
+"""
 
 
 def replace_section(text: str, heading: str, body: str) -> str:
