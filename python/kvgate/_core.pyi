@@ -8,7 +8,7 @@ path is a value (``False`` or a :class:`Rejection`), never an exception; excepti
 arguments and configuration only.
 """
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from types import TracebackType
 from typing import Any, Final, Literal, Self, final
 
@@ -288,8 +288,10 @@ class AdmissionController:
     keeps a ledger of what it holds; :meth:`reclaim_dead` (from any live process) gives back
     what dead processes held (pid + start time, so pid reuse is detected).
 
-    Slots: each tenant's ``guaranteed_slots`` are carved out of every backend's (scaled)
-    ``max_concurrency``; the rest is the shared burst pool. A smaller scale shrinks the burst
+    Slots: each tenant's ``guaranteed_slots`` are carved out of the (scaled)
+    ``max_concurrency`` of every backend its ``guaranteed_backends`` names (all backends by
+    default); the rest is each backend's shared burst pool. The guarantees that apply to one
+    backend must sum to at most its ``max_concurrency``. A smaller scale shrinks the burst
     pool first and the guarantees (proportionally) only when nothing else is left.
     ``critical``/``standard`` requests use the tenant's guarantee, then the burst pool;
     ``sheddable`` requests use only the burst pool and are refused (``shed``) while shedding.
@@ -330,7 +332,8 @@ class AdmissionController:
         """Registers a backend; returns its id. ``inflight_token_limit`` (tokens, from the
         engine's KV capacity) ``None`` = unlimited; ``burst_tokens`` defaults to one minute.
         Raises ``InvalidConfigError`` (duplicate name, zero limits, max_concurrency below the
-        tenants' guaranteed slots, more than ``MAX_BACKENDS``)."""
+        guaranteed slots of the tenants whose guarantee applies to every backend, more than
+        ``MAX_BACKENDS``)."""
     def update_backend(
         self,
         backend: int,
@@ -351,10 +354,21 @@ class AdmissionController:
         max_concurrency: int | None = None,
         guaranteed_slots: int | None = None,
         burst_tokens: int | None = None,
+        guaranteed_backends: Iterable[int] | Literal["all"] | None = None,
     ) -> int:
         """Registers a tenant; returns its id. ``tokens_per_minute``/``max_concurrency``
-        ``None`` = no tenant limit. ``guaranteed_slots`` (``None`` = 0) are reserved on every
-        backend; a sheddable tenant cannot have any. Raises ``InvalidConfigError``."""
+        ``None`` = no tenant limit. ``guaranteed_slots`` (slots, ``None`` = 0) are reserved for
+        it on each backend of ``guaranteed_backends``: registered backend ids, or ``None`` /
+        ``"all"`` = every backend, including backends added later (which then must have room
+        for it). A sheddable tenant cannot have any.
+
+        Raises:
+            InvalidConfigError: duplicate name, a sheddable tenant with guaranteed slots, an
+                unknown backend id, or guarantees that would sum above a backend's
+                ``max_concurrency`` (the message names the backend).
+            TypeError: ``guaranteed_backends`` is not an iterable of ints, ``"all"`` or
+                ``None``.
+        """
     def update_tenant(
         self,
         tenant: int,
@@ -364,8 +378,12 @@ class AdmissionController:
         max_concurrency: int | None = None,
         guaranteed_slots: int | None = None,
         burst_tokens: int | None = None,
+        guaranteed_backends: Iterable[int] | Literal["all"] | None = None,
     ) -> None:
-        """Hot reload of a tenant (``None`` = unchanged)."""
+        """Hot reload of a tenant (``None`` = unchanged; ``guaranteed_backends="all"``: every
+        backend). Slots held on a guarantee that is lowered or moved to other backends stay
+        held until released; meanwhile that backend gives no burst slot beyond its limit.
+        Raises as :meth:`add_tenant` (nothing changes then)."""
     def set_scale(self, backend: int, scale: float) -> None:
         """Sets the adaptive scale (0 < scale <= 1), applied at once to the backend's
         concurrency, TPM (rate and burst) and in-flight token limits. Raises
@@ -385,13 +403,14 @@ class AdmissionController:
         """Gives back what dead attached processes held; returns the slots reclaimed."""
     def backend_state(self, backend: int) -> dict[str, object]:
         """Snapshot: name, scale, shedding, max_concurrency, effective_concurrency, in_use,
-        guaranteed_slots, burst_pool, burst_in_use, tokens_per_minute,
+        guaranteed_slots (sum of the guarantees that apply to this backend), burst_pool, burst_in_use, tokens_per_minute,
         effective_tokens_per_minute, burst_tokens, effective_burst_tokens, available_tokens,
         time_to_full (s), inflight_tokens, inflight_token_limit,
         effective_inflight_token_limit, hold_time_ewma (s)."""
     def tenant_state(self, tenant: int) -> dict[str, object]:
-        """Snapshot: name, priority, guaranteed_slots, max_concurrency, in_use,
-        tokens_per_minute, burst_tokens, available_tokens, time_to_full (s)."""
+        """Snapshot: name, priority, guaranteed_slots (on each backend of
+        guaranteed_backends), guaranteed_backends (ids of the registered backends its
+        guarantee applies to), max_concurrency, in_use (across backends), tokens_per_minute, burst_tokens, available_tokens, time_to_full (s)."""
 
 # --- request analysis (rust/src/python_analyze.rs) ---
 

@@ -138,6 +138,9 @@ class Tenant:
         priority: ``critical`` | ``standard`` | ``sheddable``.
         key_hashes: SHA-256 hex digests of its API keys.
         max_wait_ms: longest time a refused request may wait in the priority queue.
+        shadow: its refusals are counted, not enforced.
+        backends: names of the backends it may be routed to (config ``tenants[].backends``;
+            its guaranteed slots apply on these); ``None`` = every backend.
     """
 
     id: int
@@ -146,6 +149,7 @@ class Tenant:
     key_hashes: tuple[str, ...] = ()
     max_wait_ms: int = 0
     shadow: bool = False
+    backends: frozenset[str] | None = None
 
 
 @dataclass
@@ -404,13 +408,26 @@ class Gateway:
             raise GatewayError(err.status, err.message, err.type, err.param, err.code) from None
         return model, analysis
 
-    def pick_backend(self, model: ModelRoute) -> Backend:
-        """The healthy replica with the most headroom (free slot ratio, then lower KV usage).
+    def pick_backend(self, model: ModelRoute, tenant: Tenant) -> Backend:
+        """The healthy replica with the most headroom (free slot ratio, then lower KV usage),
+        among the model's backends the tenant may use (``Tenant.backends``).
 
         Raises:
-            GatewayError: 503 when no replica of the model is healthy.
+            GatewayError: 404 ``model_not_found`` when none of the model's backends is open to
+                the tenant (as OpenAI answers a model the key has no access to); 503
+                ``backend_unavailable`` when none of those is healthy.
         """
         candidates = model.backends
+        if tenant.backends is not None:
+            candidates = [b for b in candidates if b.name in tenant.backends]
+            if not candidates:
+                raise GatewayError(
+                    404,
+                    f"The model `{model.name}` does not exist or you do not have access to it.",
+                    "invalid_request_error",
+                    param="model",
+                    code="model_not_found",
+                )
         if len(candidates) == 1:
             only = candidates[0]
             if only.healthy:

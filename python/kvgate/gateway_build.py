@@ -36,12 +36,19 @@ def _backend_limits(b: Any) -> dict[str, Any]:
     }
 
 
-def _tenant_limits(t: Any) -> dict[str, Any]:
+def _tenant_limits(t: Any, controller: Any) -> dict[str, Any]:
+    """The core's tenant arguments. The guarantee applies to the backends the tenant may use
+    (``backends``, names → core ids; ``None`` → ``"all"``). Backends must be registered first.
+    """
+    guaranteed_backends: list[int] | str = (
+        "all" if t.backends is None else [controller.backend_id(name) for name in t.backends]
+    )
     return {
         "priority": t.priority,
         "tokens_per_minute": t.tokens_per_minute,
         "max_concurrency": t.max_concurrency,
         "guaranteed_slots": t.guaranteed_slots,
+        "guaranteed_backends": guaranteed_backends,
     }
 
 
@@ -74,7 +81,7 @@ def build_controller(config: Config, *, shm_name: str | None = None, create: boo
     for b in config.backends:
         controller.add_backend(b.name, **_backend_limits(b))
     for t in _tenants_of(config):
-        controller.add_tenant(t.name, **_tenant_limits(t))
+        controller.add_tenant(t.name, **_tenant_limits(t, controller))
     return controller
 
 
@@ -162,6 +169,7 @@ def _set_tenants(gateway: Gateway, config: Config) -> None:
             key_hashes=tuple(t.api_key_sha256),
             max_wait_ms=t.max_wait_ms,
             shadow=(t.mode == "shadow"),
+            backends=None if t.backends is None else frozenset(t.backends),
         )
         for t in _tenants_of(config)
     ]
@@ -202,9 +210,9 @@ def apply_config(gateway: Gateway, new: Config) -> None:
     for t in _tenants_of(new):
         tid = ctl.tenant_id(t.name)
         if tid is None:
-            ctl.add_tenant(t.name, **_tenant_limits(t))
+            ctl.add_tenant(t.name, **_tenant_limits(t, ctl))
         else:
-            ctl.update_tenant(tid, **_tenant_limits(t))
+            ctl.update_tenant(tid, **_tenant_limits(t, ctl))
     for backend, b in zip(gateway.backends, new.backends, strict=True):
         backend.config = b
     gateway.config = new

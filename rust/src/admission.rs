@@ -7,8 +7,9 @@
 //! `release`) takes no lock: every limit is a compare-and-swap counter or a one-word GCRA token
 //! bucket. Registration of backends / tenants (rare) takes a small spin lock in the region.
 //!
-//! Concurrency slots of a backend: each tenant's guaranteed slots are carved out of the
-//! backend's (scaled) concurrency limit; the rest is the shared burst pool. When the scale
+//! Concurrency slots of a backend: the guaranteed slots of each tenant whose guarantee applies
+//! to that backend ([`TenantConfig::guaranteed_backends`]; all backends by default) are carved
+//! out of the backend's (scaled) concurrency limit; the rest is the shared burst pool. When the scale
 //! shrinks the limit, the burst pool shrinks first; guarantees shrink (proportionally) only when
 //! the limit is below their sum. `critical` and `standard` requests use the tenant's guaranteed
 //! slots first, then the burst pool; `sheddable` requests use only the burst pool and are refused
@@ -36,12 +37,15 @@ use crate::token_bucket::TokenBucket;
 pub const MAX_BACKENDS: usize = 32;
 /// Most tenants one region holds.
 pub const MAX_TENANTS: usize = 256;
+/// [`TenantConfig::guaranteed_backends`] value: the guarantee applies to every backend,
+/// including backends registered later.
+pub const ALL_BACKENDS: u64 = u64::MAX;
 /// Most processes (controllers) attached to one region at a time.
 pub const MAX_PROCS: usize = 64;
 const NAME_WORDS: usize = 8;
 /// Longest backend / tenant name in bytes.
 pub const MAX_NAME_LEN: usize = NAME_WORDS * 8;
-const MAGIC: u64 = 0x6b76_6761_7465_0001; // "kvgate" + layout version 1
+const MAGIC: u64 = 0x6b76_6761_7465_0002; // "kvgate" + layout version 2 (per-backend guarantees)
 const SCALE_ONE: u64 = 1_000_000; // scale is stored in parts per million
 const CLAIMING: u64 = u64::MAX;
 const RECLAIMING: u64 = u64::MAX - 1;
@@ -60,7 +64,6 @@ pub struct Header {
     reg_lock: AtomicU64,
     n_backends: AtomicU64,
     n_tenants: AtomicU64,
-    total_guaranteed: AtomicU64,
 }
 
 /// One backend's limits and counters.
@@ -73,6 +76,7 @@ pub struct BackendState {
     scale_ppm: AtomicU64,
     shedding: AtomicU64,
     in_use: AtomicU64,
+    total_guaranteed: AtomicU64,
     burst: SlotCounter,
     inflight: SlotCounter,
     tpm: TokenBucket,
@@ -86,7 +90,9 @@ pub struct TenantState {
     ready: AtomicU64,
     name: [AtomicU64; NAME_WORDS],
     priority: AtomicU64,
-    guaranteed: AtomicU64,
+    guaranteed_slots: AtomicU64,
+    guaranteed_backends: AtomicU64,
+    guaranteed: [AtomicU64; MAX_BACKENDS],
     conc: SlotCounter,
     has_tpm: AtomicU64,
     tpm: TokenBucket,
@@ -216,8 +222,13 @@ pub struct TenantConfig {
     pub burst_tokens: Option<u64>,
     /// Tenant concurrency limit across backends; `None` = unlimited.
     pub max_concurrency: Option<u64>,
-    /// Slots reserved for this tenant on every backend (0 for sheddable tenants).
+    /// Slots reserved for this tenant on each backend its guarantee applies to (0 for
+    /// sheddable tenants).
     pub guaranteed_slots: u64,
+    /// Backends the guarantee applies to: bit `i` = backend id `i`, or [`ALL_BACKENDS`]
+    /// (every backend, including those registered later). A set mask names only registered
+    /// backends.
+    pub guaranteed_backends: u64,
 }
 
 /// A snapshot of a backend for status pages and `x-ratelimit-*` headers.
@@ -235,7 +246,7 @@ pub struct BackendSnapshot {
     pub effective_concurrency: u64,
     /// Slots held.
     pub in_use: u64,
-    /// Sum of tenant guarantees (base).
+    /// Sum of the guarantees of the tenants whose guarantee applies to this backend (base).
     pub guaranteed_slots: u64,
     /// Burst pool size after scaling.
     pub burst_pool: u64,
@@ -270,8 +281,10 @@ pub struct TenantSnapshot {
     pub name: String,
     /// Priority class.
     pub priority: Priority,
-    /// Guaranteed slots per backend.
+    /// Guaranteed slots on each backend of `guaranteed_backends`.
     pub guaranteed_slots: u64,
+    /// Ids of the registered backends the guarantee applies to.
+    pub guaranteed_backends: Vec<u32>,
     /// Concurrency limit (`None` = unlimited).
     pub max_concurrency: Option<u64>,
     /// Requests held across backends.
@@ -342,6 +355,12 @@ fn read_name(src: &[AtomicU64; NAME_WORDS]) -> String {
     }
     let end = buf.iter().position(|&b| b == 0).unwrap_or(buf.len());
     String::from_utf8_lossy(&buf[..end]).into_owned()
+}
+
+/// Whether a guarantee with backend mask `mask` applies to backend `bi`.
+#[inline]
+fn applies(mask: u64, bi: usize) -> bool {
+    bi < 64 && (mask >> bi) & 1 == 1
 }
 
 fn check_name(name: &str) -> Result<(), CoreError> {
@@ -542,18 +561,6 @@ impl Admission {
         (0..self.tenant_count()).find(|&i| self.tenant(i).is_ok_and(|t| read_name(&t.name) == name))
     }
 
-    fn min_backend_concurrency(&self) -> Option<(String, u64)> {
-        (0..self.backend_count())
-            .filter_map(|i| self.backend(i).ok())
-            .map(|b| {
-                (
-                    read_name(&b.name),
-                    b.max_concurrency.load(Ordering::Acquire),
-                )
-            })
-            .min_by_key(|(_, c)| *c)
-    }
-
     fn check_backend_config(c: &BackendConfig) -> Result<(u64, u64), CoreError> {
         if c.max_concurrency == 0 || c.max_concurrency > MAX_AMOUNT {
             return config_err(format!(
@@ -578,18 +585,34 @@ impl Admission {
             return config_err(format!("backend {name:?} already exists"));
         }
         let h = &self.region().header;
-        let g = h.total_guaranteed.load(Ordering::Acquire);
-        if g > c.max_concurrency {
-            return config_err(format!(
-                "backend {name:?}: max_concurrency {} is below the tenants' guaranteed slots ({g})",
-                c.max_concurrency
-            ));
-        }
         let id = h.n_backends.load(Ordering::Acquire) as usize;
         if id >= MAX_BACKENDS {
             return config_err(format!("at most {MAX_BACKENDS} backends"));
         }
+        // Guarantees that apply to every backend (ALL_BACKENDS) apply to this one too.
+        let tenants: Vec<&TenantState> = (0..self.tenant_count())
+            .filter_map(|i| self.tenant(i).ok())
+            .filter(|t| applies(t.guaranteed_backends.load(Ordering::Acquire), id))
+            .collect();
+        let g: u64 = tenants
+            .iter()
+            .map(|t| t.guaranteed_slots.load(Ordering::Acquire))
+            .sum();
+        if g > c.max_concurrency {
+            return config_err(format!(
+                "backend {name:?}: max_concurrency {} is below the guaranteed slots of the \
+                 tenants that apply to every backend ({g})",
+                c.max_concurrency
+            ));
+        }
+        for t in &tenants {
+            t.guaranteed[id].store(
+                t.guaranteed_slots.load(Ordering::Acquire),
+                Ordering::Release,
+            );
+        }
         let b = &self.region().backends[id];
+        b.total_guaranteed.store(g, Ordering::Release);
         write_name(&b.name, name);
         b.max_concurrency
             .store(c.max_concurrency, Ordering::Release);
@@ -609,14 +632,12 @@ impl Admission {
         let b = self.backend(id)?;
         let (rate, burst) = Self::check_backend_config(c)?;
         let _g = self.lock_registration();
-        let g = self
-            .region()
-            .header
-            .total_guaranteed
-            .load(Ordering::Acquire);
+        let g = b.total_guaranteed.load(Ordering::Acquire);
         if g > c.max_concurrency {
             return config_err(format!(
-                "max_concurrency {} is below the tenants' guaranteed slots ({g})",
+                "backend {:?}: max_concurrency {} is below the guaranteed slots of the tenants \
+                 that use it ({g})",
+                read_name(&b.name),
                 c.max_concurrency
             ));
         }
@@ -668,16 +689,65 @@ impl Admission {
         }
     }
 
-    fn check_guarantees(&self, new_total: u64) -> Result<(), CoreError> {
-        if let Some((name, conc)) = self.min_backend_concurrency() {
-            if new_total > conc {
+    /// Checks `c.guaranteed_backends` against the registered backends and, for every backend,
+    /// the sum of the guarantees with tenant `old`'s replaced by `c`'s; returns each backend's
+    /// new total. Call with the registration lock held.
+    fn check_guarantees(
+        &self,
+        old: Option<&TenantState>,
+        c: &TenantConfig,
+    ) -> Result<[u64; MAX_BACKENDS], CoreError> {
+        let n = self.backend_count() as usize;
+        let mask = c.guaranteed_backends;
+        if mask != ALL_BACKENDS && (mask >> n) != 0 {
+            let bad = (mask >> n).trailing_zeros() as usize + n;
+            return config_err(format!(
+                "guaranteed_backends names backend id {bad}, but {n} backends are registered"
+            ));
+        }
+        let mut totals = [0u64; MAX_BACKENDS];
+        for (bi, total) in totals.iter_mut().enumerate().take(n) {
+            let Ok(b) = self.backend(bi as u32) else {
+                continue;
+            };
+            let before = old.map_or(0, |t| t.guaranteed[bi].load(Ordering::Acquire));
+            let after = if applies(mask, bi) {
+                c.guaranteed_slots
+            } else {
+                0
+            };
+            *total = b.total_guaranteed.load(Ordering::Acquire) - before + after;
+            let conc = b.max_concurrency.load(Ordering::Acquire);
+            if *total > conc {
                 return config_err(format!(
-                    "guaranteed slots would total {new_total}, above backend {name:?}'s \
-                     max_concurrency {conc}"
+                    "guaranteed slots would total {total}, above backend {:?}'s \
+                     max_concurrency {conc}",
+                    read_name(&b.name)
                 ));
             }
         }
-        Ok(())
+        Ok(totals)
+    }
+
+    /// Stores a checked guarantee: the tenant's per-backend slots and each backend's total.
+    fn store_guarantees(&self, t: &TenantState, c: &TenantConfig, totals: &[u64; MAX_BACKENDS]) {
+        t.guaranteed_slots
+            .store(c.guaranteed_slots, Ordering::Release);
+        t.guaranteed_backends
+            .store(c.guaranteed_backends, Ordering::Release);
+        for (bi, g) in t.guaranteed.iter().enumerate() {
+            let on = bi < self.backend_count() as usize && applies(c.guaranteed_backends, bi);
+            g.store(if on { c.guaranteed_slots } else { 0 }, Ordering::Release);
+        }
+        for (bi, total) in totals
+            .iter()
+            .enumerate()
+            .take(self.backend_count() as usize)
+        {
+            self.region().backends[bi]
+                .total_guaranteed
+                .store(*total, Ordering::Release);
+        }
     }
 
     /// Registers a tenant; returns its id.
@@ -688,9 +758,8 @@ impl Admission {
         if self.tenant_id(name).is_some() {
             return config_err(format!("tenant {name:?} already exists"));
         }
+        let totals = self.check_guarantees(None, c)?;
         let h = &self.region().header;
-        let total = h.total_guaranteed.load(Ordering::Acquire) + c.guaranteed_slots;
-        self.check_guarantees(total)?;
         let id = h.n_tenants.load(Ordering::Acquire) as usize;
         if id >= MAX_TENANTS {
             return config_err(format!("at most {MAX_TENANTS} tenants"));
@@ -698,7 +767,6 @@ impl Admission {
         let t = &self.region().tenants[id];
         write_name(&t.name, name);
         t.priority.store(c.priority as u64, Ordering::Release);
-        t.guaranteed.store(c.guaranteed_slots, Ordering::Release);
         t.conc.set_limit(c.max_concurrency.unwrap_or(UNLIMITED));
         if let Some((rate, burst)) = bucket {
             t.tpm.init(rate, burst)?;
@@ -706,25 +774,23 @@ impl Admission {
         } else {
             t.has_tpm.store(0, Ordering::Release);
         }
-        h.total_guaranteed.store(total, Ordering::Release);
+        self.store_guarantees(t, c, &totals);
         t.ready.store(1, Ordering::Release);
         h.n_tenants.store(id as u64 + 1, Ordering::Release);
         Ok(id as u32)
     }
 
     /// Hot reload of a tenant (every field of `c` is applied; held slots are untouched). A
-    /// tenant TPM limit that is added starts with a full bucket.
+    /// tenant TPM limit that is added starts with a full bucket. Slots held on a guarantee that
+    /// is lowered or moved to other backends stay held until released; meanwhile that backend
+    /// gives out no burst slot beyond its limit.
     pub fn update_tenant(&self, id: u32, c: &TenantConfig) -> Result<(), CoreError> {
         let t = self.tenant(id)?;
         let bucket = Self::check_tenant_config(c)?;
         let _g = self.lock_registration();
-        let h = &self.region().header;
-        let old = t.guaranteed.load(Ordering::Acquire);
-        let total = h.total_guaranteed.load(Ordering::Acquire) - old + c.guaranteed_slots;
-        self.check_guarantees(total)?;
+        let totals = self.check_guarantees(Some(t), c)?;
         t.priority.store(c.priority as u64, Ordering::Release);
-        t.guaranteed.store(c.guaranteed_slots, Ordering::Release);
-        h.total_guaranteed.store(total, Ordering::Release);
+        self.store_guarantees(t, c, &totals);
         t.conc.set_limit(c.max_concurrency.unwrap_or(UNLIMITED));
         match bucket {
             Some((rate, burst)) if t.has_tpm.load(Ordering::Acquire) == 1 => {
@@ -749,7 +815,8 @@ impl Admission {
             tokens_per_minute: has.then(|| t.tpm.rate()),
             burst_tokens: has.then(|| t.tpm.burst()),
             max_concurrency: (conc != UNLIMITED).then_some(conc),
-            guaranteed_slots: t.guaranteed.load(Ordering::Acquire),
+            guaranteed_slots: t.guaranteed_slots.load(Ordering::Acquire),
+            guaranteed_backends: t.guaranteed_backends.load(Ordering::Acquire),
         })
     }
 
@@ -849,12 +916,8 @@ impl Admission {
         };
         // Backend slot: guaranteed first (not for sheddable), then the burst pool.
         let limit = scaled(b.max_concurrency.load(Ordering::Acquire), ppm);
-        let g_total = self
-            .region()
-            .header
-            .total_guaranteed
-            .load(Ordering::Acquire);
-        let g_t = t.guaranteed.load(Ordering::Acquire);
+        let g_total = b.total_guaranteed.load(Ordering::Acquire);
+        let g_t = t.guaranteed[backend as usize].load(Ordering::Acquire);
         let guar = &t.guar_in_use[backend as usize];
         let mut pool = None;
         if priority != Priority::Sheddable && g_t > 0 {
@@ -867,7 +930,9 @@ impl Admission {
                 pool = Some(Pool::Guaranteed);
             }
         }
-        if pool.is_none() {
+        // The in_use test only binds after a guarantee was lowered or moved away while its
+        // slots are held (otherwise burst + guaranteed in use <= limit already).
+        if pool.is_none() && b.in_use.load(Ordering::Acquire) < limit {
             let burst_pool = limit.saturating_sub(g_total);
             if b.burst.try_acquire_within(1, burst_pool) {
                 pool = Some(Pool::Burst);
@@ -1052,11 +1117,7 @@ impl Admission {
         let ppm = b.scale_ppm.load(Ordering::Acquire);
         let conc = b.max_concurrency.load(Ordering::Acquire);
         let eff = scaled(conc, ppm);
-        let g = self
-            .region()
-            .header
-            .total_guaranteed
-            .load(Ordering::Acquire);
+        let g = b.total_guaranteed.load(Ordering::Acquire);
         let (rate, burst) = (b.tpm.rate(), b.tpm.burst());
         let (erate, eburst) = (scaled(rate, ppm), scaled(burst, ppm));
         let il = b.inflight.limit();
@@ -1094,6 +1155,9 @@ impl Admission {
             name: read_name(&t.name),
             priority: c.priority,
             guaranteed_slots: c.guaranteed_slots,
+            guaranteed_backends: (0..self.backend_count())
+                .filter(|&bi| applies(c.guaranteed_backends, bi as usize))
+                .collect(),
             max_concurrency: c.max_concurrency,
             in_use,
             tokens_per_minute: c.tokens_per_minute,
@@ -1161,6 +1225,7 @@ mod tests {
                 burst_tokens: None,
                 max_concurrency: None,
                 guaranteed_slots: g,
+                guaranteed_backends: ALL_BACKENDS,
             },
         )
         .unwrap()
@@ -1296,6 +1361,7 @@ mod tests {
             burst_tokens: None,
             max_concurrency: None,
             guaranteed_slots: 1,
+            guaranteed_backends: ALL_BACKENDS,
         };
         assert!(a.add_tenant("x", &bad).is_err());
         let too_many = TenantConfig {
@@ -1305,6 +1371,185 @@ mod tests {
         };
         assert!(a.add_tenant("x", &too_many).is_err());
         assert!(a.admit(9, 0, Priority::Critical, 1).is_err());
+    }
+
+    fn two_backends() -> (Arc<Admission>, u32, u32) {
+        let (a, _mc, b0) = setup(); // 4 slots
+        let b1 = a
+            .add_backend(
+                "b1",
+                &BackendConfig {
+                    max_concurrency: 4,
+                    tokens_per_minute: 6000,
+                    burst_tokens: None,
+                    inflight_token_limit: None,
+                },
+            )
+            .unwrap();
+        (a, b0, b1)
+    }
+
+    fn scoped(p: Priority, g: u64, backends: &[u32]) -> TenantConfig {
+        TenantConfig {
+            priority: p,
+            tokens_per_minute: None,
+            burst_tokens: None,
+            max_concurrency: None,
+            guaranteed_slots: g,
+            guaranteed_backends: backends.iter().fold(0, |m, &b| m | 1 << b),
+        }
+    }
+
+    #[test]
+    fn guarantee_applies_only_to_its_backends() {
+        let (a, b0, b1) = two_backends();
+        let gold = a
+            .add_tenant("gold", &scoped(Priority::Critical, 3, &[b0]))
+            .unwrap();
+        let other = tenant(&a, "other", Priority::Standard, 0, None);
+        let (s0, s1) = (a.backend_state(b0).unwrap(), a.backend_state(b1).unwrap());
+        assert_eq!((s0.guaranteed_slots, s0.burst_pool), (3, 1));
+        assert_eq!((s1.guaranteed_slots, s1.burst_pool), (0, 4));
+        let ts = a.tenant_state(gold).unwrap();
+        assert_eq!((ts.guaranteed_slots, ts.guaranteed_backends), (3, vec![b0]));
+        // b1's burst pool is whole: four burst slots for anyone, gold's requests included.
+        let g = a.admit(b1, gold, Priority::Critical, 1).unwrap().unwrap();
+        assert_eq!(g.pool, Pool::Burst);
+        let held: Vec<_> = (0..3)
+            .map(|_| a.admit(b1, other, Priority::Standard, 1).unwrap().unwrap())
+            .collect();
+        assert!(held.iter().all(|tk| tk.pool == Pool::Burst));
+        let r = a
+            .admit(b1, gold, Priority::Critical, 1)
+            .unwrap()
+            .unwrap_err();
+        assert_eq!(r.reason, Reason::BackendSlots);
+        // b0: one burst slot for others, three only for gold.
+        let o = a.admit(b0, other, Priority::Standard, 1).unwrap().unwrap();
+        assert!(a.admit(b0, other, Priority::Standard, 1).unwrap().is_err());
+        for _ in 0..3 {
+            let tk = a.admit(b0, gold, Priority::Critical, 1).unwrap().unwrap();
+            assert_eq!(tk.pool, Pool::Guaranteed);
+        }
+        a.release(&o, None).unwrap();
+        a.release(&g, None).unwrap();
+        for tk in &held {
+            a.release(tk, None).unwrap();
+        }
+        assert_eq!(a.backend_state(b1).unwrap().in_use, 0);
+        assert_eq!(a.backend_state(b0).unwrap().in_use, 3);
+    }
+
+    #[test]
+    fn guarantee_sums_are_checked_per_backend() {
+        let (a, b0, b1) = two_backends(); // 4 slots each
+        a.add_tenant("g0", &scoped(Priority::Critical, 3, &[b0]))
+            .unwrap();
+        // 3 + 3 fits nowhere if both were on every backend; on separate backends it fits.
+        let g1 = a
+            .add_tenant("g1", &scoped(Priority::Critical, 3, &[b1]))
+            .unwrap();
+        // On every backend: b0 would hold 3 + 2 > 4.
+        let all = TenantConfig {
+            guaranteed_backends: ALL_BACKENDS,
+            ..scoped(Priority::Critical, 2, &[])
+        };
+        let e = a.add_tenant("x", &all).unwrap_err().to_string();
+        assert!(e.contains("\"b0\"") && e.contains("total 5"), "{e}");
+        assert_eq!(a.tenant_id("x"), None);
+        // A backend id that is not registered.
+        let e = a
+            .add_tenant("y", &scoped(Priority::Critical, 1, &[5]))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("backend id 5"), "{e}");
+        // Nothing changed by the refusals.
+        assert_eq!(a.backend_state(b0).unwrap().guaranteed_slots, 3);
+        assert_eq!(a.backend_state(b1).unwrap().guaranteed_slots, 3);
+        // One slot on every backend fits (4 and 4), also on a backend added later.
+        let one = a
+            .add_tenant(
+                "one",
+                &TenantConfig {
+                    guaranteed_backends: ALL_BACKENDS,
+                    ..scoped(Priority::Standard, 1, &[])
+                },
+            )
+            .unwrap();
+        let mut cfg = BackendConfig {
+            max_concurrency: 1,
+            tokens_per_minute: 6000,
+            burst_tokens: None,
+            inflight_token_limit: None,
+        };
+        let b2 = a.add_backend("b2", &cfg).unwrap();
+        assert_eq!(a.backend_state(b2).unwrap().guaranteed_slots, 1);
+        assert_eq!(
+            a.tenant_state(one).unwrap().guaranteed_backends,
+            vec![b0, b1, b2]
+        );
+        assert_eq!(a.tenant_state(g1).unwrap().guaranteed_backends, vec![b1]);
+        let tk = a.admit(b2, one, Priority::Standard, 1).unwrap().unwrap();
+        assert_eq!(tk.pool, Pool::Guaranteed);
+        a.release(&tk, None).unwrap();
+        // b1 cannot shrink below its own total (3 + 1); b2 is not bound by b0's.
+        cfg.max_concurrency = 3;
+        assert!(a.update_backend(b1, &cfg).is_err());
+        cfg.max_concurrency = 2;
+        a.update_backend(b2, &cfg).unwrap();
+        // A new backend must have room for the every-backend guarantees only.
+        cfg.max_concurrency = 1;
+        assert!(a.add_backend("b3", &cfg).is_ok());
+    }
+
+    #[test]
+    fn moving_a_guarantee_keeps_held_slots() {
+        let (a, b0, b1) = two_backends(); // 4 slots each
+        let gold = a
+            .add_tenant("gold", &scoped(Priority::Critical, 2, &[b0]))
+            .unwrap();
+        let other = tenant(&a, "other", Priority::Standard, 0, None);
+        let held: Vec<_> = (0..2)
+            .map(|_| a.admit(b0, gold, Priority::Critical, 10).unwrap().unwrap())
+            .collect();
+        assert!(held.iter().all(|tk| tk.pool == Pool::Guaranteed));
+        a.update_tenant(gold, &scoped(Priority::Critical, 2, &[b1]))
+            .unwrap();
+        let (s0, s1) = (a.backend_state(b0).unwrap(), a.backend_state(b1).unwrap());
+        assert_eq!((s0.guaranteed_slots, s0.in_use), (0, 2));
+        assert_eq!((s1.guaranteed_slots, s1.burst_pool), (2, 2));
+        assert_eq!(a.tenant_state(gold).unwrap().in_use, 2);
+        // b0: the held slots still count, so the grown burst pool stops at the limit.
+        let burst: Vec<_> = (0..2)
+            .map(|_| a.admit(b0, other, Priority::Standard, 1).unwrap().unwrap())
+            .collect();
+        let r = a
+            .admit(b0, other, Priority::Standard, 1)
+            .unwrap()
+            .unwrap_err();
+        assert_eq!(r.reason, Reason::BackendSlots);
+        // b1: gold's guarantee is there now.
+        let g1 = a.admit(b1, gold, Priority::Critical, 1).unwrap().unwrap();
+        assert_eq!(g1.pool, Pool::Guaranteed);
+        // The old tickets release cleanly; b0 is then all burst pool.
+        for tk in held.iter().chain(&burst) {
+            a.release(tk, None).unwrap();
+        }
+        let s0 = a.backend_state(b0).unwrap();
+        assert_eq!((s0.in_use, s0.inflight_tokens, s0.burst_in_use), (0, 0, 0));
+        let four: Vec<_> = (0..4)
+            .map(|_| a.admit(b0, other, Priority::Standard, 1).unwrap().unwrap())
+            .collect();
+        assert_eq!(four.len(), 4);
+        assert_eq!(a.tenant_state(gold).unwrap().in_use, 1);
+        // A move that does not fit is refused and changes nothing.
+        a.add_tenant("big", &scoped(Priority::Critical, 3, &[b0]))
+            .unwrap();
+        assert!(a
+            .update_tenant(gold, &scoped(Priority::Critical, 2, &[b0, b1]))
+            .is_err());
+        assert_eq!(a.tenant_config(gold).unwrap().guaranteed_backends, 1 << b1);
+        assert_eq!(a.backend_state(b0).unwrap().guaranteed_slots, 3);
     }
 
     #[test]
@@ -1362,6 +1607,7 @@ mod tests {
                     burst_tokens: None,
                     max_concurrency: Some(1024),
                     guaranteed_slots: 0,
+                    guaranteed_backends: ALL_BACKENDS,
                 },
             )
             .unwrap();

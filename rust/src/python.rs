@@ -14,8 +14,8 @@ use pyo3::types::{PyBool, PyDict, PyInt, PyString, PyTuple, PyType};
 
 use crate::adaptive::{AdaptiveLaw as RustLaw, LawParams};
 use crate::admission::{
-    Admission, BackendConfig, Pool, Reason, Refusal, TenantConfig, Ticket, MAX_BACKENDS, MAX_PROCS,
-    MAX_TENANTS, REGION_SIZE,
+    Admission, BackendConfig, Pool, Reason, Refusal, TenantConfig, Ticket, ALL_BACKENDS,
+    MAX_BACKENDS, MAX_PROCS, MAX_TENANTS, REGION_SIZE,
 };
 use crate::clock::{Clock, ManualClock as RustManualClock};
 use crate::error::{CoreError, MAX_AMOUNT};
@@ -170,6 +170,45 @@ fn opt_amount(obj: Option<&Bound<'_, PyAny>>, what: &'static str) -> PyResult<Op
         Some(o) if o.is_none() => Ok(None),
         Some(o) => amount(o, what).map(Some),
     }
+}
+
+/// `guaranteed_backends`: `None` (absent), `"all"` ([`ALL_BACKENDS`]) or an iterable of
+/// backend ids (bit mask; ids past the registered backends are refused by the core).
+fn backend_mask(obj: Option<&Bound<'_, PyAny>>) -> PyResult<Option<u64>> {
+    let Some(obj) = obj.filter(|o| !o.is_none()) else {
+        return Ok(None);
+    };
+    if let Ok(s) = obj.cast::<PyString>() {
+        if s.to_str()? == "all" {
+            return Ok(Some(ALL_BACKENDS));
+        }
+        return Err(PyTypeError::new_err(
+            "guaranteed_backends must be a list of backend ids, 'all' or None",
+        ));
+    }
+    let mut mask = 0u64;
+    for item in obj.try_iter().map_err(|_| {
+        PyTypeError::new_err("guaranteed_backends must be a list of backend ids, 'all' or None")
+    })? {
+        let item = item?;
+        if !item.is_instance_of::<PyInt>() || item.is_instance_of::<PyBool>() {
+            return Err(PyTypeError::new_err(format!(
+                "guaranteed_backends must hold int backend ids, got {}",
+                item.get_type()
+                    .name()
+                    .map_or_else(|_| "?".into(), |n| n.to_string())
+            )));
+        }
+        let id: i128 = item.extract().unwrap_or(i128::MAX);
+        if !(0..MAX_BACKENDS as i128).contains(&id) {
+            return Err(CoreError::InvalidConfig(format!(
+                "guaranteed_backends: no backend id {id} (ids are 0..{MAX_BACKENDS})"
+            ))
+            .into());
+        }
+        mask |= 1 << id;
+    }
+    Ok(Some(mask))
 }
 
 fn priority_of(obj: &Bound<'_, PyAny>) -> PyResult<Priority> {
@@ -701,7 +740,8 @@ impl AdmissionController {
         Ok(self.core.update_backend(backend, &c)?)
     }
 
-    #[pyo3(signature = (name, *, priority, tokens_per_minute=None, max_concurrency=None, guaranteed_slots=None, burst_tokens=None))]
+    #[pyo3(signature = (name, *, priority, tokens_per_minute=None, max_concurrency=None, guaranteed_slots=None, burst_tokens=None, guaranteed_backends=None))]
+    #[allow(clippy::too_many_arguments)] // keyword-only Python arguments
     fn add_tenant(
         &self,
         name: &str,
@@ -710,6 +750,7 @@ impl AdmissionController {
         max_concurrency: Option<&Bound<'_, PyAny>>,
         guaranteed_slots: Option<&Bound<'_, PyAny>>,
         burst_tokens: Option<&Bound<'_, PyAny>>,
+        guaranteed_backends: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<u32> {
         let c = TenantConfig {
             priority: priority_of(priority)?,
@@ -717,11 +758,13 @@ impl AdmissionController {
             burst_tokens: opt_amount(burst_tokens, "burst_tokens")?,
             max_concurrency: opt_amount(max_concurrency, "max_concurrency")?,
             guaranteed_slots: opt_amount(guaranteed_slots, "guaranteed_slots")?.unwrap_or(0),
+            guaranteed_backends: backend_mask(guaranteed_backends)?.unwrap_or(ALL_BACKENDS),
         };
         Ok(self.core.add_tenant(name, &c)?)
     }
 
-    #[pyo3(signature = (tenant, *, priority=None, tokens_per_minute=None, max_concurrency=None, guaranteed_slots=None, burst_tokens=None))]
+    #[pyo3(signature = (tenant, *, priority=None, tokens_per_minute=None, max_concurrency=None, guaranteed_slots=None, burst_tokens=None, guaranteed_backends=None))]
+    #[allow(clippy::too_many_arguments)] // keyword-only Python arguments
     fn update_tenant(
         &self,
         tenant: u32,
@@ -730,6 +773,7 @@ impl AdmissionController {
         max_concurrency: Option<&Bound<'_, PyAny>>,
         guaranteed_slots: Option<&Bound<'_, PyAny>>,
         burst_tokens: Option<&Bound<'_, PyAny>>,
+        guaranteed_backends: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
         let mut c = self.core.tenant_config(tenant)?;
         if let Some(p) = priority.filter(|p| !p.is_none()) {
@@ -749,6 +793,9 @@ impl AdmissionController {
         }
         if let Some(v) = opt_amount(guaranteed_slots, "guaranteed_slots")? {
             c.guaranteed_slots = v;
+        }
+        if let Some(mask) = backend_mask(guaranteed_backends)? {
+            c.guaranteed_backends = mask;
         }
         Ok(self.core.update_tenant(tenant, &c)?)
     }
@@ -824,6 +871,7 @@ impl AdmissionController {
         d.set_item("name", s.name)?;
         d.set_item("priority", s.priority.as_str())?;
         d.set_item("guaranteed_slots", s.guaranteed_slots)?;
+        d.set_item("guaranteed_backends", s.guaranteed_backends)?;
         d.set_item("max_concurrency", s.max_concurrency)?;
         d.set_item("in_use", s.in_use)?;
         d.set_item("tokens_per_minute", s.tokens_per_minute)?;

@@ -7,7 +7,14 @@ import gc
 
 import pytest
 
-from kvgate import AdaptiveLaw, AdmissionController, ManualClock, Rejection, Reservation
+from kvgate import (
+    AdaptiveLaw,
+    AdmissionController,
+    InvalidConfigError,
+    ManualClock,
+    Rejection,
+    Reservation,
+)
 
 
 @pytest.fixture
@@ -182,3 +189,64 @@ def test_adaptive_law_drives_scale(clock: ManualClock) -> None:
     assert law.shedding, "hysteresis: still shedding between the watermarks"
     law.update(0.69, 0)
     assert not law.shedding
+
+
+def test_guarantee_scoped_to_backends(ctl: AdmissionController) -> None:
+    b0 = ctl.add_backend("b0", max_concurrency=4, tokens_per_minute=10**6)
+    b1 = ctl.add_backend("b1", max_concurrency=4, tokens_per_minute=10**6)
+    gold = ctl.add_tenant("gold", priority="critical", guaranteed_slots=3, guaranteed_backends=[b0])
+    other = ctl.add_tenant("other", priority="standard")
+    assert ctl.tenant_state(gold)["guaranteed_slots"] == 3
+    assert ctl.tenant_state(gold)["guaranteed_backends"] == [b0]
+    assert ctl.tenant_state(other)["guaranteed_backends"] == [b0, b1]  # default: every backend
+    s0, s1 = ctl.backend_state(b0), ctl.backend_state(b1)
+    assert (s0["guaranteed_slots"], s0["burst_pool"]) == (3, 1)
+    assert (s1["guaranteed_slots"], s1["burst_pool"]) == (0, 4)
+    # b1's burst pool is not reduced by gold's guarantee on b0
+    on_b1 = [ctl.admit(b1, other, "standard", 1) for _ in range(4)]
+    assert all(r.admitted and r.pool == "burst" for r in on_b1)
+    assert ctl.admit(b1, gold, "critical", 1).reason == "backend-slots"
+    # the same guarantee on both backends would not fit b0 (3 + 3 > 4): refused, nothing changed
+    with pytest.raises(InvalidConfigError, match='"b0"'):
+        ctl.add_tenant("x", priority="critical", guaranteed_slots=3)
+    assert ctl.tenant_id("x") is None
+    # move gold's guarantee to b1 while it holds guaranteed slots on b0
+    held = [ctl.admit(b0, gold, "critical", 1) for _ in range(2)]
+    assert [r.pool for r in held] == ["guaranteed", "guaranteed"]
+    for r in on_b1:
+        r.release()
+    ctl.update_tenant(gold, guaranteed_backends=[b1])
+    assert ctl.tenant_state(gold)["guaranteed_backends"] == [b1]
+    assert ctl.backend_state(b0)["guaranteed_slots"] == 0
+    assert ctl.backend_state(b0)["in_use"] == 2
+    assert ctl.admit(b1, gold, "critical", 1).pool == "guaranteed"
+    for r in held:
+        r.release()
+    assert ctl.backend_state(b0)["in_use"] == 0
+    # None on update = unchanged; "all" = every backend
+    ctl.update_tenant(gold, guaranteed_slots=2)
+    assert ctl.tenant_state(gold)["guaranteed_backends"] == [b1]
+    ctl.update_tenant(gold, guaranteed_backends="all")
+    assert ctl.tenant_state(gold)["guaranteed_backends"] == [b0, b1]
+    assert ctl.backend_state(b0)["guaranteed_slots"] == 2
+
+
+def test_bad_guaranteed_backends(ctl: AdmissionController) -> None:
+    b0 = ctl.add_backend("b0", max_concurrency=4, tokens_per_minute=10**6)
+    with pytest.raises(InvalidConfigError, match="backend id 1"):
+        ctl.add_tenant("t", priority="critical", guaranteed_slots=1, guaranteed_backends=[b0, 1])
+    with pytest.raises(InvalidConfigError, match="backend id -1"):
+        ctl.add_tenant("t", priority="critical", guaranteed_slots=1, guaranteed_backends=[-1])
+    with pytest.raises(TypeError, match="guaranteed_backends"):
+        ctl.add_tenant("t", priority="critical", guaranteed_backends="b0")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="guaranteed_backends"):
+        ctl.add_tenant("t", priority="critical", guaranteed_backends=["b0"])  # type: ignore[list-item]
+    with pytest.raises(TypeError, match="guaranteed_backends"):
+        ctl.add_tenant("t", priority="critical", guaranteed_backends=0)  # type: ignore[arg-type]
+    assert ctl.tenant_count == 0
+    t = ctl.add_tenant("t", priority="critical", guaranteed_slots=1, guaranteed_backends=[])
+    assert ctl.tenant_state(t)["guaranteed_backends"] == []
+    assert ctl.backend_state(b0)["guaranteed_slots"] == 0
+    with pytest.raises(InvalidConfigError, match="backend id 3"):
+        ctl.update_tenant(t, guaranteed_backends=[3])
+    assert ctl.tenant_state(t)["guaranteed_backends"] == []

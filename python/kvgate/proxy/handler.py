@@ -101,7 +101,7 @@ async def handle_inference(request: web.Request) -> web.StreamResponse:
         body = await read_body(request, gw.max_body_bytes, gw.timeouts.client_body)
         tenant, priority = gw.authenticate(request)
         model, analysis = await gw.analyze(route, body)
-        backend = gw.pick_backend(model)
+        backend = gw.pick_backend(model, tenant)
     except GatewayError as err:
         gw.metrics.request_done(None, None, f"rejected_{err.status}")
         return error_response(err)
