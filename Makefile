@@ -54,9 +54,13 @@ format: venv ## cargo fmt + ruff format
 
 .PHONY: bench
 bench: build ## every benchmark (~15 min): core + analyser, load, protection; rewrites benches/RESULTS.md and the plots
-	$(PY) -m pytest benches -q -p no:randomly -o python_files='bench_*.py' --benchmark-enable --benchmark-disable-gc --benchmark-columns=min,median,ops
+	$(PY) benches/core_results.py
 	$(PY) benches/load/run_load.py
 	$(PY) benches/protection/run.py
+
+.PHONY: bench-core
+bench-core: build ## pytest-benchmark suites (core + analyser, ~1 min); rewrites their RESULTS.md sections
+	$(PY) benches/core_results.py
 
 .PHONY: bench-load
 bench-load: build ## load benchmark (wrk): kvgate vs bare aiohttp vs LiteLLM; writes benches/RESULTS.md

@@ -9,7 +9,8 @@
   the 413 comes back although not one body byte was sent.
 
 Run: ``.venv/bin/python -m pytest benches/bench_analyze.py --benchmark-enable
---benchmark-disable-gc --benchmark-columns=min,median,ops -q``. Figures: benches/RESULTS.md.
+--benchmark-disable-gc --benchmark-columns=min,median,ops -q``. ``make bench``
+(``benches/core_results.py``) runs it and writes the figures into benches/RESULTS.md.
 """
 
 from __future__ import annotations
@@ -135,6 +136,11 @@ def test_rust_analyze_32k(benchmark: Any, setup: dict[str, Any]) -> None:
     r = benchmark(setup["plain"].analyze, CHAT, setup["body"])
     assert r.prompt_tokens == python_count(setup["tok"], setup["body"])
     assert r.prompt_tokens >= 32_000
+    benchmark.extra_info.update(
+        prompt_tokens=r.prompt_tokens,
+        body_bytes=len(setup["body"]),
+        messages=len(orjson.loads(setup["body"])["messages"]),
+    )
 
 
 def test_rust_analyze_32k_chat_template(benchmark: Any, setup: dict[str, Any]) -> None:
@@ -203,6 +209,7 @@ def test_prereject_128mb_content_length(benchmark: Any, capped_server: int) -> N
     reply = benchmark(prereject_once, capped_server)
     assert reply.startswith(b"HTTP/1.1 413")
     assert b"request_too_large" in reply
+    benchmark.extra_info.update(content_length=134_217_728, body_bytes_sent=0, status=413)
 
 
 def test_check_content_length_call(benchmark: Any) -> None:

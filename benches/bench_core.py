@@ -2,7 +2,8 @@
 the pure-Python reference of the article's Go sketch (benches/reference_limiter.py).
 
 Each benchmarked call runs ``BATCH`` operation pairs, so pairs/s = BATCH / mean time.
-Run: ``make bench`` (or ``.venv/bin/python -m pytest benches/bench_core.py --benchmark-enable``).
+Run: ``make bench`` (``benches/core_results.py`` runs this file and writes the figures into
+benches/RESULTS.md), or ``.venv/bin/python -m pytest benches/bench_core.py --benchmark-enable``.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ def test_slots_rust(benchmark) -> None:  # type: ignore[no-untyped-def]
             acquire(1)
             release(1)
 
+    benchmark.extra_info["pairs_per_call"] = BATCH
     benchmark(run)
     assert pool.in_use == 0
 
@@ -40,6 +42,7 @@ def test_slots_python_reference(benchmark) -> None:  # type: ignore[no-untyped-d
             acquire(1)
             release(1)
 
+    benchmark.extra_info["pairs_per_call"] = BATCH
     benchmark(run)
     assert pool.in_use == 0
 
@@ -54,6 +57,7 @@ def test_bucket_rust(benchmark) -> None:  # type: ignore[no-untyped-def]
             reserve(500)
             reconcile(500, 400)
 
+    benchmark.extra_info["pairs_per_call"] = BATCH
     benchmark(run)
 
 
@@ -67,6 +71,7 @@ def test_bucket_python_reference(benchmark) -> None:  # type: ignore[no-untyped-
             reserve(500)
             reconcile(500, 400)
 
+    benchmark.extra_info["pairs_per_call"] = BATCH
     benchmark(run)
 
 
@@ -81,6 +86,7 @@ def test_admit_rust(benchmark) -> None:  # type: ignore[no-untyped-def]
         for _ in range(BATCH):
             admit(b, t, "standard", 500).release(400)
 
+    benchmark.extra_info["pairs_per_call"] = BATCH
     benchmark(run)
     assert ctl.backend_state(b)["in_use"] == 0
 
@@ -95,5 +101,6 @@ def test_admit_python_reference(benchmark) -> None:  # type: ignore[no-untyped-d
             if acquire(500):
                 release(500, 400)
 
+    benchmark.extra_info["pairs_per_call"] = BATCH
     benchmark(run)
     assert lim.in_use == 0

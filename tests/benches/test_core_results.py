@@ -1,0 +1,100 @@
+"""benches/core_results.py: the RESULTS.md section rewriting and the figures it derives."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _load() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("core_results", ROOT / "benches/core_results.py")
+    assert spec is not None
+    assert spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["core_results"] = mod  # dataclasses look the module up by name
+    spec.loader.exec_module(mod)
+    return mod
+
+
+cr = _load()
+
+DOC = (
+    "# Benchmark results\n\n"
+    "## Admission core (issue 2)\n\nold core\n\n| a | b |\n|---|---|\n\n"
+    "## Request analysis (issue 3)\n\nold analysis\n### sub heading stays inside\n\n"
+    "## Gateway load (issues 5 and 8)\n\nload  text with  spaces \r\nand a CRLF line\n\n"
+    "## Protection scenario (issue 8)\n\nlast section, no trailing newline"
+)
+
+
+def test_replace_one_section_keeps_the_others_byte_identical() -> None:
+    body = "## Request analysis (issue 3)\n\nnew figures\n"
+    out = cr.replace_section(DOC, "## Request analysis (issue 3)", body)
+    before, after = DOC.split("## Request analysis (issue 3)")[0], DOC.split("old analysis\n")[1]
+    after = after[after.index("## Gateway load") :]
+    assert out == before + body + "\n" + after
+    assert "old analysis" not in out
+    assert "sub heading stays inside" not in out  # ### belongs to the replaced section
+
+
+def test_replace_last_section_and_append_missing_one() -> None:
+    out = cr.replace_section(
+        DOC, "## Protection scenario (issue 8)", "## Protection scenario (issue 8)\nX\n\n"
+    )
+    assert out == DOC[: DOC.index("## Protection")] + "## Protection scenario (issue 8)\nX\n"
+    added = cr.replace_section(DOC, "## New (issue 9)", "## New (issue 9)\n\nY")
+    assert added == DOC + "\n\n## New (issue 9)\n\nY\n"
+
+
+def test_rewriting_the_real_results_file_with_its_own_text_changes_nothing() -> None:
+    text = (ROOT / "benches/RESULTS.md").read_text()
+    for heading in (cr.CORE_HEADING, cr.ANALYZE_HEADING):
+        start = text.index(heading + "\n")
+        end = text.index("\n## ", start + len(heading))
+        own = text[start:end].rstrip("\n") + "\n"
+        assert cr.replace_section(text, heading, own) == text
+
+
+def test_bad_bodies_and_duplicate_headings_raise() -> None:
+    with pytest.raises(ValueError, match="must start with"):
+        cr.replace_section(DOC, "## Admission core (issue 2)", "## Something else\n")
+    twice = DOC + "\n## Admission core (issue 2)\n"
+    with pytest.raises(ValueError, match="occurs 2 times"):
+        cr.replace_section(twice, "## Admission core (issue 2)", "## Admission core (issue 2)\n")
+
+
+def _stats(rust_s: float, ref_s: float) -> dict[str, object]:
+    out: dict[str, object] = {}
+    for _, rust, ref, _ in cr.CORE_GROUPS:
+        out[rust] = cr.Stat(
+            min=rust_s, median=rust_s * 1.1, rounds=10, extra={"pairs_per_call": 1000}
+        )
+        out[ref] = cr.Stat(min=ref_s, median=ref_s * 1.1, rounds=10, extra={})
+    return out
+
+
+def test_core_section_figures_and_verdicts() -> None:
+    line = "rust admit+release: 5000000 pairs in 1.259 s = 3972832 pairs/s (251.7 ns/pair)"
+    run = cr.parse_rust("noise\n" + line + "\n.\n")
+    assert (run.pairs, run.rate, run.ns, run.line) == (5_000_000, 3_972_832.0, 251.7, line)
+    # 1,000 pairs in 250 µs = 4 M pairs/s, reference 12x slower: both targets met.
+    met = cr.core_section(_stats(250e-6, 3e-3), [run], "CMD", "MACHINE", "now")
+    assert met.startswith(cr.CORE_HEADING + "\n")
+    assert "| 12.00× / 12.00× | 4.00 M / 3.64 M |" in met
+    assert "not met" not in met
+    assert "Why admit+release" not in met
+    # 1,000 pairs in 600 µs = 1.67 M pairs/s, reference 5x slower: neither met from Python.
+    missed = cr.core_section(_stats(600e-6, 3e-3), [run], "CMD", "MACHINE", "now")
+    assert max(len(ln) for ln in missed.splitlines() if not ln.startswith("|")) <= 100
+    assert f"```\n{cr.display(cr.RUST_CMD)}\n{line}\n```" in missed  # commands never wrapped
+    missed = " ".join(missed.split())  # prose is wrapped at 100 columns
+    assert "admit+release 5.0× / 5.0× (min / median): **not met**" in missed
+    assert "from Python **not met** on the best round (1.67 M/s)" in missed
+    with pytest.raises(cr.BenchError, match="cargo output"):
+        cr.parse_rust("test result: ok")
