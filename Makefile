@@ -55,6 +55,7 @@ format: venv ## cargo fmt + ruff format
 .PHONY: bench
 bench: build ## every benchmark (~15 min): core + analyser, load, protection; rewrites benches/RESULTS.md and the plots
 	$(PY) benches/core_results.py
+	$(MAKE) --no-print-directory wrk
 	$(PY) benches/load/run_load.py
 	$(PY) benches/protection/run.py
 
@@ -63,8 +64,12 @@ bench-core: build ## pytest-benchmark suites (core + analyser, ~1 min); rewrites
 	$(PY) benches/core_results.py
 
 .PHONY: bench-load
-bench-load: build ## load benchmark (wrk): kvgate vs bare aiohttp vs LiteLLM; writes benches/RESULTS.md
+bench-load: build wrk ## load benchmark (wrk): kvgate vs bare aiohttp vs LiteLLM; writes benches/RESULTS.md
 	$(PY) benches/load/run_load.py
+
+.PHONY: wrk
+wrk: ## install wrk (Debian package) when it is missing
+	@command -v wrk >/dev/null || (apt-get update -qq && apt-get install -y -qq wrk >/dev/null)
 
 .PHONY: bench-protect
 bench-protect: build ## protection scenario (issue 8): engine alone vs kvgate; RESULTS.md + plots
