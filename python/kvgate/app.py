@@ -24,7 +24,7 @@ from aiohttp import web
 
 from kvgate import AnalysisError, peek_model
 from kvgate.config import TimeoutsConfig
-from kvgate.errors import GatewayError
+from kvgate.errors import GatewayError, reshape_upstream_error
 from kvgate.metrics import GatewayMetrics
 from kvgate.proxy.handler import (
     GATEWAY,
@@ -558,6 +558,12 @@ class Gateway:
                 ) as resp,
             ):
                 raw = await resp.read()
+                if resp.status >= 400:  # engines' error bodies differ: reshape to OpenAI's
+                    return web.Response(
+                        status=resp.status,
+                        body=reshape_upstream_error(resp.status, raw),
+                        content_type="application/json",
+                    )
                 return web.Response(
                     status=resp.status, body=raw, headers=copy_headers(resp.headers, {})
                 )
@@ -717,6 +723,32 @@ def _scrape_age(gw: Gateway, b: Backend) -> float | None:
     return status.age(asyncio.get_running_loop().time()) if status.last_good_at else None
 
 
+_HTTP_ERROR_CODES = {404: "unknown_url", 405: "method_not_allowed"}
+
+
+@web.middleware
+async def _openai_http_errors(
+    request: web.Request, handler: Callable[[web.Request], Any]
+) -> web.StreamResponse:
+    """aiohttp's own 404 / 405 (unknown path, wrong method) in OpenAI's error shape."""
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        headers = {"Allow": exc.headers["Allow"]} if "Allow" in exc.headers else None
+        message = f"{request.method} {request.path}: {exc.reason}."
+        return error_response(
+            GatewayError(
+                exc.status,
+                message,
+                "invalid_request_error",
+                code=_HTTP_ERROR_CODES.get(exc.status),
+                headers=headers,
+            )
+        )
+
+
 def create_app(gateway: Gateway) -> web.Application:
     """The aiohttp application for ``gateway``.
 
@@ -725,7 +757,7 @@ def create_app(gateway: Gateway) -> web.Application:
     ``handler_cancellation=True`` (``kvgate serve`` does) so a client disconnect cancels the
     handler at once, even while it waits for the engine.
     """
-    app = web.Application(client_max_size=gateway.max_body_bytes)
+    app = web.Application(client_max_size=gateway.max_body_bytes, middlewares=[_openai_http_errors])
     app[GATEWAY] = gateway
 
     async def session_ctx(app: web.Application) -> AsyncIterator[None]:

@@ -21,17 +21,18 @@ def go_duration(seconds: float) -> str:
 
     Returns:
         ``"0s"``, ``"850ms"``, ``"1.5s"``, ``"6m0s"``, ``"1h2m3s"``, ... Below one second the
-        unit is ``ms`` (or ``µs`` / ``ns``), trailing zeros of fractions are dropped.
+        unit is ``ms``; trailing zeros of fractions are dropped. Durations under 1 ms are
+        ``"1ms"`` (Go's ``µs`` is not ASCII, and a header must be).
     """
     if not seconds > 0 or math.isinf(seconds):
         return "0s" if not seconds > 0 else "2562047h47m16.854775807s"
     ns = round(seconds * 1e9)
     if ns == 0:
         return "0s"
-    if ns < 1_000:
-        return f"{ns}ns"
     if ns < 1_000_000:
-        return _frac(ns, 1_000) + "µs"
+        # Go would write "351.5µs"; a header must stay ASCII (clients decode it as latin-1),
+        # so anything under a millisecond is rounded up to the smallest unit OpenAI sends
+        return "1ms"
     if ns < 1_000_000_000:
         return _frac(ns, 1_000_000) + "ms"
     hours, rem = divmod(ns, 3_600 * 10**9)

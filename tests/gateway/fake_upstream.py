@@ -10,6 +10,7 @@ The request's ``model`` picks a behaviour:
 * ``hang`` — never answers.
 * ``die`` — sends the headers and two events, then drops the connection.
 * ``error500`` — answers 500 with a vLLM-style flat error body.
+* ``stall`` — non-streaming: sends the headers and the start of the body, then nothing.
 
 ``Upstream.active`` counts handlers in progress; ``Upstream.cancelled`` counts handlers that ended
 because the gateway closed the connection (the engine-side abort).
@@ -91,6 +92,11 @@ async def _behave(request: web.Request, body: dict) -> web.StreamResponse:
             b' "param": null, "code": 500}',
             content_type="application/json",
         )
+    if model == "stall":
+        resp = web.StreamResponse(headers={"Content-Type": "application/json"})
+        await resp.prepare(request)
+        await resp.write(b'{"id": "chatcmpl-1", ')
+        await asyncio.sleep(3600)
     if not stream:
         return web.Response(body=orjson.dumps(COMPLETION), content_type="application/json")
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})

@@ -450,3 +450,48 @@ async def test_never_admissible_is_answered_at_once_even_behind_queued_requests(
             assert resp.status == 200
             resp.release()
             await _until(lambda: gw.backend_state()["in_use"] == 0)
+
+
+async def test_http_level_errors_keep_the_openai_shape(gateway_for) -> None:
+    """Wrong method, unknown path, an undecodable body and an engine's plain-text 404 on a
+    passthrough route all answer with OpenAI's error body, never a bare 500."""
+    async with run_upstream() as up, gateway_for(config_for(up.url, ["replay"])) as gw:
+        async with aiohttp.ClientSession() as s:
+            async with s.get(gw.url + "/v1/chat/completions") as r:
+                assert r.status == 405
+                assert (await r.json())["error"]["code"] == "method_not_allowed"
+            async with s.get(gw.url + "/nope") as r:
+                assert r.status == 404
+                assert (await r.json())["error"]["code"] == "unknown_url"
+            async with s.post(gw.url + "/v1/unknown-route", json={}) as r:
+                assert r.status == 404  # the fake engine's plain-text 404, reshaped
+                err = (await r.json())["error"]
+                assert set(err) == {"message", "type", "param", "code"}
+            async with s.post(
+                gw.url + "/v1/chat/completions",
+                data=b"this is not gzip",
+                headers={"Content-Encoding": "gzip", "Content-Type": "application/json"},
+            ) as r:
+                assert r.status == 400
+                assert (await r.json())["error"]["code"] == "invalid_body"
+        assert up.requests == []
+        assert gw.backend_state()["in_use"] == 0
+
+
+async def test_non_streaming_body_that_stalls_times_out_after_idle(gateway_for) -> None:
+    async with run_upstream() as up:
+        cfg = config_for(up.url, ["stall"], timeouts={"idle": 0.3, "first_byte": 30, "total": 60})
+        async with gateway_for(cfg) as gw, aiohttp.ClientSession() as s:
+            loop = asyncio.get_running_loop()
+            t0 = loop.time()
+            body = {
+                "model": "stall",
+                "max_tokens": 5,
+                "messages": [{"role": "user", "content": "x"}],
+            }
+            async with s.post(gw.url + "/v1/chat/completions", json=body) as r:
+                assert r.status == 504
+                assert (await r.json())["error"]["code"] == "upstream_timeout"
+            assert loop.time() - t0 < 30  # idle (0.3 s), not total (60 s)
+            await _until(lambda: gw.backend_state()["in_use"] == 0)
+            await _until(lambda: up.cancelled == 1)

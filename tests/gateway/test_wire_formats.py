@@ -142,7 +142,8 @@ def test_other_engine_errors_are_reshaped(status: int, body: bytes, type_: str) 
         (864, "14m24s"),
         (90.5, "1m30.5s"),
         (3723, "1h2m3s"),
-        (0.0000015, "1.5µs"),
+        (0.0000015, "1ms"),
+        (0.000351521, "1ms"),
     ],
 )
 def test_go_duration_matches_go(seconds: float, text: str) -> None:

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 from aiohttp import web
+from aiohttp.web_protocol import RequestPayloadError
 
 from kvgate.errors import GatewayError
 from kvgate.proxy.relay import RelayResult, relay
@@ -56,6 +57,14 @@ async def read_body(request: web.Request, max_body_bytes: int, body_seconds: flo
             return await request.read()
     except web.HTTPRequestEntityTooLarge:
         raise _too_large(None, max_body_bytes) from None
+    except RequestPayloadError as exc:  # undecodable Content-Encoding, broken chunking
+        raise GatewayError(
+            400,
+            f"The request body could not be read: {exc.__cause__ or exc}.",
+            "invalid_request_error",
+            code="invalid_body",
+            headers={"Connection": "close"},
+        ) from None
     except TimeoutError:
         raise GatewayError(
             408,
@@ -97,13 +106,14 @@ async def handle_inference(request: web.Request) -> web.StreamResponse:
     gw = request.app[GATEWAY]
     started = time.perf_counter()
     route = request.path
+    tenant = None
     try:
         body = await read_body(request, gw.max_body_bytes, gw.timeouts.client_body)
         tenant, priority = gw.authenticate(request)
         model, analysis = await gw.analyze(route, body)
         backend = gw.pick_backend(model, tenant)
     except GatewayError as err:
-        gw.metrics.request_done(None, None, f"rejected_{err.status}")
+        gw.metrics.request_done(None, tenant, f"rejected_{err.status}")
         return error_response(err)
     tokens = analysis.reserved_tokens
     # fast path: nobody queued, admitted at once; else the priority wait queue decides
@@ -157,8 +167,19 @@ def _actual_tokens(analysis: Any, result: RelayResult) -> int:
 
 
 async def handle_passthrough(request: web.Request) -> web.StreamResponse:
-    """Anything else under ``/v1/``: forwarded with a slot but no token charge (DESIGN.md)."""
+    """Anything else under ``/v1/``: forwarded with a slot but no token charge (DESIGN.md).
+    A wrong method on an inference route is answered here (405), not by the engine."""
     gw = request.app[GATEWAY]
+    if request.path in INFERENCE_ROUTES:
+        return error_response(
+            GatewayError(
+                405,
+                f"{request.method} is not allowed on {request.path}; use POST.",
+                "invalid_request_error",
+                code="method_not_allowed",
+                headers={"Allow": "POST"},
+            )
+        )
     try:
         body = await read_body(request, gw.max_body_bytes, gw.timeouts.client_body)
         tenant, priority = gw.authenticate(request)

@@ -167,11 +167,25 @@ async def relay(
 
 
 async def _read_all(upstream: aiohttp.ClientResponse, timeouts: Timeouts) -> bytes:
+    """The whole upstream body, with ``idle`` between chunks and ``total`` overall (a body that
+    stalls half-way frees its slot after ``idle``, as a stream does)."""
+    content = upstream.content
+    if content.is_eof():  # the whole body is already here: nothing to wait for
+        return await upstream.read()
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeouts.total
+    parts: list[bytes] = []
     try:
-        if upstream.content.is_eof():  # the whole body is already here: nothing to wait for
-            return await upstream.read()
-        async with asyncio.timeout(timeouts.total):
-            return await upstream.read()
+        while True:
+            chunk = content.read_nowait()
+            if not chunk:
+                if content.is_eof():
+                    break
+                async with asyncio.timeout(min(timeouts.idle, deadline - loop.time())):
+                    chunk = await content.readany()
+                if not chunk:
+                    break
+            parts.append(chunk)
     except TimeoutError:
         raise GatewayError(
             504, "upstream body timed out", "server_error", code="upstream_timeout"
@@ -180,6 +194,7 @@ async def _read_all(upstream: aiohttp.ClientResponse, timeouts: Timeouts) -> byt
         raise GatewayError(
             502, f"upstream broke: {exc.__class__.__name__}", "server_error", code="upstream_broken"
         ) from None
+    return b"".join(parts)
 
 
 def _settle_from_body(raw: bytes, result: RelayResult) -> None:
@@ -255,6 +270,10 @@ async def _relay_stream(
                 await response.write(out)
         if result.outcome == "ok":
             await response.write_eof()
+    except ConnectionResetError:
+        # the client went away between two chunks (a failed write, before the handler is
+        # cancelled): not an error of ours; the caller releases everything
+        result.outcome = "client_disconnect"
     finally:
         if inspector.usage is not None:
             _take_usage(inspector.usage, result)
