@@ -238,14 +238,19 @@ async def _drive(gw_url: str, sim_url: str, model: str, seconds: float) -> tuple
             ok = sum(s.ok for s in stats.values())
             refused = sum(sum(s.statuses.values()) for s in stats.values())
             line = (
-                f"\r  t={elapsed:4.0f}s  done={ok:4d}  refused={refused:4d}  "
+                f"  t={elapsed:4.0f}s  done={ok:4d}  refused={refused:4d}  "
                 f"engine kv={kv:5.2f} running={m.get('vllm:num_requests_running', 0):3.0f} "
                 f"waiting={m.get('vllm:num_requests_waiting', 0):3.0f}  "
                 f"gateway scale={g.get('kvgate_scale', 1.0):4.2f} "
                 f"slots={g.get('kvgate_slots_in_use', 0):3.0f}"
             )
-            print(line, end="", flush=True)
+            # on a terminal the line is redrawn in place; in a log, one line per tick
+            if tty:
+                print("\r" + line, end="", flush=True)
+            else:
+                print(line, flush=True)
 
+        tty = sys.stdout.isatty()
         mix = _mix(model, seconds)
         stats = await drive(gw_url, mix, on_tick=tick, drain=60.0)
     print()
