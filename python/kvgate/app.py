@@ -723,30 +723,28 @@ def _scrape_age(gw: Gateway, b: Backend) -> float | None:
     return status.age(asyncio.get_running_loop().time()) if status.last_good_at else None
 
 
-_HTTP_ERROR_CODES = {404: "unknown_url", 405: "method_not_allowed"}
+_GET_ROUTES = ("/v1/models", "/metrics", "/healthz", "/readyz", "/admin/state")
 
 
-@web.middleware
-async def _openai_http_errors(
-    request: web.Request, handler: Callable[[web.Request], Any]
-) -> web.StreamResponse:
-    """aiohttp's own 404 / 405 (unknown path, wrong method) in OpenAI's error shape."""
-    try:
-        return await handler(request)
-    except web.HTTPException as exc:
-        if exc.status < 400:
-            raise
-        headers = {"Allow": exc.headers["Allow"]} if "Allow" in exc.headers else None
-        message = f"{request.method} {request.path}: {exc.reason}."
-        return error_response(
-            GatewayError(
-                exc.status,
-                message,
-                "invalid_request_error",
-                code=_HTTP_ERROR_CODES.get(exc.status),
-                headers=headers,
-            )
+async def handle_unknown(request: web.Request) -> web.Response:
+    """Everything no other route takes (registered last): 405 for a wrong method on one of the
+    gateway's own GET routes, else 404 — in OpenAI's error shape, like every other error."""
+    if request.path in _GET_ROUTES:
+        err = GatewayError(
+            405,
+            f"{request.method} is not allowed on {request.path}; use GET.",
+            "invalid_request_error",
+            code="method_not_allowed",
+            headers={"Allow": "GET"},
         )
+    else:
+        err = GatewayError(
+            404,
+            f"Unknown URL: {request.method} {request.path}.",
+            "invalid_request_error",
+            code="unknown_url",
+        )
+    return error_response(err)
 
 
 def create_app(gateway: Gateway) -> web.Application:
@@ -757,7 +755,7 @@ def create_app(gateway: Gateway) -> web.Application:
     ``handler_cancellation=True`` (``kvgate serve`` does) so a client disconnect cancels the
     handler at once, even while it waits for the engine.
     """
-    app = web.Application(client_max_size=gateway.max_body_bytes, middlewares=[_openai_http_errors])
+    app = web.Application(client_max_size=gateway.max_body_bytes)
     app[GATEWAY] = gateway
 
     async def session_ctx(app: web.Application) -> AsyncIterator[None]:
@@ -780,6 +778,7 @@ def create_app(gateway: Gateway) -> web.Application:
     app.router.add_get("/readyz", handle_readyz)
     app.router.add_get("/admin/state", handle_admin_state)
     app.router.add_route("*", "/v1/{tail:.*}", handle_passthrough)
+    app.router.add_route("*", "/{tail:.*}", handle_unknown)  # last: what nothing else takes
     return app
 
 

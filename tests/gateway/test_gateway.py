@@ -495,3 +495,11 @@ async def test_non_streaming_body_that_stalls_times_out_after_idle(gateway_for) 
             assert loop.time() - t0 < 30  # idle (0.3 s), not total (60 s)
             await _until(lambda: gw.backend_state()["in_use"] == 0)
             await _until(lambda: up.cancelled == 1)
+
+
+async def test_wrong_method_on_gateway_routes_is_405(gateway_for) -> None:
+    async with run_upstream() as up, gateway_for(config_for(up.url, ["replay"])) as gw:
+        async with aiohttp.ClientSession() as s, s.post(gw.url + "/metrics") as r:
+            assert r.status == 405
+            assert r.headers["Allow"] == "GET"
+            assert (await r.json())["error"]["code"] == "method_not_allowed"

@@ -53,6 +53,8 @@ async def read_body(request: web.Request, max_body_bytes: int, body_seconds: flo
     if length is not None and length > max_body_bytes:
         raise _too_large(length, max_body_bytes)
     try:
+        if request.content.is_eof():  # the whole body came with the head: no timer needed
+            return await request.read()
         async with asyncio.timeout(body_seconds):
             return await request.read()
     except web.HTTPRequestEntityTooLarge:
