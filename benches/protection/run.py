@@ -42,7 +42,6 @@ import json
 import os
 import random
 import re
-import socket
 import subprocess
 import sys
 import tempfile
@@ -58,6 +57,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
 sys.path.insert(0, str(ROOT / "python"))
 
+from kvgate.demo import free_port, wait_http  # noqa: E402
 from kvgate.loadgen import Burst, ClassStats, Stream, TrafficMix, drive, percentile  # noqa: E402
 from kvgate.sim.profiles import get_profile  # noqa: E402
 
@@ -250,25 +250,6 @@ def gateway_config(
 # --------------------------------------------------------------------------- processes
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _wait_http(url: str, proc: subprocess.Popen[bytes], timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"process exited with {proc.returncode} before {url} was up")
-        try:
-            with urllib.request.urlopen(url, timeout=1):
-                return
-        except OSError:
-            time.sleep(0.2)
-    raise RuntimeError(f"{url} did not come up within {timeout:.0f} s")
-
-
 _LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})? ([^ ]+)")
 
 
@@ -355,7 +336,7 @@ def run_one(
     procs: list[subprocess.Popen[bytes]] = []
     logs = contextlib.ExitStack()
     try:
-        sim_port = _free_port()
+        sim_port = free_port()
         sim_url = f"http://127.0.0.1:{sim_port}"
         sim_cmd = [
             *exe,
@@ -382,10 +363,10 @@ def run_one(
                 stderr=logs.enter_context((tmp / "sim.log").open("wb")),
             )
         )
-        _wait_http(sim_url + "/health", procs[-1])
+        wait_http(sim_url + "/health", procs[-1])
         target, gw_url = sim_url, None
         if kind != "direct":
-            gw_port = _free_port()
+            gw_port = free_port()
             gw_url = f"http://127.0.0.1:{gw_port}"
             cfg = gateway_config(
                 mix,
@@ -408,7 +389,7 @@ def run_one(
                     stderr=logs.enter_context((tmp / "gateway.log").open("wb")),
                 )
             )
-            _wait_http(gw_url + "/healthz", procs[-1])
+            wait_http(gw_url + "/healthz", procs[-1])
             target = gw_url
             time.sleep(0.5)  # first metrics poll: capacity and KV usage known
 

@@ -24,7 +24,7 @@ from aiohttp import web
 
 from kvgate import AnalysisError, peek_model
 from kvgate.config import TimeoutsConfig
-from kvgate.errors import GatewayError, reshape_upstream_error
+from kvgate.errors import GatewayError, reshape_upstream_error, upstream_failed, upstream_timeout
 from kvgate.metrics import GatewayMetrics
 from kvgate.proxy.handler import (
     GATEWAY,
@@ -568,16 +568,9 @@ class Gateway:
                     status=resp.status, body=raw, headers=copy_headers(resp.headers, {})
                 )
         except TimeoutError:
-            raise GatewayError(
-                504, "upstream timed out", "server_error", code="upstream_timeout"
-            ) from None
+            raise upstream_timeout("response") from None
         except aiohttp.ClientError as exc:
-            raise GatewayError(
-                502,
-                f"upstream unreachable: {exc.__class__.__name__}",
-                "server_error",
-                code="upstream_unreachable",
-            ) from None
+            raise upstream_failed(exc) from None
 
     # ---- state ----------------------------------------------------------------------------
     def read_state(self) -> list[tuple[str, dict[str, Any]]]:

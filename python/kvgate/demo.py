@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["add_arguments", "run"]
+__all__ = ["add_arguments", "free_port", "run", "wait_http"]
 
 KEYS = {
     "support": "sk-demo-support",
@@ -46,7 +46,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workers", type=int, default=1, help="gateway worker processes")
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1 (bound and released; for child servers)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
@@ -137,7 +138,8 @@ async def _scrape(session: Any, url: str) -> dict[str, float]:
     return out
 
 
-def _wait_http(url: str, proc: subprocess.Popen[bytes], timeout: float = 60.0) -> None:
+def wait_http(url: str, proc: subprocess.Popen[bytes], timeout: float = 60.0) -> None:
+    """Poll ``url`` until it answers (or ``proc`` exits / ``timeout`` seconds pass: RuntimeError)."""
     import urllib.request
 
     deadline = time.monotonic() + timeout
@@ -159,7 +161,7 @@ def run(args: argparse.Namespace) -> int:
     from kvgate.sim.profiles import get_profile
 
     profile = get_profile(args.profile)
-    sim_port, gw_port = _free_port(), _free_port()
+    sim_port, gw_port = free_port(), free_port()
     sim_url = f"http://127.0.0.1:{sim_port}"
     gw_url = f"http://127.0.0.1:{gw_port}"
     tmp = Path(tempfile.mkdtemp(prefix="kvgate-demo-"))
@@ -193,7 +195,7 @@ def run(args: argparse.Namespace) -> int:
             stderr=logs.enter_context((tmp / "sim.log").open("wb")),
         )
         procs.append(sim)
-        _wait_http(sim_url + "/health", sim)
+        wait_http(sim_url + "/health", sim)
         gw = subprocess.Popen(
             [*exe, "serve", "--config", str(cfg_path), "--log-level", "WARNING"],
             env=env,
@@ -201,7 +203,7 @@ def run(args: argparse.Namespace) -> int:
             stderr=logs.enter_context((tmp / "gateway.log").open("wb")),
         )
         procs.append(gw)
-        _wait_http(gw_url + "/healthz", gw)
+        wait_http(gw_url + "/healthz", gw)
         print(
             f"kvgate demo: gateway {gw_url} → engine {sim_url}; "
             f"{args.seconds:.0f} s of traffic (logs in {tmp})"

@@ -16,6 +16,8 @@ __all__ = [
     "GatewayError",
     "error_body",
     "reshape_upstream_error",
+    "upstream_failed",
+    "upstream_timeout",
 ]
 
 
@@ -60,6 +62,20 @@ class GatewayError(Exception):
     def body(self) -> bytes:
         """The OpenAI-shaped JSON body (bytes)."""
         return error_body(self.message, self.type, self.param, self.code)
+
+
+def upstream_timeout(what: str) -> GatewayError:
+    """504 ``upstream_timeout``: the engine did not answer (``what``) within its timeout."""
+    return GatewayError(504, f"upstream {what} timed out", "server_error", code="upstream_timeout")
+
+
+def upstream_failed(exc: BaseException, code: str = "upstream_unreachable") -> GatewayError:
+    """502: the engine could not be reached (``upstream_unreachable``) or broke off mid-answer
+    (``upstream_broken``); the message names the transport error's class."""
+    what = "unreachable" if code == "upstream_unreachable" else "broke"
+    return GatewayError(
+        502, f"upstream {what}: {exc.__class__.__name__}", "server_error", code=code
+    )
 
 
 _STATUS_TYPES = {

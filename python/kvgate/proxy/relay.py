@@ -18,7 +18,7 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from kvgate.errors import GatewayError, error_body, reshape_upstream_error
+from kvgate.errors import error_body, reshape_upstream_error, upstream_failed, upstream_timeout
 from kvgate.proxy.sse import SSEInspector
 
 if TYPE_CHECKING:
@@ -124,17 +124,10 @@ async def relay(
                 upstream = await session.post(url, data=body, headers=headers)
         except TimeoutError:
             result.outcome = "upstream_timeout"
-            raise GatewayError(
-                504, "upstream did not answer in time", "server_error", code="upstream_timeout"
-            ) from None
+            raise upstream_timeout("response") from None
         except aiohttp.ClientError as exc:
             result.outcome = "upstream_unreachable"
-            raise GatewayError(
-                502,
-                f"upstream unreachable: {exc.__class__.__name__}",
-                "server_error",
-                code="upstream_unreachable",
-            ) from None
+            raise upstream_failed(exc) from None
         result.ttft = time.perf_counter() - started
         if upstream.status >= 400:
             result.outcome = "upstream_error"
@@ -187,13 +180,9 @@ async def _read_all(upstream: aiohttp.ClientResponse, timeouts: Timeouts) -> byt
                     break
             parts.append(chunk)
     except TimeoutError:
-        raise GatewayError(
-            504, "upstream body timed out", "server_error", code="upstream_timeout"
-        ) from None
+        raise upstream_timeout("body") from None
     except aiohttp.ClientError as exc:
-        raise GatewayError(
-            502, f"upstream broke: {exc.__class__.__name__}", "server_error", code="upstream_broken"
-        ) from None
+        raise upstream_failed(exc, "upstream_broken") from None
     return b"".join(parts)
 
 
