@@ -55,6 +55,7 @@ format: venv ## cargo fmt + ruff format
 .PHONY: bench
 bench: build ## every benchmark (~15 min): core + analyser, load, protection; rewrites benches/RESULTS.md and the plots
 	$(PY) benches/core_results.py
+	$(PY) benches/adaptive_results.py
 	$(MAKE) --no-print-directory wrk
 	$(PY) benches/load/run_load.py
 	$(PY) benches/protection/run.py
