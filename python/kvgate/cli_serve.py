@@ -62,10 +62,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--log-level", default="INFO", help="logging level")
 
 
+class _BadHttpToDebug(logging.Filter):
+    """aiohttp logs every malformed request (bad Content-Length, CR/LF in a header, too many
+    headers: all refused with 400) at ERROR with a traceback, so anyone can flood the log. They
+    are client errors, not ours: demote them to DEBUG, as aiohttp already does for a bad method."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        from aiohttp.http_exceptions import HttpProcessingError
+
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, HttpProcessingError):
+            record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+            return logging.getLogger(record.name).isEnabledFor(logging.DEBUG)
+        return True
+
+
 def run(args: argparse.Namespace) -> int:
     """Load or build the configuration and serve until SIGTERM/SIGINT. Returns the exit code."""
     from kvgate.config import ConfigError, load_config
 
+    logging.getLogger("aiohttp.server").addFilter(_BadHttpToDebug())
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )

@@ -56,3 +56,35 @@ def test_unreachable_upstream_for_model_discovery() -> None:
     assert done.returncode == 2
     assert "cannot list models" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_malformed_http_is_not_logged_as_an_error() -> None:
+    """aiohttp's ERROR + traceback for a malformed request (a client error) is demoted to
+    DEBUG, so anonymous clients cannot flood the log; other errors keep their level."""
+    import logging
+
+    from aiohttp.http_exceptions import BadHttpMessage
+
+    from kvgate.cli_serve import _BadHttpToDebug
+
+    log = logging.getLogger("aiohttp.server")
+    log.setLevel(logging.INFO)
+    flt = _BadHttpToDebug()
+
+    def record(exc: BaseException) -> logging.LogRecord:
+        return log.makeRecord(
+            log.name,
+            logging.ERROR,
+            __file__,
+            1,
+            "Error handling request",
+            (),
+            (type(exc), exc, None),
+        )
+
+    bad = record(BadHttpMessage("Duplicate Content-Length"))
+    assert flt.filter(bad) is False
+    assert bad.levelno == logging.DEBUG
+    real = record(RuntimeError("a bug of ours"))
+    assert flt.filter(real) is True
+    assert real.levelno == logging.ERROR
