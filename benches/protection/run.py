@@ -57,7 +57,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
 sys.path.insert(0, str(ROOT / "python"))
 
-from kvgate.demo import free_port, wait_http  # noqa: E402
+from kvgate.demo import free_port, stop_all, wait_http  # noqa: E402
 from kvgate.loadgen import Burst, ClassStats, Stream, TrafficMix, drive, percentile  # noqa: E402
 from kvgate.sim.profiles import get_profile  # noqa: E402
 
@@ -437,13 +437,7 @@ def run_one(
         result.classes = {n: _class_summary(s, speed) for n, s in stats.items()}
         return result
     finally:
-        for p in reversed(procs):
-            p.terminate()
-        for p in procs:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                p.wait(timeout=15)
-            if p.poll() is None:
-                p.kill()
+        stop_all(procs)
         logs.close()
 
 

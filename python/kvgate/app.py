@@ -22,7 +22,7 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from kvgate import AnalysisError, peek_model
+from kvgate import AnalysisError, ModelRegistry
 from kvgate.config import TimeoutsConfig
 from kvgate.errors import GatewayError, reshape_upstream_error, upstream_failed, upstream_timeout
 from kvgate.metrics import GatewayMetrics
@@ -181,12 +181,15 @@ class Gateway:
     discovered_capacity: dict[str, int] = field(init=False, default_factory=dict)
     poller: Any = field(init=False, default=None)
     queue: Any = field(init=False, default=None)
+    registry: Any = field(init=False, default=None)
     _by_hash: dict[bytes, Tenant] = field(init=False, default_factory=dict)
 
     def __post_init__(self) -> None:
         from kvgate.admission.wait_queue import PriorityWaitQueue
 
         self.set_tenants(self.tenants, self.anonymous)
+        # one JSON parse per request: the registry picks the model's analyser itself
+        self.registry = ModelRegistry([m.analyzer for m in self.models.values()])
         self.metrics = GatewayMetrics(self.read_state, lambda: int(self.controller.leaks))
         size = self.config.queue.max_size if self.config is not None else 1024
         self.queue = (
@@ -389,23 +392,14 @@ class Gateway:
             GatewayError: 400 invalid body / context overflow, 404 unknown model.
         """
         try:
-            name = peek_model(body)
-            model = self.models.get(name)
-            if model is None:
-                raise GatewayError(
-                    404,
-                    f"The model `{name}` does not exist.",
-                    "invalid_request_error",
-                    param="model",
-                    code="model_not_found",
-                )
             if len(body) < 16_384:
-                analysis = model.analyzer.analyze(route, body)
+                analysis = self.registry.analyze(route, body)
             else:
                 loop = asyncio.get_running_loop()
-                analysis = await loop.run_in_executor(None, model.analyzer.analyze, route, body)
+                analysis = await loop.run_in_executor(None, self.registry.analyze, route, body)
         except AnalysisError as err:
             raise GatewayError(err.status, err.message, err.type, err.param, err.code) from None
+        model = self.models[analysis.model]
         return model, analysis
 
     def pick_backend(self, model: ModelRoute, tenant: Tenant) -> Backend:

@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["add_arguments", "free_port", "run", "wait_http"]
+__all__ = ["add_arguments", "free_port", "run", "stop_all", "wait_http"]
 
 KEYS = {
     "support": "sk-demo-support",
@@ -138,6 +138,17 @@ async def _scrape(session: Any, url: str) -> dict[str, float]:
     return out
 
 
+def stop_all(procs: list[subprocess.Popen[bytes]], grace: float = 15.0) -> None:
+    """Terminate child servers (newest first), wait up to ``grace`` seconds each, then kill."""
+    for p in reversed(procs):
+        p.terminate()
+    for p in procs:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            p.wait(timeout=grace)
+        if p.poll() is None:
+            p.kill()
+
+
 def wait_http(url: str, proc: subprocess.Popen[bytes], timeout: float = 60.0) -> None:
     """Poll ``url`` until it answers (or ``proc`` exits / ``timeout`` seconds pass: RuntimeError)."""
     import urllib.request
@@ -213,13 +224,7 @@ def run(args: argparse.Namespace) -> int:
         _report(stats, engine, peak)
         return 0
     finally:
-        for p in reversed(procs):
-            p.terminate()
-        for p in procs:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                p.wait(timeout=15)
-            if p.poll() is None:
-                p.kill()
+        stop_all(procs)
         logs.close()
 
 
