@@ -40,6 +40,7 @@ __all__ = [
     "TokenBucket",
     "__version__",
     "check_content_length",
+    "go_duration",
     "peek_model",
 ]
 
@@ -407,6 +408,23 @@ class AdmissionController:
         effective_tokens_per_minute, burst_tokens, effective_burst_tokens, available_tokens,
         time_to_full (s), inflight_tokens, inflight_token_limit,
         effective_inflight_token_limit, hold_time_ewma (s)."""
+    def rate_limit_headers(self, backend: int, tenant: int) -> list[tuple[str, str]]:
+        """OpenAI's six ``x-ratelimit-*`` headers (ENGINES.md §5.3) for ``tenant`` on
+        ``backend``, as ``(name, value)`` pairs in this order: ``limit-requests``,
+        ``remaining-requests``, ``reset-requests``, ``limit-tokens``, ``remaining-tokens``,
+        ``reset-tokens`` (each prefixed ``x-ratelimit-``).
+
+        "Requests" is a concurrency limit (slots), not a per-minute count: the tenant's own
+        ``max_concurrency`` if it has one, else the backend's effective (scaled) limit; remaining
+        is the free slots; reset is the backend's hold-time EWMA when no slot is free, else
+        ``0s``. "Tokens" is the tenant's TPM bucket if it has one, else the backend's effective
+        bucket: limit in tokens per minute, remaining the tokens available now (``0`` in debt),
+        reset the time until the bucket is full again. Resets are Go ``time.Duration`` strings
+        (:func:`go_duration`). One read of the shared state, formatted in Rust.
+
+        Raises:
+            InvalidConfigError: unknown backend or tenant id.
+        """
     def tenant_state(self, tenant: int) -> dict[str, object]:
         """Snapshot: name, priority, guaranteed_slots (on each backend of
         guaranteed_backends), guaranteed_backends (ids of the registered backends its
@@ -644,6 +662,14 @@ class ModelRegistry:
         against before the model is known."""
     def __len__(self) -> int: ...
     def __contains__(self, model: str, /) -> bool: ...
+
+def go_duration(seconds: float) -> str:
+    """Format a duration (seconds) the way Go's ``time.Duration.String`` does, as OpenAI's
+    ``x-ratelimit-reset-*`` headers carry it: ``"0s"``, ``"850ms"``, ``"1.5s"``, ``"6m0s"``,
+    ``"1h2m3s"``. Below one second the unit is ``ms``; trailing zeros of fractions are dropped;
+    anything under 1 ms is ``"1ms"`` (Go's ``µs`` is not ASCII, and a header must be); negative,
+    zero and NaN are ``"0s"``; infinity and anything past Go's ``MaxInt64`` nanoseconds is
+    ``"2562047h47m16.854775807s"``."""
 
 def check_content_length(content_length: int | None, max_body_bytes: int) -> None:
     """Pre-reject a body from its declared size, before reading any of it.

@@ -1,4 +1,4 @@
-"""Composition root: the :class:`Gateway` state and the aiohttp application around it.
+"""Composition root: the :class:`Gateway` state and its HTTP endpoints (served by :mod:`kvgate.server`).
 
 Only this module sees every part: the Rust admission core (``kvgate._core``), the per-model
 request analysers, the backends and their upstream session, tenants, metrics and the engine
@@ -14,7 +14,7 @@ import hmac
 import logging
 import math
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,18 +24,21 @@ from aiohttp import web
 
 from kvgate import AnalysisError, ModelRegistry
 from kvgate.config import TimeoutsConfig
-from kvgate.errors import GatewayError, reshape_upstream_error, upstream_failed, upstream_timeout
+from kvgate.errors import (
+    GatewayError,
+    error_body,
+    reshape_upstream_error,
+    upstream_failed,
+    upstream_timeout,
+)
 from kvgate.metrics import GatewayMetrics
 from kvgate.proxy.handler import (
-    GATEWAY,
-    INFERENCE_ROUTES,
+    INLINE_ANALYSIS_BYTES,
     REJECT_REASON_HEADER,
     error_response,
-    handle_inference,
-    handle_passthrough,
 )
 from kvgate.proxy.relay import copy_headers
-from kvgate.ratelimit_headers import rate_limit_headers, retry_after_headers
+from kvgate.ratelimit_headers import retry_after_headers
 
 __all__ = [
     "PRIORITY_CLASSES",
@@ -43,8 +46,6 @@ __all__ = [
     "Gateway",
     "ModelRoute",
     "Tenant",
-    "create_app",
-    "run_gateway",
 ]
 
 logger = logging.getLogger("kvgate.gateway")
@@ -231,7 +232,7 @@ class Gateway:
             cfg.mode == "shadow" or (backend.config is not None and backend.config.mode == "shadow")
         )
 
-    def max_wait(self, request: web.Request, tenant: Tenant) -> float:
+    def max_wait(self, request: web.BaseRequest, tenant: Tenant) -> float:
         """Seconds a refused request may wait: the tenant's ``max_wait_ms``, shortened (never
         lengthened) by the client's ``x-kvgate-max-wait-ms`` header."""
         wait_ms = tenant.max_wait_ms
@@ -243,7 +244,7 @@ class Gateway:
 
     async def admit_slow(
         self,
-        request: web.Request,
+        request: web.BaseRequest,
         backend: Backend,
         tenant: Tenant,
         priority: str,
@@ -341,7 +342,7 @@ class Gateway:
         raise KeyError(name)
 
     # ---- identification -------------------------------------------------------------------
-    def authenticate(self, request: web.Request) -> tuple[Tenant, str]:
+    def authenticate(self, request: web.BaseRequest) -> tuple[Tenant, str]:
         """The tenant of a request and its priority class.
 
         The key comes from ``Authorization: Bearer <key>`` (or ``api-key``); it is hashed with
@@ -384,23 +385,35 @@ class Gateway:
         return tenant, priority
 
     # ---- analysis and routing -------------------------------------------------------------
-    async def analyze(self, route: str, body: bytes) -> tuple[ModelRoute, Any]:
-        """Analyse the body with the model's Rust analyser (GIL released; large bodies run in
-        the default thread pool so the event loop never waits on a tokenizer).
+    def analyze_now(self, route: str, body: bytes) -> tuple[ModelRoute, Any]:
+        """Analyse the body on the event loop with the model's Rust analyser (one JSON parse;
+        the registry picks the model's analyser). For bodies under :data:`INLINE_ANALYSIS_BYTES`
+        (a few µs); larger ones go through :meth:`analyze`.
 
         Raises:
             GatewayError: 400 invalid body / context overflow, 404 unknown model.
         """
         try:
-            if len(body) < 16_384:
-                analysis = self.registry.analyze(route, body)
-            else:
-                loop = asyncio.get_running_loop()
-                analysis = await loop.run_in_executor(None, self.registry.analyze, route, body)
+            analysis = self.registry.analyze(route, body)
         except AnalysisError as err:
             raise GatewayError(err.status, err.message, err.type, err.param, err.code) from None
-        model = self.models[analysis.model]
-        return model, analysis
+        return self.models[analysis.model], analysis
+
+    async def analyze(self, route: str, body: bytes) -> tuple[ModelRoute, Any]:
+        """:meth:`analyze_now`, with bodies of :data:`INLINE_ANALYSIS_BYTES` or more analysed in
+        the default thread pool (GIL released) so the event loop never waits on a tokenizer.
+
+        Raises:
+            GatewayError: 400 invalid body / context overflow, 404 unknown model.
+        """
+        if len(body) < INLINE_ANALYSIS_BYTES:
+            return self.analyze_now(route, body)
+        loop = asyncio.get_running_loop()
+        try:
+            analysis = await loop.run_in_executor(None, self.registry.analyze, route, body)
+        except AnalysisError as err:
+            raise GatewayError(err.status, err.message, err.type, err.param, err.code) from None
+        return self.models[analysis.model], analysis
 
     def pick_backend(self, model: ModelRoute, tenant: Tenant) -> Backend:
         """The healthy replica with the most headroom (free slot ratio, then lower KV usage),
@@ -453,33 +466,12 @@ class Gateway:
         raise GatewayError(503, "No healthy backend.", "server_error", code="backend_unavailable")
 
     # ---- responses ------------------------------------------------------------------------
-    def limit_headers(self, backend: Backend, tenant: Tenant) -> dict[str, str]:
-        """``x-ratelimit-*`` for this tenant on this backend: the tenant's own limits where it
-        has them, else the backend's (see :func:`kvgate.ratelimit_headers.rate_limit_headers`).
-        """
-        b = self.controller.backend_state(backend.id)
-        t = self.controller.tenant_state(tenant.id)
-        if t["max_concurrency"] is not None:
-            lim_r, used = t["max_concurrency"], t["in_use"]
-        else:
-            lim_r, used = b["effective_concurrency"], b["in_use"]
-        if t["tokens_per_minute"] is not None:
-            lim_t, avail, full = t["tokens_per_minute"], t["available_tokens"], t["time_to_full"]
-        else:
-            lim_t = b["effective_tokens_per_minute"]
-            avail, full = b["available_tokens"], b["time_to_full"]
-        return rate_limit_headers(
-            limit_requests=int(lim_r),
-            remaining_requests=int(lim_r - used),
-            reset_requests=float(b["hold_time_ewma"]) if used >= lim_r else 0.0,
-            limit_tokens=int(lim_t),
-            remaining_tokens=int(avail),
-            reset_tokens=float(full),
-        )
-
-    def success_headers(self, backend: Backend, tenant: Tenant) -> dict[str, str]:
-        """Headers added to an admitted request's response."""
-        return self.limit_headers(backend, tenant)
+    def limit_headers(self, backend: Backend, tenant: Tenant) -> list[tuple[str, str]]:
+        """``x-ratelimit-*`` for this tenant on this backend as ``(name, value)`` pairs: the
+        tenant's own limits where it has them, else the backend's (formatted by the Rust core in
+        one state read: ``AdmissionController.rate_limit_headers``). Sent on admitted and
+        refused responses alike."""
+        return self.controller.rate_limit_headers(backend.id, tenant.id)  # type: ignore[no-any-return]
 
     def rejection_response(
         self,
@@ -495,8 +487,9 @@ class Gateway:
         reason: str = decision.reason
         never = bool(decision.never)
         headers = self.limit_headers(backend, tenant)
-        headers.update(retry_after_headers(None if never else decision.retry_after))
-        headers[REJECT_REASON_HEADER] = reason
+        headers.extend(retry_after_headers(None if never else decision.retry_after).items())
+        headers.append((REJECT_REASON_HEADER, reason))
+        headers.append(("Content-Type", "application/json"))
         name = model.name if model is not None else "this backend"
         if decision.scope == "tenant":
             status = 429
@@ -511,7 +504,7 @@ class Gateway:
                 message = (
                     f"Rate limit reached for {name} for tenant {tenant.name} ({reason}).{wait}"
                 )
-            err = GatewayError(status, message, kind, None, "rate_limit_exceeded", headers)
+            body = error_body(message, kind, None, "rate_limit_exceeded")
         else:
             status = 503
             if never:
@@ -529,13 +522,11 @@ class Gateway:
                     f"{name} is saturated ({reason}). Please try again in "
                     f"{_secs(decision.retry_after)}."
                 )
-            err = GatewayError(
-                status, message, "server_error", None, "server_is_overloaded", headers
-            )
-        return error_response(err)
+            body = error_body(message, "server_error", None, "server_is_overloaded")
+        return web.Response(status=status, body=body, headers=headers)
 
     async def forward_raw(
-        self, request: web.Request, backend: Backend, body: bytes
+        self, request: web.BaseRequest, backend: Backend, body: bytes
     ) -> web.Response:
         """Forward a non-inference ``/v1/`` request as is (no token accounting)."""
         url = backend.url + request.path_qs
@@ -559,7 +550,7 @@ class Gateway:
                         content_type="application/json",
                     )
                 return web.Response(
-                    status=resp.status, body=raw, headers=copy_headers(resp.headers, {})
+                    status=resp.status, body=raw, headers=copy_headers(resp.headers, [])
                 )
         except TimeoutError:
             raise upstream_timeout("response") from None
@@ -578,7 +569,7 @@ def _secs(value: float | None) -> str:
     return f"{math.ceil(value * 1000) / 1000:g}s"
 
 
-def _api_key(request: web.Request) -> str | None:
+def _api_key(request: web.BaseRequest) -> str | None:
     auth = request.headers.get("Authorization", "")
     if auth[:7].lower() == "bearer ":
         return auth[7:].strip() or None
@@ -586,9 +577,8 @@ def _api_key(request: web.Request) -> str | None:
 
 
 # ---- HTTP endpoints besides inference ----------------------------------------------------
-async def handle_models(request: web.Request) -> web.Response:
+async def handle_models(gw: Gateway, request: web.BaseRequest) -> web.Response:
     """``GET /v1/models``: the models this gateway serves (OpenAI list shape)."""
-    gw = request.app[GATEWAY]
     now = int(time.time())
     data = [
         {
@@ -605,32 +595,29 @@ async def handle_models(request: web.Request) -> web.Response:
     )
 
 
-async def handle_metrics(request: web.Request) -> web.Response:
+async def handle_metrics(gw: Gateway, request: web.BaseRequest) -> web.Response:
     """``GET /metrics``: Prometheus text exposition."""
-    gw = request.app[GATEWAY]
     return web.Response(
         body=gw.metrics.render(),
         headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"},
     )
 
 
-async def handle_healthz(request: web.Request) -> web.Response:
+async def handle_healthz(gw: Gateway, request: web.BaseRequest) -> web.Response:
     """``GET /healthz``: the process is up."""
     return web.json_response({"status": "ok"})
 
 
-async def handle_readyz(request: web.Request) -> web.Response:
+async def handle_readyz(gw: Gateway, request: web.BaseRequest) -> web.Response:
     """``GET /readyz``: 200 when at least one backend is healthy, else 503."""
-    gw = request.app[GATEWAY]
     ready = any(b.healthy for b in gw.backends)
     return web.json_response({"ready": ready}, status=200 if ready else 503)
 
 
-async def handle_admin_state(request: web.Request) -> web.Response:
+async def handle_admin_state(gw: Gateway, request: web.BaseRequest) -> web.Response:
     """``GET /admin/state``: each backend's base and effective limits, scale, in-use, KV usage,
     waiting and age of the last good scrape; each tenant's usage, quota and queue depth.
     Needs the admin key (``Authorization: Bearer``) when ``admin_key_sha256`` is configured."""
-    gw = request.app[GATEWAY]
     want = getattr(gw.config, "admin_key_sha256", None)
     if want:
         key = _api_key(request) or ""
@@ -671,37 +658,6 @@ async def handle_admin_state(request: web.Request) -> web.Response:
     )
 
 
-async def _poller_ctx(app: web.Application) -> AsyncIterator[None]:
-    """Engine metrics pollers feeding the adaptive law (one task per backend)."""
-    from kvgate.adaptive import AdaptiveSink, poll_targets
-    from kvgate.telemetry.poller import MetricsPoller
-
-    gateway = app[GATEWAY]
-
-    def shed_waiters(_backend: str) -> None:
-        if gateway.queue is not None:
-            gateway.queue.shed("sheddable")
-
-    sink = AdaptiveSink(gateway, on_shed=shed_waiters)
-    poller = MetricsPoller(gateway.session, sink, poll_targets(gateway))
-    gateway.poller = poller
-    await poller.start()
-    yield
-    await poller.stop()
-
-
-async def _reload_ctx(app: web.Application) -> AsyncIterator[None]:
-    """SIGHUP reloads the configuration file; an invalid file leaves the old one in force."""
-    import signal
-
-    gateway = app[GATEWAY]
-    loop = asyncio.get_running_loop()
-
-    loop.add_signal_handler(signal.SIGHUP, gateway.reload)
-    yield
-    loop.remove_signal_handler(signal.SIGHUP)
-
-
 def _scrape_age(gw: Gateway, b: Backend) -> float | None:
     """Seconds since the backend's last good metrics scrape (``None``: never, or no poller)."""
     if gw.poller is None:
@@ -710,13 +666,10 @@ def _scrape_age(gw: Gateway, b: Backend) -> float | None:
     return status.age(asyncio.get_running_loop().time()) if status.last_good_at else None
 
 
-_GET_ROUTES = ("/v1/models", "/metrics", "/healthz", "/readyz", "/admin/state")
-
-
-async def handle_unknown(request: web.Request) -> web.Response:
-    """Everything no other route takes (registered last): 405 for a wrong method on one of the
+async def handle_unknown(gw: Gateway, request: web.BaseRequest) -> web.Response:
+    """Everything no other route takes: 405 for a wrong method on one of the
     gateway's own GET routes, else 404 — in OpenAI's error shape, like every other error."""
-    if request.path in _GET_ROUTES:
+    if request.path in GET_ENDPOINTS:
         err = GatewayError(
             405,
             f"{request.method} is not allowed on {request.path}; use GET.",
@@ -734,61 +687,11 @@ async def handle_unknown(request: web.Request) -> web.Response:
     return error_response(err)
 
 
-def create_app(gateway: Gateway) -> web.Application:
-    """The aiohttp application for ``gateway``.
-
-    The app's ``client_max_size`` is the body cap, so a chunked body over it is cut off while it
-    is read. The upstream ``ClientSession`` lives in ``cleanup_ctx``. Run it with
-    ``handler_cancellation=True`` (``kvgate serve`` does) so a client disconnect cancels the
-    handler at once, even while it waits for the engine.
-    """
-    app = web.Application(client_max_size=gateway.max_body_bytes)
-    app[GATEWAY] = gateway
-
-    async def session_ctx(app: web.Application) -> AsyncIterator[None]:
-        connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300)
-        timeout = aiohttp.ClientTimeout(total=None, connect=gateway.timeouts.connect)
-        gateway.session = aiohttp.ClientSession(connector=connector, timeout=timeout)
-        yield
-        await gateway.session.close()
-
-    app.cleanup_ctx.append(session_ctx)
-    if gateway.poll:
-        app.cleanup_ctx.append(_poller_ctx)
-    if gateway.config_path:
-        app.cleanup_ctx.append(_reload_ctx)
-    for route in INFERENCE_ROUTES:
-        app.router.add_post(route, handle_inference)
-    app.router.add_get("/v1/models", handle_models)
-    app.router.add_get("/metrics", handle_metrics)
-    app.router.add_get("/healthz", handle_healthz)
-    app.router.add_get("/readyz", handle_readyz)
-    app.router.add_get("/admin/state", handle_admin_state)
-    app.router.add_route("*", "/v1/{tail:.*}", handle_passthrough)
-    app.router.add_route("*", "/{tail:.*}", handle_unknown)  # last: what nothing else takes
-    return app
-
-
-@contextlib.asynccontextmanager
-async def run_gateway(
-    gateway: Gateway, *, host: str = "127.0.0.1", port: int = 0
-) -> AsyncIterator[str]:
-    """Serve ``gateway`` on ``host:port`` (default an ephemeral loopback port) for a block.
-
-    Yields the base URL (``http://127.0.0.1:PORT``). Runs with ``handler_cancellation=True`` as
-    ``kvgate serve`` does. Used by tests, the demo and embedding applications.
-    """
-    runner = web.AppRunner(
-        create_app(gateway),
-        handler_cancellation=True,
-        access_log=None,
-        keepalive_timeout=gateway.timeouts.client_header,
-    )
-    await runner.setup()
-    try:
-        site = web.TCPSite(runner, host, port)
-        await site.start()
-        bound = runner.addresses[0][1]
-        yield f"http://{host}:{bound}"
-    finally:
-        await runner.cleanup()
+#: The gateway's own ``GET`` (and ``HEAD``) endpoints, by path.
+GET_ENDPOINTS: dict[str, Callable[[Gateway, web.BaseRequest], Awaitable[web.Response]]] = {
+    "/v1/models": handle_models,
+    "/metrics": handle_metrics,
+    "/healthz": handle_healthz,
+    "/readyz": handle_readyz,
+    "/admin/state": handle_admin_state,
+}

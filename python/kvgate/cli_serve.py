@@ -185,11 +185,9 @@ def _serve_single(
     shm_name: str | None = None,
     worker: int = 0,
 ) -> int:
-    from aiohttp import web
-
     from kvgate import CoreError
-    from kvgate.app import create_app
     from kvgate.gateway_build import build_gateway
+    from kvgate.server import serve_forever
 
     _install_uvloop()
     # every worker polls the engines itself: its routing (health) is local, while the scale and
@@ -199,24 +197,30 @@ def _serve_single(
     except (CoreError, ValueError, OSError) as exc:
         print(f"kvgate serve: cannot start: {exc}", file=sys.stderr)
         return 2
-    app = create_app(gateway)
-    web.run_app(
-        app,
-        host=config.listen.host,
-        port=config.listen.port,
-        reuse_port=shm_name is not None,
-        handler_cancellation=True,
-        shutdown_timeout=grace,
-        keepalive_timeout=config.timeouts.client_header,
-        access_log=None,
-        print=(lambda *_: None)
-        if worker
-        else (
-            lambda *_: print(
+
+    def announce(_url: str) -> None:
+        if not worker:
+            print(
                 f"kvgate: serving on http://{config.listen.host}:{config.listen.port}", flush=True
             )
-        ),
-    )
+
+    try:
+        asyncio.run(
+            serve_forever(
+                gateway,
+                host=config.listen.host,
+                port=config.listen.port,
+                reuse_port=shm_name is not None,
+                shutdown_timeout=grace,
+                on_ready=announce,
+            )
+        )
+    except OSError as exc:  # the listening socket: address in use, no permission
+        print(
+            f"kvgate serve: cannot listen on {config.listen.host}:{config.listen.port}: {exc}",
+            file=sys.stderr,
+        )
+        return 2
     return 0
 
 

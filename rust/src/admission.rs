@@ -274,6 +274,25 @@ pub struct BackendSnapshot {
     pub hold_time_ewma_ns: u64,
 }
 
+/// What `OpenAI`'s `x-ratelimit-*` headers say for one tenant on one backend
+/// ([`Admission::rate_limits`]; formatted by [`crate::headers::rate_limit_headers`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RateLimits {
+    /// The tenant's concurrency limit if it has one, else the backend's effective one (slots).
+    pub limit_requests: u64,
+    /// Free slots under that limit (never negative).
+    pub remaining_requests: u64,
+    /// Estimated nanoseconds until a slot frees (the backend's hold-time EWMA) when none is
+    /// free, else 0.
+    pub reset_requests_ns: u64,
+    /// The tenant's TPM if it has one, else the backend's effective TPM (tokens per minute).
+    pub limit_tokens: u64,
+    /// Tokens in that bucket now (0 in debt).
+    pub remaining_tokens: u64,
+    /// Nanoseconds until that bucket is full again.
+    pub reset_tokens_ns: u64,
+}
+
 /// A snapshot of a tenant.
 #[derive(Debug, Clone, PartialEq)]
 pub struct TenantSnapshot {
@@ -1141,6 +1160,54 @@ impl Admission {
             inflight_token_limit: (il != UNLIMITED).then_some(il),
             effective_inflight_token_limit: (il != UNLIMITED).then(|| scaled(il, ppm)),
             hold_time_ewma_ns: b.ewma_hold_ns.load(Ordering::Relaxed),
+        })
+    }
+
+    /// The numbers behind the `x-ratelimit-*` headers for `tenant` on `backend`: the tenant's
+    /// own limits where it has them, else the backend's effective (scaled) ones. One read of
+    /// the atomics, no allocation (the hot path of every response).
+    ///
+    /// Errors: unknown ids.
+    pub fn rate_limits(&self, backend: u32, tenant: u32) -> Result<RateLimits, CoreError> {
+        let b = self.backend(backend)?;
+        let t = self.tenant(tenant)?;
+        let now = self.clock.now_ns();
+        let ppm = b.scale_ppm.load(Ordering::Acquire);
+        let t_limit = t.conc.limit();
+        let (limit_r, used) = if t_limit == UNLIMITED {
+            (
+                scaled(b.max_concurrency.load(Ordering::Acquire), ppm),
+                b.in_use.load(Ordering::Acquire),
+            )
+        } else {
+            (t_limit, t.conc.in_use())
+        };
+        let reset_r = if used >= limit_r {
+            b.ewma_hold_ns.load(Ordering::Relaxed)
+        } else {
+            0
+        };
+        let (limit_t, avail, full) = if t.has_tpm.load(Ordering::Acquire) == 1 {
+            (
+                t.tpm.rate(),
+                t.tpm.available(now),
+                t.tpm.time_to_full_ns(now),
+            )
+        } else {
+            let (rate, burst) = (scaled(b.tpm.rate(), ppm), scaled(b.tpm.burst(), ppm));
+            (
+                rate,
+                b.tpm.available_with(now, rate, burst),
+                b.tpm.time_to_full_ns_with(now, rate, burst),
+            )
+        };
+        Ok(RateLimits {
+            limit_requests: limit_r,
+            remaining_requests: limit_r.saturating_sub(used),
+            reset_requests_ns: reset_r,
+            limit_tokens: limit_t,
+            remaining_tokens: u64::try_from(avail).unwrap_or(0),
+            reset_tokens_ns: full,
         })
     }
 

@@ -9,6 +9,7 @@ pub mod adaptive;
 pub mod admission;
 pub mod clock;
 pub mod error;
+pub mod headers;
 pub mod priority;
 pub mod shm;
 pub mod slots;

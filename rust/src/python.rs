@@ -8,9 +8,10 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use pyo3::exceptions::PyTypeError;
+use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
-use pyo3::types::{PyBool, PyDict, PyInt, PyString, PyTuple, PyType};
+use pyo3::types::{PyBool, PyDict, PyInt, PyList, PyString, PyTuple, PyType};
 
 use crate::adaptive::{AdaptiveLaw as RustLaw, LawParams};
 use crate::admission::{
@@ -837,6 +838,29 @@ impl AdmissionController {
         self.core.reclaim_dead()
     }
 
+    fn rate_limit_headers<'py>(
+        &self,
+        py: Python<'py>,
+        backend: u32,
+        tenant: u32,
+    ) -> PyResult<Bound<'py, PyList>> {
+        let values = crate::headers::rate_limit_headers(&self.core.rate_limits(backend, tenant)?);
+        let names = [
+            intern!(py, "x-ratelimit-limit-requests"),
+            intern!(py, "x-ratelimit-remaining-requests"),
+            intern!(py, "x-ratelimit-reset-requests"),
+            intern!(py, "x-ratelimit-limit-tokens"),
+            intern!(py, "x-ratelimit-remaining-tokens"),
+            intern!(py, "x-ratelimit-reset-tokens"),
+        ];
+        let pairs = names
+            .into_iter()
+            .zip(values)
+            .map(|(name, value)| PyTuple::new(py, [name.clone(), PyString::new(py, &value)]))
+            .collect::<PyResult<Vec<_>>>()?;
+        PyList::new(py, pairs)
+    }
+
     fn backend_state<'py>(&self, py: Python<'py>, backend: u32) -> PyResult<Bound<'py, PyDict>> {
         let s = self.core.backend_state(backend)?;
         let d = PyDict::new(py);
@@ -891,6 +915,12 @@ impl AdmissionController {
     }
 }
 
+/// Go's `time.Duration.String` of `seconds` (see [`crate::headers::go_duration_secs`]).
+#[pyfunction]
+fn go_duration(seconds: f64) -> String {
+    crate::headers::go_duration_secs(seconds)
+}
+
 /// The native module `kvgate._core`.
 #[pymodule(gil_used = false)]
 pub fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
@@ -919,6 +949,7 @@ pub fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
         ];
         PyTuple::new(py, all.map(Reason::as_str))?
     })?;
+    m.add_function(wrap_pyfunction!(go_duration, m)?)?;
     m.add_class::<ManualClock>()?;
     m.add_class::<SlotPool>()?;
     m.add_class::<TokenBucket>()?;

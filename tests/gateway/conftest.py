@@ -10,9 +10,10 @@ from typing import Any
 
 import pytest
 
-from kvgate.app import Gateway, run_gateway
+from kvgate.app import Gateway
 from kvgate.config import Config
 from kvgate.gateway_build import build_gateway
+from kvgate.server import run_gateway
 
 KEYS = {"alice": "sk-alice", "bob": "sk-bob", "batch": "sk-batch"}
 

@@ -16,9 +16,10 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from kvgate.app import Gateway, run_gateway
+from kvgate.app import Gateway
 from kvgate.config import Config
 from kvgate.gateway_build import build_gateway
+from kvgate.server import run_gateway
 from kvgate.sim import SimConfig, run_sim
 
 from .conftest import sha

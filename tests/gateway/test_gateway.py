@@ -79,6 +79,7 @@ async def test_openai_client_chat_and_completions_through_gateway(sim, gateway_f
         # every reservation was reconciled with the engine's usage: what the tenant was
         # charged is what the client saw in usage (the fourth stream's usage was stripped)
         m = gw.gateway.metrics
+        m.flush()  # the per-request counts are batched until a flush (or a scrape)
         charged = m.tenant_tokens.labels("anonymous")._value.get()
         seen = chat.usage.total_tokens + comp.usage.total_tokens + usage_chunk.total_tokens
         assert seen < charged < seen + 64
@@ -113,6 +114,7 @@ async def test_stream_is_byte_for_byte_except_the_usage_chunk_it_asked_for(gatew
         # settled from the engine's usage (85 + 43 tokens) both times: an overrun of the
         # 50-token reservation, charged, never free
         m = gw.gateway.metrics
+        m.flush()  # the per-request counts are batched until a flush (or a scrape)
         assert m.tenant_tokens.labels("anonymous")._value.get() == 2 * 128
         assert m.tokens_overrun.labels("b0")._value.get() > 0
 
@@ -147,6 +149,7 @@ async def test_client_disconnect_mid_stream_releases_at_once(gateway_for) -> Non
         assert state["inflight_tokens"] == 0
         # charged prompt + the few tokens delivered, the rest of the 500 refunded at once
         m = gw.gateway.metrics
+        m.flush()  # the per-request counts are batched until a flush (or a scrape)
         charged = m.tenant_tokens.labels("anonymous")._value.get()
         assert 3 < charged < 100
         assert (

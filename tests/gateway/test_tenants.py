@@ -14,9 +14,9 @@ from typing import Any
 import aiohttp
 import orjson
 
-from kvgate.app import run_gateway
 from kvgate.config import Config, load_config
 from kvgate.gateway_build import build_gateway
+from kvgate.server import run_gateway
 from kvgate.sim import SimConfig, run_sim
 
 from .conftest import sha

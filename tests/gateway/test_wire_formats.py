@@ -11,9 +11,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from kvgate import AdmissionController, InvalidConfigError, ManualClock
 from kvgate.errors import reshape_upstream_error
 from kvgate.proxy.sse import SSEInspector
-from kvgate.ratelimit_headers import go_duration, rate_limit_headers, retry_after_headers
+from kvgate.ratelimit_headers import go_duration, retry_after_headers
 
 FIXTURES = Path(__file__).parent.parent / "fixtures" / "responses"
 STREAM = (FIXTURES / "openai-chat-stream-n2-tools-include-usage.sse").read_bytes()
@@ -157,15 +158,51 @@ def test_retry_after_rounds_up_and_never_is_explicit() -> None:
 
 
 def test_rate_limit_headers_never_negative() -> None:
-    h = rate_limit_headers(
-        limit_requests=4,
-        remaining_requests=-1,
-        reset_requests=0.5,
-        limit_tokens=1000,
-        remaining_tokens=-20,
-        reset_tokens=360,
-    )
+    clock = ManualClock()
+    ctl = AdmissionController(clock=clock)
+    b = ctl.add_backend("b", max_concurrency=2, tokens_per_minute=1200)
+    t = ctl.add_tenant("t", priority="standard")
+    held = [ctl.admit(b, t, "standard", 500), ctl.admit(b, t, "standard", 500)]
+    clock.advance(0.5)
+    held[0].release(1300)  # 800 tokens over the reservation: the bucket goes into debt
+    clock.advance(0.25)
+    held.append(ctl.admit(b, t, "standard", 0))  # both slots held again
+    h = dict(ctl.rate_limit_headers(b, t))
+    assert [name for name, _ in ctl.rate_limit_headers(b, t)] == [
+        "x-ratelimit-limit-requests",
+        "x-ratelimit-remaining-requests",
+        "x-ratelimit-reset-requests",
+        "x-ratelimit-limit-tokens",
+        "x-ratelimit-remaining-tokens",
+        "x-ratelimit-reset-tokens",
+    ]
+    assert h["x-ratelimit-limit-requests"] == "2"
     assert h["x-ratelimit-remaining-requests"] == "0"
-    assert h["x-ratelimit-remaining-tokens"] == "0"
-    assert h["x-ratelimit-reset-tokens"] == "6m0s"
-    assert h["x-ratelimit-reset-requests"] == "500ms"
+    assert h["x-ratelimit-reset-requests"] == "500ms"  # hold-time EWMA: one 0.5 s hold
+    assert h["x-ratelimit-limit-tokens"] == "1200"
+    assert ctl.backend_state(b)["available_tokens"] < 0
+    assert h["x-ratelimit-remaining-tokens"] == "0"  # debt is never shown as negative
+    # 1200 tokens/min = 20/s: from the debt back to the full 1200-token bucket
+    full = ctl.backend_state(b)["time_to_full"]
+    assert h["x-ratelimit-reset-tokens"] == go_duration(full)
+    assert 60 < full < 120
+    for r in held[1:]:
+        r.release()
+
+
+def test_rate_limit_headers_use_the_tenants_own_limits() -> None:
+    clock = ManualClock()
+    ctl = AdmissionController(clock=clock)
+    b = ctl.add_backend("b", max_concurrency=64, tokens_per_minute=60_000)
+    t = ctl.add_tenant("t", priority="standard", tokens_per_minute=600, max_concurrency=3)
+    r = ctl.admit(b, t, "standard", 100)
+    h = dict(ctl.rate_limit_headers(b, t))
+    assert h["x-ratelimit-limit-requests"] == "3"
+    assert h["x-ratelimit-remaining-requests"] == "2"
+    assert h["x-ratelimit-reset-requests"] == "0s"  # a slot is free
+    assert h["x-ratelimit-limit-tokens"] == "600"
+    assert h["x-ratelimit-remaining-tokens"] == "500"
+    assert h["x-ratelimit-reset-tokens"] == "10s"  # 100 tokens at 10 tokens/s
+    r.release()
+    with pytest.raises(InvalidConfigError):
+        ctl.rate_limit_headers(b, 7)

@@ -18,9 +18,9 @@ import aiohttp
 import orjson
 import pytest
 
-from kvgate.app import run_gateway
 from kvgate.config import Config
 from kvgate.gateway_build import build_gateway
+from kvgate.server import run_gateway
 from kvgate.sim import SimConfig, run_sim
 
 from .fake_upstream import run_upstream

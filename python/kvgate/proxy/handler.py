@@ -23,9 +23,10 @@ from kvgate.proxy.relay import RelayResult, relay
 if TYPE_CHECKING:
     from kvgate.app import Gateway
 
-__all__ = ["GATEWAY", "handle_inference", "handle_passthrough"]
+__all__ = ["handle_inference", "handle_passthrough"]
 
-GATEWAY: web.AppKey[Gateway] = web.AppKey("kvgate.gateway")
+#: Bodies shorter than this (bytes) are analysed on the event loop; longer ones in a thread.
+INLINE_ANALYSIS_BYTES = 16_384
 
 INFERENCE_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
 REJECT_REASON_HEADER = "x-kvgate-reject-reason"
@@ -39,7 +40,7 @@ def error_response(err: GatewayError) -> web.Response:
     return web.Response(status=err.status, body=err.body(), headers=headers)
 
 
-async def read_body(request: web.Request, max_body_bytes: int, body_seconds: float) -> bytes:
+async def read_body(request: web.BaseRequest, max_body_bytes: int, body_seconds: float) -> bytes:
     """Read the request body under the byte cap and the client body timeout.
 
     ``Content-Length`` over the cap is refused before reading; a chunked body is cut off when it
@@ -49,24 +50,16 @@ async def read_body(request: web.Request, max_body_bytes: int, body_seconds: flo
     Raises:
         GatewayError: 413 ``request_too_large``; 408 ``request_timeout``.
     """
-    length = request.content_length
-    if length is not None and length > max_body_bytes:
-        raise _too_large(length, max_body_bytes)
+    body = body_if_complete(request, max_body_bytes)
+    if body is not None:
+        return body
     try:
-        if request.content.is_eof():  # the whole body came with the head: no timer needed
-            return await request.read()
         async with asyncio.timeout(body_seconds):
             return await request.read()
     except web.HTTPRequestEntityTooLarge:
         raise _too_large(None, max_body_bytes) from None
     except RequestPayloadError as exc:  # undecodable Content-Encoding, broken chunking
-        raise GatewayError(
-            400,
-            f"The request body could not be read: {exc.__cause__ or exc}.",
-            "invalid_request_error",
-            code="invalid_body",
-            headers={"Connection": "close"},
-        ) from None
+        raise _unreadable(exc) from None
     except TimeoutError:
         raise GatewayError(
             408,
@@ -75,6 +68,40 @@ async def read_body(request: web.Request, max_body_bytes: int, body_seconds: flo
             code="request_timeout",
             headers={"Connection": "close"},
         ) from None
+
+
+def body_if_complete(request: web.BaseRequest, max_body_bytes: int) -> bytes | None:
+    """The body, when all of it has already arrived (it usually comes with the head), taken
+    without waiting; ``None`` when part of it is still to come (then :func:`read_body` waits).
+
+    Raises:
+        GatewayError: 413 ``request_too_large`` (``Content-Length``, or the bytes received,
+            over the cap); 400 ``invalid_body`` (undecodable ``Content-Encoding``, broken
+            chunking).
+    """
+    length = request.content_length
+    if length is not None and length > max_body_bytes:
+        raise _too_large(length, max_body_bytes)
+    content = request.content
+    if not content.is_eof():
+        return None
+    try:
+        body = content.read_nowait()
+    except RequestPayloadError as exc:
+        raise _unreadable(exc) from None
+    if len(body) > max_body_bytes:  # chunked: no Content-Length to check first
+        raise _too_large(None, max_body_bytes)
+    return body
+
+
+def _unreadable(exc: RequestPayloadError) -> GatewayError:
+    return GatewayError(
+        400,
+        f"The request body could not be read: {exc.__cause__ or exc}.",
+        "invalid_request_error",
+        code="invalid_body",
+        headers={"Connection": "close"},
+    )
 
 
 def _too_large(length: int | None, cap: int) -> GatewayError:
@@ -103,16 +130,22 @@ def rewrite_body(body: bytes, analysis: Any, add_usage: bool) -> bytes:
     return orjson.dumps(data)
 
 
-async def handle_inference(request: web.Request) -> web.StreamResponse:
+async def handle_inference(gw: Gateway, request: web.BaseRequest) -> web.StreamResponse:
     """``POST /v1/chat/completions``, ``/v1/completions``, ``/v1/embeddings``."""
-    gw = request.app[GATEWAY]
     started = time.perf_counter()
     route = request.path
     tenant = None
     try:
-        body = await read_body(request, gw.max_body_bytes, gw.timeouts.client_body)
+        # the common case without a single await: body already here, small enough to analyse
+        # on the loop
+        body = body_if_complete(request, gw.max_body_bytes)
+        if body is None:
+            body = await read_body(request, gw.max_body_bytes, gw.timeouts.client_body)
         tenant, priority = gw.authenticate(request)
-        model, analysis = await gw.analyze(route, body)
+        if len(body) < INLINE_ANALYSIS_BYTES:
+            model, analysis = gw.analyze_now(route, body)
+        else:
+            model, analysis = await gw.analyze(route, body)
         backend = gw.pick_backend(model, tenant)
     except GatewayError as err:
         gw.metrics.request_done(None, tenant, f"rejected_{err.status}")
@@ -134,7 +167,7 @@ async def handle_inference(request: web.Request) -> web.StreamResponse:
     result = RelayResult()
     try:
         forward = rewrite_body(body, analysis, add_usage)
-        headers = gw.success_headers(backend, tenant)
+        headers = gw.limit_headers(backend, tenant)
         return await relay(
             request,
             gw.session,
@@ -168,10 +201,9 @@ def _actual_tokens(analysis: Any, result: RelayResult) -> int:
     return int(prompt) + int(result.completion_tokens)
 
 
-async def handle_passthrough(request: web.Request) -> web.StreamResponse:
+async def handle_passthrough(gw: Gateway, request: web.BaseRequest) -> web.StreamResponse:
     """Anything else under ``/v1/``: forwarded with a slot but no token charge (DESIGN.md).
     A wrong method on an inference route is answered here (405), not by the engine."""
-    gw = request.app[GATEWAY]
     if request.path in INFERENCE_ROUTES:
         return error_response(
             GatewayError(

@@ -69,7 +69,7 @@ class RelayResult:
     outcome: str = "ok"
 
 
-def copy_headers(upstream: Mapping[str, str], extra: Mapping[str, str]) -> dict[str, str]:
+def copy_headers(upstream: Mapping[str, str], extra: list[tuple[str, str]]) -> dict[str, str]:
     """Upstream response headers minus hop-by-hop ones, plus ``extra`` (kvgate's own)."""
     out = {k: v for k, v in upstream.items() if k.lower() not in _HOP_BY_HOP}
     out.update(extra)
@@ -77,7 +77,7 @@ def copy_headers(upstream: Mapping[str, str], extra: Mapping[str, str]) -> dict[
 
 
 async def relay(
-    request: web.Request,
+    request: web.BaseRequest,
     session: aiohttp.ClientSession,
     url: str,
     body: bytes,
@@ -85,7 +85,7 @@ async def relay(
     stream: bool,
     strip_usage_chunk: bool,
     timeouts: Timeouts,
-    extra_headers: Mapping[str, str],
+    extra_headers: list[tuple[str, str]],
     count_text: Callable[[str], int] | None,
     result: RelayResult,
 ) -> web.StreamResponse:
@@ -99,7 +99,8 @@ async def relay(
         stream: the request asked for SSE streaming.
         strip_usage_chunk: the gateway added ``include_usage`` itself; drop that chunk.
         timeouts: upstream timeouts.
-        extra_headers: kvgate's headers for the client (``x-ratelimit-*``, ...).
+        extra_headers: kvgate's headers for the client (``x-ratelimit-*``, ...), as
+            ``(name, value)`` pairs.
         count_text: tokenizer count of delivered text, used when the engine sent no usage.
         result: filled in as the relay goes, so the caller can settle even if this raises or is
             cancelled.
@@ -136,7 +137,7 @@ async def relay(
             return web.Response(
                 status=upstream.status,
                 body=reshape_upstream_error(upstream.status, raw),
-                headers={"Content-Type": "application/json", **extra_headers},
+                headers=[("Content-Type", "application/json"), *extra_headers],
             )
         if stream and upstream.content_type == "text/event-stream":
             return await _relay_stream(
@@ -207,11 +208,11 @@ def _take_usage(usage: dict[str, Any], result: RelayResult) -> None:
 
 
 async def _relay_stream(
-    request: web.Request,
+    request: web.BaseRequest,
     upstream: aiohttp.ClientResponse,
     strip_usage_chunk: bool,
     timeouts: Timeouts,
-    extra_headers: Mapping[str, str],
+    extra_headers: list[tuple[str, str]],
     count_text: Callable[[str], int] | None,
     result: RelayResult,
 ) -> web.StreamResponse:

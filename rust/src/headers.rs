@@ -1,0 +1,146 @@
+//! `OpenAI`'s rate-limit header values (ENGINES.md §5.3), formatted once per response in Rust.
+//!
+//! `OpenAI` sends `x-ratelimit-{limit,remaining,reset}-{requests,tokens}` on every response; the
+//! reset values are Go `time.Duration` strings (`1s`, `12ms`, `6m0s`). kvgate's "requests" limit
+//! is a concurrency limit (slots), not a per-minute count; its "tokens" limit is the TPM bucket.
+
+use crate::admission::RateLimits;
+
+/// Largest duration Go prints (`math.MaxInt64` nanoseconds).
+const GO_MAX: &str = "2562047h47m16.854775807s";
+
+const MS: u64 = 1_000_000;
+const SEC: u64 = 1_000_000_000;
+const MINUTE: u64 = 60 * SEC;
+const HOUR: u64 = 60 * MINUTE;
+
+/// Formats `ns` nanoseconds the way Go's `time.Duration.String` does: `0s`, `850ms`, `1.5s`,
+/// `6m0s`, `1h2m3s`. Below one second the unit is `ms`; trailing zeros of fractions are
+/// dropped. Durations under 1 ms are `1ms` (Go's `µs` is not ASCII, and a header must be);
+/// beyond Go's `MaxInt64` nanoseconds the text is Go's maximum.
+#[must_use]
+pub fn go_duration_ns(ns: u64) -> String {
+    if ns == 0 {
+        return "0s".to_owned();
+    }
+    if ns < MS {
+        return "1ms".to_owned();
+    }
+    if ns > i64::MAX as u64 {
+        return GO_MAX.to_owned();
+    }
+    if ns < SEC {
+        let mut s = frac(ns, MS, 6);
+        s.push_str("ms");
+        return s;
+    }
+    let (hours, rem) = (ns / HOUR, ns % HOUR);
+    let (minutes, rem) = (rem / MINUTE, rem % MINUTE);
+    let secs = frac(rem, SEC, 9);
+    if hours > 0 {
+        format!("{hours}h{minutes}m{secs}s")
+    } else if minutes > 0 {
+        format!("{minutes}m{secs}s")
+    } else {
+        format!("{secs}s")
+    }
+}
+
+/// [`go_duration_ns`] of a duration in seconds: negative, zero and NaN give `0s`, infinity
+/// Go's maximum; nanoseconds are rounded to the nearest.
+#[must_use]
+pub fn go_duration_secs(seconds: f64) -> String {
+    if seconds.is_nan() || seconds <= 0.0 {
+        return "0s".to_owned();
+    }
+    let ns = (seconds * 1e9).round();
+    if ns >= i64::MAX as f64 {
+        return GO_MAX.to_owned();
+    }
+    // in range: finite, positive, below 2**63
+    #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+    go_duration_ns(ns as u64)
+}
+
+/// `value / unit` with the fraction's `digits` decimal digits, trailing zeros dropped.
+fn frac(value: u64, unit: u64, digits: usize) -> String {
+    let (whole, rest) = (value / unit, value % unit);
+    if rest == 0 {
+        return whole.to_string();
+    }
+    let mut s = format!("{whole}.{rest:0digits$}");
+    while s.ends_with('0') {
+        s.pop();
+    }
+    s
+}
+
+/// Names of the six headers, in the order [`rate_limit_headers`] returns them.
+pub const RATE_LIMIT_HEADER_NAMES: [&str; 6] = [
+    "x-ratelimit-limit-requests",
+    "x-ratelimit-remaining-requests",
+    "x-ratelimit-reset-requests",
+    "x-ratelimit-limit-tokens",
+    "x-ratelimit-remaining-tokens",
+    "x-ratelimit-reset-tokens",
+];
+
+/// The six `x-ratelimit-*` header values of `limits`, in [`RATE_LIMIT_HEADER_NAMES`] order:
+/// limit and remaining as decimal integers (remaining never negative), resets as Go durations.
+#[must_use]
+pub fn rate_limit_headers(limits: &RateLimits) -> [String; 6] {
+    [
+        limits.limit_requests.to_string(),
+        limits.remaining_requests.to_string(),
+        go_duration_ns(limits.reset_requests_ns),
+        limits.limit_tokens.to_string(),
+        limits.remaining_tokens.to_string(),
+        go_duration_ns(limits.reset_tokens_ns),
+    ]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn go_durations_match_go() {
+        // (seconds, Go's text) — the same table as tests/gateway/test_wire_formats.py
+        let cases: [(f64, &str); 12] = [
+            (0.0, "0s"),
+            (-1.0, "0s"),
+            (0.004, "4ms"),
+            (0.012, "12ms"),
+            (1.0, "1s"),
+            (9.816, "9.816s"),
+            (360.0, "6m0s"),
+            (864.0, "14m24s"),
+            (90.5, "1m30.5s"),
+            (3723.0, "1h2m3s"),
+            (0.000_001_5, "1ms"),
+            (0.000_351_521, "1ms"),
+        ];
+        for (secs, text) in cases {
+            assert_eq!(go_duration_secs(secs), text, "{secs} s");
+        }
+        assert_eq!(go_duration_secs(f64::NAN), "0s");
+        assert_eq!(go_duration_secs(f64::INFINITY), GO_MAX);
+        assert_eq!(go_duration_ns(u64::MAX), GO_MAX);
+        assert_eq!(go_duration_ns(1_500_000), "1.5ms");
+        assert_eq!(go_duration_ns(HOUR), "1h0m0s");
+        assert_eq!(go_duration_ns(i64::MAX as u64), GO_MAX);
+    }
+
+    #[test]
+    fn headers_are_in_name_order() {
+        let h = rate_limit_headers(&RateLimits {
+            limit_requests: 4,
+            remaining_requests: 0,
+            reset_requests_ns: SEC / 2,
+            limit_tokens: 1000,
+            remaining_tokens: 0,
+            reset_tokens_ns: 360 * SEC,
+        });
+        assert_eq!(h, ["4", "0", "500ms", "1000", "0", "6m0s"]);
+    }
+}

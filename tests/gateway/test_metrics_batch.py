@@ -1,0 +1,93 @@
+"""The gateway's per-request metrics are batched in plain dicts and added to prometheus_client's
+metrics by ``flush()``: after a flush the exposition must be exactly what direct
+``inc()`` / ``observe()`` calls would have produced (this also guards the flush's use of the
+histogram's per-bucket values, which prometheus_client keeps private)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvgate.metrics import GatewayMetrics
+from kvgate.proxy.relay import RelayResult
+
+B0 = SimpleNamespace(name="b0")
+B1 = SimpleNamespace(name="b1")
+ALICE = SimpleNamespace(name="alice")
+BOB = SimpleNamespace(name="bob")
+
+# latency values on, between, below and above the bucket bounds (0.0001 ... 1.0)
+SECONDS = [0.00005, 0.0001, 0.00010001, 0.0003, 0.001, 0.002, 0.7, 1.0, 5.0, 0.0]
+
+
+def samples(m: GatewayMetrics) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    out = {}
+    for family in text_string_to_metric_families(m.render().decode()):
+        for s in family.samples:
+            if s.name.endswith("_created"):
+                continue  # creation timestamps differ between the two registries
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def drive(m: GatewayMetrics) -> None:
+    """A mix of refusals, admissions and settlements through the batched methods."""
+    for i, sec in enumerate(SECONDS):
+        backend, tenant = (B0, ALICE) if i % 3 else (B1, BOB)
+        m.rejected(backend, tenant, "backend-tpm" if i % 2 else "tenant-tpm", sec)
+        m.admitted(backend, tenant, 100 + i, sec)
+        result = RelayResult(status=200, ttft=sec * 10, outcome="ok" if i % 4 else "stream_broken")
+        m.settled(backend, tenant, 100 + i, [0, 50, 100 + i, 250][i % 4], result)
+    m.request_done(None, None, "rejected_400")
+
+
+def drive_directly(m: GatewayMetrics) -> None:
+    """The same events as :func:`drive`, as direct prometheus_client calls."""
+    for i, sec in enumerate(SECONDS):
+        backend, tenant = (B0, ALICE) if i % 3 else (B1, BOB)
+        reason = "backend-tpm" if i % 2 else "tenant-tpm"
+        m.rejections.labels(backend.name, reason).inc()
+        m.requests.labels(backend.name, tenant.name, "rejected").inc()
+        m.admission_seconds.observe(sec)
+        reserved, actual = 100 + i, [0, 50, 100 + i, 250][i % 4]
+        m.tokens_reserved.labels(backend.name).inc(reserved)
+        m.admission_seconds.observe(sec)
+        if actual <= reserved:
+            m.tokens_refunded.labels(backend.name).inc(reserved - actual)
+        else:
+            m.tokens_overrun.labels(backend.name).inc(actual - reserved)
+        m.usage_ratio.labels(backend.name).observe(actual / reserved)
+        m.tenant_tokens.labels(tenant.name).inc(actual)
+        m.ttft_seconds.labels(backend.name).observe(sec * 10)
+        outcome = "ok" if i % 4 else "stream_broken"
+        m.requests.labels(backend.name, tenant.name, outcome).inc()
+    m.requests.labels("", "", "rejected_400").inc()
+
+
+def new_metrics(leaks: list[int]) -> GatewayMetrics:
+    return GatewayMetrics(lambda: [], lambda: leaks[0])
+
+
+def test_flushed_batches_equal_direct_updates() -> None:
+    batched, direct = new_metrics([0]), new_metrics([0])
+    drive(batched)
+    drive_directly(direct)
+    got, want = samples(batched), samples(direct)  # render() flushes first
+    assert got == want
+    assert want[("kvgate_admission_seconds_count", ())] == 2 * len(SECONDS)
+    assert want[("kvgate_admission_seconds_bucket", (("le", "0.0001"),))] == 2 * 3
+
+
+def test_nothing_shows_before_a_flush_and_nothing_counts_twice() -> None:
+    leaks = [0]
+    m = new_metrics(leaks)
+    m.rejected(B0, ALICE, "backend-slots", 0.0002)
+    assert m.rejections.labels("b0", "backend-slots")._value.get() == 0  # still batched
+    leaks[0] = 2  # two reservations dropped without release since the last sync
+    m.flush()
+    m.flush()
+    got = samples(m)
+    assert got[("kvgate_rejections_total", (("backend", "b0"), ("reason", "backend-slots")))] == 1
+    assert got[("kvgate_admission_seconds_count", ())] == 1
+    assert got[("kvgate_reservation_leaks_total", ())] == 2
