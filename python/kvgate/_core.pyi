@@ -35,6 +35,7 @@ __all__ = [
     "Rejection",
     "RequestAnalyzer",
     "Reservation",
+    "SSEInspector",
     "SharedStateError",
     "SlotPool",
     "TokenBucket",
@@ -429,6 +430,57 @@ class AdmissionController:
         """Snapshot: name, priority, guaranteed_slots (on each backend of
         guaranteed_backends), guaranteed_backends (ids of the registered backends its
         guarantee applies to), max_concurrency, in_use (across backends), tokens_per_minute, burst_tokens, available_tokens, time_to_full (s)."""
+
+# --- SSE relay inspection (rust/src/python_sse.rs) ---
+
+@final
+class SSEInspector:
+    """Cuts an upstream SSE byte stream into complete events and inspects each one.
+
+    The relay writes upstream bytes to the client exactly as the engine framed them (``data:
+    <json>\n\n``, ENGINES.md §5.4; events may also end with ``\r\n\r\n`` or ``\r\r``)
+    and reads, on the way, what settling the token account needs. Only events that may carry a
+    non-null ``usage`` or an ``error`` key are parsed as they pass (a byte test: inside JSON
+    strings quotes are escaped, so ``"usage"`` in the bytes is never generated text); the
+    others are kept as bytes and parsed for their text only if :attr:`delivered_text` or
+    :attr:`content_chunks` is read. One per streamed response; not for sharing between threads.
+
+    Args:
+        strip_usage_chunk: drop the usage-only chunk (``"choices": []`` with a ``usage``
+            object). Set when the gateway added ``stream_options.include_usage`` itself and the
+            client did not ask for it, so the client sees exactly what it would have seen.
+    """
+
+    def __new__(cls, *, strip_usage_chunk: bool) -> Self: ...
+    def feed(self, data: bytes) -> bytes:
+        """Take the next upstream bytes; return the complete events to write now (maybe
+        ``b""``; ``data`` itself when it is exactly that). Bytes of an event whose end has not
+        arrived yet are held until it does; nothing is re-encoded (byte for byte what upstream
+        sent, minus a stripped usage chunk).
+
+        Raises:
+            TypeError: ``data`` is not ``bytes``.
+        """
+    def flush(self) -> bytes:
+        """Whatever partial event remains at the end of the stream (to be written as is; it is
+        inspected too)."""
+    @property
+    def usage(self) -> dict[str, Any] | None:
+        """The last non-null ``usage`` object seen (as ``json.loads`` gives it), or ``None``."""
+    @property
+    def error(self) -> dict[str, Any] | None:
+        """The ``error`` object of an error event, if one was seen."""
+    @property
+    def done(self) -> bool:
+        """``True`` once ``data: [DONE]`` was seen."""
+    @property
+    def delivered_text(self) -> list[str]:
+        """Text pieces (``delta.content``, ``reasoning_content``, ``reasoning``, tool-call
+        ``name`` and ``arguments``, legacy ``text``) of the events handed out so far, in stream
+        order."""
+    @property
+    def content_chunks(self) -> int:
+        """Events handed out so far that carried generated text."""
 
 # --- request analysis (rust/src/python_analyze.rs) ---
 

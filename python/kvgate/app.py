@@ -32,6 +32,7 @@ from kvgate.errors import (
     upstream_timeout,
 )
 from kvgate.metrics import GatewayMetrics
+from kvgate.proxy.deadline import Watchdog
 from kvgate.proxy.handler import (
     INLINE_ANALYSIS_BYTES,
     REJECT_REASON_HEADER,
@@ -164,6 +165,7 @@ class Gateway:
         tenants: all tenants; ``anonymous`` (if any) is used when no key is sent.
         max_body_bytes: the request body cap (bytes).
         timeouts: upstream and client timeouts (seconds).
+        watchdog: enforces the upstream timeouts (one sweep per loop, not a timer per wait).
         require_key: refuse requests without a known API key (401).
     """
 
@@ -178,6 +180,7 @@ class Gateway:
     config_path: str | None = None
     poll: bool = False
     session: aiohttp.ClientSession = field(init=False)
+    watchdog: Watchdog = field(init=False, default_factory=Watchdog)
     metrics: GatewayMetrics = field(init=False)
     discovered_capacity: dict[str, int] = field(init=False, default_factory=dict)
     poller: Any = field(init=False, default=None)

@@ -91,8 +91,8 @@ def make_server(gateway: Gateway) -> web.Server:
 @contextlib.asynccontextmanager
 async def gateway_runtime(gateway: Gateway) -> AsyncIterator[None]:
     """The gateway's background parts for the life of a server, in this order (and closed in
-    reverse): the upstream ``ClientSession`` (no pool limit, ``connect`` timeout), the metrics
-    flush every :data:`~kvgate.metrics.FLUSH_SECONDS` (and once at the end), the engine metrics
+    reverse): the upstream ``ClientSession`` (no pool limit, ``connect`` timeout), the upstream
+    timeouts' watchdog (:class:`~kvgate.proxy.deadline.Watchdog`), the metrics flush every :data:`~kvgate.metrics.FLUSH_SECONDS` (and once at the end), the engine metrics
     pollers (when ``gateway.poll``), SIGHUP → :meth:`Gateway.reload` (when
     ``gateway.config_path``)."""
     connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300)
@@ -107,6 +107,7 @@ async def gateway_runtime(gateway: Gateway) -> AsyncIterator[None]:
             metrics.flush()
 
     flusher = asyncio.create_task(flush_forever())
+    gateway.watchdog.start()
     poller = None
     reload_on_hup = bool(gateway.config_path)
     try:
@@ -123,6 +124,7 @@ async def gateway_runtime(gateway: Gateway) -> AsyncIterator[None]:
         flusher.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await flusher
+        await gateway.watchdog.stop()
         metrics.flush()
         await gateway.session.close()
 

@@ -13,12 +13,15 @@ pub mod headers;
 pub mod priority;
 pub mod shm;
 pub mod slots;
+pub mod sse;
 pub mod token_bucket;
 
 #[cfg(feature = "python")]
 mod python;
 #[cfg(feature = "python")]
 mod python_analyze;
+#[cfg(feature = "python")]
+mod python_sse;
 
 #[cfg(feature = "python")]
 pub use python::_core;

@@ -958,5 +958,6 @@ pub fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Reservation>()?;
     m.add_class::<Rejection>()?;
     crate::python_analyze::register(m)?;
+    crate::python_sse::register(m)?;
     Ok(())
 }

@@ -8,6 +8,7 @@ import re
 from typing import Any
 
 import orjson
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -128,3 +129,14 @@ def test_any_stream_any_chunking_matches_a_full_parse(
     assert (insp.error is not None) == error
     assert insp.delivered_text == text
     assert insp.content_chunks == chunks
+
+
+def test_feed_takes_bytes_only_and_hands_back_the_same_object() -> None:
+    insp = SSEInspector(strip_usage_chunk=True)
+    whole = _event(_chunk("hi"))
+    assert insp.feed(whole) is whole  # nothing held, nothing stripped: no copy
+    with pytest.raises(TypeError):
+        insp.feed("data: {}\n\n")  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        insp.feed(bytearray(whole))  # type: ignore[arg-type]
+    assert insp.delivered_text == ["hi"]

@@ -176,6 +176,7 @@ async def handle_inference(gw: Gateway, request: web.BaseRequest) -> web.StreamR
             stream=stream,
             strip_usage_chunk=add_usage,
             timeouts=gw.timeouts,
+            watchdog=gw.watchdog,
             extra_headers=headers,
             count_text=model.count_text,
             result=result,

@@ -19,6 +19,7 @@ import orjson
 from aiohttp import web
 
 from kvgate.errors import error_body, reshape_upstream_error, upstream_failed, upstream_timeout
+from kvgate.proxy.deadline import Deadline, Watchdog
 from kvgate.proxy.sse import SSEInspector
 
 if TYPE_CHECKING:
@@ -85,6 +86,7 @@ async def relay(
     stream: bool,
     strip_usage_chunk: bool,
     timeouts: Timeouts,
+    watchdog: Watchdog,
     extra_headers: list[tuple[str, str]],
     count_text: Callable[[str], int] | None,
     result: RelayResult,
@@ -99,6 +101,7 @@ async def relay(
         stream: the request asked for SSE streaming.
         strip_usage_chunk: the gateway added ``include_usage`` itself; drop that chunk.
         timeouts: upstream timeouts.
+        watchdog: enforces them (:mod:`kvgate.proxy.deadline`).
         extra_headers: kvgate's headers for the client (``x-ratelimit-*``, ...), as
             ``(name, value)`` pairs.
         count_text: tokenizer count of delivered text, used when the engine sent no usage.
@@ -114,6 +117,8 @@ async def relay(
         asyncio.CancelledError: the client went away (the handler was cancelled).
     """
     started = time.perf_counter()
+    deadline = watchdog.deadline()
+    loop = asyncio.get_running_loop()
     upstream: aiohttp.ClientResponse | None = None
     headers = {"Content-Type": "application/json"}
     auth = request.headers.get("X-Upstream-Authorization")
@@ -121,7 +126,7 @@ async def relay(
         headers["Authorization"] = auth
     try:
         try:
-            async with asyncio.timeout(timeouts.first_byte):
+            with deadline.at(loop.time() + timeouts.first_byte):
                 upstream = await session.post(url, data=body, headers=headers)
         except TimeoutError:
             result.outcome = "upstream_timeout"
@@ -132,7 +137,7 @@ async def relay(
         result.ttft = time.perf_counter() - started
         if upstream.status >= 400:
             result.outcome = "upstream_error"
-            raw = await _read_all(upstream, timeouts)
+            raw = await _read_all(upstream, timeouts, deadline)
             result.status = upstream.status
             return web.Response(
                 status=upstream.status,
@@ -141,9 +146,16 @@ async def relay(
             )
         if stream and upstream.content_type == "text/event-stream":
             return await _relay_stream(
-                request, upstream, strip_usage_chunk, timeouts, extra_headers, count_text, result
+                request,
+                upstream,
+                strip_usage_chunk,
+                timeouts,
+                deadline,
+                extra_headers,
+                count_text,
+                result,
             )
-        raw = await _read_all(upstream, timeouts)
+        raw = await _read_all(upstream, timeouts, deadline)
         _settle_from_body(raw, result)
         result.status = upstream.status
         return web.Response(
@@ -160,14 +172,16 @@ async def relay(
             upstream.close()
 
 
-async def _read_all(upstream: aiohttp.ClientResponse, timeouts: Timeouts) -> bytes:
+async def _read_all(
+    upstream: aiohttp.ClientResponse, timeouts: Timeouts, deadline: Deadline
+) -> bytes:
     """The whole upstream body, with ``idle`` between chunks and ``total`` overall (a body that
     stalls half-way frees its slot after ``idle``, as a stream does)."""
     content = upstream.content
     if content.is_eof():  # the whole body is already here: nothing to wait for
         return await upstream.read()
     loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeouts.total
+    end = loop.time() + timeouts.total
     parts: list[bytes] = []
     try:
         while True:
@@ -175,7 +189,7 @@ async def _read_all(upstream: aiohttp.ClientResponse, timeouts: Timeouts) -> byt
             if not chunk:
                 if content.is_eof():
                     break
-                async with asyncio.timeout(min(timeouts.idle, deadline - loop.time())):
+                with deadline.at(min(loop.time() + timeouts.idle, end)):
                     chunk = await content.readany()
                 if not chunk:
                     break
@@ -212,6 +226,7 @@ async def _relay_stream(
     upstream: aiohttp.ClientResponse,
     strip_usage_chunk: bool,
     timeouts: Timeouts,
+    deadline: Deadline,
     extra_headers: list[tuple[str, str]],
     count_text: Callable[[str], int] | None,
     result: RelayResult,
@@ -224,18 +239,18 @@ async def _relay_stream(
     result.status = upstream.status
     content = upstream.content
     loop = asyncio.get_running_loop()
-    deadline = None if timeouts.total is None else loop.time() + timeouts.total
+    end = None if timeouts.total is None else loop.time() + timeouts.total
+    idle = timeouts.idle
     try:
         while True:
-            wait = timeouts.idle
-            if deadline is not None:
-                left = deadline - loop.time()
-                wait = left if wait is None else min(wait, left)
             try:
-                # bytes already buffered need no timer (a uvloop timer costs a few µs per chunk)
+                # bytes already buffered need no deadline
                 data = content.read_nowait()
                 if not data and not content.at_eof():
-                    async with asyncio.timeout(wait):
+                    when = None if idle is None else loop.time() + idle
+                    if end is not None and (when is None or end < when):
+                        when = end
+                    with deadline.at(when):
                         data = await content.readany()
             except TimeoutError:
                 result.outcome = "upstream_timeout"

@@ -1,0 +1,97 @@
+//! pyo3 binding of the SSE relay inspector (`rust/src/sse.rs`): `SSEInspector`.
+
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict, PyList};
+use serde_json::Value;
+
+use crate::sse::{Fed, SseInspector};
+
+/// Cuts an upstream SSE byte stream into complete events and inspects each one (one per
+/// streamed response; not shared between threads).
+#[pyclass(name = "SSEInspector", module = "kvgate")]
+pub struct PySseInspector {
+    inner: SseInspector,
+}
+
+#[pymethods]
+impl PySseInspector {
+    #[new]
+    #[pyo3(signature = (*, strip_usage_chunk))]
+    fn new(strip_usage_chunk: bool) -> Self {
+        Self {
+            inner: SseInspector::new(strip_usage_chunk),
+        }
+    }
+
+    fn feed<'py>(&mut self, data: &Bound<'py, PyBytes>) -> Bound<'py, PyBytes> {
+        match self.inner.feed(data.as_bytes()) {
+            Fed::Same => data.clone(),
+            Fed::Bytes(out) => PyBytes::new(data.py(), &out),
+        }
+    }
+
+    fn flush<'py>(&mut self, py: Python<'py>) -> Bound<'py, PyBytes> {
+        PyBytes::new(py, &self.inner.flush())
+    }
+
+    #[getter]
+    fn usage<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyAny>>> {
+        self.inner.usage().map(|v| to_py(py, v)).transpose()
+    }
+
+    #[getter]
+    fn error<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyAny>>> {
+        self.inner.error().map(|v| to_py(py, v)).transpose()
+    }
+
+    #[getter]
+    fn done(&self) -> bool {
+        self.inner.done()
+    }
+
+    #[getter]
+    fn delivered_text(&mut self) -> Vec<String> {
+        self.inner.delivered_text().to_vec()
+    }
+
+    #[getter]
+    fn content_chunks(&mut self) -> u64 {
+        self.inner.content_chunks()
+    }
+}
+
+/// A JSON value as the Python object `json.loads` would give.
+fn to_py<'py>(py: Python<'py>, v: &Value) -> PyResult<Bound<'py, PyAny>> {
+    Ok(match v {
+        Value::Null => py.None().into_bound(py),
+        Value::Bool(b) => b.into_pyobject(py)?.to_owned().into_any(),
+        Value::Number(n) => {
+            if let Some(i) = n.as_i64() {
+                i.into_pyobject(py)?.into_any()
+            } else if let Some(u) = n.as_u64() {
+                u.into_pyobject(py)?.into_any()
+            } else {
+                n.as_f64().unwrap_or(f64::NAN).into_pyobject(py)?.into_any()
+            }
+        }
+        Value::String(s) => s.into_pyobject(py)?.into_any(),
+        Value::Array(items) => {
+            let list = PyList::empty(py);
+            for item in items {
+                list.append(to_py(py, item)?)?;
+            }
+            list.into_any()
+        }
+        Value::Object(map) => {
+            let dict = PyDict::new(py);
+            for (k, item) in map {
+                dict.set_item(k, to_py(py, item)?)?;
+            }
+            dict.into_any()
+        }
+    })
+}
+
+pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<PySseInspector>()
+}

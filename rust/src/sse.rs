@@ -1,0 +1,417 @@
+//! Server-sent events relay bookkeeping: split, inspect, optionally strip, never re-frame.
+//!
+//! The gateway writes upstream bytes to the client event by event, exactly as the engine framed
+//! them (`data: <json>\n\n`, ENGINES.md §5.4). While doing so it reads what it needs to settle
+//! the token account: the `usage` object (on a `choices: []` chunk for OpenAI/vLLM, on the
+//! `finish_reason` chunk for llama.cpp), the text delivered so far (for a stream that breaks or
+//! whose engine sends no usage), and `error` events. Only events that may carry a non-null
+//! `usage` or an `error` are parsed as they pass; the others are kept as bytes and parsed for
+//! their text only if it is asked for (most streams end with the engine's usage and never are).
+
+use serde_json::Value;
+
+/// One piece of what was handed out, in stream order, kept for its text.
+#[derive(Debug)]
+enum Pending {
+    /// `data:` lines of events without usage or error, not parsed yet.
+    Raw(Vec<u8>),
+    /// Text pieces of an event that was parsed when it passed (`true`: it carried text).
+    Text(Vec<String>, bool),
+}
+
+/// What [`SseInspector::feed`] hands back.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Fed {
+    /// Exactly the bytes that were fed: write them as they are.
+    Same,
+    /// These bytes (held bytes of earlier calls, or a stripped event) — maybe empty.
+    Bytes(Vec<u8>),
+}
+
+/// Cuts an upstream SSE byte stream into complete events and inspects each one.
+#[derive(Debug)]
+pub struct SseInspector {
+    strip: bool,
+    buf: Vec<u8>,
+    /// A CR was seen: events may end with `\r\n\r\n` or `\r\r` too.
+    cr: bool,
+    pending: Vec<Pending>,
+    /// Text pieces of the pending events parsed so far.
+    text: Vec<String>,
+    chunks: u64,
+    usage: Option<Value>,
+    error: Option<Value>,
+    done: bool,
+}
+
+impl SseInspector {
+    /// A new inspector. `strip_usage_chunk`: drop the usage-only chunk (`"choices": []` with a
+    /// `usage` object) — set when the gateway added `stream_options.include_usage` itself and
+    /// the client did not ask for it, so the client sees exactly what it would have seen.
+    pub fn new(strip_usage_chunk: bool) -> Self {
+        Self {
+            strip: strip_usage_chunk,
+            buf: Vec::new(),
+            cr: false,
+            pending: Vec::new(),
+            text: Vec::new(),
+            chunks: 0,
+            usage: None,
+            error: None,
+            done: false,
+        }
+    }
+
+    /// Takes the next upstream bytes; returns the complete events to write now. Bytes of an
+    /// event whose end has not arrived yet are held until it does; nothing is re-encoded, so
+    /// what comes back is byte for byte what upstream sent (minus a stripped usage chunk).
+    pub fn feed(&mut self, data: &[u8]) -> Fed {
+        if !self.cr && memchr::memchr(b'\r', data).is_some() {
+            self.cr = true;
+        }
+        let fresh = self.buf.is_empty();
+        // Whole events with nothing to read now (the common case): kept as they are.
+        if fresh
+            && !self.cr
+            && data.ends_with(b"\n\n")
+            && find(data, b"[DONE]", 0).is_none()
+            && !may_carry_usage_or_error(data)
+        {
+            self.pending.push(Pending::Raw(data.to_vec()));
+            return Fed::Same;
+        }
+        self.buf.extend_from_slice(data);
+        let mut out: Option<Vec<u8>> = None; // set once an event is dropped
+        let mut pos = 0;
+        while let Some((end, size)) = self.split_point(pos) {
+            let stop = end + size;
+            let event = self.buf[pos..stop].to_vec();
+            if self.inspect(&event) {
+                if let Some(out) = out.as_mut() {
+                    out.extend_from_slice(&event);
+                }
+            } else if out.is_none() {
+                out = Some(self.buf[..pos].to_vec());
+            }
+            pos = stop;
+        }
+        let all = fresh && pos == self.buf.len();
+        let kept = match out {
+            Some(out) => Fed::Bytes(out),
+            None if all => Fed::Same,
+            None => Fed::Bytes(self.buf[..pos].to_vec()),
+        };
+        self.buf.drain(..pos);
+        kept
+    }
+
+    /// Whatever partial event remains at the end of the stream (to be written as is).
+    pub fn flush(&mut self) -> Vec<u8> {
+        let rest = std::mem::take(&mut self.buf);
+        if !rest.trim_ascii().is_empty() {
+            self.inspect(&rest);
+        }
+        rest
+    }
+
+    /// The last non-null `usage` object seen.
+    pub fn usage(&self) -> Option<&Value> {
+        self.usage.as_ref()
+    }
+
+    /// The `error` object of an error event, if one was seen.
+    pub fn error(&self) -> Option<&Value> {
+        self.error.as_ref()
+    }
+
+    /// Whether `data: [DONE]` was seen.
+    pub fn done(&self) -> bool {
+        self.done
+    }
+
+    /// Text pieces (content, reasoning, tool-call name and arguments, legacy `text`) of the
+    /// events handed out so far, in stream order.
+    pub fn delivered_text(&mut self) -> &[String] {
+        self.parse_pending();
+        &self.text
+    }
+
+    /// Events handed out so far that carried generated text.
+    pub fn content_chunks(&mut self) -> u64 {
+        self.parse_pending();
+        self.chunks
+    }
+
+    fn parse_pending(&mut self) {
+        for item in std::mem::take(&mut self.pending) {
+            match item {
+                Pending::Text(pieces, found) => {
+                    self.text.extend(pieces);
+                    self.chunks += u64::from(found);
+                }
+                Pending::Raw(raw) => {
+                    for line in lines(&raw) {
+                        let Some(payload) = data_payload(line) else {
+                            continue;
+                        };
+                        if payload == b"[DONE]" {
+                            continue;
+                        }
+                        if let Ok(Value::Object(obj)) = serde_json::from_slice::<Value>(payload) {
+                            if let Some(Value::Array(choices)) = obj.get("choices") {
+                                let found = collect_text(choices, &mut self.text);
+                                self.chunks += u64::from(found);
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// Earliest event end in the buffer from `start`: (index of the separator, its length).
+    fn split_point(&self, start: usize) -> Option<(usize, usize)> {
+        if !self.cr {
+            // only LF line ends so far (every engine we know): one separator to look for
+            return find(&self.buf, b"\n\n", start).map(|i| (i, 2));
+        }
+        [&b"\n\n"[..], b"\r\n\r\n", b"\r\r"]
+            .iter()
+            .filter_map(|sep| find(&self.buf, sep, start).map(|i| (i, sep.len())))
+            .min_by_key(|&(i, _)| i)
+    }
+
+    /// Reads one complete event; returns false when it must not be forwarded.
+    fn inspect(&mut self, event: &[u8]) -> bool {
+        for line in lines(event) {
+            let Some(payload) = data_payload(line) else {
+                continue;
+            };
+            if payload == b"[DONE]" {
+                self.done = true;
+                continue;
+            }
+            if !may_carry_usage_or_error(payload) {
+                self.pending.push(Pending::Raw(line.to_vec()));
+                continue;
+            }
+            let Ok(Value::Object(mut obj)) = serde_json::from_slice::<Value>(payload) else {
+                continue;
+            };
+            if let Some(err @ Value::Object(_)) = obj.get("error") {
+                self.error = Some(err.clone());
+            }
+            let empty_choices = matches!(obj.get("choices"), Some(Value::Array(c)) if c.is_empty());
+            if let Some(usage @ Value::Object(_)) = obj.remove("usage") {
+                self.usage = Some(usage);
+                if self.strip && empty_choices {
+                    return false;
+                }
+            }
+            if let Some(Value::Array(choices)) = obj.get("choices") {
+                let mut pieces = Vec::new();
+                let found = collect_text(choices, &mut pieces);
+                self.pending.push(Pending::Text(pieces, found));
+            }
+        }
+        true
+    }
+}
+
+/// The payload of a `data:` line, ASCII whitespace trimmed (as Python's `bytes.strip`).
+fn data_payload(line: &[u8]) -> Option<&[u8]> {
+    line.strip_prefix(b"data:").map(trim)
+}
+
+/// Python's `bytes.strip()`: ASCII whitespace including vertical tab and form feed.
+fn trim(b: &[u8]) -> &[u8] {
+    let ws = |c: &u8| matches!(c, b' ' | b'\t' | b'\n' | b'\r' | 0x0b | 0x0c);
+    let start = b.iter().position(|c| !ws(c)).unwrap_or(b.len());
+    let end = b.iter().rposition(|c| !ws(c)).map_or(start, |i| i + 1);
+    &b[start..end]
+}
+
+/// Lines as Python's `bytes.splitlines()` cuts them: at `\n`, `\r\n` and `\r`.
+fn lines(b: &[u8]) -> impl Iterator<Item = &[u8]> {
+    let mut rest = b;
+    std::iter::from_fn(move || {
+        if rest.is_empty() {
+            return None;
+        }
+        let i = rest
+            .iter()
+            .position(|&c| c == b'\n' || c == b'\r')
+            .unwrap_or(rest.len());
+        let line = &rest[..i];
+        let skip = match rest.get(i..i + 2) {
+            Some(b"\r\n") => 2,
+            _ if i < rest.len() => 1,
+            _ => 0,
+        };
+        rest = &rest[i + skip..];
+        Some(line)
+    })
+}
+
+/// First index of `needle` in `hay` at or after `from`.
+fn find(hay: &[u8], needle: &[u8], from: usize) -> Option<usize> {
+    hay.get(from..)
+        .and_then(|rest| memchr::memmem::find(rest, needle))
+        .map(|i| i + from)
+}
+
+/// Whether `payload` (one `data:` payload, or several whole events) may hold a non-null
+/// `usage` or an `error` key (a cheap byte test; true when unsure). Inside JSON strings a
+/// quote is escaped, so `"usage"` in the bytes is a key (or a string value), never generated
+/// text; `"usage": null` (every chunk of an OpenAI-style stream that asked for usage) does not
+/// count.
+fn may_carry_usage_or_error(payload: &[u8]) -> bool {
+    if find(payload, b"\"error\"", 0).is_some() {
+        return true;
+    }
+    let mut from = 0;
+    while let Some(i) = find(payload, b"\"usage\"", from) {
+        let after = &payload[i + 7..payload.len().min(i + 24)];
+        let value = trim_start(after, |c| matches!(c, b' ' | b'\t' | b'\r' | b'\n' | b':'));
+        if !value.starts_with(b"null") {
+            return true;
+        }
+        from = i + 7;
+    }
+    false
+}
+
+fn trim_start(b: &[u8], strip: impl Fn(u8) -> bool) -> &[u8] {
+    let start = b.iter().position(|&c| !strip(c)).unwrap_or(b.len());
+    &b[start..]
+}
+
+/// Appends the generated text of `choices` to `out`; returns whether there was any.
+fn collect_text(choices: &[Value], out: &mut Vec<String>) -> bool {
+    let mut found = false;
+    let mut take = |v: Option<&Value>| {
+        if let Some(Value::String(s)) = v {
+            if !s.is_empty() {
+                out.push(s.clone());
+                found = true;
+            }
+        }
+    };
+    for choice in choices {
+        let Value::Object(choice) = choice else {
+            continue;
+        };
+        take(choice.get("text"));
+        let Some(Value::Object(delta)) = choice.get("delta") else {
+            continue;
+        };
+        for key in ["content", "reasoning_content", "reasoning"] {
+            take(delta.get(key));
+        }
+        if let Some(Value::Array(calls)) = delta.get("tool_calls") {
+            for call in calls {
+                if let Some(Value::Object(f)) = call.get("function") {
+                    take(f.get("name"));
+                    take(f.get("arguments"));
+                }
+            }
+        }
+    }
+    found
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn chunk(text: &str) -> Vec<u8> {
+        format!(
+            "data: {{\"choices\":[{{\"index\":0,\"delta\":{{\"content\":{}}}}}],\"usage\":null}}\n\n",
+            serde_json::to_string(text).unwrap()
+        )
+        .into_bytes()
+    }
+
+    const USAGE: &[u8] =
+        b"data: {\"choices\":[],\"usage\":{\"prompt_tokens\":3,\"completion_tokens\":2}}\n\n";
+
+    #[test]
+    fn whole_stream_in_one_read_is_passed_through_and_read() {
+        let mut stream = chunk("Hel");
+        stream.extend(chunk("lo"));
+        stream.extend_from_slice(USAGE);
+        stream.extend_from_slice(b"data: [DONE]\n\n");
+        let mut insp = SseInspector::new(false);
+        assert_eq!(insp.feed(&stream), Fed::Same);
+        assert!(insp.done());
+        assert_eq!(insp.usage().unwrap()["prompt_tokens"], 3);
+        assert_eq!(insp.delivered_text(), ["Hel", "lo"]);
+        assert_eq!(insp.content_chunks(), 2);
+    }
+
+    #[test]
+    fn usage_chunk_is_stripped_when_asked() {
+        let mut stream = chunk("a");
+        stream.extend_from_slice(USAGE);
+        stream.extend_from_slice(b"data: [DONE]\n\n");
+        let mut insp = SseInspector::new(true);
+        let Fed::Bytes(out) = insp.feed(&stream) else {
+            panic!("a chunk was stripped")
+        };
+        let mut want = chunk("a");
+        want.extend_from_slice(b"data: [DONE]\n\n");
+        assert_eq!(out, want);
+        assert_eq!(insp.usage().unwrap()["completion_tokens"], 2);
+    }
+
+    #[test]
+    fn partial_events_are_held_until_complete() {
+        let whole = chunk("xyz");
+        let mut insp = SseInspector::new(false);
+        assert_eq!(insp.feed(&whole[..10]), Fed::Bytes(Vec::new()));
+        assert_eq!(insp.feed(&whole[10..]), Fed::Bytes(whole.clone()));
+        assert_eq!(insp.delivered_text(), ["xyz"]);
+    }
+
+    #[test]
+    fn crlf_and_cr_events_split_like_python() {
+        let mut insp = SseInspector::new(false);
+        let data = b"data: {\"choices\":[{\"text\":\"a\"}]}\r\n\r\ndata: {\"choices\":[{\"text\":\"b\"}]}\r\r";
+        assert_eq!(insp.feed(data), Fed::Same);
+        assert_eq!(insp.delivered_text(), ["a", "b"]);
+        assert_eq!(
+            lines(b"a\r\nb\rc\n\nd").collect::<Vec<_>>(),
+            [&b"a"[..], b"b", b"c", b"", b"d"]
+        );
+        assert_eq!(trim(b" \x0b[DONE]\x0c\t"), b"[DONE]");
+    }
+
+    #[test]
+    fn error_events_and_garbage() {
+        let mut insp = SseInspector::new(false);
+        let data =
+            b": keep-alive\n\ndata: not json\n\ndata: {\"error\":{\"message\":\"boom\"}}\n\n";
+        assert_eq!(insp.feed(data), Fed::Same);
+        assert_eq!(insp.error().unwrap()["message"], "boom");
+        assert!(!insp.done());
+        assert_eq!(insp.flush(), b"");
+        let mut tail = SseInspector::new(false);
+        assert_eq!(
+            tail.feed(b"data: {\"choices\":[{\"text\":\"t\"}]}"),
+            Fed::Bytes(Vec::new())
+        );
+        assert_eq!(tail.flush(), b"data: {\"choices\":[{\"text\":\"t\"}]}");
+        assert_eq!(tail.delivered_text(), ["t"]);
+    }
+
+    #[test]
+    fn usage_words_inside_text_are_only_text() {
+        assert!(!may_carry_usage_or_error(&chunk(
+            "\"usage\": {} and \"error\""
+        )));
+        assert!(may_carry_usage_or_error(b"{\"usage\" : {\"a\":1}}"));
+        assert!(!may_carry_usage_or_error(
+            b"{\"usage\":null,\"x\":{\"usage\": null}}"
+        ));
+    }
+}
