@@ -426,6 +426,20 @@ class AdmissionController:
         Raises:
             InvalidConfigError: unknown backend or tenant id.
         """
+    def refusal_headers(
+        self, backend: int, tenant: int, retry_after: float | None, reason: str
+    ) -> list[tuple[str, str]]:
+        """The headers of a refusal, as ``(name, value)`` pairs: :meth:`rate_limit_headers`,
+        then ``Retry-After`` (RFC 9110 whole seconds, rounded up, at least 1) and
+        ``retry-after-ms`` (rounded up, at least 1; the official OpenAI Python client reads it
+        first) for a wait of ``retry_after`` seconds — or, when ``retry_after`` is ``None``
+        (never admissible), ``x-should-retry: false`` and no ``Retry-After`` — then
+        ``x-kvgate-reject-reason: <reason>`` and ``Content-Type: application/json``.
+
+        Raises:
+            InvalidConfigError: unknown backend or tenant id.
+            TypeError: ``retry_after`` not a number or ``None``; ``reason`` not a ``str``.
+        """
     def tenant_state(self, tenant: int) -> dict[str, object]:
         """Snapshot: name, priority, guaranteed_slots (on each backend of
         guaranteed_backends), guaranteed_backends (ids of the registered backends its

@@ -35,11 +35,9 @@ from kvgate.metrics import GatewayMetrics
 from kvgate.proxy.deadline import Watchdog
 from kvgate.proxy.handler import (
     INLINE_ANALYSIS_BYTES,
-    REJECT_REASON_HEADER,
     error_response,
 )
 from kvgate.proxy.relay import copy_headers
-from kvgate.ratelimit_headers import retry_after_headers
 
 __all__ = [
     "PRIORITY_CLASSES",
@@ -244,6 +242,23 @@ class Gateway:
             with contextlib.suppress(ValueError):
                 wait_ms = min(wait_ms, max(0, int(asked)))
         return wait_ms / 1000.0
+
+    def refusal_stands(
+        self, request: web.BaseRequest, backend: Backend, tenant: Tenant, refusal: Any
+    ) -> bool:
+        """Whether the core's refusal on the fast path is the answer as it is (decided without
+        an await): not in shadow mode, and waiting could not change it — no wait queue, never
+        admissible, a shed class, or no wait allowed for this tenant and request. Otherwise
+        :meth:`admit_slow` decides."""
+        if self.shadow(backend, tenant):
+            return False
+        return (
+            self.queue is None
+            or refusal.never
+            or refusal.reason == "shed"
+            or tenant.max_wait_ms <= 0
+            or self.max_wait(request, tenant) <= 0
+        )
 
     async def admit_slow(
         self,
@@ -489,10 +504,11 @@ class Gateway:
         ``x-ratelimit-*`` headers and ``x-kvgate-reject-reason``."""
         reason: str = decision.reason
         never = bool(decision.never)
-        headers = self.limit_headers(backend, tenant)
-        headers.extend(retry_after_headers(None if never else decision.retry_after).items())
-        headers.append((REJECT_REASON_HEADER, reason))
-        headers.append(("Content-Type", "application/json"))
+        # x-ratelimit-*, Retry-After / retry-after-ms (or x-should-retry: false), the reason
+        # and Content-Type, from one state read in Rust
+        headers = self.controller.refusal_headers(
+            backend.id, tenant.id, None if never else decision.retry_after, reason
+        )
         name = model.name if model is not None else "this backend"
         if decision.scope == "tenant":
             status = 429

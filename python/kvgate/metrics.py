@@ -225,6 +225,7 @@ class GatewayMetrics:
         # the metrics above by flush() — before every scrape of this process, and every
         # FLUSH_SECONDS from the app (so other workers' scrapes see them in multiprocess mode).
         self._counts: dict[tuple[Any, tuple[str, ...]], float] = {}
+        self._refusals: dict[tuple[str, str, str], int] = {}  # (backend, tenant, reason)
         self._hists: dict[tuple[Any, tuple[str, ...]], list[float]] = {}
         self._bounds: dict[Any, tuple[float, ...]] = {
             self.admission_seconds: _LATENCY_BUCKETS,
@@ -253,6 +254,10 @@ class GatewayMetrics:
         """Add the batched counts and observations to the Prometheus metrics (and the core's
         leak count to ``kvgate_reservation_leaks_total``). Cheap when nothing happened."""
         counts, self._counts = self._counts, {}
+        refusals, self._refusals = self._refusals, {}
+        for (backend, tenant, reason), n in refusals.items():
+            self.rejections.labels(backend, reason).inc(n)
+            self.requests.labels(backend, tenant, "rejected").inc(n)
         for (metric, labels), amount in counts.items():
             (metric.labels(*labels) if labels else metric).inc(amount)
         hists, self._hists = self._hists, {}
@@ -262,9 +267,9 @@ class GatewayMetrics:
             # bucket (non-cumulative) and the sum, each with a public-shaped ``inc``
             # (tests/gateway/test_metrics_batch.py checks this against ``observe``)
             child._sum.inc(hist[0])
-            for bucket, n in zip(child._buckets, hist[1:], strict=True):
-                if n:
-                    bucket.inc(n)
+            for bucket, count in zip(child._buckets, hist[1:], strict=True):
+                if count:
+                    bucket.inc(count)
         self.sync_leaks()
 
     def request_done(self, backend: Any, tenant: Any, outcome: str) -> None:
@@ -279,9 +284,11 @@ class GatewayMetrics:
         )
 
     def rejected(self, backend: Any, tenant: Any, reason: str, seconds: float) -> None:
-        """Count an admission refusal."""
-        self._count(self.rejections, (backend.name, reason))
-        self._count(self.requests, (backend.name, tenant.name, "rejected"))
+        """Count an admission refusal (``kvgate_rejections_total``, ``kvgate_requests_total``
+        with outcome ``rejected``, the admission time)."""
+        key = (backend.name, tenant.name, reason)
+        refusals = self._refusals
+        refusals[key] = refusals.get(key, 0) + 1
         self._observe(self.admission_seconds, (), seconds)
 
     def admitted(self, backend: Any, tenant: Any, reserved: int, seconds: float) -> None:

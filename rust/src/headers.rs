@@ -99,6 +99,23 @@ pub fn rate_limit_headers(limits: &RateLimits) -> [String; 6] {
     ]
 }
 
+/// `Retry-After` (RFC 9110: whole seconds, rounded up, at least 1) and `retry-after-ms` (the
+/// milliseconds the official `OpenAI` Python client reads first, rounded up, at least 1) for a
+/// wait of `seconds`. Waits under 1 ms, negative or NaN count as 1 ms; beyond about 31,700
+/// years they are capped there.
+#[must_use]
+pub fn retry_after_values(seconds: f64) -> (String, String) {
+    const MAX_SECONDS: f64 = 1e12;
+    let s = if seconds.is_nan() {
+        0.001
+    } else {
+        seconds.clamp(0.001, MAX_SECONDS)
+    };
+    let secs = s.ceil().max(1.0) as u64;
+    let ms = (s * 1000.0).ceil().max(1.0) as u64;
+    (secs.to_string(), ms.to_string())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -129,6 +146,21 @@ mod tests {
         assert_eq!(go_duration_ns(1_500_000), "1.5ms");
         assert_eq!(go_duration_ns(HOUR), "1h0m0s");
         assert_eq!(go_duration_ns(i64::MAX as u64), GO_MAX);
+    }
+
+    #[test]
+    fn retry_after_rounds_up_to_whole_seconds_and_milliseconds() {
+        let pair = |a: &str, b: &str| (a.to_owned(), b.to_owned());
+        assert_eq!(retry_after_values(0.2), pair("1", "200"));
+        assert_eq!(retry_after_values(2.0001), pair("3", "2001"));
+        assert_eq!(retry_after_values(7.98), pair("8", "7980"));
+        assert_eq!(retry_after_values(0.0), pair("1", "1"));
+        assert_eq!(retry_after_values(-5.0), pair("1", "1"));
+        assert_eq!(retry_after_values(f64::NAN), pair("1", "1"));
+        assert_eq!(
+            retry_after_values(f64::INFINITY),
+            pair("1000000000000", "1000000000000000")
+        );
     }
 
     #[test]

@@ -20,6 +20,7 @@ use crate::admission::{
 };
 use crate::clock::{Clock, ManualClock as RustManualClock};
 use crate::error::{CoreError, MAX_AMOUNT};
+use crate::headers::RATE_LIMIT_HEADER_NAMES;
 use crate::priority::Priority;
 use crate::slots::SlotCounter;
 use crate::token_bucket::TokenBucket as RustBucket;
@@ -30,6 +31,8 @@ static NEVER_ADMISSIBLE: PyOnceLock<Py<PyType>> = PyOnceLock::new();
 static OVER_RELEASE: PyOnceLock<Py<PyType>> = PyOnceLock::new();
 static INVALID_CONFIG: PyOnceLock<Py<PyType>> = PyOnceLock::new();
 static SHARED_STATE: PyOnceLock<Py<PyType>> = PyOnceLock::new();
+/// The `x-ratelimit-*` header names, interned once.
+static RATE_LIMIT_NAMES: PyOnceLock<[Py<PyString>; 6]> = PyOnceLock::new();
 
 fn make_type(
     py: Python<'_>,
@@ -644,6 +647,29 @@ pub struct AdmissionController {
     core: Arc<Admission>,
 }
 
+impl AdmissionController {
+    /// The six `x-ratelimit-*` headers as Python `(name, value)` tuples.
+    fn rate_limit_pairs<'py>(
+        &self,
+        py: Python<'py>,
+        backend: u32,
+        tenant: u32,
+    ) -> PyResult<Vec<Bound<'py, PyTuple>>> {
+        let values = crate::headers::rate_limit_headers(&self.core.rate_limits(backend, tenant)?);
+        let names = RATE_LIMIT_NAMES.get_or_init(py, || {
+            RATE_LIMIT_HEADER_NAMES.map(|n| PyString::intern(py, n).unbind())
+        });
+        let mut pairs = Vec::with_capacity(10);
+        for (name, value) in names.iter().zip(values) {
+            pairs.push(PyTuple::new(
+                py,
+                [name.bind(py).clone(), PyString::new(py, &value)],
+            )?);
+        }
+        Ok(pairs)
+    }
+}
+
 #[pymethods]
 impl AdmissionController {
     #[new]
@@ -844,20 +870,34 @@ impl AdmissionController {
         backend: u32,
         tenant: u32,
     ) -> PyResult<Bound<'py, PyList>> {
-        let values = crate::headers::rate_limit_headers(&self.core.rate_limits(backend, tenant)?);
-        let names = [
-            intern!(py, "x-ratelimit-limit-requests"),
-            intern!(py, "x-ratelimit-remaining-requests"),
-            intern!(py, "x-ratelimit-reset-requests"),
-            intern!(py, "x-ratelimit-limit-tokens"),
-            intern!(py, "x-ratelimit-remaining-tokens"),
-            intern!(py, "x-ratelimit-reset-tokens"),
-        ];
-        let pairs = names
-            .into_iter()
-            .zip(values)
-            .map(|(name, value)| PyTuple::new(py, [name.clone(), PyString::new(py, &value)]))
-            .collect::<PyResult<Vec<_>>>()?;
+        let pairs = self.rate_limit_pairs(py, backend, tenant)?;
+        PyList::new(py, pairs)
+    }
+
+    #[pyo3(signature = (backend, tenant, retry_after, reason))]
+    fn refusal_headers<'py>(
+        &self,
+        py: Python<'py>,
+        backend: u32,
+        tenant: u32,
+        retry_after: Option<f64>,
+        reason: &Bound<'py, PyString>,
+    ) -> PyResult<Bound<'py, PyList>> {
+        let mut pairs = self.rate_limit_pairs(py, backend, tenant)?;
+        let pair = |name: &Bound<'py, PyString>, value: Bound<'py, PyString>| {
+            PyTuple::new(py, [name.clone(), value])
+        };
+        if let Some(seconds) = retry_after {
+            let (secs, ms) = crate::headers::retry_after_values(seconds);
+            pairs.push(pair(intern!(py, "Retry-After"), PyString::new(py, &secs))?);
+            pairs.push(pair(intern!(py, "retry-after-ms"), PyString::new(py, &ms))?);
+        } else {
+            let no = intern!(py, "false").clone();
+            pairs.push(pair(intern!(py, "x-should-retry"), no)?);
+        }
+        pairs.push(pair(intern!(py, "x-kvgate-reject-reason"), reason.clone())?);
+        let json = intern!(py, "application/json").clone();
+        pairs.push(pair(intern!(py, "Content-Type"), json)?);
         PyList::new(py, pairs)
     }
 

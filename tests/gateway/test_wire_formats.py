@@ -12,9 +12,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvgate import AdmissionController, InvalidConfigError, ManualClock
+from kvgate._core import go_duration
 from kvgate.errors import reshape_upstream_error
 from kvgate.proxy.sse import SSEInspector
-from kvgate.ratelimit_headers import go_duration, retry_after_headers
 
 FIXTURES = Path(__file__).parent.parent / "fixtures" / "responses"
 STREAM = (FIXTURES / "openai-chat-stream-n2-tools-include-usage.sse").read_bytes()
@@ -152,9 +152,30 @@ def test_go_duration_matches_go(seconds: float, text: str) -> None:
 
 
 def test_retry_after_rounds_up_and_never_is_explicit() -> None:
-    assert retry_after_headers(0.2) == {"Retry-After": "1", "retry-after-ms": "200"}
-    assert retry_after_headers(2.0001)["Retry-After"] == "3"
-    assert retry_after_headers(None) == {"x-should-retry": "false"}
+    ctl = AdmissionController()
+    b = ctl.add_backend("b", max_concurrency=4, tokens_per_minute=600)
+    t = ctl.add_tenant("t", priority="standard")
+
+    def refusal(retry_after: float | None) -> dict[str, str]:
+        pairs = ctl.refusal_headers(b, t, retry_after, "backend-tpm")
+        names = [name for name, _ in pairs]
+        assert names[:6] == [name for name, _ in ctl.rate_limit_headers(b, t)]
+        assert names[-2:] == ["x-kvgate-reject-reason", "Content-Type"]
+        return dict(pairs)
+
+    h = refusal(0.2)
+    assert (h["Retry-After"], h["retry-after-ms"]) == ("1", "200")
+    assert h["x-kvgate-reject-reason"] == "backend-tpm"
+    assert h["Content-Type"] == "application/json"
+    assert "x-should-retry" not in h
+    assert refusal(2.0001)["Retry-After"] == "3"
+    assert refusal(-1.0)["retry-after-ms"] == "1"
+    never = refusal(None)  # never admissible: no Retry-After at all
+    assert never["x-should-retry"] == "false"
+    assert "Retry-After" not in never
+    assert "retry-after-ms" not in never
+    with pytest.raises(TypeError):
+        ctl.refusal_headers(b, t, "soon", "backend-tpm")  # type: ignore[arg-type]
 
 
 def test_rate_limit_headers_never_negative() -> None:

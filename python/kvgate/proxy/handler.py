@@ -29,7 +29,6 @@ __all__ = ["handle_inference", "handle_passthrough"]
 INLINE_ANALYSIS_BYTES = 16_384
 
 INFERENCE_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
-REJECT_REASON_HEADER = "x-kvgate-reject-reason"
 
 
 def error_response(err: GatewayError) -> web.Response:
@@ -156,7 +155,8 @@ async def handle_inference(gw: Gateway, request: web.BaseRequest) -> web.StreamR
         gw.controller.admit(backend.id, tenant.id, priority, tokens) if not gw.queue else None
     )
     if decision is None or not decision.admitted:
-        decision = await gw.admit_slow(request, backend, tenant, priority, tokens, decision)
+        if decision is None or not gw.refusal_stands(request, backend, tenant, decision):
+            decision = await gw.admit_slow(request, backend, tenant, priority, tokens, decision)
         if not decision.admitted:
             gw.metrics.rejected(backend, tenant, decision.reason, time.perf_counter() - started)
             return gw.rejection_response(decision, backend, tenant, model, tokens)
