@@ -482,6 +482,11 @@ class SSEInspector:
     def usage(self) -> dict[str, Any] | None:
         """The last non-null ``usage`` object seen (as ``json.loads`` gives it), or ``None``."""
     @property
+    def usage_tokens(self) -> tuple[int | None, int | None] | None:
+        """``(prompt_tokens, completion_tokens)`` of :attr:`usage`, each only when it is a
+        non-negative integer (else ``None``); ``None`` when no usage was seen. What settling a
+        reservation needs, without building the dict."""
+    @property
     def error(self) -> dict[str, Any] | None:
         """The ``error`` object of an error event, if one was seen."""
     @property

@@ -40,6 +40,11 @@ impl PySseInspector {
     }
 
     #[getter]
+    fn usage_tokens(&self) -> Option<(Option<u64>, Option<u64>)> {
+        self.inner.usage_tokens()
+    }
+
+    #[getter]
     fn error<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyAny>>> {
         self.inner.error().map(|v| to_py(py, v)).transpose()
     }

@@ -119,6 +119,14 @@ impl SseInspector {
         self.usage.as_ref()
     }
 
+    /// `prompt_tokens` and `completion_tokens` of the last usage object seen, each only when it
+    /// is a non-negative integer; `None` when no usage was seen.
+    pub fn usage_tokens(&self) -> Option<(Option<u64>, Option<u64>)> {
+        let usage = self.usage.as_ref()?;
+        let count = |key| usage.get(key).and_then(Value::as_u64);
+        Some((count("prompt_tokens"), count("completion_tokens")))
+    }
+
     /// The `error` object of an error event, if one was seen.
     pub fn error(&self) -> Option<&Value> {
         self.error.as_ref()
@@ -345,6 +353,7 @@ mod tests {
         assert_eq!(insp.feed(&stream), Fed::Same);
         assert!(insp.done());
         assert_eq!(insp.usage().unwrap()["prompt_tokens"], 3);
+        assert_eq!(insp.usage_tokens(), Some((Some(3), Some(2))));
         assert_eq!(insp.delivered_text(), ["Hel", "lo"]);
         assert_eq!(insp.content_chunks(), 2);
     }

@@ -184,6 +184,38 @@ async def test_content_length_over_cap_is_413_before_reading(gateway_for) -> Non
             assert up.requests == []
 
 
+async def test_chunked_body_that_arrives_whole_is_capped_and_read(gateway_for) -> None:
+    """A chunked body (no Content-Length) that arrived with its head is taken without waiting:
+    over the cap it is still refused (413), under it the request goes through."""
+
+    def chunked(payload: bytes) -> bytes:
+        return (
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+            b"Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
+            + f"{len(payload):x}\r\n".encode()
+            + payload
+            + b"\r\n0\r\n\r\n"
+        )
+
+    async def send(gw_url: str, raw: bytes) -> bytes:
+        reader, writer = await asyncio.open_connection(*gw_url[7:].split(":"))
+        writer.write(raw)  # head and whole body in one write
+        await writer.drain()
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+        writer.close()
+        return head
+
+    async with run_upstream() as up:
+        async with gateway_for(config_for(up.url, ["replay"], max_body_bytes=2_000)) as gw:
+            big = b'{"model": "replay", "messages": [], "pad": "' + b"x" * 3_000 + b'"}'
+            assert (await send(gw.url, chunked(big))).startswith(b"HTTP/1.1 413")
+            small = orjson.dumps(
+                {"model": "replay", "messages": [{"role": "user", "content": "x"}], "max_tokens": 5}
+            )
+            assert (await send(gw.url, chunked(small))).startswith(b"HTTP/1.1 200")
+            assert len(up.requests) == 1
+
+
 @pytest.mark.parametrize(("model", "status"), [("hang", 504), ("error500", 500)])
 async def test_upstream_failures_before_headers(gateway_for, model: str, status: int) -> None:
     async with run_upstream() as up:

@@ -190,6 +190,7 @@ class PriorityWaitQueue(Generic[T]):
         "_on_wait",
         "_redrain",
         "_seq",
+        "waiting",
     )
 
     def __init__(
@@ -212,6 +213,9 @@ class PriorityWaitQueue(Generic[T]):
             OrderedDict() for _ in PRIORITY_CLASSES
         )
         self._count = [0] * len(PRIORITY_CLASSES)
+        #: Requests waiting, all classes (a plain attribute: the request path reads it on every
+        #: admission and release).
+        self.waiting = 0
         self._seq = 0
         self._draining = False
         self._redrain = False
@@ -243,7 +247,7 @@ class PriorityWaitQueue(Generic[T]):
         return sum(len(cls.get(tenant, ())) for cls in self._classes)
 
     def __len__(self) -> int:
-        return sum(self._count)
+        return self.waiting
 
     def __repr__(self) -> str:
         per_class = " ".join(
@@ -340,6 +344,7 @@ class PriorityWaitQueue(Generic[T]):
         )
         self._classes[rank].setdefault(tenant, OrderedDict())[waiter.seq] = waiter
         self._count[rank] += 1
+        self.waiting += 1
         waiter.timer = loop.call_later(max_wait, self._expire, waiter)
 
         fut = waiter.future
@@ -435,6 +440,7 @@ class PriorityWaitQueue(Generic[T]):
         elif admitted:
             cls.move_to_end(waiter.tenant)  # round-robin: this tenant had its turn
         self._count[waiter.rank] -= 1
+        self.waiting -= 1
         if self._on_wait is not None:
             try:
                 waited = self._now(waiter.future.get_loop()) - waiter.enqueued_at

@@ -150,9 +150,12 @@ async def handle_inference(gw: Gateway, request: web.BaseRequest) -> web.StreamR
         gw.metrics.request_done(None, tenant, f"rejected_{err.status}")
         return error_response(err)
     tokens = analysis.reserved_tokens
+    queue = gw.queue
     # fast path: nobody queued, admitted at once; else the priority wait queue decides
     decision = (
-        gw.controller.admit(backend.id, tenant.id, priority, tokens) if not gw.queue else None
+        gw.controller.admit(backend.id, tenant.id, priority, tokens)
+        if queue is None or not queue.waiting
+        else None
     )
     if decision is None or not decision.admitted:
         if decision is None or not gw.refusal_stands(request, backend, tenant, decision):
@@ -186,8 +189,8 @@ async def handle_inference(gw: Gateway, request: web.BaseRequest) -> web.StreamR
     finally:
         actual = _actual_tokens(analysis, result)
         decision.release(actual)
-        if gw.queue:
-            gw.queue.notify()
+        if queue is not None and queue.waiting:
+            queue.notify()
         gw.metrics.settled(backend, tenant, analysis.reserved_tokens, actual, result)
 
 

@@ -208,15 +208,15 @@ def _settle_from_body(raw: bytes, result: RelayResult) -> None:
         return
     usage = data.get("usage") if isinstance(data, dict) else None
     if isinstance(usage, dict):
-        _take_usage(usage, result)
+        _take_usage(usage.get("prompt_tokens"), usage.get("completion_tokens"), result)
 
 
-def _take_usage(usage: dict[str, Any], result: RelayResult) -> None:
-    prompt = usage.get("prompt_tokens")
-    completion = usage.get("completion_tokens")
-    if isinstance(prompt, int) and prompt >= 0:
+def _take_usage(prompt: object, completion: object, result: RelayResult) -> None:
+    """Settle from the engine's counts, each only when it is a non-negative integer (not a
+    bool)."""
+    if type(prompt) is int and prompt >= 0:
         result.prompt_tokens = prompt
-    if isinstance(completion, int) and completion >= 0:
+    if type(completion) is int and completion >= 0:
         result.completion_tokens = completion
         result.usage_from_engine = True
 
@@ -280,8 +280,9 @@ async def _relay_stream(
         # cancelled): not an error of ours; the caller releases everything
         result.outcome = "client_disconnect"
     finally:
-        if inspector.usage is not None:
-            _take_usage(inspector.usage, result)
+        counts = inspector.usage_tokens
+        if counts is not None:
+            _take_usage(*counts, result)
         if not result.usage_from_engine:
             text = "".join(inspector.delivered_text)
             counted = count_text(text) if (count_text is not None and text) else 0
