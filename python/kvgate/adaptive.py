@@ -138,7 +138,10 @@ class AdaptiveSink:
         b = self._gw.backend_named(backend)
         b.stale = stale
         self._gw.metrics.metrics_stale.labels(backend).set(1 if stale else 0)
-        if stale:
+        if stale and backend in self.laws:
+            logger.warning(
+                "backend %s: limits go to the floor scale until its metrics come back", backend
+            )
             self._apply(backend, None, 0)
 
     def on_health(self, backend: str, healthy: bool, now: float) -> None:

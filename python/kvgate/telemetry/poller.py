@@ -293,8 +293,7 @@ class MetricsPoller:
         if not st.stale and now - since >= st.target.stale_after:
             st.stale = True
             logger.warning(
-                "backend %s: engine metrics stale (no good scrape for %.1f s; last error: %s); "
-                "limits go to the floor scale until they come back",
+                "backend %s: engine metrics stale (no good scrape for %.1f s; last error: %s)",
                 st.target.name,
                 now - since,
                 st.last_error,
