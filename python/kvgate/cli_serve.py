@@ -69,9 +69,12 @@ class _BadHttpToDebug(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         from aiohttp.http_exceptions import HttpProcessingError
+        from aiohttp.web_protocol import RequestPayloadError
 
         exc = record.exc_info[1] if record.exc_info else None
-        if isinstance(exc, HttpProcessingError):
+        # RequestPayloadError: an undecodable Content-Encoding or broken chunking, already
+        # answered 400 by the handler, raised again when aiohttp drains the body afterwards
+        if isinstance(exc, (HttpProcessingError, RequestPayloadError)):
             record.levelno, record.levelname = logging.DEBUG, "DEBUG"
             return logging.getLogger(record.name).isEnabledFor(logging.DEBUG)
         return True

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import signal
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any
@@ -23,11 +24,19 @@ import aiohttp
 from aiohttp import web
 
 from kvgate.app import GET_ENDPOINTS, handle_unknown
+from kvgate.errors import GatewayError
 from kvgate.metrics import FLUSH_SECONDS
-from kvgate.proxy.handler import INFERENCE_ROUTES, handle_inference, handle_passthrough
+from kvgate.proxy.handler import (
+    INFERENCE_ROUTES,
+    error_response,
+    handle_inference,
+    handle_passthrough,
+)
 
 if TYPE_CHECKING:
     from kvgate.app import Gateway
+
+logger = logging.getLogger("kvgate.serve")
 
 __all__ = ["Dispatcher", "gateway_runtime", "make_server", "run_gateway", "serve_forever"]
 
@@ -35,6 +44,7 @@ __all__ = ["Dispatcher", "gateway_runtime", "make_server", "run_gateway", "serve
 class Dispatcher:
     """The routing table, called by aiohttp for each request.
 
+    A path with a ``.`` or ``..`` segment (also percent-encoded) → 400 ``invalid_path``.
     ``POST`` on an inference route (``/v1/chat/completions``, ``/v1/completions``,
     ``/v1/embeddings``) → :func:`kvgate.proxy.handler.handle_inference`; ``GET`` (or ``HEAD``)
     on ``/v1/models``, ``/metrics``, ``/healthz``, ``/readyz``, ``/admin/state`` → the gateway's
@@ -52,6 +62,10 @@ class Dispatcher:
     def __call__(self, request: web.BaseRequest) -> Awaitable[web.StreamResponse]:
         path = request.path
         method = request.method
+        if "/." in path and _dot_segment(path):
+            # `/v1/../x` (or `%2e%2e`) would reach any engine URL once the upstream client
+            # normalises it, past the inference routes' accounting: refused, never resolved
+            return _refuse_dot_segment(path)
         if method == "POST" and path in INFERENCE_ROUTES:
             return handle_inference(self._gateway, request)
         if method in ("GET", "HEAD"):
@@ -63,20 +77,38 @@ class Dispatcher:
         return handle_unknown(self._gateway, request)
 
 
+def _dot_segment(path: str) -> bool:
+    """Whether the (decoded) path has a ``.`` or ``..`` segment."""
+    return any(seg in (".", "..") for seg in path.split("/"))
+
+
+async def _refuse_dot_segment(path: str) -> web.Response:
+    return error_response(
+        GatewayError(
+            400,
+            f"The path {path!r} has a '.' or '..' segment; send the resolved path.",
+            "invalid_request_error",
+            code="invalid_path",
+        )
+    )
+
+
 def make_server(gateway: Gateway) -> web.Server:
     """aiohttp's low-level server for ``gateway``, created inside the running loop.
 
-    Requests carry the body cap as ``client_max_size`` (a chunked body over it is cut off while
+    Requests carry the body cap (``gateway.max_body_bytes`` when the request arrives, so a reload
+    applies to the next request) as ``client_max_size`` (a chunked body over it is cut off while
     it is read); ``handler_cancellation=True`` so a client disconnect cancels the handler at
     once, even while it waits for the engine; keep-alive connections idle for
     ``timeouts.client_header`` seconds are closed; no access log.
     """
     loop = asyncio.get_running_loop()
-    cap = gateway.max_body_bytes
 
     def request_factory(
         message: Any, payload: Any, protocol: Any, writer: Any, task: Any
     ) -> web.BaseRequest:
+        # the cap is read per request: a reload may change it
+        cap = gateway.max_body_bytes
         return web.BaseRequest(message, payload, protocol, writer, task, loop, client_max_size=cap)
 
     return web.Server(
@@ -162,7 +194,8 @@ async def run_gateway(
     ``kvgate serve``, the tests, the demo and embedding applications.
     """
     async with gateway_runtime(gateway):
-        runner = web.ServerRunner(make_server(gateway), shutdown_timeout=shutdown_timeout)
+        server = make_server(gateway)
+        runner = web.ServerRunner(server, shutdown_timeout=shutdown_timeout)
         await runner.setup()
         try:
             site = web.TCPSite(runner, host, port, reuse_port=reuse_port)
@@ -170,7 +203,21 @@ async def run_gateway(
             bound = runner.addresses[0][1]
             yield f"http://{host}:{bound}"
         finally:
-            await runner.cleanup()
+            # aiohttp's drain waits `shutdown_timeout`, then only stops reading request bodies
+            # and waits as long again; the deadline is ours: at `shutdown_timeout` every
+            # connection still open is closed, which cancels its handler (handler_cancellation)
+            # and so releases what it holds
+            loop = asyncio.get_running_loop()
+            cut = loop.call_later(shutdown_timeout, _close_connections, server)
+            try:
+                await runner.cleanup()
+            finally:
+                cut.cancel()
+
+
+def _close_connections(server: web.Server) -> None:
+    for connection in server.connections:
+        connection.force_close()
 
 
 async def serve_forever(
@@ -184,11 +231,13 @@ async def serve_forever(
 ) -> None:
     """``kvgate serve``'s main coroutine: serve until SIGTERM or SIGINT, then drain (see
     :func:`run_gateway`). A second signal during the drain changes nothing (SIGKILL forces a
-    stop)."""
+    stop). SIGHUP reloads the configuration file, or is logged and ignored without one."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    if not gateway.config_path:  # with a file, gateway_runtime reloads it on SIGHUP
+        loop.add_signal_handler(signal.SIGHUP, _nothing_to_reload)
     try:
         async with run_gateway(
             gateway,
@@ -201,5 +250,9 @@ async def serve_forever(
                 on_ready(url)
             await stop.wait()
     finally:
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             loop.remove_signal_handler(sig)
+
+
+def _nothing_to_reload() -> None:
+    logger.warning("SIGHUP ignored: started without --config, there is no file to reload")

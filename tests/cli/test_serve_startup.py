@@ -64,6 +64,7 @@ def test_malformed_http_is_not_logged_as_an_error() -> None:
     import logging
 
     from aiohttp.http_exceptions import BadHttpMessage
+    from aiohttp.web_protocol import RequestPayloadError
 
     from kvgate.cli_serve import _BadHttpToDebug
 
@@ -85,6 +86,10 @@ def test_malformed_http_is_not_logged_as_an_error() -> None:
     bad = record(BadHttpMessage("Duplicate Content-Length"))
     assert flt.filter(bad) is False
     assert bad.levelno == logging.DEBUG
+    # an undecodable Content-Encoding, answered 400, raised again when aiohttp drains the body
+    payload = record(RequestPayloadError("Can not decode content-encoding: gzip"))
+    assert flt.filter(payload) is False
+    assert payload.levelno == logging.DEBUG
     real = record(RuntimeError("a bug of ours"))
     assert flt.filter(real) is True
     assert real.levelno == logging.ERROR

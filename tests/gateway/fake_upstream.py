@@ -11,6 +11,8 @@ The request's ``model`` picks a behaviour:
 * ``die`` — sends the headers and two events, then drops the connection.
 * ``error500`` — answers 500 with a vLLM-style flat error body.
 * ``stall`` — non-streaming: sends the headers and the start of the body, then nothing.
+* ``absurd`` — non-streaming: usage counts of 2**62 + 1 (past what the core accepts).
+* ``late`` — the response head after 0.3 s, then a chunk every 50 ms for 10 s.
 
 ``Upstream.active`` counts handlers in progress; ``Upstream.cancelled`` counts handlers that ended
 because the gateway closed the connection (the engine-side abort).
@@ -92,6 +94,19 @@ async def _behave(request: web.Request, body: dict) -> web.StreamResponse:
             b' "param": null, "code": 500}',
             content_type="application/json",
         )
+    if model == "absurd":  # usage counts past anything the core accepts (2**62)
+        big = 2**62 + 1
+        absurd = {**COMPLETION, "usage": {"prompt_tokens": big, "completion_tokens": big}}
+        return web.Response(body=orjson.dumps(absurd), content_type="application/json")
+    if model == "late":  # the head after 0.3 s, then a chunk every 50 ms for 10 s
+        await asyncio.sleep(0.3)
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for i in range(200):
+            chunk = {"choices": [{"index": 0, "delta": {"content": f"t{i} "}}]}
+            await resp.write(b"data: " + orjson.dumps(chunk) + b"\n\n")
+            await asyncio.sleep(0.05)
+        return resp
     if model == "stall":
         resp = web.StreamResponse(headers={"Content-Type": "application/json"})
         await resp.prepare(request)

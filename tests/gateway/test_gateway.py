@@ -530,6 +530,136 @@ async def test_non_streaming_body_that_stalls_times_out_after_idle(gateway_for) 
             assert loop.time() - t0 < 30  # idle (0.3 s), not total (60 s)
             await _until(lambda: gw.backend_state()["in_use"] == 0)
             await _until(lambda: up.cancelled == 1)
+            metrics = gw.gateway.metrics
+            metrics.flush()
+            outcome = metrics.requests.labels("b0", "anonymous", "upstream_timeout")
+            assert outcome._value.get() == 1  # counted as what it was, not as "ok"
+            assert metrics.requests.labels("b0", "anonymous", "ok")._value.get() == 0
+
+
+async def test_total_timeout_counts_from_the_start_of_the_request(gateway_for) -> None:
+    async with run_upstream() as up:
+        cfg = config_for(up.url, ["late"], timeouts={"first_byte": 0.7, "idle": 0.7, "total": 0.8})
+        async with gateway_for(cfg) as gw, aiohttp.ClientSession() as s:
+            loop = asyncio.get_running_loop()
+            t0 = loop.time()
+            body = {"model": "late", "stream": True, "messages": [{"role": "user", "content": "x"}]}
+            async with s.post(gw.url + "/v1/chat/completions", json=body) as r:
+                assert r.status == 200
+                raw = await r.read()
+            took = loop.time() - t0
+            assert b'"code":"upstream_timeout"' in raw  # the stream ends with an error event
+            # 0.8 s from the request (+ up to one 50 ms watchdog sweep), not 0.3 s + 0.8 s
+            assert 0.8 <= took < 1.05
+            await _until(lambda: gw.backend_state()["in_use"] == 0)
+
+
+async def test_absurd_usage_from_the_engine_is_ignored_and_nothing_leaks(gateway_for) -> None:
+    async with run_upstream() as up, gateway_for(config_for(up.url, ["absurd"])) as gw:
+        async with aiohttp.ClientSession() as s:
+            body = {
+                "model": "absurd",
+                "max_tokens": 5,
+                "messages": [{"role": "user", "content": "x"}],
+            }
+            async with s.post(gw.url + "/v1/chat/completions", json=body) as r:
+                assert r.status == 200
+                assert (await r.json())["usage"]["completion_tokens"] == 2**62 + 1
+        state = gw.backend_state()
+        assert state["in_use"] == 0
+        assert state["inflight_tokens"] == 0
+        assert gw.gateway.controller.leaks == 0
+        metrics = gw.gateway.metrics
+        metrics.flush()
+        # settled from the gateway's own prompt count (the engine's was ignored)
+        assert 0 < metrics.tenant_tokens.labels("anonymous")._value.get() < 64
+        assert metrics.requests.labels("b0", "anonymous", "ok")._value.get() == 1
+
+
+@pytest.mark.parametrize("path", ["/v1/../health", "/v1/%2e%2e/metrics", "/v1/./models", "/.."])
+async def test_dot_segments_never_reach_the_engine(gateway_for, path: str) -> None:
+    async with run_upstream() as up, gateway_for(config_for(up.url, ["replay"])) as gw:
+        reader, writer = await asyncio.open_connection(*gw.url[7:].split(":"))
+        writer.write(f"GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n".encode())
+        await writer.drain()
+        raw = await asyncio.wait_for(reader.read(), 5)
+        writer.close()
+        head, _, body = raw.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 400"), head
+        assert json.loads(body)["error"]["code"] == "invalid_path"
+        assert up.requests == []
+
+
+async def test_expect_100_continue(gateway_for) -> None:
+    async with run_upstream() as up, gateway_for(config_for(up.url, ["replay"])) as gw:
+        body = orjson.dumps(
+            {"model": "replay", "max_tokens": 5, "messages": [{"role": "user", "content": "x"}]}
+        )
+        reader, writer = await asyncio.open_connection(*gw.url[7:].split(":"))
+        writer.write(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            + f"Content-Length: {len(body)}\r\nExpect: 100-continue\r\n\r\n".encode()
+        )
+        await writer.drain()
+        interim = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 2)
+        assert interim == b"HTTP/1.1 100 Continue\r\n\r\n"
+        writer.write(body)
+        await writer.drain()
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+        assert head.startswith(b"HTTP/1.1 200")
+        writer.close()
+        # an expectation the gateway cannot meet: 417 at once, without waiting for the body
+        reader, writer = await asyncio.open_connection(*gw.url[7:].split(":"))
+        writer.write(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+            + f"Content-Length: {len(body)}\r\nExpect: something-else\r\n\r\n".encode()
+        )
+        await writer.drain()
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 2)
+        writer.close()
+        assert head.startswith(b"HTTP/1.1 417")
+        assert len(up.requests) == 1
+
+
+async def test_a_reload_that_lowers_the_body_cap_applies_to_trickled_bodies(gateway_for) -> None:
+    async with run_upstream() as up, gateway_for(config_for(up.url, ["replay"])) as gw:
+        gw.gateway.max_body_bytes = 1_000  # what a reload does (gateway_build.apply_config)
+        async with aiohttp.ClientSession() as s:
+
+            async def trickle():
+                for _ in range(10):
+                    yield b" " * 500
+                    await asyncio.sleep(0.01)
+
+            async with s.post(gw.url + "/v1/chat/completions", data=trickle()) as r:
+                assert r.status == 413
+        assert up.requests == []
+
+
+async def test_shutdown_cuts_streams_at_the_grace_period(gateway_for) -> None:
+    from kvgate.gateway_build import build_gateway
+    from kvgate.server import run_gateway
+
+    async with run_upstream() as up:
+        gateway = build_gateway(config_for(up.url, ["slow"]), poll=False)
+        loop = asyncio.get_running_loop()
+        chunks = 0
+        async with aiohttp.ClientSession() as s:
+            async with run_gateway(gateway, shutdown_timeout=1.0) as url:
+                body = {
+                    "model": "slow",
+                    "stream": True,
+                    "messages": [{"role": "user", "content": "x"}],
+                }
+                resp = await s.post(url + "/v1/chat/completions", json=body)
+                while chunks < 3:
+                    await resp.content.readline()
+                    chunks += 1
+                t0 = loop.time()
+            took = loop.time() - t0  # the stream runs for 10 s: only the grace period ends it
+            resp.close()
+        assert 0.9 <= took < 1.6  # the grace period (1 s), not aiohttp's twice that
+        assert gateway.controller.backend_state(0)["in_use"] == 0
 
 
 async def test_wrong_method_on_gateway_routes_is_405(gateway_for) -> None:

@@ -325,3 +325,32 @@ async def test_sigkill_worker_is_restarted_and_its_slots_reclaimed_then_sigterm(
         assert proc.returncode == 0, err.decode(errors="replace")[-2000:]
         async with aiohttp.ClientSession() as c, c.get(st["sim"] + "/sim/state") as r:
             assert (await r.json())["num_running"] == 0
+
+
+async def test_sighup_without_a_config_file_is_logged_not_fatal() -> None:
+    """Started from flags (no file to reload), SIGHUP must not kill the gateway (the default
+    action of SIGHUP) — single process and with --workers."""
+    for workers in ("1", "2"):
+        port = free_port()
+        proc = await start_kvgate(
+            "serve",
+            "--upstream",
+            "http://127.0.0.1:9",
+            "--model",
+            "m",
+            "--port",
+            str(port),
+            "--no-adaptive",
+            "--workers",
+            workers,
+        )
+        try:
+            await wait_http_up(f"http://127.0.0.1:{port}/healthz")
+            proc.send_signal(signal.SIGHUP)
+            await asyncio.sleep(0.5)
+            assert proc.returncode is None
+            await wait_http_up(f"http://127.0.0.1:{port}/healthz", timeout=5)
+        finally:
+            err = await stop_process(proc)
+        assert proc.returncode == 0
+        assert b"SIGHUP ignored" in err

@@ -17,6 +17,7 @@ import orjson
 from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
 
+from kvgate._core import MAX_AMOUNT
 from kvgate.errors import GatewayError
 from kvgate.proxy.relay import RelayResult, relay
 
@@ -29,6 +30,8 @@ __all__ = ["handle_inference", "handle_passthrough"]
 INLINE_ANALYSIS_BYTES = 16_384
 
 INFERENCE_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
+#: The gateway's own ``GET`` routes under ``/v1/`` (other methods: 405, never forwarded).
+GET_ONLY = ("/v1/models",)
 
 
 def error_response(err: GatewayError) -> web.Response:
@@ -46,12 +49,17 @@ async def read_body(request: web.BaseRequest, max_body_bytes: int, body_seconds:
     passes the cap (aiohttp's ``client_max_size``, set to the same cap by the app); a body that
     has not fully arrived after ``body_seconds`` is cut off.
 
+    A client that sent ``Expect: 100-continue`` is told to go on (``100 Continue``) once the
+    size cap passed.
+
     Raises:
-        GatewayError: 413 ``request_too_large``; 408 ``request_timeout``.
+        GatewayError: 413 ``request_too_large``; 408 ``request_timeout``; 417
+            ``expectation_failed`` (an ``Expect`` other than ``100-continue``).
     """
     body = body_if_complete(request, max_body_bytes)
     if body is not None:
         return body
+    await _continue(request)
     try:
         async with asyncio.timeout(body_seconds):
             return await request.read()
@@ -67,6 +75,29 @@ async def read_body(request: web.BaseRequest, max_body_bytes: int, body_seconds:
             code="request_timeout",
             headers={"Connection": "close"},
         ) from None
+
+
+async def _continue(request: web.BaseRequest) -> None:
+    """``Expect: 100-continue`` (RFC 9110 §10.1.1): tell the client to send the body now that
+    its head passed the checks that need no body (the size cap). Any other expectation → 417.
+
+    Raises:
+        GatewayError: 417 ``expectation_failed``.
+    """
+    expect = request.headers.get("Expect")
+    if expect is None:
+        return
+    if expect.lower() != "100-continue":
+        raise GatewayError(
+            417,
+            f"Unknown Expect: {expect!r} (only 100-continue is supported).",
+            "invalid_request_error",
+            code="expectation_failed",
+            headers={"Connection": "close"},
+        )
+    if request.version >= (1, 1):
+        await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        request.writer.output_size = 0  # the interim response is not part of the answer
 
 
 def body_if_complete(request: web.BaseRequest, max_body_bytes: int) -> bytes | None:
@@ -202,12 +233,23 @@ def _actual_tokens(analysis: Any, result: RelayResult) -> int:
     if result.outcome == "upstream_unreachable":
         return 0
     prompt = result.prompt_tokens if result.prompt_tokens is not None else analysis.prompt_tokens
-    return int(prompt) + int(result.completion_tokens)
+    # each count is at most MAX_AMOUNT (relay._take_usage); their sum must be too
+    return min(int(prompt) + int(result.completion_tokens), MAX_AMOUNT)
 
 
 async def handle_passthrough(gw: Gateway, request: web.BaseRequest) -> web.StreamResponse:
     """Anything else under ``/v1/``: forwarded with a slot but no token charge (DESIGN.md).
     A wrong method on an inference route is answered here (405), not by the engine."""
+    if request.path in GET_ONLY:
+        return error_response(
+            GatewayError(
+                405,
+                f"{request.method} is not allowed on {request.path}; use GET.",
+                "invalid_request_error",
+                code="method_not_allowed",
+                headers={"Allow": "GET"},
+            )
+        )
     if request.path in INFERENCE_ROUTES:
         return error_response(
             GatewayError(

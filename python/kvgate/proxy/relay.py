@@ -18,6 +18,7 @@ import aiohttp
 import orjson
 from aiohttp import web
 
+from kvgate._core import MAX_AMOUNT
 from kvgate.errors import error_body, reshape_upstream_error, upstream_failed, upstream_timeout
 from kvgate.proxy.deadline import Deadline, Watchdog
 from kvgate.proxy.sse import SSEInspector
@@ -119,6 +120,11 @@ async def relay(
     started = time.perf_counter()
     deadline = watchdog.deadline()
     loop = asyncio.get_running_loop()
+    # `total` bounds the whole request, from here; `first_byte` the wait for the answer's head
+    end = None if timeouts.total is None else loop.time() + timeouts.total
+    first = loop.time() + timeouts.first_byte
+    if end is not None and end < first:
+        first = end
     upstream: aiohttp.ClientResponse | None = None
     headers = {"Content-Type": "application/json"}
     auth = request.headers.get("X-Upstream-Authorization")
@@ -126,7 +132,7 @@ async def relay(
         headers["Authorization"] = auth
     try:
         try:
-            with deadline.at(loop.time() + timeouts.first_byte):
+            with deadline.at(first):
                 upstream = await session.post(url, data=body, headers=headers)
         except TimeoutError:
             result.outcome = "upstream_timeout"
@@ -137,7 +143,7 @@ async def relay(
         result.ttft = time.perf_counter() - started
         if upstream.status >= 400:
             result.outcome = "upstream_error"
-            raw = await _read_all(upstream, timeouts, deadline)
+            raw = await _read_all(upstream, timeouts, deadline, end, result)
             result.status = upstream.status
             return web.Response(
                 status=upstream.status,
@@ -151,11 +157,12 @@ async def relay(
                 strip_usage_chunk,
                 timeouts,
                 deadline,
+                end,
                 extra_headers,
                 count_text,
                 result,
             )
-        raw = await _read_all(upstream, timeouts, deadline)
+        raw = await _read_all(upstream, timeouts, deadline, end, result)
         _settle_from_body(raw, result)
         result.status = upstream.status
         return web.Response(
@@ -173,15 +180,24 @@ async def relay(
 
 
 async def _read_all(
-    upstream: aiohttp.ClientResponse, timeouts: Timeouts, deadline: Deadline
+    upstream: aiohttp.ClientResponse,
+    timeouts: Timeouts,
+    deadline: Deadline,
+    end: float | None,
+    result: RelayResult,
 ) -> bytes:
-    """The whole upstream body, with ``idle`` between chunks and ``total`` overall (a body that
-    stalls half-way frees its slot after ``idle``, as a stream does)."""
+    """The whole upstream body, with ``idle`` between chunks and the request's ``end`` (loop
+    time) overall (a body that stalls half-way frees its slot after ``idle``, as a stream does).
+
+    Raises:
+        GatewayError: 504 ``upstream_timeout`` (outcome ``upstream_timeout``), 502
+            ``upstream_broken`` (outcome ``stream_broken``).
+    """
     content = upstream.content
     if content.is_eof():  # the whole body is already here: nothing to wait for
         return await upstream.read()
     loop = asyncio.get_running_loop()
-    end = loop.time() + timeouts.total
+    idle = timeouts.idle
     parts: list[bytes] = []
     try:
         while True:
@@ -189,16 +205,29 @@ async def _read_all(
             if not chunk:
                 if content.is_eof():
                     break
-                with deadline.at(min(loop.time() + timeouts.idle, end)):
+                with deadline.at(_wait_until(loop, idle, end)):
                     chunk = await content.readany()
                 if not chunk:
                     break
             parts.append(chunk)
     except TimeoutError:
+        result.outcome = "upstream_timeout"
         raise upstream_timeout("body") from None
     except aiohttp.ClientError as exc:
+        result.outcome = "stream_broken"
         raise upstream_failed(exc, "upstream_broken") from None
     return b"".join(parts)
+
+
+def _wait_until(
+    loop: asyncio.AbstractEventLoop, idle: float | None, end: float | None
+) -> float | None:
+    """Loop time a wait for the next upstream bytes may last until: ``idle`` from now, never
+    past the request's ``end`` (``None``: no limit)."""
+    when = None if idle is None else loop.time() + idle
+    if end is not None and (when is None or end < when):
+        return end
+    return when
 
 
 def _settle_from_body(raw: bytes, result: RelayResult) -> None:
@@ -212,11 +241,11 @@ def _settle_from_body(raw: bytes, result: RelayResult) -> None:
 
 
 def _take_usage(prompt: object, completion: object, result: RelayResult) -> None:
-    """Settle from the engine's counts, each only when it is a non-negative integer (not a
-    bool)."""
-    if type(prompt) is int and prompt >= 0:
+    """Settle from the engine's counts, each only when it is an integer (not a bool) in
+    0..``MAX_AMOUNT`` (2**62; an absurd count is ignored as if the engine had sent none)."""
+    if type(prompt) is int and 0 <= prompt <= MAX_AMOUNT:
         result.prompt_tokens = prompt
-    if type(completion) is int and completion >= 0:
+    if type(completion) is int and 0 <= completion <= MAX_AMOUNT:
         result.completion_tokens = completion
         result.usage_from_engine = True
 
@@ -227,6 +256,7 @@ async def _relay_stream(
     strip_usage_chunk: bool,
     timeouts: Timeouts,
     deadline: Deadline,
+    end: float | None,
     extra_headers: list[tuple[str, str]],
     count_text: Callable[[str], int] | None,
     result: RelayResult,
@@ -239,7 +269,6 @@ async def _relay_stream(
     result.status = upstream.status
     content = upstream.content
     loop = asyncio.get_running_loop()
-    end = None if timeouts.total is None else loop.time() + timeouts.total
     idle = timeouts.idle
     try:
         while True:
@@ -247,10 +276,7 @@ async def _relay_stream(
                 # bytes already buffered need no deadline
                 data = content.read_nowait()
                 if not data and not content.at_eof():
-                    when = None if idle is None else loop.time() + idle
-                    if end is not None and (when is None or end < when):
-                        when = end
-                    with deadline.at(when):
+                    with deadline.at(_wait_until(loop, idle, end)):
                         data = await content.readany()
             except TimeoutError:
                 result.outcome = "upstream_timeout"
