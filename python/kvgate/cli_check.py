@@ -49,7 +49,11 @@ def summary(cfg: Config) -> str:
         )
     if cfg.anonymous_tenant:
         lines.append(f"requests without a key go to tenant {cfg.anonymous_tenant}")
-    lines.append(f"admin key {'set' if cfg.admin_key_sha256 else 'not set (admin API off)'}")
+    lines.append(
+        "admin key set (GET /admin/state needs it)"
+        if cfg.admin_key_sha256
+        else "admin key not set: GET /admin/state is open to anyone who can reach the gateway"
+    )
     return "\n".join(lines)
 
 
