@@ -90,19 +90,18 @@ async def test_no_deadline_and_a_stopped_watchdog_never_fire() -> None:
 async def test_sweep_fires_only_what_is_due() -> None:
     loop = asyncio.get_running_loop()
     dog = Watchdog(resolution=10)  # never sweeps by itself in this test
-    early, late = dog.deadline(), dog.deadline()
 
-    async def wait(d: object, when: float) -> str:
+    async def wait(when: float) -> str:
         try:
-            with d.at(when):  # type: ignore[attr-defined]
+            with dog.deadline().at(when):  # made in the task that waits
                 await asyncio.sleep(5)
         except TimeoutError:
             return "timeout"
         return "done"
 
     now = loop.time()
-    t1 = asyncio.create_task(wait(early, now + 1))
-    t2 = asyncio.create_task(wait(late, now + 3))
+    t1 = asyncio.create_task(wait(now + 1))
+    t2 = asyncio.create_task(wait(now + 3))
     await asyncio.sleep(0)
     assert dog.sweep(now + 2) == 1
     assert await t1 == "timeout"
@@ -116,3 +115,8 @@ def test_bad_resolution_is_refused() -> None:
         Watchdog(resolution=0)
     with pytest.raises(ValueError, match="resolution"):
         Watchdog(resolution=float("nan"))
+
+
+def test_a_deadline_is_made_inside_a_task() -> None:
+    with pytest.raises(RuntimeError, match="inside a task"):
+        Watchdog().deadline()

@@ -40,7 +40,11 @@ class Watchdog:
         self._task: asyncio.Task[None] | None = None
 
     def deadline(self) -> Deadline:
-        """A new, unarmed deadline for one request's waits."""
+        """A new, unarmed deadline for the waits of the current task (one request).
+
+        Raises:
+            RuntimeError: called outside a task.
+        """
         return Deadline(self)
 
     def sweep(self, now: float) -> int:
@@ -76,16 +80,26 @@ class Deadline:
     """``with deadline.at(when): await ...`` — the wait is cancelled once the loop time passes
     ``when`` (``None``: no deadline) and ``TimeoutError`` is raised from the ``with`` block.
 
-    One object per request, armed only while inside a ``with`` block (so time spent elsewhere,
-    such as writing to a slow client, never counts). Not re-entrant.
+    One object per request, made in the task that waits; armed only while inside a ``with``
+    block (so time spent elsewhere, such as writing to a slow client, never counts). Not
+    re-entrant.
+
+    Raises:
+        RuntimeError: made outside a task.
     """
 
-    __slots__ = ("_cancelling", "_dog", "_expired", "_task", "_when")
+    __slots__ = ("_armed", "_cancelling", "_expired", "_task", "_when")
 
     def __init__(self, dog: Watchdog) -> None:
-        self._dog = dog
+        try:
+            task = asyncio.current_task()
+        except RuntimeError:  # no running loop
+            task = None
+        if task is None:
+            raise RuntimeError("Deadline must be made inside a task")
+        self._armed = dog._armed
+        self._task = task
         self._when = 0.0
-        self._task: asyncio.Task[object] | None = None
         self._cancelling = 0
         self._expired = False
 
@@ -97,13 +111,9 @@ class Deadline:
         return self
 
     def __enter__(self) -> Deadline:
-        task = asyncio.current_task()
-        if task is None:
-            raise RuntimeError("Deadline must be used inside a task")
-        self._task = task
-        self._cancelling = task.cancelling()
+        self._cancelling = self._task.cancelling()
         self._expired = False
-        self._dog._armed.add(self)
+        self._armed.add(self)
         return self
 
     def __exit__(
@@ -112,16 +122,14 @@ class Deadline:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        self._dog._armed.discard(self)
+        self._armed.discard(self)
         if self._expired:
             self._expired = False
-            task = self._task
-            assert task is not None
-            if task.uncancel() <= self._cancelling and exc_type is asyncio.CancelledError:
+            if self._task.uncancel() <= self._cancelling and exc_type is asyncio.CancelledError:
                 raise TimeoutError from exc
 
     def _fire(self) -> None:
         task = self._task
-        if task is not None and not task.done():
+        if not task.done():
             self._expired = True
             task.cancel()

@@ -201,7 +201,7 @@ async def handle_inference(gw: Gateway, request: web.BaseRequest) -> web.StreamR
     result = RelayResult()
     try:
         forward = rewrite_body(body, analysis, add_usage)
-        headers = gw.limit_headers(backend, tenant)
+        headers = gw.controller.rate_limit_headers(backend.id, tenant.id)
         return await relay(
             request,
             gw.session,
