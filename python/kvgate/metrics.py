@@ -213,6 +213,14 @@ class GatewayMetrics:
             registry=reg,
         )
         self.queue_depth_of: Callable[[str], int] = lambda cls: 0
+        # set from queue_depth_of at every flush; summed over live workers in multiprocess mode
+        self.queue_depth = Gauge(
+            "kvgate_queue_depth",
+            "Requests waiting in the priority queue (summed over workers).",
+            ["class"],
+            registry=reg,
+            multiprocess_mode="livesum",
+        )
         self.reservation_leaks = Counter(
             "kvgate_reservation_leaks",
             "Reservations dropped without release (each released itself); summed over workers.",
@@ -233,7 +241,6 @@ class GatewayMetrics:
             self.usage_ratio: _RATIO_BUCKETS,
         }
         reg.register(_StateCollector(read_state))
-        reg.register(_QueueCollector(lambda cls: self.queue_depth_of(cls)))
 
     def _count(self, metric: Any, labels: tuple[str, ...], amount: float = 1) -> None:
         key = (metric, labels)
@@ -251,8 +258,9 @@ class GatewayMetrics:
         hist[1 + bisect_left(bounds, value)] += 1
 
     def flush(self) -> None:
-        """Add the batched counts and observations to the Prometheus metrics (and the core's
-        leak count to ``kvgate_reservation_leaks_total``). Cheap when nothing happened."""
+        """Add the batched counts and observations to the Prometheus metrics, the core's leak
+        count to ``kvgate_reservation_leaks_total`` and the wait queue's depth per class to
+        ``kvgate_queue_depth``. Cheap when nothing happened."""
         counts, self._counts = self._counts, {}
         refusals, self._refusals = self._refusals, {}
         for (backend, tenant, reason), n in refusals.items():
@@ -271,6 +279,8 @@ class GatewayMetrics:
                 if count:
                     bucket.inc(count)
         self.sync_leaks()
+        for cls in ("critical", "standard", "sheddable"):
+            self.queue_depth.labels(cls).set(self.queue_depth_of(cls))
 
     def request_done(self, backend: Any, tenant: Any, outcome: str) -> None:
         """Count a finished request (``backend``/``tenant`` may be ``None`` before routing)."""
@@ -329,19 +339,6 @@ class GatewayMetrics:
             multiprocess.MultiProcessCollector(merged)
             return generate_latest(merged) + generate_latest(_GaugesOnly(self.registry))
         return generate_latest(self.registry)
-
-
-class _QueueCollector(Collector):
-    def __init__(self, depth: Callable[[str], int]) -> None:
-        self._depth = depth
-
-    def collect(self) -> Iterator[Any]:
-        fam = GaugeMetricFamily(
-            "kvgate_queue_depth", "Requests waiting in the priority queue.", labels=["class"]
-        )
-        for cls in ("critical", "standard", "sheddable"):
-            fam.add_metric([cls], float(self._depth(cls)))
-        yield fam
 
 
 class _GaugesOnly(Collector):

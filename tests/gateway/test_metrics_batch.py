@@ -91,3 +91,14 @@ def test_nothing_shows_before_a_flush_and_nothing_counts_twice() -> None:
     assert got[("kvgate_rejections_total", (("backend", "b0"), ("reason", "backend-slots")))] == 1
     assert got[("kvgate_admission_seconds_count", ())] == 1
     assert got[("kvgate_reservation_leaks_total", ())] == 2
+
+
+def test_queue_depth_is_a_gauge_set_at_every_flush() -> None:
+    m = new_metrics([0])
+    depth = {"critical": 0, "standard": 3, "sheddable": 1}
+    m.queue_depth_of = lambda cls: depth[cls]
+    got = samples(m)
+    assert got[("kvgate_queue_depth", (("class", "standard"),))] == 3
+    assert got[("kvgate_queue_depth", (("class", "sheddable"),))] == 1
+    depth["standard"] = 0
+    assert samples(m)[("kvgate_queue_depth", (("class", "standard"),))] == 0
