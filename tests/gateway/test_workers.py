@@ -255,7 +255,14 @@ async def test_soak_1000_requests_over_two_workers(tmp_path: Path) -> None:
         for _ in range(6):
             text = await get_text(url + "/metrics")
             assert metric(text, "kvgate_reservation_leaks_total") == 0
-        assert metric(text, "kvgate_requests_total") >= 900
+
+        # each worker adds its batched per-request counts to the shared metrics once a second
+        # (metrics.FLUSH_SECONDS): the other worker's reach a scrape within about that
+        async def counted() -> bool:
+            scraped = await get_text(url + "/metrics")
+            return metric(scraped, "kvgate_requests_total") >= 900
+
+        await until(counted, timeout=5, interval=0.2)
         async with aiohttp.ClientSession() as s, s.get(st["sim"] + "/sim/state") as r:
             sim_state = await r.json()
         assert sim_state["num_running"] == 0
