@@ -27,6 +27,7 @@ from kvgate.config import TimeoutsConfig
 from kvgate.errors import (
     GatewayError,
     error_body,
+    method_not_allowed,
     reshape_upstream_error,
     upstream_failed,
     upstream_timeout,
@@ -689,13 +690,7 @@ async def handle_unknown(gw: Gateway, request: web.BaseRequest) -> web.Response:
     """Everything no other route takes: 405 for a wrong method on one of the
     gateway's own GET routes, else 404 — in OpenAI's error shape, like every other error."""
     if request.path in GET_ENDPOINTS:
-        err = GatewayError(
-            405,
-            f"{request.method} is not allowed on {request.path}; use GET.",
-            "invalid_request_error",
-            code="method_not_allowed",
-            headers={"Allow": "GET"},
-        )
+        err = method_not_allowed(request.method, request.path, "GET")
     else:
         err = GatewayError(
             404,

@@ -15,6 +15,7 @@ import orjson
 __all__ = [
     "GatewayError",
     "error_body",
+    "method_not_allowed",
     "reshape_upstream_error",
     "upstream_failed",
     "upstream_timeout",
@@ -62,6 +63,17 @@ class GatewayError(Exception):
     def body(self) -> bytes:
         """The OpenAI-shaped JSON body (bytes)."""
         return error_body(self.message, self.type, self.param, self.code)
+
+
+def method_not_allowed(method: str, path: str, allow: str) -> GatewayError:
+    """405 ``method_not_allowed`` with ``Allow: <allow>`` for ``method`` on ``path``."""
+    return GatewayError(
+        405,
+        f"{method} is not allowed on {path}; use {allow}.",
+        "invalid_request_error",
+        code="method_not_allowed",
+        headers={"Allow": allow},
+    )
 
 
 def upstream_timeout(what: str) -> GatewayError:

@@ -48,7 +48,7 @@ class Dispatcher:
     ``POST`` on an inference route (``/v1/chat/completions``, ``/v1/completions``,
     ``/v1/embeddings``) → :func:`kvgate.proxy.handler.handle_inference`; ``GET`` (or ``HEAD``)
     on ``/v1/models``, ``/metrics``, ``/healthz``, ``/readyz``, ``/admin/state`` → the gateway's
-    own endpoints; anything else under ``/v1/`` → the engine (passthrough, which also answers
+    own endpoints (any other method on them → 405); anything else under ``/v1/`` → the engine (passthrough, which also answers
     405 for a wrong method on an inference route); anything else → 404 / 405 in OpenAI's error
     shape. Returns the handler's coroutine itself (no extra frame on the hot path).
     """
@@ -68,10 +68,11 @@ class Dispatcher:
             return _refuse_dot_segment(path)
         if method == "POST" and path in INFERENCE_ROUTES:
             return handle_inference(self._gateway, request)
-        if method in ("GET", "HEAD"):
-            own = self._get.get(path)
-            if own is not None:
+        own = self._get.get(path)
+        if own is not None:
+            if method in ("GET", "HEAD"):
                 return own(self._gateway, request)
+            return handle_unknown(self._gateway, request)  # 405, never forwarded
         if path.startswith("/v1/"):
             return handle_passthrough(self._gateway, request)
         return handle_unknown(self._gateway, request)

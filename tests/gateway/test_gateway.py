@@ -662,9 +662,11 @@ async def test_shutdown_cuts_streams_at_the_grace_period(gateway_for) -> None:
         assert gateway.controller.backend_state(0)["in_use"] == 0
 
 
-async def test_wrong_method_on_gateway_routes_is_405(gateway_for) -> None:
+@pytest.mark.parametrize(("method", "path"), [("POST", "/metrics"), ("DELETE", "/v1/models")])
+async def test_wrong_method_on_gateway_routes_is_405(gateway_for, method: str, path: str) -> None:
     async with run_upstream() as up, gateway_for(config_for(up.url, ["replay"])) as gw:
-        async with aiohttp.ClientSession() as s, s.post(gw.url + "/metrics") as r:
+        async with aiohttp.ClientSession() as s, s.request(method, gw.url + path) as r:
             assert r.status == 405
             assert r.headers["Allow"] == "GET"
             assert (await r.json())["error"]["code"] == "method_not_allowed"
+        assert up.requests == []  # answered by the gateway, never forwarded

@@ -18,7 +18,7 @@ from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
 
 from kvgate._core import MAX_AMOUNT
-from kvgate.errors import GatewayError
+from kvgate.errors import GatewayError, method_not_allowed
 from kvgate.proxy.relay import RelayResult, relay
 
 if TYPE_CHECKING:
@@ -30,8 +30,6 @@ __all__ = ["handle_inference", "handle_passthrough"]
 INLINE_ANALYSIS_BYTES = 16_384
 
 INFERENCE_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
-#: The gateway's own ``GET`` routes under ``/v1/`` (other methods: 405, never forwarded).
-GET_ONLY = ("/v1/models",)
 
 
 def error_response(err: GatewayError) -> web.Response:
@@ -240,26 +238,8 @@ def _actual_tokens(analysis: Any, result: RelayResult) -> int:
 async def handle_passthrough(gw: Gateway, request: web.BaseRequest) -> web.StreamResponse:
     """Anything else under ``/v1/``: forwarded with a slot but no token charge (DESIGN.md).
     A wrong method on an inference route is answered here (405), not by the engine."""
-    if request.path in GET_ONLY:
-        return error_response(
-            GatewayError(
-                405,
-                f"{request.method} is not allowed on {request.path}; use GET.",
-                "invalid_request_error",
-                code="method_not_allowed",
-                headers={"Allow": "GET"},
-            )
-        )
     if request.path in INFERENCE_ROUTES:
-        return error_response(
-            GatewayError(
-                405,
-                f"{request.method} is not allowed on {request.path}; use POST.",
-                "invalid_request_error",
-                code="method_not_allowed",
-                headers={"Allow": "POST"},
-            )
-        )
+        return error_response(method_not_allowed(request.method, request.path, "POST"))
     try:
         body = await read_body(request, gw.max_body_bytes, gw.timeouts.client_body)
         tenant, priority = gw.authenticate(request)
