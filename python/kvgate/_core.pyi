@@ -43,6 +43,7 @@ __all__ = [
     "check_content_length",
     "go_duration",
     "peek_model",
+    "usage_tokens",
 ]
 
 __version__: str
@@ -500,6 +501,12 @@ class SSEInspector:
     @property
     def content_chunks(self) -> int:
         """Events handed out so far that carried generated text."""
+
+def usage_tokens(body: bytes) -> tuple[int | None, int | None] | None:
+    """``(prompt_tokens, completion_tokens)`` of the ``usage`` object of a non-streamed JSON
+    response body, each only when it is a non-negative integer (else ``None``); ``None`` when the
+    body is not a JSON object or has no usage object. Only ``usage`` is built; every other field
+    is skipped (faster than a full parse of the response)."""
 
 # --- request analysis (rust/src/python_analyze.rs) ---
 

@@ -97,6 +97,13 @@ fn to_py<'py>(py: Python<'py>, v: &Value) -> PyResult<Bound<'py, PyAny>> {
     })
 }
 
+/// `(prompt_tokens, completion_tokens)` of a non-streamed response body's usage object.
+#[pyfunction]
+fn usage_tokens(body: &[u8]) -> Option<(Option<u64>, Option<u64>)> {
+    crate::sse::body_usage_tokens(body)
+}
+
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
-    m.add_class::<PySseInspector>()
+    m.add_class::<PySseInspector>()?;
+    m.add_function(wrap_pyfunction!(usage_tokens, m)?)
 }

@@ -122,9 +122,7 @@ impl SseInspector {
     /// `prompt_tokens` and `completion_tokens` of the last usage object seen, each only when it
     /// is a non-negative integer; `None` when no usage was seen.
     pub fn usage_tokens(&self) -> Option<(Option<u64>, Option<u64>)> {
-        let usage = self.usage.as_ref()?;
-        let count = |key| usage.get(key).and_then(Value::as_u64);
-        Some((count("prompt_tokens"), count("completion_tokens")))
+        self.usage.as_ref().map(usage_counts)
     }
 
     /// The `error` object of an error event, if one was seen.
@@ -223,6 +221,31 @@ impl SseInspector {
             }
         }
         true
+    }
+}
+
+/// `prompt_tokens` and `completion_tokens` of a usage object, each only when it is a
+/// non-negative integer.
+fn usage_counts(usage: &Value) -> (Option<u64>, Option<u64>) {
+    let count = |key| usage.get(key).and_then(Value::as_u64);
+    (count("prompt_tokens"), count("completion_tokens"))
+}
+
+/// The top level of a non-streamed response, read for its `usage` only (every other field is
+/// skipped without building it).
+#[derive(serde::Deserialize)]
+struct UsageOnly {
+    #[serde(default)]
+    usage: Option<Value>,
+}
+
+/// `prompt_tokens` and `completion_tokens` of the `usage` object of a non-streamed JSON
+/// response body (see [`SseInspector::usage_tokens`]); `None` when the body is not a JSON object
+/// or has no usage object.
+pub fn body_usage_tokens(body: &[u8]) -> Option<(Option<u64>, Option<u64>)> {
+    match serde_json::from_slice::<UsageOnly>(body).ok()?.usage {
+        Some(usage @ Value::Object(_)) => Some(usage_counts(&usage)),
+        _ => None,
     }
 }
 
@@ -411,6 +434,19 @@ mod tests {
         );
         assert_eq!(tail.flush(), b"data: {\"choices\":[{\"text\":\"t\"}]}");
         assert_eq!(tail.delivered_text(), ["t"]);
+    }
+
+    #[test]
+    fn usage_of_a_whole_response_body() {
+        let body = br#"{"id":"x","choices":[{"message":{"content":"hi \"usage\""}}],
+            "usage":{"prompt_tokens":12,"completion_tokens":8,"total_tokens":20}}"#;
+        assert_eq!(body_usage_tokens(body), Some((Some(12), Some(8))));
+        let odd = br#"{"usage":{"prompt_tokens":-1,"completion_tokens":1.5}}"#;
+        assert_eq!(body_usage_tokens(odd), Some((None, None)));
+        assert_eq!(body_usage_tokens(br#"{"usage":null}"#), None);
+        assert_eq!(body_usage_tokens(br#"{"id":1}"#), None);
+        assert_eq!(body_usage_tokens(b"[1,2]"), None);
+        assert_eq!(body_usage_tokens(b"not json"), None);
     }
 
     #[test]

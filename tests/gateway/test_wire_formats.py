@@ -227,3 +227,18 @@ def test_rate_limit_headers_use_the_tenants_own_limits() -> None:
     r.release()
     with pytest.raises(InvalidConfigError):
         ctl.rate_limit_headers(b, 7)
+
+
+def test_usage_tokens_of_a_response_body() -> None:
+    from kvgate._core import usage_tokens
+
+    body = orjson.dumps({"choices": [], "usage": {"prompt_tokens": 85, "completion_tokens": 43}})
+    assert usage_tokens(body) == (85, 43)
+    assert usage_tokens(b'{"usage": {"prompt_tokens": true, "completion_tokens": -2}}') == (
+        None,
+        None,
+    )
+    assert usage_tokens(b'{"usage": null}') is None
+    assert usage_tokens(b"<html>bad gateway</html>") is None
+    with pytest.raises(TypeError):
+        usage_tokens("{}")  # type: ignore[arg-type]

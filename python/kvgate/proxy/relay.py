@@ -12,13 +12,12 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import aiohttp
-import orjson
 from aiohttp import web
 
-from kvgate._core import MAX_AMOUNT
+from kvgate._core import MAX_AMOUNT, usage_tokens
 from kvgate.errors import error_body, reshape_upstream_error, upstream_failed, upstream_timeout
 from kvgate.proxy.deadline import Deadline, Watchdog
 from kvgate.proxy.sse import SSEInspector
@@ -231,13 +230,9 @@ def _wait_until(
 
 
 def _settle_from_body(raw: bytes, result: RelayResult) -> None:
-    try:
-        data: Any = orjson.loads(raw)
-    except orjson.JSONDecodeError:
-        return
-    usage = data.get("usage") if isinstance(data, dict) else None
-    if isinstance(usage, dict):
-        _take_usage(usage.get("prompt_tokens"), usage.get("completion_tokens"), result)
+    counts = usage_tokens(raw)  # Rust: reads the usage object only
+    if counts is not None:
+        _take_usage(*counts, result)
 
 
 def _take_usage(prompt: object, completion: object, result: RelayResult) -> None:
