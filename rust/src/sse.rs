@@ -449,6 +449,69 @@ mod tests {
         assert_eq!(body_usage_tokens(b"not json"), None);
     }
 
+    /// One event of a generated stream: (kind, text).
+    fn event(kind: u8, text: &str, sep: &str) -> String {
+        let t = serde_json::to_string(text).unwrap();
+        match kind % 5 {
+            0 => format!("data: {{\"choices\":[{{\"delta\":{{\"content\":{t}}}}}],\"usage\":null}}{sep}"),
+            1 => format!("data: {{\"choices\":[],\"usage\":{{\"prompt_tokens\":2,\"completion_tokens\":{}}}}}{sep}", text.len()),
+            2 => format!(": comment {}{sep}", text.len()),
+            3 => format!("data: {{\"error\":{{\"message\":{t}}}}}{sep}"),
+            _ => format!("data: {{\"choices\":[{{\"text\":{t}}}]}}{sep}"),
+        }
+    }
+
+    proptest::proptest! {
+        /// Any stream cut at any points gives the same bytes, usage, error, text and chunk
+        /// count as the whole stream fed at once; without stripping, the bytes are the input.
+        #[test]
+        fn any_chunking_matches_one_feed(
+            events in proptest::collection::vec((0u8..5, "[a-z \"\\\\]{0,6}"), 0..10),
+            crlf in proptest::bool::ANY,
+            strip in proptest::bool::ANY,
+            cuts in proptest::collection::vec(1usize..300, 0..8),
+        ) {
+            let sep = if crlf { "\r\n\r\n" } else { "\n\n" };
+            let mut raw: String = events.iter().map(|(k, t)| event(*k, t, sep)).collect();
+            raw.push_str("data: [DONE]");
+            raw.push_str(sep);
+            let raw = raw.into_bytes();
+            let feed_all = |insp: &mut SseInspector, parts: &[&[u8]]| -> Vec<u8> {
+                let mut out = Vec::new();
+                for part in parts {
+                    match insp.feed(part) {
+                        Fed::Same => out.extend_from_slice(part),
+                        Fed::Bytes(b) => out.extend(b),
+                    }
+                }
+                out.extend(insp.flush());
+                out
+            };
+            let mut whole = SseInspector::new(strip);
+            let want = feed_all(&mut whole, &[&raw]);
+            let mut bounds: Vec<usize> = cuts.into_iter().filter(|&c| c < raw.len()).collect();
+            bounds.sort_unstable();
+            bounds.dedup();
+            let mut parts = Vec::new();
+            let mut prev = 0;
+            for b in bounds.into_iter().chain(std::iter::once(raw.len())) {
+                parts.push(&raw[prev..b]);
+                prev = b;
+            }
+            let mut cut = SseInspector::new(strip);
+            let got = feed_all(&mut cut, &parts);
+            proptest::prop_assert_eq!(&got, &want);
+            if !strip {
+                proptest::prop_assert_eq!(&got, &raw);
+            }
+            proptest::prop_assert!(cut.done());
+            proptest::prop_assert_eq!(cut.usage(), whole.usage());
+            proptest::prop_assert_eq!(cut.error(), whole.error());
+            proptest::prop_assert_eq!(cut.delivered_text().to_vec(), whole.delivered_text().to_vec());
+            proptest::prop_assert_eq!(cut.content_chunks(), whole.content_chunks());
+        }
+    }
+
     #[test]
     fn usage_words_inside_text_are_only_text() {
         assert!(!may_carry_usage_or_error(&chunk(
