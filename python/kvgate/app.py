@@ -35,7 +35,6 @@ from kvgate.errors import (
 from kvgate.metrics import GatewayMetrics
 from kvgate.proxy.deadline import Watchdog
 from kvgate.proxy.handler import (
-    INLINE_ANALYSIS_BYTES,
     error_response,
 )
 from kvgate.proxy.relay import copy_headers
@@ -238,6 +237,8 @@ class Gateway:
         """Seconds a refused request may wait: the tenant's ``max_wait_ms``, shortened (never
         lengthened) by the client's ``x-kvgate-max-wait-ms`` header."""
         wait_ms = tenant.max_wait_ms
+        if wait_ms <= 0:  # the header can only shorten it
+            return 0.0
         asked = request.headers.get(MAX_WAIT_HEADER)
         if asked is not None:
             with contextlib.suppress(ValueError):
@@ -251,13 +252,16 @@ class Gateway:
         an await): not in shadow mode, and waiting could not change it — no wait queue, never
         admissible, a shed class, or no wait allowed for this tenant and request. Otherwise
         :meth:`admit_slow` decides."""
-        if self.shadow(backend, tenant):
-            return False
+        return not self.shadow(backend, tenant) and self._waiting_cannot_help(
+            request, tenant, refusal
+        )
+
+    def _waiting_cannot_help(self, request: web.BaseRequest, tenant: Tenant, refusal: Any) -> bool:
+        """No wait queue, never admissible, a shed class, or no wait allowed."""
         return (
             self.queue is None
             or refusal.never
             or refusal.reason == "shed"
-            or tenant.max_wait_ms <= 0
             or self.max_wait(request, tenant) <= 0
         )
 
@@ -288,14 +292,12 @@ class Gateway:
         if refusal is not None and self.shadow(backend, tenant):
             self.metrics.shadow_rejections.labels(refusal.reason).inc()
             return SHADOW_ADMISSION
-        wait = self.max_wait(request, tenant)
         queue = self.queue
-        if queue is None or (
-            refusal is not None and (refusal.never or refusal.reason == "shed" or wait <= 0)
-        ):
-            if refusal is None:  # no queue configured: decide now
-                return self.controller.admit(backend.id, tenant.id, priority, tokens)
+        if refusal is None and queue is None:  # no queue configured: decide now
+            return self.controller.admit(backend.id, tenant.id, priority, tokens)
+        if refusal is not None and self._waiting_cannot_help(request, tenant, refusal):
             return refusal
+        wait = self.max_wait(request, tenant)
         from kvgate.admission.wait_queue import QueueFull, Shed, WaitTimeout
 
         last: list[Any] = [refusal]
@@ -406,8 +408,8 @@ class Gateway:
     # ---- analysis and routing -------------------------------------------------------------
     def analyze_now(self, route: str, body: bytes) -> tuple[ModelRoute, Any]:
         """Analyse the body on the event loop with the model's Rust analyser (one JSON parse;
-        the registry picks the model's analyser). For bodies under :data:`INLINE_ANALYSIS_BYTES`
-        (a few µs); larger ones go through :meth:`analyze`.
+        the registry picks the model's analyser). For small bodies (a few µs); large ones go
+        through :meth:`analyze_in_thread`.
 
         Raises:
             GatewayError: 400 invalid body / context overflow, 404 unknown model.
@@ -418,15 +420,13 @@ class Gateway:
             raise GatewayError(err.status, err.message, err.type, err.param, err.code) from None
         return self.models[analysis.model], analysis
 
-    async def analyze(self, route: str, body: bytes) -> tuple[ModelRoute, Any]:
-        """:meth:`analyze_now`, with bodies of :data:`INLINE_ANALYSIS_BYTES` or more analysed in
-        the default thread pool (GIL released) so the event loop never waits on a tokenizer.
+    async def analyze_in_thread(self, route: str, body: bytes) -> tuple[ModelRoute, Any]:
+        """:meth:`analyze_now` in the default thread pool (GIL released), for large bodies, so
+        the event loop never waits on a tokenizer.
 
         Raises:
             GatewayError: 400 invalid body / context overflow, 404 unknown model.
         """
-        if len(body) < INLINE_ANALYSIS_BYTES:
-            return self.analyze_now(route, body)
         loop = asyncio.get_running_loop()
         try:
             analysis = await loop.run_in_executor(None, self.registry.analyze, route, body)
@@ -485,13 +485,6 @@ class Gateway:
         raise GatewayError(503, "No healthy backend.", "server_error", code="backend_unavailable")
 
     # ---- responses ------------------------------------------------------------------------
-    def limit_headers(self, backend: Backend, tenant: Tenant) -> list[tuple[str, str]]:
-        """``x-ratelimit-*`` for this tenant on this backend as ``(name, value)`` pairs: the
-        tenant's own limits where it has them, else the backend's (formatted by the Rust core in
-        one state read: ``AdmissionController.rate_limit_headers``). Sent on admitted and
-        refused responses alike."""
-        return self.controller.rate_limit_headers(backend.id, tenant.id)  # type: ignore[no-any-return]
-
     def rejection_response(
         self,
         decision: Any,

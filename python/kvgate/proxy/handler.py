@@ -173,7 +173,7 @@ async def handle_inference(gw: Gateway, request: web.BaseRequest) -> web.StreamR
         if len(body) < INLINE_ANALYSIS_BYTES:
             model, analysis = gw.analyze_now(route, body)
         else:
-            model, analysis = await gw.analyze(route, body)
+            model, analysis = await gw.analyze_in_thread(route, body)
         backend = gw.pick_backend(model, tenant)
     except GatewayError as err:
         gw.metrics.request_done(None, tenant, f"rejected_{err.status}")
@@ -192,7 +192,7 @@ async def handle_inference(gw: Gateway, request: web.BaseRequest) -> web.StreamR
         if not decision.admitted:
             gw.metrics.rejected(backend, tenant, decision.reason, time.perf_counter() - started)
             return gw.rejection_response(decision, backend, tenant, model, tokens)
-    gw.metrics.admitted(backend, tenant, analysis.reserved_tokens, time.perf_counter() - started)
+    gw.metrics.admitted(backend, tenant, tokens, time.perf_counter() - started)
 
     stream = bool(analysis.stream)
     add_usage = stream and not analysis.include_usage and route != "/v1/embeddings"
@@ -220,7 +220,7 @@ async def handle_inference(gw: Gateway, request: web.BaseRequest) -> web.StreamR
         decision.release(actual)
         if queue is not None and queue.waiting:
             queue.notify()
-        gw.metrics.settled(backend, tenant, analysis.reserved_tokens, actual, result)
+        gw.metrics.settled(backend, tenant, tokens, actual, result)
 
 
 def _actual_tokens(analysis: Any, result: RelayResult) -> int:
