@@ -42,6 +42,7 @@ __all__ = [
     "__version__",
     "check_content_length",
     "go_duration",
+    "http_response",
     "peek_model",
     "usage_tokens",
 ]
@@ -441,6 +442,27 @@ class AdmissionController:
             InvalidConfigError: unknown backend or tenant id.
             TypeError: ``retry_after`` not a number or ``None``; ``reason`` not a ``str``.
         """
+    def refusal_response(
+        self,
+        backend: int,
+        tenant: int,
+        retry_after: float | None,
+        reason: str,
+        status: int,
+        body: bytes,
+        connection: str | None = None,
+    ) -> bytes:
+        """A whole refusal as it goes on the wire (:func:`http_response`): ``HTTP/1.1 <status>``,
+        the :meth:`refusal_headers`, ``Content-Length``, ``Date`` and, when given,
+        ``Connection: <connection>``, then ``body`` (bytes, the OpenAI error JSON). One read of
+        the shared state; the gateway writes the result with a single write.
+
+        Raises:
+            InvalidConfigError: unknown backend or tenant id.
+            ValueError: ``status`` outside 100..=999, or ``reason`` / ``connection`` with CR,
+                LF or NUL.
+            OverflowError: ``status`` negative or above 65535.
+        """
     def tenant_state(self, tenant: int) -> dict[str, object]:
         """Snapshot: name, priority, guaranteed_slots (on each backend of
         guaranteed_backends), guaranteed_backends (ids of the registered backends its
@@ -748,6 +770,26 @@ def go_duration(seconds: float) -> str:
     anything under 1 ms is ``"1ms"`` (Go's ``µs`` is not ASCII, and a header must be); negative,
     zero and NaN are ``"0s"``; infinity and anything past Go's ``MaxInt64`` nanoseconds is
     ``"2562047h47m16.854775807s"``."""
+
+def http_response(
+    status: int,
+    headers: list[tuple[str, str]],
+    body: bytes,
+    connection: str | None = None,
+) -> bytes:
+    """A complete HTTP/1.1 response in one buffer: ``HTTP/1.1 <status> <reason phrase>``, the
+    ``(name, value)`` ``headers`` in order, ``Content-Length`` (bytes of ``body``), ``Date``
+    (RFC 9110 IMF-fixdate, system clock), ``Connection: <connection>`` when given (``close``, or
+    ``keep-alive`` for an HTTP/1.0 client), a blank line, ``body``. ``headers`` must not carry
+    ``Content-Length``, ``Date``, ``Connection`` or ``Transfer-Encoding``.
+
+    Raises:
+        ValueError: ``status`` outside 100..=999; a header name that is not an RFC 9110 token or
+            a value (or ``connection``) with CR, LF or NUL — nothing that could split a response
+            is ever written.
+        OverflowError: ``status`` negative or above 65535.
+        TypeError: ``headers`` not a list of ``(str, str)`` pairs.
+    """
 
 def check_content_length(content_length: int | None, max_body_bytes: int) -> None:
     """Pre-reject a body from its declared size, before reading any of it.

@@ -37,6 +37,7 @@ from kvgate.proxy.deadline import Watchdog
 from kvgate.proxy.handler import (
     error_response,
 )
+from kvgate.proxy.prepared import PreparedResponse, Reply, connection_header
 from kvgate.proxy.relay import copy_headers
 
 __all__ = [
@@ -487,22 +488,19 @@ class Gateway:
     # ---- responses ------------------------------------------------------------------------
     def rejection_response(
         self,
+        request: web.BaseRequest,
         decision: Any,
         backend: Backend,
         tenant: Tenant,
         model: ModelRoute | None,
         requested: int,
-    ) -> web.Response:
+    ) -> PreparedResponse:
         """429 (tenant over quota) or 503 (backend saturated / class shed) with ``Retry-After``
         (computed; omitted with ``x-should-retry: false`` when it can never be admitted), the
-        ``x-ratelimit-*`` headers and ``x-kvgate-reject-reason``."""
+        ``x-ratelimit-*`` headers and ``x-kvgate-reject-reason``, serialized whole in Rust
+        (:class:`~kvgate.proxy.prepared.PreparedResponse`)."""
         reason: str = decision.reason
         never = bool(decision.never)
-        # x-ratelimit-*, Retry-After / retry-after-ms (or x-should-retry: false), the reason
-        # and Content-Type, from one state read in Rust
-        headers = self.controller.refusal_headers(
-            backend.id, tenant.id, None if never else decision.retry_after, reason
-        )
         name = model.name if model is not None else "this backend"
         if decision.scope == "tenant":
             status = 429
@@ -521,9 +519,10 @@ class Gateway:
         else:
             status = 503
             if never:
+                held = "token bucket (TPM burst)" if reason == "backend-tpm" else "in-flight budget"
                 message = (
-                    f"Request too large for {name}: {requested} tokens exceed what the "
-                    f"backend can ever hold in flight ({reason})."
+                    f"Request too large for {name}: {requested} tokens exceed the backend's "
+                    f"whole {held} ({reason})."
                 )
             elif reason == "shed":
                 message = (
@@ -536,7 +535,19 @@ class Gateway:
                     f"{_secs(decision.retry_after)}."
                 )
             body = error_body(message, "server_error", None, "server_is_overloaded")
-        return web.Response(status=status, body=body, headers=headers)
+        # x-ratelimit-*, Retry-After / retry-after-ms (or x-should-retry: false), the reason,
+        # Content-Type, Content-Length, Date: one state read and one buffer, in Rust
+        connection = connection_header(request)
+        raw = self.controller.refusal_response(
+            backend.id,
+            tenant.id,
+            None if never else decision.retry_after,
+            reason,
+            status,
+            body,
+            connection,
+        )
+        return PreparedResponse(status, raw, connection != "close")
 
     async def forward_raw(
         self, request: web.BaseRequest, backend: Backend, body: bytes
@@ -627,7 +638,7 @@ async def handle_readyz(gw: Gateway, request: web.BaseRequest) -> web.Response:
     return web.json_response({"ready": ready}, status=200 if ready else 503)
 
 
-async def handle_admin_state(gw: Gateway, request: web.BaseRequest) -> web.Response:
+async def handle_admin_state(gw: Gateway, request: web.BaseRequest) -> Reply:
     """``GET /admin/state``: each backend's base and effective limits, scale, in-use, KV usage,
     waiting and age of the last good scrape; each tenant's usage, quota and queue depth.
     Needs the admin key (``Authorization: Bearer``) when ``admin_key_sha256`` is configured."""
@@ -637,9 +648,10 @@ async def handle_admin_state(gw: Gateway, request: web.BaseRequest) -> web.Respo
         digest = hashlib.sha256(key.encode("utf-8", "surrogatepass")).digest()
         if not hmac.compare_digest(digest, bytes.fromhex(want)):
             return error_response(
+                request,
                 GatewayError(
                     401, "Admin key required.", "invalid_request_error", code="invalid_api_key"
-                )
+                ),
             )
     backends = []
     for b in gw.backends:
@@ -679,7 +691,7 @@ def _scrape_age(gw: Gateway, b: Backend) -> float | None:
     return status.age(asyncio.get_running_loop().time()) if status.last_good_at else None
 
 
-async def handle_unknown(gw: Gateway, request: web.BaseRequest) -> web.Response:
+async def handle_unknown(gw: Gateway, request: web.BaseRequest) -> Reply:
     """Everything no other route takes: 405 for a wrong method on one of the
     gateway's own GET routes, else 404 — in OpenAI's error shape, like every other error."""
     if request.path in GET_ENDPOINTS:
@@ -691,11 +703,11 @@ async def handle_unknown(gw: Gateway, request: web.BaseRequest) -> web.Response:
             "invalid_request_error",
             code="unknown_url",
         )
-    return error_response(err)
+    return error_response(request, err)
 
 
 #: The gateway's own ``GET`` (and ``HEAD``) endpoints, by path.
-GET_ENDPOINTS: dict[str, Callable[[Gateway, web.BaseRequest], Awaitable[web.Response]]] = {
+GET_ENDPOINTS: dict[str, Callable[[Gateway, web.BaseRequest], Awaitable[Reply]]] = {
     "/v1/models": handle_models,
     "/metrics": handle_metrics,
     "/healthz": handle_healthz,

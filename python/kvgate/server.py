@@ -18,7 +18,7 @@ import contextlib
 import logging
 import signal
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import aiohttp
 from aiohttp import web
@@ -32,6 +32,7 @@ from kvgate.proxy.handler import (
     handle_inference,
     handle_passthrough,
 )
+from kvgate.proxy.prepared import Reply
 
 if TYPE_CHECKING:
     from kvgate.app import Gateway
@@ -59,13 +60,13 @@ class Dispatcher:
         self._gateway = gateway
         self._get = GET_ENDPOINTS
 
-    def __call__(self, request: web.BaseRequest) -> Awaitable[web.StreamResponse]:
+    def __call__(self, request: web.BaseRequest) -> Awaitable[Reply]:
         path = request.path
         method = request.method
         if "/." in path and _dot_segment(path):
             # `/v1/../x` (or `%2e%2e`) would reach any engine URL once the upstream client
             # normalises it, past the inference routes' accounting: refused, never resolved
-            return _refuse_dot_segment(path)
+            return _refuse_dot_segment(request, path)
         if method == "POST" and path in INFERENCE_ROUTES:
             return handle_inference(self._gateway, request)
         own = self._get.get(path)
@@ -83,14 +84,15 @@ def _dot_segment(path: str) -> bool:
     return any(seg in (".", "..") for seg in path.split("/"))
 
 
-async def _refuse_dot_segment(path: str) -> web.Response:
+async def _refuse_dot_segment(request: web.BaseRequest, path: str) -> Reply:
     return error_response(
+        request,
         GatewayError(
             400,
             f"The path {path!r} has a '.' or '..' segment; send the resolved path.",
             "invalid_request_error",
             code="invalid_path",
-        )
+        ),
     )
 
 
@@ -112,8 +114,13 @@ def make_server(gateway: Gateway) -> web.Server:
         cap = gateway.max_body_bytes
         return web.BaseRequest(message, payload, protocol, writer, task, loop, client_max_size=cap)
 
+    # aiohttp types its handler as returning a StreamResponse; the server only calls
+    # ``prepare``, ``write_eof`` and ``keep_alive`` on it, which a PreparedResponse has too
+    handler = cast(
+        "Callable[[web.BaseRequest], Awaitable[web.StreamResponse]]", Dispatcher(gateway)
+    )
     return web.Server(
-        Dispatcher(gateway),
+        handler,
         request_factory=request_factory,
         handler_cancellation=True,
         access_log=None,

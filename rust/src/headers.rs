@@ -116,6 +116,138 @@ pub fn retry_after_values(seconds: f64) -> (String, String) {
     (secs.to_string(), ms.to_string())
 }
 
+/// The headers of a refusal, in order: the six [`rate_limit_headers`], then `Retry-After` and
+/// `retry-after-ms` ([`retry_after_values`]) for a wait of `retry_after` seconds — or
+/// `x-should-retry: false` when it is `None` (never admissible) — then
+/// `x-kvgate-reject-reason: <reason>` and `Content-Type: application/json`.
+#[must_use]
+pub fn refusal_headers(
+    limits: &RateLimits,
+    retry_after: Option<f64>,
+    reason: &str,
+) -> Vec<(&'static str, String)> {
+    let mut headers: Vec<(&'static str, String)> = Vec::with_capacity(10);
+    headers.extend(
+        RATE_LIMIT_HEADER_NAMES
+            .into_iter()
+            .zip(rate_limit_headers(limits)),
+    );
+    if let Some(seconds) = retry_after {
+        let (secs, ms) = retry_after_values(seconds);
+        headers.push(("Retry-After", secs));
+        headers.push(("retry-after-ms", ms));
+    } else {
+        headers.push(("x-should-retry", "false".to_owned()));
+    }
+    headers.push(("x-kvgate-reject-reason", reason.to_owned()));
+    headers.push(("Content-Type", "application/json".to_owned()));
+    headers
+}
+
+/// The reason phrase of an HTTP status code (RFC 9110 §15); `""` for codes kvgate never sends
+/// (the phrase is optional on the wire).
+#[must_use]
+pub fn reason_phrase(status: u16) -> &'static str {
+    match status {
+        200 => "OK",
+        400 => "Bad Request",
+        401 => "Unauthorized",
+        403 => "Forbidden",
+        404 => "Not Found",
+        405 => "Method Not Allowed",
+        408 => "Request Timeout",
+        413 => "Request Entity Too Large",
+        417 => "Expectation Failed",
+        429 => "Too Many Requests",
+        500 => "Internal Server Error",
+        502 => "Bad Gateway",
+        503 => "Service Unavailable",
+        504 => "Gateway Timeout",
+        _ => "",
+    }
+}
+
+/// `Date` header value (RFC 9110 §5.6.7 IMF-fixdate, e.g. `Mon, 30 Nov 2026 11:05:41 GMT`) of the
+/// system clock now.
+#[must_use]
+pub fn http_date_now() -> String {
+    httpdate::fmt_http_date(std::time::SystemTime::now())
+}
+
+/// Why a response could not be serialized.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ResponseError {
+    /// Status outside 100..=999.
+    Status(u16),
+    /// A header name that is not an RFC 9110 token, or a value with CR, LF or NUL (response
+    /// splitting).
+    Header(String),
+}
+
+impl std::fmt::Display for ResponseError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Status(s) => write!(f, "HTTP status {s} is outside 100..=999"),
+            Self::Header(name) => write!(f, "header {name:?} has an invalid name or value"),
+        }
+    }
+}
+
+fn is_token_byte(b: u8) -> bool {
+    b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b)
+}
+
+/// A complete HTTP/1.1 response in one buffer: the status line, `headers` in order,
+/// `Content-Length` of `body`, `Date` (`date`, see [`http_date_now`]), `Connection: <connection>`
+/// when given (`close`, or `keep-alive` for an HTTP/1.0 client), a blank line and `body`.
+///
+/// Callers must not pass `Content-Length`, `Date`, `Connection` or `Transfer-Encoding` in
+/// `headers` (they are written here).
+///
+/// Errors: [`ResponseError`] for a status outside 100..=999 or a header that could split the
+/// response (nothing is built).
+pub fn http_response(
+    status: u16,
+    headers: &[(&str, &str)],
+    body: &[u8],
+    date: &str,
+    connection: Option<&str>,
+) -> Result<Vec<u8>, ResponseError> {
+    use std::io::Write as _;
+    if !(100..=999).contains(&status) {
+        return Err(ResponseError::Status(status));
+    }
+    let bad_value = |v: &str| v.bytes().any(|b| b == b'\r' || b == b'\n' || b == 0);
+    let mut head_len = 64 + date.len() + body.len();
+    for (name, value) in headers {
+        if name.is_empty() || !name.bytes().all(is_token_byte) || bad_value(value) {
+            return Err(ResponseError::Header((*name).to_owned()));
+        }
+        head_len += name.len() + value.len() + 4;
+    }
+    if let Some(c) = connection {
+        if bad_value(c) {
+            return Err(ResponseError::Header("Connection".to_owned()));
+        }
+        head_len += c.len() + 14;
+    }
+    let mut out = Vec::with_capacity(head_len);
+    // writes into a Vec cannot fail
+    let _ = write!(out, "HTTP/1.1 {status} {}\r\n", reason_phrase(status));
+    for (name, value) in headers {
+        for part in [name.as_bytes(), b": ", value.as_bytes(), b"\r\n"] {
+            out.extend_from_slice(part);
+        }
+    }
+    let _ = write!(out, "Content-Length: {}\r\nDate: {date}\r\n", body.len());
+    if let Some(c) = connection {
+        let _ = write!(out, "Connection: {c}\r\n");
+    }
+    out.extend_from_slice(b"\r\n");
+    out.extend_from_slice(body);
+    Ok(out)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -174,5 +306,64 @@ mod tests {
             reset_tokens_ns: 360 * SEC,
         });
         assert_eq!(h, ["4", "0", "500ms", "1000", "0", "6m0s"]);
+    }
+
+    #[test]
+    fn http_response_is_one_well_formed_message() {
+        let raw = http_response(
+            429,
+            &[("Retry-After", "2"), ("Content-Type", "application/json")],
+            b"{}",
+            "Mon, 30 Nov 2026 11:05:41 GMT",
+            None,
+        )
+        .unwrap();
+        assert_eq!(
+            raw,
+            b"HTTP/1.1 429 Too Many Requests\r\nRetry-After: 2\r\nContent-Type: application/json\r\n\
+              Content-Length: 2\r\nDate: Mon, 30 Nov 2026 11:05:41 GMT\r\n\r\n{}"
+        );
+        let close = http_response(503, &[], b"", "d", Some("close")).unwrap();
+        assert_eq!(
+            close,
+            b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\nDate: d\r\nConnection: close\r\n\r\n"
+        );
+        let odd = http_response(299, &[], b"x", "d", None).unwrap();
+        assert!(odd.starts_with(b"HTTP/1.1 299 \r\n"));
+    }
+
+    #[test]
+    fn http_response_refuses_splitting_and_bad_status() {
+        let date = "d";
+        assert_eq!(
+            http_response(99, &[], b"", date, None),
+            Err(ResponseError::Status(99))
+        );
+        assert_eq!(
+            http_response(1000, &[], b"", date, None),
+            Err(ResponseError::Status(1000))
+        );
+        for (name, value) in [
+            ("X", "a\r\nSet-Cookie: x"),
+            ("X", "a\nb"),
+            ("X", "a\0"),
+            ("", "a"),
+            ("A B", "a"),
+            ("A:", "a"),
+        ] {
+            assert!(
+                http_response(200, &[(name, value)], b"", date, None).is_err(),
+                "{name:?}"
+            );
+        }
+        assert!(http_response(200, &[], b"", date, Some("close\r\nX: y")).is_err());
+    }
+
+    #[test]
+    fn http_date_is_imf_fixdate() {
+        let d = http_date_now();
+        assert_eq!(d.len(), 29, "{d}");
+        assert!(d.ends_with(" GMT"), "{d}");
+        assert!(httpdate::parse_http_date(&d).is_ok());
     }
 }

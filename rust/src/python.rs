@@ -7,11 +7,10 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
-use pyo3::exceptions::PyTypeError;
-use pyo3::intern;
+use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
-use pyo3::types::{PyBool, PyDict, PyInt, PyList, PyString, PyTuple, PyType};
+use pyo3::types::{PyBool, PyBytes, PyDict, PyInt, PyList, PyString, PyTuple, PyType};
 
 use crate::adaptive::{AdaptiveLaw as RustLaw, LawParams};
 use crate::admission::{
@@ -875,30 +874,41 @@ impl AdmissionController {
     }
 
     #[pyo3(signature = (backend, tenant, retry_after, reason))]
-    fn refusal_headers<'py>(
+    fn refusal_headers(
+        &self,
+        backend: u32,
+        tenant: u32,
+        retry_after: Option<f64>,
+        reason: &str,
+    ) -> PyResult<Vec<(&'static str, String)>> {
+        let limits = self.core.rate_limits(backend, tenant)?;
+        Ok(crate::headers::refusal_headers(
+            &limits,
+            retry_after,
+            reason,
+        ))
+    }
+
+    #[pyo3(signature = (backend, tenant, retry_after, reason, status, body, connection=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn refusal_response<'py>(
         &self,
         py: Python<'py>,
         backend: u32,
         tenant: u32,
         retry_after: Option<f64>,
-        reason: &Bound<'py, PyString>,
-    ) -> PyResult<Bound<'py, PyList>> {
-        let mut pairs = self.rate_limit_pairs(py, backend, tenant)?;
-        let pair = |name: &Bound<'py, PyString>, value: Bound<'py, PyString>| {
-            PyTuple::new(py, [name.clone(), value])
-        };
-        if let Some(seconds) = retry_after {
-            let (secs, ms) = crate::headers::retry_after_values(seconds);
-            pairs.push(pair(intern!(py, "Retry-After"), PyString::new(py, &secs))?);
-            pairs.push(pair(intern!(py, "retry-after-ms"), PyString::new(py, &ms))?);
-        } else {
-            let no = intern!(py, "false").clone();
-            pairs.push(pair(intern!(py, "x-should-retry"), no)?);
-        }
-        pairs.push(pair(intern!(py, "x-kvgate-reject-reason"), reason.clone())?);
-        let json = intern!(py, "application/json").clone();
-        pairs.push(pair(intern!(py, "Content-Type"), json)?);
-        PyList::new(py, pairs)
+        reason: &str,
+        status: u16,
+        body: &[u8],
+        connection: Option<&str>,
+    ) -> PyResult<Bound<'py, PyBytes>> {
+        let limits = self.core.rate_limits(backend, tenant)?;
+        let owned = crate::headers::refusal_headers(&limits, retry_after, reason);
+        let headers: Vec<(&str, &str)> = owned.iter().map(|(n, v)| (*n, v.as_str())).collect();
+        let date = crate::headers::http_date_now();
+        let raw = crate::headers::http_response(status, &headers, body, &date, connection)
+            .map_err(|e| PyValueError::new_err(e.to_string()))?;
+        Ok(PyBytes::new(py, &raw))
     }
 
     fn backend_state<'py>(&self, py: Python<'py>, backend: u32) -> PyResult<Bound<'py, PyDict>> {
@@ -961,6 +971,26 @@ fn go_duration(seconds: f64) -> String {
     crate::headers::go_duration_secs(seconds)
 }
 
+/// A complete HTTP/1.1 response (see [`crate::headers::http_response`]) with today's `Date`.
+#[pyfunction]
+#[pyo3(signature = (status, headers, body, connection=None))]
+fn http_response<'py>(
+    py: Python<'py>,
+    status: u16,
+    headers: Vec<(String, String)>,
+    body: &[u8],
+    connection: Option<&str>,
+) -> PyResult<Bound<'py, PyBytes>> {
+    let pairs: Vec<(&str, &str)> = headers
+        .iter()
+        .map(|(n, v)| (n.as_str(), v.as_str()))
+        .collect();
+    let date = crate::headers::http_date_now();
+    let raw = crate::headers::http_response(status, &pairs, body, &date, connection)
+        .map_err(|e| PyValueError::new_err(e.to_string()))?;
+    Ok(PyBytes::new(py, &raw))
+}
+
 /// The native module `kvgate._core`.
 #[pymodule(gil_used = false)]
 pub fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
@@ -990,6 +1020,7 @@ pub fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
         PyTuple::new(py, all.map(Reason::as_str))?
     })?;
     m.add_function(wrap_pyfunction!(go_duration, m)?)?;
+    m.add_function(wrap_pyfunction!(http_response, m)?)?;
     m.add_class::<ManualClock>()?;
     m.add_class::<SlotPool>()?;
     m.add_class::<TokenBucket>()?;

@@ -19,6 +19,7 @@ from aiohttp.web_protocol import RequestPayloadError
 
 from kvgate._core import MAX_AMOUNT
 from kvgate.errors import GatewayError, method_not_allowed
+from kvgate.proxy.prepared import PreparedResponse, Reply, prepared
 from kvgate.proxy.relay import RelayResult, relay
 
 if TYPE_CHECKING:
@@ -32,12 +33,18 @@ INLINE_ANALYSIS_BYTES = 16_384
 INFERENCE_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
 
 
-def error_response(err: GatewayError) -> web.Response:
-    """The client-facing response for a :class:`GatewayError`."""
-    headers = {"Content-Type": "application/json"}
+def error_response(request: web.BaseRequest, err: GatewayError) -> PreparedResponse:
+    """The client-facing response to ``request`` for a :class:`GatewayError`: its status, its
+    headers (``Connection: close`` closes the connection after it) and the OpenAI error body."""
+    headers = [("Content-Type", "application/json")]
+    close = False
     if err.headers:
-        headers.update(err.headers)
-    return web.Response(status=err.status, body=err.body(), headers=headers)
+        for name, value in err.headers.items():
+            if name.lower() == "connection":
+                close = close or value.lower() == "close"
+            else:
+                headers.append((name, value))
+    return prepared(request, err.status, headers, err.body(), close)
 
 
 async def read_body(request: web.BaseRequest, max_body_bytes: int, body_seconds: float) -> bytes:
@@ -158,7 +165,7 @@ def rewrite_body(body: bytes, analysis: Any, add_usage: bool) -> bytes:
     return orjson.dumps(data)
 
 
-async def handle_inference(gw: Gateway, request: web.BaseRequest) -> web.StreamResponse:
+async def handle_inference(gw: Gateway, request: web.BaseRequest) -> Reply:
     """``POST /v1/chat/completions``, ``/v1/completions``, ``/v1/embeddings``."""
     started = time.perf_counter()
     route = request.path
@@ -177,7 +184,7 @@ async def handle_inference(gw: Gateway, request: web.BaseRequest) -> web.StreamR
         backend = gw.pick_backend(model, tenant)
     except GatewayError as err:
         gw.metrics.request_done(None, tenant, f"rejected_{err.status}")
-        return error_response(err)
+        return error_response(request, err)
     tokens = analysis.reserved_tokens
     queue = gw.queue
     # fast path: nobody queued, admitted at once; else the priority wait queue decides
@@ -191,7 +198,7 @@ async def handle_inference(gw: Gateway, request: web.BaseRequest) -> web.StreamR
             decision = await gw.admit_slow(request, backend, tenant, priority, tokens, decision)
         if not decision.admitted:
             gw.metrics.rejected(backend, tenant, decision.reason, time.perf_counter() - started)
-            return gw.rejection_response(decision, backend, tenant, model, tokens)
+            return gw.rejection_response(request, decision, backend, tenant, model, tokens)
     gw.metrics.admitted(backend, tenant, tokens, time.perf_counter() - started)
 
     stream = bool(analysis.stream)
@@ -214,7 +221,7 @@ async def handle_inference(gw: Gateway, request: web.BaseRequest) -> web.StreamR
             result=result,
         )
     except GatewayError as err:
-        return error_response(err)
+        return error_response(request, err)
     finally:
         actual = _actual_tokens(analysis, result)
         decision.release(actual)
@@ -235,27 +242,27 @@ def _actual_tokens(analysis: Any, result: RelayResult) -> int:
     return min(int(prompt) + int(result.completion_tokens), MAX_AMOUNT)
 
 
-async def handle_passthrough(gw: Gateway, request: web.BaseRequest) -> web.StreamResponse:
+async def handle_passthrough(gw: Gateway, request: web.BaseRequest) -> Reply:
     """Anything else under ``/v1/``: forwarded with a slot but no token charge (DESIGN.md).
     A wrong method on an inference route is answered here (405), not by the engine."""
     if request.path in INFERENCE_ROUTES:
-        return error_response(method_not_allowed(request.method, request.path, "POST"))
+        return error_response(request, method_not_allowed(request.method, request.path, "POST"))
     try:
         body = await read_body(request, gw.max_body_bytes, gw.timeouts.client_body)
         tenant, priority = gw.authenticate(request)
         backend = gw.default_backend()
     except GatewayError as err:
-        return error_response(err)
+        return error_response(request, err)
     decision = gw.controller.admit(backend.id, tenant.id, priority, 0) if not gw.queue else None
     if decision is None or not decision.admitted:
         decision = await gw.admit_slow(request, backend, tenant, priority, 0, decision)
         if not decision.admitted:
             gw.metrics.rejected(backend, tenant, decision.reason, 0.0)
-            return gw.rejection_response(decision, backend, tenant, None, 0)
+            return gw.rejection_response(request, decision, backend, tenant, None, 0)
     try:
         return await gw.forward_raw(request, backend, body)
     except GatewayError as err:
-        return error_response(err)
+        return error_response(request, err)
     finally:
         decision.release(0)
         if gw.queue:

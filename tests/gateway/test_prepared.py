@@ -1,0 +1,243 @@
+"""Responses kvgate serializes itself (refusals, its own errors) on the wire: one well-formed
+HTTP/1.1 message each, checked with h11 (a strict HTTP/1.1 parser), over raw sockets — keep-alive,
+pipelining, HTTP/1.0, ``Connection: close``, ``HEAD``."""
+
+from __future__ import annotations
+
+import asyncio
+import email.utils
+from urllib.parse import urlsplit
+
+import h11
+import orjson
+import pytest
+
+from kvgate._core import AdmissionController, http_response
+
+from .conftest import config_for
+from .fake_upstream import run_upstream
+
+# bigger than the backend's whole TPM bucket (50): refused at once, never admissible (503)
+TOO_BIG = orjson.dumps(
+    {"model": "replay", "max_tokens": 100, "messages": [{"role": "user", "content": "hi"}]}
+)
+
+
+def _post(body: bytes = TOO_BIG, *, version: bytes = b"1.1", extra: bytes = b"") -> bytes:
+    return (
+        b"POST /v1/chat/completions HTTP/" + version + b"\r\nHost: x\r\n"
+        b"Content-Type: application/json\r\n"
+        + extra
+        + b"Content-Length: "
+        + str(len(body)).encode()
+        + b"\r\n\r\n"
+        + body
+    )
+
+
+async def _read_responses(
+    reader: asyncio.StreamReader, n: int, methods: list[bytes] | None = None
+) -> tuple[list[tuple[h11.Response, bytes]], h11.Connection]:
+    """Parse ``n`` responses with h11 (fails on any framing error); returns them and the parser."""
+    conn = h11.Connection(h11.CLIENT)
+    out: list[tuple[h11.Response, bytes]] = []
+    for i in range(n):
+        method = (methods or [b"POST"] * n)[i]
+        conn.send(h11.Request(method=method, target="/", headers=[("Host", "x")]))
+        conn.send(h11.EndOfMessage())
+        head: h11.Response | None = None
+        body = b""
+        while True:
+            event = conn.next_event()
+            if event is h11.NEED_DATA:
+                data = await asyncio.wait_for(reader.read(65536), 5)
+                conn.receive_data(data)
+                continue
+            if isinstance(event, h11.Response):
+                head = event
+            elif isinstance(event, h11.Data):
+                body += event.data
+            elif isinstance(event, h11.EndOfMessage):
+                break
+            else:
+                raise AssertionError(f"unexpected {event!r}")
+        assert head is not None
+        out.append((head, body))
+        if conn.our_state is h11.MUST_CLOSE or conn.their_state is h11.MUST_CLOSE:
+            break
+        conn.start_next_cycle()
+    return out, conn
+
+
+def _headers(resp: h11.Response) -> dict[str, str]:
+    return {k.decode().lower(): v.decode() for k, v in resp.headers}
+
+
+async def _closed_by_server(reader: asyncio.StreamReader) -> bool:
+    return await asyncio.wait_for(reader.read(1), 5) == b""
+
+
+@pytest.fixture
+async def gw(gateway_for):
+    async with run_upstream() as up:
+        cfg = config_for(up.url, ["replay"], tokens_per_minute=50)
+        async with gateway_for(cfg) as running:
+            yield running
+
+
+async def _connect(url: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    parts = urlsplit(url)
+    assert parts.hostname is not None
+    assert parts.port is not None
+    return await asyncio.open_connection(parts.hostname, parts.port)
+
+
+async def test_pipelined_refusals_and_errors_are_framed_on_one_connection(gw) -> None:
+    reader, writer = await _connect(gw.url)
+    try:
+        bad_json = b"{not json"
+        writer.write(
+            _post() + b"GET /nowhere HTTP/1.1\r\nHost: x\r\n\r\n" + _post(bad_json) + _post()
+        )
+        responses, _ = await _read_responses(reader, 4, [b"POST", b"GET", b"POST", b"POST"])
+        assert [r.status_code for r, _ in responses] == [503, 404, 400, 503]
+        for resp, body in responses:
+            h = _headers(resp)
+            assert int(h["content-length"]) == len(body)
+            assert h["content-type"] == "application/json"
+            assert "connection" not in h  # HTTP/1.1 keeps the connection by default
+            date = email.utils.parsedate_to_datetime(h["date"])
+            assert date.tzinfo is not None
+            err = orjson.loads(body)["error"]
+            assert set(err) == {"message", "type", "param", "code"}
+        refusal = _headers(responses[0][0])
+        assert refusal["x-kvgate-reject-reason"] == "backend-tpm"
+        assert refusal["x-should-retry"] == "false"
+        assert "retry-after" not in refusal
+        assert refusal["x-ratelimit-limit-tokens"] == "50"
+        assert responses[0][0].reason == b"Service Unavailable"
+        assert orjson.loads(responses[2][1])["error"]["code"] == "invalid_json"
+        # nothing was held by any of them
+        assert gw.backend_state()["in_use"] == 0
+    finally:
+        writer.close()
+
+
+async def test_http10_closes_unless_kept_alive(gw) -> None:
+    reader, writer = await _connect(gw.url)
+    try:
+        writer.write(_post(version=b"1.0"))
+        [(resp, _)], _ = await _read_responses(reader, 1)
+        assert resp.status_code == 503
+        assert _headers(resp)["connection"] == "close"
+        assert await _closed_by_server(reader)
+    finally:
+        writer.close()
+
+    reader, writer = await _connect(gw.url)
+    try:
+        keep = b"Connection: keep-alive\r\n"
+        writer.write(_post(version=b"1.0", extra=keep))
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+        assert b"\r\nConnection: keep-alive\r\n" in head
+        length = int(head.split(b"Content-Length: ")[1].split(b"\r\n")[0])
+        await reader.readexactly(length)
+        writer.write(_post(version=b"1.0", extra=keep))  # the same connection answers again
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+        assert head.startswith(b"HTTP/1.1 503 ")
+    finally:
+        writer.close()
+
+
+async def test_connection_close_is_honoured(gw) -> None:
+    reader, writer = await _connect(gw.url)
+    try:
+        writer.write(_post(extra=b"Connection: close\r\n"))
+        [(resp, body)], _ = await _read_responses(reader, 1)
+        assert resp.status_code == 503
+        assert _headers(resp)["connection"] == "close"
+        assert orjson.loads(body)["error"]["code"] == "server_is_overloaded"
+        assert await _closed_by_server(reader)
+    finally:
+        writer.close()
+
+
+async def test_head_error_has_length_but_no_body(gw) -> None:
+    reader, writer = await _connect(gw.url)
+    try:
+        writer.write(
+            b"HEAD /nowhere HTTP/1.1\r\nHost: x\r\n\r\n"
+            + _post()  # would be misread if the HEAD answer carried a body
+        )
+        responses, _ = await _read_responses(reader, 2, [b"HEAD", b"POST"])
+        (head, head_body), (post, _) = responses
+        assert head.status_code == 404
+        assert head_body == b""
+        assert int(_headers(head)["content-length"]) > 0
+        assert post.status_code == 503
+    finally:
+        writer.close()
+
+
+async def test_oversized_declared_body_is_413_with_connection_close(gw) -> None:
+    reader, writer = await _connect(gw.url)
+    try:
+        writer.write(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 1000000000\r\n\r\n"
+        )
+        [(resp, body)], _ = await _read_responses(reader, 1)
+        assert resp.status_code == 413
+        assert _headers(resp)["connection"] == "close"
+        assert orjson.loads(body)["error"]["code"] == "request_too_large"
+        # (aiohttp then lingers, discarding body bytes for a while, before it closes)
+    finally:
+        writer.close()
+
+
+def test_http_response_wire_format() -> None:
+    raw = http_response(429, [("Retry-After", "2"), ("x-a", "b")], b'{"x":1}', "close")
+    head, _, body = raw.partition(b"\r\n\r\n")
+    lines = head.split(b"\r\n")
+    assert lines[0] == b"HTTP/1.1 429 Too Many Requests"
+    assert lines[1:3] == [b"Retry-After: 2", b"x-a: b"]
+    assert b"Content-Length: 7" in lines
+    assert b"Connection: close" in lines
+    assert body == b'{"x":1}'
+
+
+@pytest.mark.parametrize(
+    ("status", "headers", "connection", "error"),
+    [
+        (99, [], None, ValueError),
+        (1000, [], None, ValueError),
+        (-1, [], None, OverflowError),
+        (70_000, [], None, OverflowError),
+        (200, [("X", "a\r\nSet-Cookie: evil=1")], None, ValueError),
+        (200, [("X", "a\nb")], None, ValueError),
+        (200, [("X", "a\x00b")], None, ValueError),
+        (200, [("Bad Name", "a")], None, ValueError),
+        (200, [("", "a")], None, ValueError),
+        (200, [("X:", "a")], None, ValueError),
+        (200, [("X", "a")], "close\r\nX: y", ValueError),
+        (200, [("X", 1)], None, TypeError),
+        (200, "X: a", None, TypeError),
+    ],
+)
+def test_http_response_refuses_what_could_split_a_response(
+    status: int, headers: object, connection: str | None, error: type[Exception]
+) -> None:
+    with pytest.raises(error):
+        http_response(status, headers, b"", connection)  # type: ignore[arg-type]
+
+
+def test_refusal_response_refuses_bad_reason_and_unknown_ids() -> None:
+    ctl = AdmissionController()
+    b = ctl.add_backend("b", max_concurrency=1, tokens_per_minute=100)
+    t = ctl.add_tenant("t", priority="standard")
+    raw = ctl.refusal_response(b, t, 1.5, "backend-slots", 503, b"{}")
+    assert raw.startswith(b"HTTP/1.1 503 Service Unavailable\r\n")
+    assert b"\r\nRetry-After: 2\r\nretry-after-ms: 1500\r\n" in raw
+    with pytest.raises(ValueError, match="invalid name or value"):
+        ctl.refusal_response(b, t, 1.0, "x\r\nSet-Cookie: a=b", 503, b"{}")
+    with pytest.raises(Exception, match="backend"):
+        ctl.refusal_response(b + 5, t, 1.0, "backend-slots", 503, b"{}")
