@@ -43,6 +43,7 @@ __all__ = [
     "check_content_length",
     "go_duration",
     "http_response",
+    "http_stream_head",
     "peek_model",
     "usage_tokens",
 ]
@@ -787,6 +788,24 @@ def http_response(
         ValueError: ``status`` outside 100..=999; a header name that is not an RFC 9110 token or
             a value (or ``connection``) with CR, LF or NUL — nothing that could split a response
             is ever written.
+        OverflowError: ``status`` negative or above 65535.
+        TypeError: ``headers`` not a list of ``(str, str)`` pairs.
+    """
+
+def http_stream_head(
+    status: int,
+    headers: list[tuple[str, str]],
+    connection: str | None = None,
+    chunked: bool = True,
+) -> bytes:
+    """The head of a streamed HTTP/1.1 response: ``HTTP/1.1 <status> <reason phrase>``, the
+    ``headers`` in order, ``Transfer-Encoding: chunked`` when ``chunked`` (an HTTP/1.1 client;
+    else nothing, and the body ends when the connection closes — pass ``connection="close"``),
+    ``Date``, ``Connection: <connection>`` when given, and the blank line. The same rules and
+    errors as :func:`http_response`.
+
+    Raises:
+        ValueError: ``status`` outside 100..=999, or a header that could split the response.
         OverflowError: ``status`` negative or above 65535.
         TypeError: ``headers`` not a list of ``(str, str)`` pairs.
     """

@@ -37,8 +37,8 @@ from kvgate.proxy.deadline import Watchdog
 from kvgate.proxy.handler import (
     error_response,
 )
-from kvgate.proxy.prepared import PreparedResponse, Reply, connection_header
-from kvgate.proxy.relay import copy_headers
+from kvgate.proxy.prepared import PreparedResponse, Reply, connection_header, prepared
+from kvgate.proxy.relay import relayed_headers
 
 __all__ = [
     "PRIORITY_CLASSES",
@@ -551,7 +551,7 @@ class Gateway:
 
     async def forward_raw(
         self, request: web.BaseRequest, backend: Backend, body: bytes
-    ) -> web.Response:
+    ) -> PreparedResponse:
         """Forward a non-inference ``/v1/`` request as is (no token accounting)."""
         url = backend.url + request.path_qs
         try:
@@ -568,14 +568,13 @@ class Gateway:
             ):
                 raw = await resp.read()
                 if resp.status >= 400:  # engines' error bodies differ: reshape to OpenAI's
-                    return web.Response(
-                        status=resp.status,
-                        body=reshape_upstream_error(resp.status, raw),
-                        content_type="application/json",
+                    return prepared(
+                        request,
+                        resp.status,
+                        [("Content-Type", "application/json")],
+                        reshape_upstream_error(resp.status, raw),
                     )
-                return web.Response(
-                    status=resp.status, body=raw, headers=copy_headers(resp.headers, [])
-                )
+                return prepared(request, resp.status, relayed_headers(resp.headers, []), raw)
         except TimeoutError:
             raise upstream_timeout("response") from None
         except aiohttp.ClientError as exc:

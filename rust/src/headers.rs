@@ -197,41 +197,54 @@ fn is_token_byte(b: u8) -> bool {
     b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b)
 }
 
-/// A complete HTTP/1.1 response in one buffer: the status line, `headers` in order,
-/// `Content-Length` of `body`, `Date` (`date`, see [`http_date_now`]), `Connection: <connection>`
-/// when given (`close`, or `keep-alive` for an HTTP/1.0 client), a blank line and `body`.
+/// How the body of a response is delimited (RFC 9112 §6).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Framing {
+    /// `Content-Length: n`.
+    Length(usize),
+    /// `Transfer-Encoding: chunked` (HTTP/1.1 clients).
+    Chunked,
+    /// Neither: the body ends when the connection closes (HTTP/1.0 clients).
+    Close,
+}
+
+/// The head of an HTTP/1.1 response: the status line, `headers` in order, the framing header,
+/// `Date` (`date`, see [`http_date_now`]), `Connection: <connection>` when given (`close`, or
+/// `keep-alive` for an HTTP/1.0 client), and the blank line. `extra` bytes of capacity are
+/// reserved for what the caller appends (the body).
 ///
 /// Callers must not pass `Content-Length`, `Date`, `Connection` or `Transfer-Encoding` in
 /// `headers` (they are written here).
 ///
 /// Errors: [`ResponseError`] for a status outside 100..=999 or a header that could split the
 /// response (nothing is built).
-pub fn http_response(
+pub fn http_head(
     status: u16,
     headers: &[(&str, &str)],
-    body: &[u8],
+    framing: Framing,
     date: &str,
     connection: Option<&str>,
+    extra: usize,
 ) -> Result<Vec<u8>, ResponseError> {
     use std::io::Write as _;
     if !(100..=999).contains(&status) {
         return Err(ResponseError::Status(status));
     }
     let bad_value = |v: &str| v.bytes().any(|b| b == b'\r' || b == b'\n' || b == 0);
-    let mut head_len = 64 + date.len() + body.len();
+    let mut len = 96 + date.len() + extra;
     for (name, value) in headers {
         if name.is_empty() || !name.bytes().all(is_token_byte) || bad_value(value) {
             return Err(ResponseError::Header((*name).to_owned()));
         }
-        head_len += name.len() + value.len() + 4;
+        len += name.len() + value.len() + 4;
     }
     if let Some(c) = connection {
         if bad_value(c) {
             return Err(ResponseError::Header("Connection".to_owned()));
         }
-        head_len += c.len() + 14;
+        len += c.len() + 14;
     }
-    let mut out = Vec::with_capacity(head_len);
+    let mut out = Vec::with_capacity(len);
     // writes into a Vec cannot fail
     let _ = write!(out, "HTTP/1.1 {status} {}\r\n", reason_phrase(status));
     for (name, value) in headers {
@@ -239,11 +252,40 @@ pub fn http_response(
             out.extend_from_slice(part);
         }
     }
-    let _ = write!(out, "Content-Length: {}\r\nDate: {date}\r\n", body.len());
+    match framing {
+        Framing::Length(n) => {
+            let _ = write!(out, "Content-Length: {n}\r\n");
+        }
+        Framing::Chunked => out.extend_from_slice(b"Transfer-Encoding: chunked\r\n"),
+        Framing::Close => {}
+    }
+    let _ = write!(out, "Date: {date}\r\n");
     if let Some(c) = connection {
         let _ = write!(out, "Connection: {c}\r\n");
     }
     out.extend_from_slice(b"\r\n");
+    Ok(out)
+}
+
+/// A complete HTTP/1.1 response in one buffer: [`http_head`] with `Content-Length` of `body`,
+/// then `body`.
+///
+/// Errors: as [`http_head`].
+pub fn http_response(
+    status: u16,
+    headers: &[(&str, &str)],
+    body: &[u8],
+    date: &str,
+    connection: Option<&str>,
+) -> Result<Vec<u8>, ResponseError> {
+    let mut out = http_head(
+        status,
+        headers,
+        Framing::Length(body.len()),
+        date,
+        connection,
+        body.len(),
+    )?;
     out.extend_from_slice(body);
     Ok(out)
 }
@@ -357,6 +399,20 @@ mod tests {
             );
         }
         assert!(http_response(200, &[], b"", date, Some("close\r\nX: y")).is_err());
+    }
+
+    #[test]
+    fn stream_heads_carry_their_framing() {
+        let chunked = http_head(200, &[("X", "1")], Framing::Chunked, "d", None, 0).unwrap();
+        assert_eq!(
+            chunked,
+            b"HTTP/1.1 200 OK\r\nX: 1\r\nTransfer-Encoding: chunked\r\nDate: d\r\n\r\n"
+        );
+        let close = http_head(200, &[], Framing::Close, "d", Some("close"), 0).unwrap();
+        assert_eq!(
+            close,
+            b"HTTP/1.1 200 OK\r\nDate: d\r\nConnection: close\r\n\r\n"
+        );
     }
 
     #[test]

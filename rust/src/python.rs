@@ -991,6 +991,32 @@ fn http_response<'py>(
     Ok(PyBytes::new(py, &raw))
 }
 
+/// The head of a streamed HTTP/1.1 response (see [`crate::headers::http_head`]) with today's
+/// `Date`: chunked, or delimited by the connection's close.
+#[pyfunction]
+#[pyo3(signature = (status, headers, connection=None, chunked=true))]
+fn http_stream_head<'py>(
+    py: Python<'py>,
+    status: u16,
+    headers: Vec<(String, String)>,
+    connection: Option<&str>,
+    chunked: bool,
+) -> PyResult<Bound<'py, PyBytes>> {
+    let pairs: Vec<(&str, &str)> = headers
+        .iter()
+        .map(|(n, v)| (n.as_str(), v.as_str()))
+        .collect();
+    let framing = if chunked {
+        crate::headers::Framing::Chunked
+    } else {
+        crate::headers::Framing::Close
+    };
+    let date = crate::headers::http_date_now();
+    let raw = crate::headers::http_head(status, &pairs, framing, &date, connection, 0)
+        .map_err(|e| PyValueError::new_err(e.to_string()))?;
+    Ok(PyBytes::new(py, &raw))
+}
+
 /// The native module `kvgate._core`.
 #[pymodule(gil_used = false)]
 pub fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
@@ -1021,6 +1047,7 @@ pub fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     })?;
     m.add_function(wrap_pyfunction!(go_duration, m)?)?;
     m.add_function(wrap_pyfunction!(http_response, m)?)?;
+    m.add_function(wrap_pyfunction!(http_stream_head, m)?)?;
     m.add_class::<ManualClock>()?;
     m.add_class::<SlotPool>()?;
     m.add_class::<TokenBucket>()?;

@@ -15,7 +15,7 @@ import pytest
 from kvgate._core import AdmissionController, http_response
 
 from .conftest import config_for
-from .fake_upstream import run_upstream
+from .fake_upstream import EVENTS, run_upstream
 
 # bigger than the backend's whole TPM bucket (50): refused at once, never admissible (503)
 TOO_BIG = orjson.dumps(
@@ -75,6 +75,26 @@ def _headers(resp: h11.Response) -> dict[str, str]:
 
 async def _closed_by_server(reader: asyncio.StreamReader) -> bool:
     return await asyncio.wait_for(reader.read(1), 5) == b""
+
+
+@pytest.fixture
+async def open_gw(gateway_for):
+    """A gateway that admits (TPM plenty) in front of the fake upstream."""
+    async with run_upstream() as up:
+        cfg = config_for(up.url, ["replay"])
+        async with gateway_for(cfg) as running:
+            yield running
+
+
+STREAM_BODY = orjson.dumps(
+    {
+        "model": "replay",
+        "max_tokens": 50,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "messages": [{"role": "user", "content": "hi"}],
+    }
+)
 
 
 @pytest.fixture
@@ -192,6 +212,70 @@ async def test_oversized_declared_body_is_413_with_connection_close(gw) -> None:
         # (aiohttp then lingers, discarding body bytes for a while, before it closes)
     finally:
         writer.close()
+
+
+async def test_streams_are_chunked_for_http11_and_kept_alive(open_gw) -> None:
+    reader, writer = await _connect(open_gw.url)
+    try:
+        small = orjson.dumps(
+            {"model": "replay", "max_tokens": 5, "messages": [{"role": "user", "content": "x"}]}
+        )
+        writer.write(_post(STREAM_BODY) + _post(STREAM_BODY) + _post(small))
+        responses, _ = await _read_responses(reader, 3)
+        (first, body1), (second, body2), (plain, body3) = responses
+        for head, body in ((first, body1), (second, body2)):
+            assert head.status_code == 200
+            h = _headers(head)
+            assert h["transfer-encoding"] == "chunked"
+            assert "content-length" not in h
+            assert h["content-type"].startswith("text/event-stream")
+            assert "x-ratelimit-remaining-tokens" in h
+            assert body == b"".join(EVENTS)  # the engine's bytes, de-chunked by h11
+        assert plain.status_code == 200
+        assert orjson.loads(body3)["usage"]["completion_tokens"] == 7
+        await _until_idle(open_gw)
+    finally:
+        writer.close()
+
+
+async def test_streams_to_http10_end_with_the_connection(open_gw) -> None:
+    reader, writer = await _connect(open_gw.url)
+    try:
+        writer.write(_post(STREAM_BODY, version=b"1.0", extra=b"Connection: keep-alive\r\n"))
+        raw = await asyncio.wait_for(reader.read(), 5)  # until the server closes
+    finally:
+        writer.close()
+    head, _, body = raw.partition(b"\r\n\r\n")
+    lines = head.split(b"\r\n")
+    assert lines[0] == b"HTTP/1.1 200 OK"
+    assert b"Connection: close" in lines
+    assert not any(
+        line.lower().startswith((b"transfer-encoding", b"content-length")) for line in lines
+    )
+    assert body == b"".join(EVENTS)
+    await _until_idle(open_gw)
+
+
+async def _until_idle(gw) -> None:
+    for _ in range(200):
+        if gw.backend_state()["in_use"] == 0:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("slots still held")
+
+
+def test_an_engine_header_that_could_split_the_response_is_dropped() -> None:
+    from aiohttp.test_utils import make_mocked_request
+
+    from kvgate.proxy.prepared import prepared
+
+    request = make_mocked_request("POST", "/v1/chat/completions")
+    resp = prepared(request, 200, [("x-ok", "1"), ("x-evil", "a\x00b"), ("Bad Name", "v")], b"{}")
+    head = resp.raw.split(b"\r\n\r\n")[0]
+    assert b"x-ok: 1" in head
+    assert b"x-evil" not in head
+    assert b"Bad Name" not in head
+    assert resp.keep_alive
 
 
 def test_http_response_wire_format() -> None:

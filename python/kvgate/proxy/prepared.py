@@ -16,10 +16,18 @@ multidict and serializing it per request (measured: 18 µs against 32 µs of CPU
 from __future__ import annotations
 
 from aiohttp import web
+from aiohttp.abc import AbstractStreamWriter
 
-from kvgate._core import http_response
+from kvgate._core import http_response, http_stream_head
 
-__all__ = ["PreparedResponse", "Reply", "connection_header", "prepared"]
+__all__ = [
+    "PreparedResponse",
+    "PreparedStream",
+    "Reply",
+    "connection_header",
+    "prepared",
+    "start_stream",
+]
 
 
 class PreparedResponse:
@@ -55,9 +63,82 @@ class PreparedResponse:
         return f"<PreparedResponse {self.status} {len(self.raw)} bytes>"
 
 
+class PreparedStream:
+    """A streamed response whose head kvgate wrote itself (:func:`start_stream`): the body goes
+    out through the request's payload writer, chunked for HTTP/1.1 clients (``Transfer-Encoding:
+    chunked``), until the connection closes for HTTP/1.0 ones. Returned from a handler like a
+    prepared ``web.StreamResponse``.
+
+    Attributes:
+        status: the HTTP status code sent.
+        keep_alive: whether the connection stays open after the stream.
+    """
+
+    __slots__ = ("_eof", "_writer", "keep_alive", "status")
+
+    def __init__(self, status: int, keep_alive: bool, writer: AbstractStreamWriter) -> None:
+        self.status = status
+        self.keep_alive = keep_alive
+        self._writer = writer
+        self._eof = False
+
+    async def prepare(self, request: web.BaseRequest) -> None:
+        """Nothing to do: the head went out when the stream started."""
+
+    async def write(self, data: bytes) -> None:
+        """Send ``data`` (framed as one chunk for HTTP/1.1); waits while the client's buffer is
+        full.
+
+        Raises:
+            ConnectionResetError: the client is gone.
+            RuntimeError: the stream already ended.
+        """
+        if self._eof:
+            raise RuntimeError("write() after write_eof()")
+        await self._writer.write(data)
+
+    async def write_eof(self, data: bytes = b"") -> None:
+        """End the stream (the last chunk for HTTP/1.1); later calls do nothing.
+
+        Raises:
+            ConnectionResetError: the client is gone.
+        """
+        if self._eof:
+            return
+        self._eof = True
+        await self._writer.write_eof(data)
+
+    def __repr__(self) -> str:
+        return f"<PreparedStream {self.status}>"
+
+
+async def start_stream(
+    request: web.BaseRequest, status: int, headers: list[tuple[str, str]]
+) -> PreparedStream:
+    """Write the head of a streamed response to ``request`` and return the stream (see
+    :func:`prepared` for ``headers``; a header that could split the response is left out).
+
+    Raises:
+        ConnectionResetError: the client is gone.
+        ValueError: a status outside 100..=999.
+    """
+    chunked = request.version >= (1, 1)
+    # an HTTP/1.0 client reads the body until the connection closes
+    connection = connection_header(request, close=not chunked)
+    try:
+        head = http_stream_head(status, headers, connection, chunked)
+    except ValueError:
+        head = http_stream_head(status, [h for h in headers if _safe(*h)], connection, chunked)
+    writer = request.writer
+    await writer.write(head)
+    if chunked:
+        writer.enable_chunking()
+    return PreparedStream(status, connection != "close", writer)
+
+
 #: What kvgate's handlers return: aiohttp's responses (streams, relayed bodies, its own GET
 #: endpoints) or a prepared one.
-Reply = web.StreamResponse | PreparedResponse
+Reply = web.StreamResponse | PreparedResponse | PreparedStream
 
 
 def connection_header(request: web.BaseRequest, close: bool = False) -> str | None:
@@ -80,13 +161,26 @@ def prepared(
 ) -> PreparedResponse:
     """A :class:`PreparedResponse` to ``request`` (see :func:`kvgate._core.http_response` for
     what ``headers`` may hold; ``close`` forces ``Connection: close``; the answer to ``HEAD``
-    carries the ``Content-Length`` of ``body`` but not the body).
+    carries the ``Content-Length`` of ``body`` but not the body). A header that could split the
+    response (a name that is not an RFC 9110 token; CR, LF or NUL in a value) is left out.
 
     Raises:
-        ValueError: a header that could split the response, or a status outside 100..=999.
+        ValueError: a status outside 100..=999.
     """
     connection = connection_header(request, close)
-    raw = http_response(status, headers, body, connection)
+    try:
+        raw = http_response(status, headers, body, connection)
+    except ValueError:
+        # a relayed engine header that could split the response: dropped, the rest is sent
+        raw = http_response(status, [h for h in headers if _safe(*h)], body, connection)
     if body and request.method == "HEAD":  # the Content-Length of the body, without it
         raw = raw[: -len(body)]
     return PreparedResponse(status, raw, connection != "close")
+
+
+_TOKEN = frozenset("!#$%&'*+-.^_`|~0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")
+
+
+def _safe(name: str, value: str) -> bool:
+    """Whether a header can be written as is (RFC 9110 token name; no CR, LF, NUL in value)."""
+    return bool(name) and all(c in _TOKEN for c in name) and not any(c in value for c in "\r\n\x00")

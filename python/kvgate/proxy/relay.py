@@ -20,6 +20,7 @@ from aiohttp import web
 from kvgate._core import MAX_AMOUNT, usage_tokens
 from kvgate.errors import error_body, reshape_upstream_error, upstream_failed, upstream_timeout
 from kvgate.proxy.deadline import Deadline, Watchdog
+from kvgate.proxy.prepared import PreparedStream, Reply, prepared, start_stream
 from kvgate.proxy.sse import SSEInspector
 
 if TYPE_CHECKING:
@@ -70,10 +71,18 @@ class RelayResult:
     outcome: str = "ok"
 
 
-def copy_headers(upstream: Mapping[str, str], extra: list[tuple[str, str]]) -> dict[str, str]:
-    """Upstream response headers minus hop-by-hop ones, plus ``extra`` (kvgate's own)."""
-    out = {k: v for k, v in upstream.items() if k.lower() not in _HOP_BY_HOP}
-    out.update(extra)
+def relayed_headers(
+    upstream: Mapping[str, str], extra: list[tuple[str, str]]
+) -> list[tuple[str, str]]:
+    """Upstream response headers (each value, in order) minus hop-by-hop ones and those
+    ``extra`` replaces, then ``extra`` (kvgate's own), as ``(name, value)`` pairs."""
+    ours = {name.lower() for name, _ in extra}
+    out = [
+        (k, v)
+        for k, v in upstream.items()
+        if (low := k.lower()) not in _HOP_BY_HOP and low not in ours
+    ]
+    out.extend(extra)
     return out
 
 
@@ -90,7 +99,7 @@ async def relay(
     extra_headers: list[tuple[str, str]],
     count_text: Callable[[str], int] | None,
     result: RelayResult,
-) -> web.StreamResponse:
+) -> Reply:
     """POST ``body`` to ``url`` and relay the answer to the client.
 
     Args:
@@ -109,7 +118,8 @@ async def relay(
             cancelled.
 
     Returns:
-        The response (already prepared and written for streams).
+        The response: for streams, already prepared and written; else the whole answer as a
+        :class:`~kvgate.proxy.prepared.PreparedResponse` (one write).
 
     Raises:
         GatewayError: 502 upstream unreachable / broken before headers, 504 upstream timeout
@@ -144,10 +154,11 @@ async def relay(
             result.outcome = "upstream_error"
             raw = await _read_all(upstream, timeouts, deadline, end, result)
             result.status = upstream.status
-            return web.Response(
-                status=upstream.status,
-                body=reshape_upstream_error(upstream.status, raw),
-                headers=[("Content-Type", "application/json"), *extra_headers],
+            return prepared(
+                request,
+                upstream.status,
+                [("Content-Type", "application/json"), *extra_headers],
+                reshape_upstream_error(upstream.status, raw),
             )
         if stream and upstream.content_type == "text/event-stream":
             return await _relay_stream(
@@ -164,10 +175,8 @@ async def relay(
         raw = await _read_all(upstream, timeouts, deadline, end, result)
         _settle_from_body(raw, result)
         result.status = upstream.status
-        return web.Response(
-            status=upstream.status,
-            body=raw,
-            headers=copy_headers(upstream.headers, extra_headers),
+        return prepared(
+            request, upstream.status, relayed_headers(upstream.headers, extra_headers), raw
         )
     except asyncio.CancelledError:
         result.outcome = "client_disconnect"
@@ -255,12 +264,15 @@ async def _relay_stream(
     extra_headers: list[tuple[str, str]],
     count_text: Callable[[str], int] | None,
     result: RelayResult,
-) -> web.StreamResponse:
-    response = web.StreamResponse(
-        status=upstream.status, headers=copy_headers(upstream.headers, extra_headers)
-    )
+) -> PreparedStream:
     inspector = SSEInspector(strip_usage_chunk=strip_usage_chunk)
-    await response.prepare(request)
+    try:
+        response = await start_stream(
+            request, upstream.status, relayed_headers(upstream.headers, extra_headers)
+        )
+    except ConnectionResetError:
+        result.outcome = "client_disconnect"
+        raise
     result.status = upstream.status
     content = upstream.content
     loop = asyncio.get_running_loop()
@@ -313,7 +325,7 @@ async def _relay_stream(
     return response
 
 
-async def _write_error_event(response: web.StreamResponse, message: str, code: str) -> None:
+async def _write_error_event(response: PreparedStream, message: str, code: str) -> None:
     """End a stream whose upstream failed with an OpenAI error event (ENGINES.md §5.4)."""
     try:
         await response.write(b"data: " + error_body(message, "server_error", None, code) + b"\n\n")
