@@ -447,22 +447,30 @@ class AdmissionController:
         self,
         backend: int,
         tenant: int,
-        retry_after: float | None,
         reason: str,
-        status: int,
-        body: bytes,
+        retry_after: float | None,
+        never: bool,
+        tenant_scope: bool,
+        model: str | None,
+        tenant_name: str,
+        requested: int,
         connection: str | None = None,
-    ) -> bytes:
-        """A whole refusal as it goes on the wire (:func:`http_response`): ``HTTP/1.1 <status>``,
-        the :meth:`refusal_headers`, ``Content-Length``, ``Date`` and, when given,
-        ``Connection: <connection>``, then ``body`` (bytes, the OpenAI error JSON). One read of
-        the shared state; the gateway writes the result with a single write.
+    ) -> tuple[int, bytes]:
+        """A whole refusal as it goes on the wire, and its status: 429 when ``tenant_scope``
+        (the tenant's own quota refused it), else 503. The message is an HTTP/1.1 response
+        (:func:`http_response`): the :meth:`refusal_headers` (with ``Retry-After`` for a wait of
+        ``retry_after`` seconds, none when ``never``), ``Content-Length``, ``Date`` and, when
+        given, ``Connection: <connection>``, then OpenAI's error body (ENGINES.md §5.1): for 429
+        ``type`` ``tokens`` (a TPM reason) or ``requests`` and ``code`` ``rate_limit_exceeded``;
+        for 503 ``type`` ``server_error`` and ``code`` ``server_is_overloaded``; the message
+        names ``model`` (``None``: "this backend"), ``tenant_name``, ``reason``, the wait
+        (rounded up to the millisecond) or, when ``never``, the ``requested`` tokens (prompt +
+        completion). One read of the shared state; the gateway writes the bytes with one write.
 
         Raises:
             InvalidConfigError: unknown backend or tenant id.
-            ValueError: ``status`` outside 100..=999, or ``reason`` / ``connection`` with CR,
-                LF or NUL.
-            OverflowError: ``status`` negative or above 65535.
+            ValueError: ``reason`` or ``connection`` with CR, LF or NUL.
+            OverflowError: ``requested`` negative or above 2**64 - 1.
         """
     def tenant_state(self, tenant: int) -> dict[str, object]:
         """Snapshot: name, priority, guaranteed_slots (on each backend of

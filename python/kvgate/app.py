@@ -12,7 +12,6 @@ import contextlib
 import hashlib
 import hmac
 import logging
-import math
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -26,7 +25,6 @@ from kvgate import AnalysisError, ModelRegistry
 from kvgate.config import TimeoutsConfig
 from kvgate.errors import (
     GatewayError,
-    error_body,
     method_not_allowed,
     reshape_upstream_error,
     upstream_failed,
@@ -495,56 +493,23 @@ class Gateway:
         model: ModelRoute | None,
         requested: int,
     ) -> PreparedResponse:
-        """429 (tenant over quota) or 503 (backend saturated / class shed) with ``Retry-After``
-        (computed; omitted with ``x-should-retry: false`` when it can never be admitted), the
-        ``x-ratelimit-*`` headers and ``x-kvgate-reject-reason``, serialized whole in Rust
-        (:class:`~kvgate.proxy.prepared.PreparedResponse`)."""
-        reason: str = decision.reason
-        never = bool(decision.never)
-        name = model.name if model is not None else "this backend"
-        if decision.scope == "tenant":
-            status = 429
-            kind = "tokens" if "tpm" in reason else "requests"
-            wait = "" if never else f" Please try again in {_secs(decision.retry_after)}."
-            if never:
-                message = (
-                    f"Request too large for {name} for tenant {tenant.name} "
-                    f"({reason}): Requested {requested} tokens, which can never fit."
-                )
-            else:
-                message = (
-                    f"Rate limit reached for {name} for tenant {tenant.name} ({reason}).{wait}"
-                )
-            body = error_body(message, kind, None, "rate_limit_exceeded")
-        else:
-            status = 503
-            if never:
-                held = "token bucket (TPM burst)" if reason == "backend-tpm" else "in-flight budget"
-                message = (
-                    f"Request too large for {name}: {requested} tokens exceed the backend's "
-                    f"whole {held} ({reason})."
-                )
-            elif reason == "shed":
-                message = (
-                    f"{name} is under memory pressure; sheddable traffic is refused for "
-                    f"now. Please try again in {_secs(decision.retry_after)}."
-                )
-            else:
-                message = (
-                    f"{name} is saturated ({reason}). Please try again in "
-                    f"{_secs(decision.retry_after)}."
-                )
-            body = error_body(message, "server_error", None, "server_is_overloaded")
-        # x-ratelimit-*, Retry-After / retry-after-ms (or x-should-retry: false), the reason,
-        # Content-Type, Content-Length, Date: one state read and one buffer, in Rust
+        """429 (tenant over quota) or 503 (backend saturated / class shed) with OpenAI's error
+        body, ``Retry-After`` (computed; omitted with ``x-should-retry: false`` when it can never
+        be admitted), the ``x-ratelimit-*`` headers and ``x-kvgate-reject-reason``, serialized
+        whole in Rust (:meth:`kvgate._core.AdmissionController.refusal_response`)."""
+        # status, OpenAI error body, x-ratelimit-*, Retry-After / retry-after-ms (or
+        # x-should-retry: false), the reason, Content-Length, Date: one call, one buffer
         connection = connection_header(request)
-        raw = self.controller.refusal_response(
+        status, raw = self.controller.refusal_response(
             backend.id,
             tenant.id,
-            None if never else decision.retry_after,
-            reason,
-            status,
-            body,
+            decision.reason,
+            decision.retry_after,
+            bool(decision.never),
+            decision.scope == "tenant",
+            model.name if model is not None else None,
+            tenant.name,
+            requested,
             connection,
         )
         return PreparedResponse(status, raw, connection != "close")
@@ -584,12 +549,6 @@ class Gateway:
     def read_state(self) -> list[tuple[str, dict[str, Any]]]:
         """``[(backend name, core state dict)]`` for metrics and ``/admin/state``."""
         return [(b.name, self.controller.backend_state(b.id)) for b in self.backends]
-
-
-def _secs(value: float | None) -> str:
-    if value is None:
-        return "a while"
-    return f"{math.ceil(value * 1000) / 1000:g}s"
 
 
 def _api_key(request: web.BaseRequest) -> str | None:

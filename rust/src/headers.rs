@@ -144,6 +144,118 @@ pub fn refusal_headers(
     headers
 }
 
+/// What a refusal says: its parts, as the gateway knows them.
+#[derive(Debug, Clone, Copy)]
+pub struct RefusalText<'a> {
+    /// The low-cardinality reason (`tenant-tpm`, `backend-slots`, `shed`, `queue-full`, ...).
+    pub reason: &'a str,
+    /// Whether the tenant's own quota refused it (429) rather than the backend (503).
+    pub tenant_scope: bool,
+    /// It can never be admitted (no retry).
+    pub never: bool,
+    /// Seconds until a retry may succeed, when known.
+    pub retry_after: Option<f64>,
+    /// The model asked for (`None`: a passthrough route, "this backend").
+    pub model: Option<&'a str>,
+    /// The tenant's name.
+    pub tenant: &'a str,
+    /// Tokens the request would reserve (prompt + completion).
+    pub requested: u64,
+}
+
+/// Appends `s` to `out` as the inside of a JSON string (RFC 8259 §7 escapes).
+fn push_json_str(out: &mut Vec<u8>, s: &str) {
+    for b in s.bytes() {
+        match b {
+            b'"' => out.extend_from_slice(b"\\\""),
+            b'\\' => out.extend_from_slice(b"\\\\"),
+            0..=0x1f => {
+                let hex = b"0123456789abcdef";
+                out.extend_from_slice(b"\\u00");
+                out.push(hex[usize::from(b >> 4)]);
+                out.push(hex[usize::from(b & 0xf)]);
+            }
+            _ => {
+                out.push(b);
+            }
+        }
+    }
+}
+
+/// A wait in seconds as the refusal message gives it: rounded up to the millisecond, trailing
+/// zeros dropped (`24s`, `0.5s`, `23.999s`); unknown → `a while`.
+fn wait_text(retry_after: Option<f64>) -> String {
+    match retry_after {
+        Some(s) if s.is_finite() && s > 0.0 => {
+            let ms = (s * 1000.0).ceil().min(1e15) as u64;
+            let mut t = frac(ms, 1000, 3);
+            t.push('s');
+            t
+        }
+        Some(_) => "0s".to_owned(),
+        None => "a while".to_owned(),
+    }
+}
+
+/// The status (429 for a tenant's quota, 503 for the backend) and `OpenAI` error body of a
+/// refusal: `{"error": {"message", "type", "param": null, "code"}}` with `type` `tokens` /
+/// `requests` and code `rate_limit_exceeded` for 429, `server_error` /
+/// `server_is_overloaded` for 503 (ENGINES.md §5.1).
+#[must_use]
+pub fn refusal_body(t: &RefusalText<'_>) -> (u16, Vec<u8>) {
+    let name = t.model.unwrap_or("this backend");
+    let wait = wait_text(t.retry_after);
+    let (status, kind, code) = if t.tenant_scope {
+        let kind = if t.reason.contains("tpm") {
+            "tokens"
+        } else {
+            "requests"
+        };
+        (429, kind, "rate_limit_exceeded")
+    } else {
+        (503, "server_error", "server_is_overloaded")
+    };
+    let message = match (t.tenant_scope, t.never) {
+        (true, true) => format!(
+            "Request too large for {name} for tenant {} ({}): Requested {} tokens, which can \
+             never fit.",
+            t.tenant, t.reason, t.requested
+        ),
+        (true, false) => format!(
+            "Rate limit reached for {name} for tenant {} ({}). Please try again in {wait}.",
+            t.tenant, t.reason
+        ),
+        (false, true) => {
+            let held = if t.reason == "backend-tpm" {
+                "token bucket (TPM burst)"
+            } else {
+                "in-flight budget"
+            };
+            format!(
+                "Request too large for {name}: {} tokens exceed the backend's whole {held} ({}).",
+                t.requested, t.reason
+            )
+        }
+        (false, false) if t.reason == "shed" => format!(
+            "{name} is under memory pressure; sheddable traffic is refused for now. Please try \
+             again in {wait}."
+        ),
+        (false, false) => format!(
+            "{name} is saturated ({}). Please try again in {wait}.",
+            t.reason
+        ),
+    };
+    let mut body = Vec::with_capacity(message.len() + 96);
+    body.extend_from_slice(b"{\"error\":{\"message\":\"");
+    push_json_str(&mut body, &message);
+    body.extend_from_slice(b"\",\"type\":\"");
+    body.extend_from_slice(kind.as_bytes());
+    body.extend_from_slice(b"\",\"param\":null,\"code\":\"");
+    body.extend_from_slice(code.as_bytes());
+    body.extend_from_slice(b"\"}}");
+    (status, body)
+}
+
 /// The reason phrase of an HTTP status code (RFC 9110 §15); `""` for codes kvgate never sends
 /// (the phrase is optional on the wire).
 #[must_use]
@@ -168,10 +280,26 @@ pub fn reason_phrase(status: u16) -> &'static str {
 }
 
 /// `Date` header value (RFC 9110 §5.6.7 IMF-fixdate, e.g. `Mon, 30 Nov 2026 11:05:41 GMT`) of the
-/// system clock now.
+/// system clock now (whole seconds).
+/// Formatted once per second per thread.
 #[must_use]
 pub fn http_date_now() -> String {
-    httpdate::fmt_http_date(std::time::SystemTime::now())
+    thread_local! {
+        static CACHED: std::cell::RefCell<(u64, String)> = const {
+            std::cell::RefCell::new((u64::MAX, String::new()))
+        };
+    }
+    let now = std::time::SystemTime::now();
+    let secs = now
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    CACHED.with(|c| {
+        let mut c = c.borrow_mut();
+        if c.0 != secs {
+            *c = (secs, httpdate::fmt_http_date(now));
+        }
+        c.1.clone()
+    })
 }
 
 /// Why a response could not be serialized.
@@ -399,6 +527,91 @@ mod tests {
             );
         }
         assert!(http_response(200, &[], b"", date, Some("close\r\nX: y")).is_err());
+    }
+
+    #[test]
+    fn refusal_bodies_are_openai_errors() {
+        let base = RefusalText {
+            reason: "tenant-tpm",
+            tenant_scope: true,
+            never: false,
+            retry_after: Some(23.9991),
+            model: Some("m\"x"),
+            tenant: "t\n1",
+            requested: 28,
+        };
+        let parse = |t: &RefusalText<'_>| {
+            let (status, body) = refusal_body(t);
+            let v: serde_json::Value = serde_json::from_slice(&body).unwrap();
+            (status, v["error"].clone())
+        };
+        let (status, err) = parse(&base);
+        assert_eq!(status, 429);
+        assert_eq!(err["type"], "tokens");
+        assert_eq!(err["code"], "rate_limit_exceeded");
+        assert!(err["param"].is_null());
+        assert_eq!(
+            err["message"],
+            "Rate limit reached for m\"x for tenant t\n1 (tenant-tpm). Please try again in 24s."
+        );
+        let (_, err) = parse(&RefusalText {
+            reason: "tenant-concurrency",
+            retry_after: Some(0.5),
+            ..base
+        });
+        assert_eq!(err["type"], "requests");
+        assert!(err["message"]
+            .as_str()
+            .unwrap()
+            .ends_with("try again in 0.5s."));
+        let (_, err) = parse(&RefusalText {
+            never: true,
+            retry_after: None,
+            ..base
+        });
+        assert!(err["message"]
+            .as_str()
+            .unwrap()
+            .contains("Requested 28 tokens"));
+        let backend = RefusalText {
+            reason: "backend-tpm",
+            tenant_scope: false,
+            never: true,
+            retry_after: None,
+            model: None,
+            ..base
+        };
+        let (status, err) = parse(&backend);
+        assert_eq!(status, 503);
+        assert_eq!(err["code"], "server_is_overloaded");
+        assert_eq!(
+            err["message"],
+            "Request too large for this backend: 28 tokens exceed the backend's whole token \
+             bucket (TPM burst) (backend-tpm)."
+        );
+        let (_, err) = parse(&RefusalText {
+            reason: "shed",
+            never: false,
+            retry_after: Some(2.0),
+            ..backend
+        });
+        assert!(err["message"].as_str().unwrap().contains("memory pressure"));
+        let (_, err) = parse(&RefusalText {
+            reason: "queue-full",
+            never: false,
+            retry_after: None,
+            ..backend
+        });
+        assert!(err["message"]
+            .as_str()
+            .unwrap()
+            .ends_with("try again in a while."));
+        let ctl: String = (0u8..0x20).map(char::from).collect();
+        let (_, err) = parse(&RefusalText {
+            tenant: &ctl,
+            ..base
+        });
+        assert!(err["message"].as_str().unwrap().contains(&ctl));
     }
 
     #[test]

@@ -889,26 +889,42 @@ impl AdmissionController {
         ))
     }
 
-    #[pyo3(signature = (backend, tenant, retry_after, reason, status, body, connection=None))]
+    #[pyo3(signature = (
+        backend, tenant, reason, retry_after, never, tenant_scope, model, tenant_name, requested,
+        connection=None,
+    ))]
     #[allow(clippy::too_many_arguments)]
     fn refusal_response<'py>(
         &self,
         py: Python<'py>,
         backend: u32,
         tenant: u32,
-        retry_after: Option<f64>,
         reason: &str,
-        status: u16,
-        body: &[u8],
+        retry_after: Option<f64>,
+        never: bool,
+        tenant_scope: bool,
+        model: Option<&str>,
+        tenant_name: &str,
+        requested: u64,
         connection: Option<&str>,
-    ) -> PyResult<Bound<'py, PyBytes>> {
+    ) -> PyResult<(u16, Bound<'py, PyBytes>)> {
         let limits = self.core.rate_limits(backend, tenant)?;
+        let retry_after = if never { None } else { retry_after };
         let owned = crate::headers::refusal_headers(&limits, retry_after, reason);
         let headers: Vec<(&str, &str)> = owned.iter().map(|(n, v)| (*n, v.as_str())).collect();
+        let (status, body) = crate::headers::refusal_body(&crate::headers::RefusalText {
+            reason,
+            tenant_scope,
+            never,
+            retry_after,
+            model,
+            tenant: tenant_name,
+            requested,
+        });
         let date = crate::headers::http_date_now();
-        let raw = crate::headers::http_response(status, &headers, body, &date, connection)
+        let raw = crate::headers::http_response(status, &headers, &body, &date, connection)
             .map_err(|e| PyValueError::new_err(e.to_string()))?;
-        Ok(PyBytes::new(py, &raw))
+        Ok((status, PyBytes::new(py, &raw)))
     }
 
     fn backend_state<'py>(&self, py: Python<'py>, backend: u32) -> PyResult<Bound<'py, PyDict>> {

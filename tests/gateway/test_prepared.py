@@ -318,10 +318,20 @@ def test_refusal_response_refuses_bad_reason_and_unknown_ids() -> None:
     ctl = AdmissionController()
     b = ctl.add_backend("b", max_concurrency=1, tokens_per_minute=100)
     t = ctl.add_tenant("t", priority="standard")
-    raw = ctl.refusal_response(b, t, 1.5, "backend-slots", 503, b"{}")
+    status, raw = ctl.refusal_response(b, t, "backend-slots", 1.5, False, False, "m", "t", 9)
+    assert status == 503
     assert raw.startswith(b"HTTP/1.1 503 Service Unavailable\r\n")
     assert b"\r\nRetry-After: 2\r\nretry-after-ms: 1500\r\n" in raw
+    err = orjson.loads(raw.split(b"\r\n\r\n", 1)[1])["error"]
+    assert err["message"] == "m is saturated (backend-slots). Please try again in 1.5s."
+    status, raw = ctl.refusal_response(b, t, "tenant-tpm", 3.0, True, True, "m", "t", 9, "close")
+    assert status == 429
+    assert b"x-should-retry: false" in raw
+    assert b"Retry-After" not in raw
+    assert b"\r\nConnection: close\r\n" in raw
     with pytest.raises(ValueError, match="invalid name or value"):
-        ctl.refusal_response(b, t, 1.0, "x\r\nSet-Cookie: a=b", 503, b"{}")
+        ctl.refusal_response(b, t, "x\r\nSet-Cookie: a=b", 1.0, False, False, None, "t", 1)
     with pytest.raises(Exception, match="backend"):
-        ctl.refusal_response(b + 5, t, 1.0, "backend-slots", 503, b"{}")
+        ctl.refusal_response(b + 5, t, "backend-slots", 1.0, False, False, None, "t", 1)
+    with pytest.raises(OverflowError):
+        ctl.refusal_response(b, t, "backend-slots", 1.0, False, False, None, "t", -1)
