@@ -43,8 +43,8 @@ __all__ = [
     "check_content_length",
     "go_duration",
     "http_response",
-    "http_stream_head",
     "peek_model",
+    "relay_http",
     "usage_tokens",
 ]
 
@@ -472,6 +472,24 @@ class AdmissionController:
             ValueError: ``reason`` or ``connection`` with CR, LF or NUL.
             OverflowError: ``requested`` negative or above 2**64 - 1.
         """
+    def relay_http(
+        self,
+        backend: int,
+        tenant: int,
+        status: int,
+        upstream_headers: Iterable[tuple[bytes, bytes]],
+        body: bytes | None = None,
+        connection: str | None = None,
+        chunked: bool = True,
+    ) -> bytes:
+        """:func:`relay_http` with kvgate's :meth:`rate_limit_headers` for ``tenant`` on
+        ``backend`` after the engine's headers (an engine's own ``x-ratelimit-*`` of the same
+        names are replaced). One read of the shared state.
+
+        Raises:
+            InvalidConfigError: unknown backend or tenant id.
+            TypeError, ValueError, OverflowError: as :func:`relay_http`.
+        """
     def tenant_state(self, tenant: int) -> dict[str, object]:
         """Snapshot: name, priority, guaranteed_slots (on each backend of
         guaranteed_backends), guaranteed_backends (ids of the registered backends its
@@ -800,22 +818,29 @@ def http_response(
         TypeError: ``headers`` not a list of ``(str, str)`` pairs.
     """
 
-def http_stream_head(
+def relay_http(
     status: int,
-    headers: list[tuple[str, str]],
+    upstream_headers: Iterable[tuple[bytes, bytes]],
+    body: bytes | None = None,
     connection: str | None = None,
     chunked: bool = True,
 ) -> bytes:
-    """The head of a streamed HTTP/1.1 response: ``HTTP/1.1 <status> <reason phrase>``, the
-    ``headers`` in order, ``Transfer-Encoding: chunked`` when ``chunked`` (an HTTP/1.1 client;
-    else nothing, and the body ends when the connection closes — pass ``connection="close"``),
-    ``Date``, ``Connection: <connection>`` when given, and the blank line. The same rules and
-    errors as :func:`http_response`.
+    """An engine's answer relayed to the client, serialized as HTTP/1.1: with ``body`` a whole
+    response (``Content-Length``), else the head of a stream (``Transfer-Encoding: chunked``
+    when ``chunked`` — an HTTP/1.1 client — else nothing: the body ends when the connection
+    closes, pass ``connection="close"``). The headers are the engine's ``upstream_headers``
+    (``(name, value)`` byte pairs in order, each value — aiohttp's ``raw_headers``) minus the
+    hop-by-hop ones (RFC 9110 §7.6.1: ``Connection``, ``Keep-Alive``, ``Proxy-Authenticate``,
+    ``Proxy-Authorization``, ``TE``, ``Trailer``, ``Transfer-Encoding``, ``Upgrade``) and those
+    kvgate writes itself (``Content-Length``, ``Content-Encoding`` — the body is relayed
+    decoded —, ``Date``, ``Server``), minus any that could split the response (a name that is
+    not an RFC 9110 token; CR, LF or NUL in a value), then ``Date`` and ``Connection`` as
+    :func:`http_response` writes them.
 
     Raises:
-        ValueError: ``status`` outside 100..=999, or a header that could split the response.
+        TypeError: ``upstream_headers`` not an iterable of ``(bytes, bytes)`` pairs.
+        ValueError: ``status`` outside 100..=999, or ``connection`` with CR, LF or NUL.
         OverflowError: ``status`` negative or above 65535.
-        TypeError: ``headers`` not a list of ``(str, str)`` pairs.
     """
 
 def check_content_length(content_length: int | None, max_body_bytes: int) -> None:

@@ -22,6 +22,7 @@ import orjson
 from aiohttp import web
 
 from kvgate import AnalysisError, ModelRegistry
+from kvgate._core import relay_http
 from kvgate.config import TimeoutsConfig
 from kvgate.errors import (
     GatewayError,
@@ -35,8 +36,13 @@ from kvgate.proxy.deadline import Watchdog
 from kvgate.proxy.handler import (
     error_response,
 )
-from kvgate.proxy.prepared import PreparedResponse, Reply, connection_header, prepared
-from kvgate.proxy.relay import relayed_headers
+from kvgate.proxy.prepared import (
+    PreparedResponse,
+    Reply,
+    connection_header,
+    prepared,
+    relayed,
+)
 
 __all__ = [
     "PRIORITY_CLASSES",
@@ -539,7 +545,7 @@ class Gateway:
                         [("Content-Type", "application/json")],
                         reshape_upstream_error(resp.status, raw),
                     )
-                return prepared(request, resp.status, relayed_headers(resp.headers, []), raw)
+                return relayed(request, relay_http, resp.status, resp.raw_headers, raw)
         except TimeoutError:
             raise upstream_timeout("response") from None
         except aiohttp.ClientError as exc:

@@ -346,9 +346,9 @@ pub enum Framing {
 ///
 /// Errors: [`ResponseError`] for a status outside 100..=999 or a header that could split the
 /// response (nothing is built).
-pub fn http_head(
+pub fn http_head<N: AsRef<[u8]>, V: AsRef<[u8]>>(
     status: u16,
-    headers: &[(&str, &str)],
+    headers: &[(N, V)],
     framing: Framing,
     date: &str,
     connection: Option<&str>,
@@ -358,16 +358,18 @@ pub fn http_head(
     if !(100..=999).contains(&status) {
         return Err(ResponseError::Status(status));
     }
-    let bad_value = |v: &str| v.bytes().any(|b| b == b'\r' || b == b'\n' || b == 0);
     let mut len = 96 + date.len() + extra;
     for (name, value) in headers {
-        if name.is_empty() || !name.bytes().all(is_token_byte) || bad_value(value) {
-            return Err(ResponseError::Header((*name).to_owned()));
+        let (name, value) = (name.as_ref(), value.as_ref());
+        if !is_safe_header(name, value) {
+            return Err(ResponseError::Header(
+                String::from_utf8_lossy(name).into_owned(),
+            ));
         }
         len += name.len() + value.len() + 4;
     }
     if let Some(c) = connection {
-        if bad_value(c) {
+        if !is_safe_header(b"Connection", c.as_bytes()) {
             return Err(ResponseError::Header("Connection".to_owned()));
         }
         len += c.len() + 14;
@@ -376,7 +378,7 @@ pub fn http_head(
     // writes into a Vec cannot fail
     let _ = write!(out, "HTTP/1.1 {status} {}\r\n", reason_phrase(status));
     for (name, value) in headers {
-        for part in [name.as_bytes(), b": ", value.as_bytes(), b"\r\n"] {
+        for part in [name.as_ref(), b": ", value.as_ref(), b"\r\n"] {
             out.extend_from_slice(part);
         }
     }
@@ -395,13 +397,63 @@ pub fn http_head(
     Ok(out)
 }
 
+/// Whether a header can be written as is: the name an RFC 9110 token, the value free of CR, LF
+/// and NUL (anything else could split the response).
+#[must_use]
+pub fn is_safe_header(name: &[u8], value: &[u8]) -> bool {
+    !name.is_empty()
+        && name.iter().all(|&b| is_token_byte(b))
+        && !value.iter().any(|&b| b == b'\r' || b == b'\n' || b == 0)
+}
+
+/// Response headers never relayed from an engine: hop-by-hop ones (RFC 9110 §7.6.1) and those
+/// the gateway writes itself (framing, `Date`; `Content-Encoding` because the body is relayed
+/// decoded; `Server`).
+pub const NOT_RELAYED: [&str; 12] = [
+    "connection",
+    "keep-alive",
+    "proxy-authenticate",
+    "proxy-authorization",
+    "te",
+    "trailer",
+    "transfer-encoding",
+    "upgrade",
+    "content-length",
+    "content-encoding",
+    "date",
+    "server",
+];
+
+/// The headers of a relayed response: the engine's (`upstream`, in order, each value) minus
+/// [`NOT_RELAYED`], minus the names `ours` sets (ASCII case-insensitive) and minus any that
+/// could split the response, then `ours`.
+#[must_use]
+pub fn relayed_headers<'a>(
+    upstream: &[(&'a [u8], &'a [u8])],
+    ours: &[(&'a [u8], &'a [u8])],
+) -> Vec<(&'a [u8], &'a [u8])> {
+    let mut out = Vec::with_capacity(upstream.len() + ours.len());
+    for &(name, value) in upstream {
+        let dropped = NOT_RELAYED
+            .iter()
+            .any(|n| name.eq_ignore_ascii_case(n.as_bytes()))
+            || ours.iter().any(|(n, _)| name.eq_ignore_ascii_case(n))
+            || !is_safe_header(name, value);
+        if !dropped {
+            out.push((name, value));
+        }
+    }
+    out.extend_from_slice(ours);
+    out
+}
+
 /// A complete HTTP/1.1 response in one buffer: [`http_head`] with `Content-Length` of `body`,
 /// then `body`.
 ///
 /// Errors: as [`http_head`].
-pub fn http_response(
+pub fn http_response<N: AsRef<[u8]>, V: AsRef<[u8]>>(
     status: u16,
-    headers: &[(&str, &str)],
+    headers: &[(N, V)],
     body: &[u8],
     date: &str,
     connection: Option<&str>,
@@ -421,6 +473,8 @@ pub fn http_response(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    const NONE: &[(&str, &str)] = &[];
 
     #[test]
     fn go_durations_match_go() {
@@ -493,12 +547,12 @@ mod tests {
             b"HTTP/1.1 429 Too Many Requests\r\nRetry-After: 2\r\nContent-Type: application/json\r\n\
               Content-Length: 2\r\nDate: Mon, 30 Nov 2026 11:05:41 GMT\r\n\r\n{}"
         );
-        let close = http_response(503, &[], b"", "d", Some("close")).unwrap();
+        let close = http_response(503, NONE, b"", "d", Some("close")).unwrap();
         assert_eq!(
             close,
             b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\nDate: d\r\nConnection: close\r\n\r\n"
         );
-        let odd = http_response(299, &[], b"x", "d", None).unwrap();
+        let odd = http_response(299, NONE, b"x", "d", None).unwrap();
         assert!(odd.starts_with(b"HTTP/1.1 299 \r\n"));
     }
 
@@ -506,11 +560,11 @@ mod tests {
     fn http_response_refuses_splitting_and_bad_status() {
         let date = "d";
         assert_eq!(
-            http_response(99, &[], b"", date, None),
+            http_response(99, NONE, b"", date, None),
             Err(ResponseError::Status(99))
         );
         assert_eq!(
-            http_response(1000, &[], b"", date, None),
+            http_response(1000, NONE, b"", date, None),
             Err(ResponseError::Status(1000))
         );
         for (name, value) in [
@@ -526,7 +580,7 @@ mod tests {
                 "{name:?}"
             );
         }
-        assert!(http_response(200, &[], b"", date, Some("close\r\nX: y")).is_err());
+        assert!(http_response(200, NONE, b"", date, Some("close\r\nX: y")).is_err());
     }
 
     #[test]
@@ -615,13 +669,43 @@ mod tests {
     }
 
     #[test]
+    fn relayed_headers_drop_hop_by_hop_ours_and_unsafe() {
+        let up: Vec<(&[u8], &[u8])> = vec![
+            (b"Content-Type", b"text/event-stream"),
+            (b"Transfer-Encoding", b"chunked"),
+            (b"CONNECTION", b"keep-alive"),
+            (b"x-request-id", b"r1"),
+            (b"X-RateLimit-Limit-Tokens", b"999"),
+            (b"x-evil", b"a\r\nb"),
+            (b"bad name", b"v"),
+            (b"set-cookie", b"a=1"),
+            (b"set-cookie", b"b=2"),
+            (b"Date", b"yesterday"),
+        ];
+        let ours: Vec<(&[u8], &[u8])> = vec![(b"x-ratelimit-limit-tokens", b"60")];
+        let out = relayed_headers(&up, &ours);
+        let names: Vec<&[u8]> = out.iter().map(|(n, _)| *n).collect();
+        assert_eq!(
+            names,
+            [
+                &b"Content-Type"[..],
+                b"x-request-id",
+                b"set-cookie",
+                b"set-cookie",
+                b"x-ratelimit-limit-tokens"
+            ]
+        );
+        assert_eq!(out[4].1, b"60");
+    }
+
+    #[test]
     fn stream_heads_carry_their_framing() {
         let chunked = http_head(200, &[("X", "1")], Framing::Chunked, "d", None, 0).unwrap();
         assert_eq!(
             chunked,
             b"HTTP/1.1 200 OK\r\nX: 1\r\nTransfer-Encoding: chunked\r\nDate: d\r\n\r\n"
         );
-        let close = http_head(200, &[], Framing::Close, "d", Some("close"), 0).unwrap();
+        let close = http_head(200, NONE, Framing::Close, "d", Some("close"), 0).unwrap();
         assert_eq!(
             close,
             b"HTTP/1.1 200 OK\r\nDate: d\r\nConnection: close\r\n\r\n"

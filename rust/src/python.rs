@@ -927,6 +927,36 @@ impl AdmissionController {
         Ok((status, PyBytes::new(py, &raw)))
     }
 
+    #[pyo3(signature = (backend, tenant, status, upstream_headers, body=None, connection=None, chunked=true))]
+    #[allow(clippy::too_many_arguments)]
+    fn relay_http<'py>(
+        &self,
+        py: Python<'py>,
+        backend: u32,
+        tenant: u32,
+        status: u16,
+        upstream_headers: &Bound<'py, PyAny>,
+        body: Option<&[u8]>,
+        connection: Option<&str>,
+        chunked: bool,
+    ) -> PyResult<Bound<'py, PyBytes>> {
+        let values = crate::headers::rate_limit_headers(&self.core.rate_limits(backend, tenant)?);
+        let ours: Vec<(&[u8], &[u8])> = RATE_LIMIT_HEADER_NAMES
+            .iter()
+            .zip(values.iter())
+            .map(|(n, v)| (n.as_bytes(), v.as_bytes()))
+            .collect();
+        relay_bytes(
+            py,
+            status,
+            upstream_headers,
+            &ours,
+            body,
+            connection,
+            chunked,
+        )
+    }
+
     fn backend_state<'py>(&self, py: Python<'py>, backend: u32) -> PyResult<Bound<'py, PyDict>> {
         let s = self.core.backend_state(backend)?;
         let d = PyDict::new(py);
@@ -1007,30 +1037,74 @@ fn http_response<'py>(
     Ok(PyBytes::new(py, &raw))
 }
 
-/// The head of a streamed HTTP/1.1 response (see [`crate::headers::http_head`]) with today's
-/// `Date`: chunked, or delimited by the connection's close.
-#[pyfunction]
-#[pyo3(signature = (status, headers, connection=None, chunked=true))]
-fn http_stream_head<'py>(
+/// `(name, value)` byte pairs of a Python sequence (aiohttp's `raw_headers`).
+fn byte_pairs<'py>(
+    headers: &Bound<'py, PyAny>,
+) -> PyResult<Vec<(Bound<'py, PyBytes>, Bound<'py, PyBytes>)>> {
+    let mut out = Vec::new();
+    for item in headers.try_iter()? {
+        let item = item?;
+        let pair = item
+            .cast::<PyTuple>()
+            .map_err(|_| PyTypeError::new_err("headers must be (bytes, bytes) pairs"))?;
+        if pair.len() != 2 {
+            return Err(PyTypeError::new_err("headers must be (bytes, bytes) pairs"));
+        }
+        let name = pair.get_item(0)?;
+        let value = pair.get_item(1)?;
+        let (Ok(name), Ok(value)) = (name.cast_into::<PyBytes>(), value.cast_into::<PyBytes>())
+        else {
+            return Err(PyTypeError::new_err("headers must be (bytes, bytes) pairs"));
+        };
+        out.push((name, value));
+    }
+    Ok(out)
+}
+
+/// A relayed response or stream head (see [`crate::headers::relayed_headers`]): the engine's
+/// headers then `ours`; with `body` a whole response, else a stream head.
+fn relay_bytes<'py>(
     py: Python<'py>,
     status: u16,
-    headers: Vec<(String, String)>,
+    upstream: &Bound<'py, PyAny>,
+    ours: &[(&[u8], &[u8])],
+    body: Option<&[u8]>,
     connection: Option<&str>,
     chunked: bool,
 ) -> PyResult<Bound<'py, PyBytes>> {
-    let pairs: Vec<(&str, &str)> = headers
+    let held = byte_pairs(upstream)?;
+    let pairs: Vec<(&[u8], &[u8])> = held
         .iter()
-        .map(|(n, v)| (n.as_str(), v.as_str()))
+        .map(|(n, v)| (n.as_bytes(), v.as_bytes()))
         .collect();
-    let framing = if chunked {
-        crate::headers::Framing::Chunked
-    } else {
-        crate::headers::Framing::Close
-    };
+    let headers = crate::headers::relayed_headers(&pairs, ours);
     let date = crate::headers::http_date_now();
-    let raw = crate::headers::http_head(status, &pairs, framing, &date, connection, 0)
+    let framing = match body {
+        Some(b) => crate::headers::Framing::Length(b.len()),
+        None if chunked => crate::headers::Framing::Chunked,
+        None => crate::headers::Framing::Close,
+    };
+    let extra = body.map_or(0, <[u8]>::len);
+    let mut raw = crate::headers::http_head(status, &headers, framing, &date, connection, extra)
         .map_err(|e| PyValueError::new_err(e.to_string()))?;
+    if let Some(b) = body {
+        raw.extend_from_slice(b);
+    }
     Ok(PyBytes::new(py, &raw))
+}
+
+/// A relayed engine response (see [`relay_bytes`]) without kvgate's own headers.
+#[pyfunction]
+#[pyo3(signature = (status, upstream_headers, body=None, connection=None, chunked=true))]
+fn relay_http<'py>(
+    py: Python<'py>,
+    status: u16,
+    upstream_headers: &Bound<'py, PyAny>,
+    body: Option<&[u8]>,
+    connection: Option<&str>,
+    chunked: bool,
+) -> PyResult<Bound<'py, PyBytes>> {
+    relay_bytes(py, status, upstream_headers, &[], body, connection, chunked)
 }
 
 /// The native module `kvgate._core`.
@@ -1063,7 +1137,7 @@ pub fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     })?;
     m.add_function(wrap_pyfunction!(go_duration, m)?)?;
     m.add_function(wrap_pyfunction!(http_response, m)?)?;
-    m.add_function(wrap_pyfunction!(http_stream_head, m)?)?;
+    m.add_function(wrap_pyfunction!(relay_http, m)?)?;
     m.add_class::<ManualClock>()?;
     m.add_class::<SlotPool>()?;
     m.add_class::<TokenBucket>()?;

@@ -12,7 +12,7 @@ import h11
 import orjson
 import pytest
 
-from kvgate._core import AdmissionController, http_response
+from kvgate._core import AdmissionController, http_response, relay_http
 
 from .conftest import config_for
 from .fake_upstream import EVENTS, run_upstream
@@ -264,18 +264,55 @@ async def _until_idle(gw) -> None:
     raise AssertionError("slots still held")
 
 
-def test_an_engine_header_that_could_split_the_response_is_dropped() -> None:
-    from aiohttp.test_utils import make_mocked_request
+def test_relayed_engine_headers_drop_hop_by_hop_and_unsafe_ones() -> None:
+    upstream = [
+        (b"Content-Type", b"application/json"),
+        (b"Transfer-Encoding", b"chunked"),
+        (b"Content-Encoding", b"gzip"),
+        (b"Date", b"yesterday"),
+        (b"Keep-Alive", b"timeout=5"),
+        (b"x-request-id", b"r-1"),
+        (b"Set-Cookie", b"a=1"),
+        (b"Set-Cookie", b"b=2"),
+        (b"x-evil", b"a\x00b"),
+        (b"Bad Name", b"v"),
+    ]
+    raw = relay_http(200, upstream, b"{}")
+    head, _, body = raw.partition(b"\r\n\r\n")
+    lines = head.split(b"\r\n")
+    assert lines[0] == b"HTTP/1.1 200 OK"
+    assert lines[1:5] == [
+        b"Content-Type: application/json",
+        b"x-request-id: r-1",
+        b"Set-Cookie: a=1",
+        b"Set-Cookie: b=2",
+    ]
+    names = [line.split(b":")[0].lower() for line in lines[1:]]
+    assert names.count(b"date") == 1
+    for gone in (b"transfer-encoding", b"content-encoding", b"keep-alive", b"x-evil", b"bad name"):
+        assert gone not in names
+    assert b"Content-Length: 2" in lines
+    assert body == b"{}"
+    stream = relay_http(200, upstream, None, "close", False)
+    assert stream.endswith(b"\r\nConnection: close\r\n\r\n")
+    assert b"Transfer-Encoding" not in stream
+    assert b"Content-Length" not in stream
+    assert b"Transfer-Encoding: chunked" in relay_http(200, upstream)
+    with pytest.raises(TypeError):
+        relay_http(200, [("Content-Type", "text/plain")])  # type: ignore[list-item]
+    with pytest.raises(TypeError):
+        relay_http(200, [(b"a",)])  # type: ignore[list-item]
 
-    from kvgate.proxy.prepared import prepared
 
-    request = make_mocked_request("POST", "/v1/chat/completions")
-    resp = prepared(request, 200, [("x-ok", "1"), ("x-evil", "a\x00b"), ("Bad Name", "v")], b"{}")
-    head = resp.raw.split(b"\r\n\r\n")[0]
-    assert b"x-ok: 1" in head
-    assert b"x-evil" not in head
-    assert b"Bad Name" not in head
-    assert resp.keep_alive
+def test_controller_relay_replaces_the_engines_rate_limit_headers() -> None:
+    ctl = AdmissionController()
+    b = ctl.add_backend("b", max_concurrency=4, tokens_per_minute=100)
+    t = ctl.add_tenant("t", priority="standard")
+    raw = ctl.relay_http(b, t, 200, [(b"X-RateLimit-Limit-Tokens", b"999")], b"{}")
+    head = raw.split(b"\r\n\r\n")[0].lower()
+    assert head.count(b"x-ratelimit-limit-tokens") == 1
+    assert b"x-ratelimit-limit-tokens: 100" in head
+    assert b"x-ratelimit-limit-requests: 4" in head
 
 
 def test_http_response_wire_format() -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import orjson
@@ -206,7 +207,6 @@ async def handle_inference(gw: Gateway, request: web.BaseRequest) -> Reply:
     result = RelayResult()
     try:
         forward = rewrite_body(body, analysis, add_usage)
-        headers = gw.controller.rate_limit_headers(backend.id, tenant.id)
         return await relay(
             request,
             gw.session,
@@ -216,7 +216,7 @@ async def handle_inference(gw: Gateway, request: web.BaseRequest) -> Reply:
             strip_usage_chunk=add_usage,
             timeouts=gw.timeouts,
             watchdog=gw.watchdog,
-            extra_headers=headers,
+            build=partial(gw.controller.relay_http, backend.id, tenant.id),
             count_text=model.count_text,
             result=result,
         )

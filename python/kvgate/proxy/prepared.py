@@ -15,10 +15,13 @@ multidict and serializing it per request (measured: 18 µs against 32 µs of CPU
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 from aiohttp import web
 from aiohttp.abc import AbstractStreamWriter
 
-from kvgate._core import http_response, http_stream_head
+from kvgate._core import http_response
 
 __all__ = [
     "PreparedResponse",
@@ -112,23 +115,36 @@ class PreparedStream:
         return f"<PreparedStream {self.status}>"
 
 
+#: Builds a relayed response's bytes: ``(status, upstream_headers, body, connection, chunked)``
+#: → bytes, e.g. ``functools.partial(controller.relay_http, backend_id, tenant_id)`` (the
+#: engine's headers minus hop-by-hop ones, kvgate's ``x-ratelimit-*``; see
+#: :meth:`kvgate._core.AdmissionController.relay_http`).
+HeadBuilder = Callable[[int, Any, "bytes | None", "str | None", bool], bytes]
+
+
+def relayed(
+    request: web.BaseRequest, build: HeadBuilder, status: int, upstream_headers: Any, body: bytes
+) -> PreparedResponse:
+    """A whole relayed answer to ``request`` (``upstream_headers``: the engine's
+    ``(name, value)`` byte pairs, aiohttp's ``raw_headers``) as a :class:`PreparedResponse`."""
+    connection = connection_header(request)
+    raw = build(status, upstream_headers, body, connection, True)
+    return PreparedResponse(status, raw, connection != "close")
+
+
 async def start_stream(
-    request: web.BaseRequest, status: int, headers: list[tuple[str, str]]
+    request: web.BaseRequest, build: HeadBuilder, status: int, upstream_headers: Any
 ) -> PreparedStream:
-    """Write the head of a streamed response to ``request`` and return the stream (see
-    :func:`prepared` for ``headers``; a header that could split the response is left out).
+    """Write the head of a relayed stream to ``request`` (see :func:`relayed`) and return the
+    stream: chunked for an HTTP/1.1 client, delimited by the connection's close for HTTP/1.0.
 
     Raises:
         ConnectionResetError: the client is gone.
-        ValueError: a status outside 100..=999.
     """
     chunked = request.version >= (1, 1)
     # an HTTP/1.0 client reads the body until the connection closes
     connection = connection_header(request, close=not chunked)
-    try:
-        head = http_stream_head(status, headers, connection, chunked)
-    except ValueError:
-        head = http_stream_head(status, [h for h in headers if _safe(*h)], connection, chunked)
+    head = build(status, upstream_headers, None, connection, chunked)
     writer = request.writer
     await writer.write(head)
     if chunked:
@@ -161,26 +177,13 @@ def prepared(
 ) -> PreparedResponse:
     """A :class:`PreparedResponse` to ``request`` (see :func:`kvgate._core.http_response` for
     what ``headers`` may hold; ``close`` forces ``Connection: close``; the answer to ``HEAD``
-    carries the ``Content-Length`` of ``body`` but not the body). A header that could split the
-    response (a name that is not an RFC 9110 token; CR, LF or NUL in a value) is left out.
+    carries the ``Content-Length`` of ``body`` but not the body).
 
     Raises:
-        ValueError: a status outside 100..=999.
+        ValueError: a status outside 100..=999, or a header that could split the response.
     """
     connection = connection_header(request, close)
-    try:
-        raw = http_response(status, headers, body, connection)
-    except ValueError:
-        # a relayed engine header that could split the response: dropped, the rest is sent
-        raw = http_response(status, [h for h in headers if _safe(*h)], body, connection)
+    raw = http_response(status, headers, body, connection)
     if body and request.method == "HEAD":  # the Content-Length of the body, without it
         raw = raw[: -len(body)]
     return PreparedResponse(status, raw, connection != "close")
-
-
-_TOKEN = frozenset("!#$%&'*+-.^_`|~0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")
-
-
-def _safe(name: str, value: str) -> bool:
-    """Whether a header can be written as is (RFC 9110 token name; no CR, LF, NUL in value)."""
-    return bool(name) and all(c in _TOKEN for c in name) and not any(c in value for c in "\r\n\x00")

@@ -20,33 +20,18 @@ from aiohttp import web
 from kvgate._core import MAX_AMOUNT, usage_tokens
 from kvgate.errors import error_body, reshape_upstream_error, upstream_failed, upstream_timeout
 from kvgate.proxy.deadline import Deadline, Watchdog
-from kvgate.proxy.prepared import PreparedStream, Reply, prepared, start_stream
+from kvgate.proxy.prepared import HeadBuilder, PreparedStream, Reply, relayed, start_stream
 from kvgate.proxy.sse import SSEInspector
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Mapping
+    from collections.abc import Callable
 
     from kvgate.config import TimeoutsConfig as Timeouts
 
 __all__ = ["RelayResult", "relay"]
 
-# Hop-by-hop headers (RFC 9110 §7.6.1) and the ones aiohttp recomputes; never copied across.
-_HOP_BY_HOP = frozenset(
-    {
-        "connection",
-        "keep-alive",
-        "proxy-authenticate",
-        "proxy-authorization",
-        "te",
-        "trailer",
-        "transfer-encoding",
-        "upgrade",
-        "content-length",
-        "content-encoding",
-        "date",
-        "server",
-    }
-)
+#: The headers of an engine error relayed in OpenAI's shape (the body is re-encoded).
+_JSON = ((b"Content-Type", b"application/json"),)
 
 
 @dataclass(slots=True)
@@ -71,21 +56,6 @@ class RelayResult:
     outcome: str = "ok"
 
 
-def relayed_headers(
-    upstream: Mapping[str, str], extra: list[tuple[str, str]]
-) -> list[tuple[str, str]]:
-    """Upstream response headers (each value, in order) minus hop-by-hop ones and those
-    ``extra`` replaces, then ``extra`` (kvgate's own), as ``(name, value)`` pairs."""
-    ours = {name.lower() for name, _ in extra}
-    out = [
-        (k, v)
-        for k, v in upstream.items()
-        if (low := k.lower()) not in _HOP_BY_HOP and low not in ours
-    ]
-    out.extend(extra)
-    return out
-
-
 async def relay(
     request: web.BaseRequest,
     session: aiohttp.ClientSession,
@@ -96,7 +66,7 @@ async def relay(
     strip_usage_chunk: bool,
     timeouts: Timeouts,
     watchdog: Watchdog,
-    extra_headers: list[tuple[str, str]],
+    build: HeadBuilder,
     count_text: Callable[[str], int] | None,
     result: RelayResult,
 ) -> Reply:
@@ -111,8 +81,8 @@ async def relay(
         strip_usage_chunk: the gateway added ``include_usage`` itself; drop that chunk.
         timeouts: upstream timeouts.
         watchdog: enforces them (:mod:`kvgate.proxy.deadline`).
-        extra_headers: kvgate's headers for the client (``x-ratelimit-*``, ...), as
-            ``(name, value)`` pairs.
+        build: serializes the answer's head (the engine's headers minus hop-by-hop ones, plus
+            kvgate's ``x-ratelimit-*``; :data:`~kvgate.proxy.prepared.HeadBuilder`).
         count_text: tokenizer count of delivered text, used when the engine sent no usage.
         result: filled in as the relay goes, so the caller can settle even if this raises or is
             cancelled.
@@ -154,12 +124,8 @@ async def relay(
             result.outcome = "upstream_error"
             raw = await _read_all(upstream, timeouts, deadline, end, result)
             result.status = upstream.status
-            return prepared(
-                request,
-                upstream.status,
-                [("Content-Type", "application/json"), *extra_headers],
-                reshape_upstream_error(upstream.status, raw),
-            )
+            body = reshape_upstream_error(upstream.status, raw)
+            return relayed(request, build, upstream.status, _JSON, body)
         if stream and upstream.content_type == "text/event-stream":
             return await _relay_stream(
                 request,
@@ -168,16 +134,14 @@ async def relay(
                 timeouts,
                 deadline,
                 end,
-                extra_headers,
+                build,
                 count_text,
                 result,
             )
         raw = await _read_all(upstream, timeouts, deadline, end, result)
         _settle_from_body(raw, result)
         result.status = upstream.status
-        return prepared(
-            request, upstream.status, relayed_headers(upstream.headers, extra_headers), raw
-        )
+        return relayed(request, build, upstream.status, upstream.raw_headers, raw)
     except asyncio.CancelledError:
         result.outcome = "client_disconnect"
         raise
@@ -261,15 +225,13 @@ async def _relay_stream(
     timeouts: Timeouts,
     deadline: Deadline,
     end: float | None,
-    extra_headers: list[tuple[str, str]],
+    build: HeadBuilder,
     count_text: Callable[[str], int] | None,
     result: RelayResult,
 ) -> PreparedStream:
     inspector = SSEInspector(strip_usage_chunk=strip_usage_chunk)
     try:
-        response = await start_stream(
-            request, upstream.status, relayed_headers(upstream.headers, extra_headers)
-        )
+        response = await start_stream(request, build, upstream.status, upstream.raw_headers)
     except ConnectionResetError:
         result.outcome = "client_disconnect"
         raise
