@@ -228,13 +228,18 @@ class GatewayMetrics:
         )
         self._leaks = leaks
         self._leaks_seen = 0
-        # Hot-path batches: per-request counts land in plain dicts (a dict update each, ~0.1 µs
-        # against ~0.7 µs for a prometheus_client inc / observe with its lock) and are added to
-        # the metrics above by flush() — before every scrape of this process, and every
-        # FLUSH_SECONDS from the app (so other workers' scrapes see them in multiprocess mode).
+        # Hot-path batches: a request appends one tuple (rejected / admitted / settled); flush()
+        # folds them into plain dicts of counts and histogram buckets, then adds those to the
+        # metrics above (a prometheus_client inc / observe takes a lock, ~0.7 µs each) — before
+        # every scrape of this process, and every FLUSH_SECONDS from the app (so other workers'
+        # scrapes see them in multiprocess mode).
         self._counts: dict[tuple[Any, tuple[str, ...]], float] = {}
-        self._refusals: dict[tuple[str, str, str], int] = {}  # (backend, tenant, reason)
         self._hists: dict[tuple[Any, tuple[str, ...]], list[float]] = {}
+        # each request leaves one tuple on the hot path; flush() folds them into the dicts above
+        self._rejects: list[tuple[str, str, str, float]] = []  # backend, tenant, reason, seconds
+        self._admits: list[tuple[str, int, float]] = []  # backend, reserved, seconds
+        # backend, tenant, outcome, reserved, actual, ttft
+        self._settles: list[tuple[str, str, str, int, int, float | None]] = []
         self._bounds: dict[Any, tuple[float, ...]] = {
             self.admission_seconds: _LATENCY_BUCKETS,
             self.ttft_seconds: _TTFT_BUCKETS,
@@ -261,11 +266,8 @@ class GatewayMetrics:
         """Add the batched counts and observations to the Prometheus metrics, the core's leak
         count to ``kvgate_reservation_leaks_total`` and the wait queue's depth per class to
         ``kvgate_queue_depth``. Cheap when nothing happened."""
+        self._fold()
         counts, self._counts = self._counts, {}
-        refusals, self._refusals = self._refusals, {}
-        for (backend, tenant, reason), n in refusals.items():
-            self.rejections.labels(backend, reason).inc(n)
-            self.requests.labels(backend, tenant, "rejected").inc(n)
         for (metric, labels), amount in counts.items():
             (metric.labels(*labels) if labels else metric).inc(amount)
         hists, self._hists = self._hists, {}
@@ -282,6 +284,32 @@ class GatewayMetrics:
         for cls in ("critical", "standard", "sheddable"):
             self.queue_depth.labels(cls).set(self.queue_depth_of(cls))
 
+    def _fold(self) -> None:
+        """Fold the per-request tuples into the count and histogram batches."""
+        rejects, self._rejects = self._rejects, []
+        admits, self._admits = self._admits, []
+        settles, self._settles = self._settles, []
+        count, observe = self._count, self._observe
+        for backend, tenant, reason, seconds in rejects:
+            count(self.rejections, (backend, reason))
+            count(self.requests, (backend, tenant, "rejected"))
+            observe(self.admission_seconds, (), seconds)
+        for backend, reserved, seconds in admits:
+            count(self.tokens_reserved, (backend,), reserved)
+            observe(self.admission_seconds, (), seconds)
+        for backend, tenant, outcome, reserved, actual, ttft in settles:
+            labels = (backend,)
+            if actual <= reserved:
+                count(self.tokens_refunded, labels, reserved - actual)
+            else:
+                count(self.tokens_overrun, labels, actual - reserved)
+            if reserved > 0:
+                observe(self.usage_ratio, labels, actual / reserved)
+            count(self.tenant_tokens, (tenant,), actual)
+            if ttft is not None:
+                observe(self.ttft_seconds, labels, ttft)
+            count(self.requests, (backend, tenant, outcome))
+
     def request_done(self, backend: Any, tenant: Any, outcome: str) -> None:
         """Count a finished request (``backend``/``tenant`` may be ``None`` before routing)."""
         self._count(
@@ -296,31 +324,19 @@ class GatewayMetrics:
     def rejected(self, backend: Any, tenant: Any, reason: str, seconds: float) -> None:
         """Count an admission refusal (``kvgate_rejections_total``, ``kvgate_requests_total``
         with outcome ``rejected``, the admission time)."""
-        key = (backend.name, tenant.name, reason)
-        refusals = self._refusals
-        refusals[key] = refusals.get(key, 0) + 1
-        self._observe(self.admission_seconds, (), seconds)
+        self._rejects.append((backend.name, tenant.name, reason, seconds))
 
     def admitted(self, backend: Any, tenant: Any, reserved: int, seconds: float) -> None:
         """Count an admission and its reservation."""
-        self._count(self.tokens_reserved, (backend.name,), reserved)
-        self._observe(self.admission_seconds, (), seconds)
+        self._admits.append((backend.name, reserved, seconds))
 
     def settled(
         self, backend: Any, tenant: Any, reserved: int, actual: int, result: RelayResult
     ) -> None:
         """Record a settlement: refund or overrun, ratio, TTFT and the request outcome."""
-        labels = (backend.name,)
-        if actual <= reserved:
-            self._count(self.tokens_refunded, labels, reserved - actual)
-        else:
-            self._count(self.tokens_overrun, labels, actual - reserved)
-        if reserved > 0:
-            self._observe(self.usage_ratio, labels, actual / reserved)
-        self._count(self.tenant_tokens, (tenant.name,), actual)
-        if result.ttft is not None:
-            self._observe(self.ttft_seconds, labels, result.ttft)
-        self._count(self.requests, (backend.name, tenant.name, result.outcome))
+        self._settles.append(
+            (backend.name, tenant.name, result.outcome, reserved, actual, result.ttft)
+        )
 
     def sync_leaks(self) -> None:
         """Carry the core's per-process leak count into the (multiprocess-aware) counter."""
