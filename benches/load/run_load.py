@@ -532,6 +532,15 @@ def render(
         "forwarded, settled with the upstream's usage, counted in the metrics). The bare 429 "
         "handler does not read the body or look at anything.",
         "",
+        "How the baselines and kvgate write their answers: the baselines are plain aiohttp "
+        "applications (`web.Response` / `web.StreamResponse`, whose headers aiohttp builds and "
+        "serializes per response); kvgate runs on aiohttp's low-level server and writes each "
+        "answer it makes (refusals, relayed non-streamed bodies) as one HTTP/1.1 message "
+        "serialized in Rust with its headers, and a relayed stream's head the same way "
+        "(`python/kvgate/proxy/prepared.py`). That is why kvgate's admitted path can cost "
+        "about as much as the bare proxy, or less, although it does more per request "
+        "(analysis, admission, settlement, metrics, SSE inspection).",
+        "",
         "LiteLLM: its proxy CLI (`litellm --config`, one process, master key, no database) in "
         "front of the same upstream, with its own limits far above the load: per-deployment "
         "`tpm: 1000000000`, `rpm: 10000000` under `routing_strategy: usage-based-routing-v2` "
