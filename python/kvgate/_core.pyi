@@ -469,7 +469,8 @@ class AdmissionController:
 
         Raises:
             InvalidConfigError: unknown backend or tenant id.
-            ValueError: ``reason`` or ``connection`` with CR, LF or NUL.
+            ValueError: ``reason`` or ``connection`` with a control character (CR, LF, NUL,
+                ...; tab is allowed).
             OverflowError: ``requested`` negative or above 2**64 - 1.
         """
     def relay_http(
@@ -812,7 +813,8 @@ def http_response(
 
     Raises:
         ValueError: ``status`` outside 100..=999; a header name that is not an RFC 9110 token or
-            a value (or ``connection``) with CR, LF or NUL — nothing that could split a response
+            a value (or ``connection``) with a control character other than tab (CR, LF, NUL, DEL,
+            ...) — nothing that could split a response
             is ever written.
         OverflowError: ``status`` negative or above 65535.
         TypeError: ``headers`` not a list of ``(str, str)`` pairs.
@@ -834,12 +836,13 @@ def relay_http(
     ``Proxy-Authorization``, ``TE``, ``Trailer``, ``Transfer-Encoding``, ``Upgrade``) and those
     kvgate writes itself (``Content-Length``, ``Content-Encoding`` — the body is relayed
     decoded —, ``Date``, ``Server``), minus any that could split the response (a name that is
-    not an RFC 9110 token; CR, LF or NUL in a value), then ``Date`` and ``Connection`` as
+    not an RFC 9110 token; a control character other than tab in a value), minus those the
+    engine's ``Connection`` header names and ``Proxy-Connection``, then ``Date`` and ``Connection`` as
     :func:`http_response` writes them.
 
     Raises:
         TypeError: ``upstream_headers`` not an iterable of ``(bytes, bytes)`` pairs.
-        ValueError: ``status`` outside 100..=999, or ``connection`` with CR, LF or NUL.
+        ValueError: ``status`` outside 100..=999, or ``connection`` with a control character.
         OverflowError: ``status`` negative or above 65535.
     """
 

@@ -397,20 +397,24 @@ pub fn http_head<N: AsRef<[u8]>, V: AsRef<[u8]>>(
     Ok(out)
 }
 
-/// Whether a header can be written as is: the name an RFC 9110 token, the value free of CR, LF
-/// and NUL (anything else could split the response).
+/// Whether a header can be written as is: the name an RFC 9110 token, the value only field
+/// characters (RFC 9110 §5.5: visible ASCII, space, tab, and bytes from 0x80 up; no CR, LF, NUL
+/// or other control character, which could split the response or confuse a parser).
 #[must_use]
 pub fn is_safe_header(name: &[u8], value: &[u8]) -> bool {
     !name.is_empty()
         && name.iter().all(|&b| is_token_byte(b))
-        && !value.iter().any(|&b| b == b'\r' || b == b'\n' || b == 0)
+        && value
+            .iter()
+            .all(|&b| b == b'\t' || (b >= 0x20 && b != 0x7f))
 }
 
 /// Response headers never relayed from an engine: hop-by-hop ones (RFC 9110 §7.6.1) and those
 /// the gateway writes itself (framing, `Date`; `Content-Encoding` because the body is relayed
 /// decoded; `Server`).
-pub const NOT_RELAYED: [&str; 12] = [
+pub const NOT_RELAYED: [&str; 13] = [
     "connection",
+    "proxy-connection",
     "keep-alive",
     "proxy-authenticate",
     "proxy-authorization",
@@ -425,18 +429,28 @@ pub const NOT_RELAYED: [&str; 12] = [
 ];
 
 /// The headers of a relayed response: the engine's (`upstream`, in order, each value) minus
-/// [`NOT_RELAYED`], minus the names `ours` sets (ASCII case-insensitive) and minus any that
-/// could split the response, then `ours`.
+/// [`NOT_RELAYED`], minus those its `Connection` header names (RFC 9110 §7.6.1: hop-by-hop
+/// too), minus the names `ours` sets (all ASCII case-insensitive) and minus any that could
+/// split the response ([`is_safe_header`]), then `ours`.
 #[must_use]
 pub fn relayed_headers<'a>(
     upstream: &[(&'a [u8], &'a [u8])],
     ours: &[(&'a [u8], &'a [u8])],
 ) -> Vec<(&'a [u8], &'a [u8])> {
+    // connection options: comma-separated tokens of every Connection header
+    let named: Vec<&[u8]> = upstream
+        .iter()
+        .filter(|(n, _)| n.eq_ignore_ascii_case(b"connection"))
+        .flat_map(|(_, v)| v.split(|&b| b == b','))
+        .map(<[u8]>::trim_ascii)
+        .filter(|t| !t.is_empty())
+        .collect();
     let mut out = Vec::with_capacity(upstream.len() + ours.len());
     for &(name, value) in upstream {
         let dropped = NOT_RELAYED
             .iter()
             .any(|n| name.eq_ignore_ascii_case(n.as_bytes()))
+            || named.iter().any(|n| name.eq_ignore_ascii_case(n))
             || ours.iter().any(|(n, _)| name.eq_ignore_ascii_case(n))
             || !is_safe_header(name, value);
         if !dropped {
@@ -681,6 +695,13 @@ mod tests {
             (b"set-cookie", b"a=1"),
             (b"set-cookie", b"b=2"),
             (b"Date", b"yesterday"),
+            (b"Connection", b"close, X-Hop ,x-other"),
+            (b"x-hop", b"secret"),
+            (b"X-Other", b"o"),
+            (b"Proxy-Connection", b"keep-alive"),
+            (b"x-ctl", b"\x01a"),
+            (b"x-del", b"a\x7f"),
+            (b"x-tab-utf8", b"a\tb \xc3\xa9"),
         ];
         let ours: Vec<(&[u8], &[u8])> = vec![(b"x-ratelimit-limit-tokens", b"60")];
         let out = relayed_headers(&up, &ours);
@@ -692,10 +713,11 @@ mod tests {
                 b"x-request-id",
                 b"set-cookie",
                 b"set-cookie",
+                b"x-tab-utf8",
                 b"x-ratelimit-limit-tokens"
             ]
         );
-        assert_eq!(out[4].1, b"60");
+        assert_eq!(out[5].1, b"60");
     }
 
     #[test]

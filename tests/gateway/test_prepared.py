@@ -275,7 +275,11 @@ def test_relayed_engine_headers_drop_hop_by_hop_and_unsafe_ones() -> None:
         (b"Set-Cookie", b"a=1"),
         (b"Set-Cookie", b"b=2"),
         (b"x-evil", b"a\x00b"),
+        (b"x-ctl", b"\x01ctl"),
         (b"Bad Name", b"v"),
+        (b"Connection", b"close, X-Hop"),
+        (b"X-Hop", b"secret"),
+        (b"Proxy-Connection", b"keep-alive"),
     ]
     raw = relay_http(200, upstream, b"{}")
     head, _, body = raw.partition(b"\r\n\r\n")
@@ -289,7 +293,16 @@ def test_relayed_engine_headers_drop_hop_by_hop_and_unsafe_ones() -> None:
     ]
     names = [line.split(b":")[0].lower() for line in lines[1:]]
     assert names.count(b"date") == 1
-    for gone in (b"transfer-encoding", b"content-encoding", b"keep-alive", b"x-evil", b"bad name"):
+    for gone in (
+        b"transfer-encoding",
+        b"content-encoding",
+        b"keep-alive",
+        b"x-evil",
+        b"x-ctl",
+        b"bad name",
+        b"x-hop",
+        b"proxy-connection",
+    ):
         assert gone not in names
     assert b"Content-Length: 2" in lines
     assert body == b"{}"
@@ -324,6 +337,8 @@ def test_http_response_wire_format() -> None:
     assert b"Content-Length: 7" in lines
     assert b"Connection: close" in lines
     assert body == b'{"x":1}'
+    # tab and non-ASCII (obs-text) are field characters
+    assert b"X: a\tb \xc3\xa9" in http_response(200, [("X", "a\tb é")], b"")
 
 
 @pytest.mark.parametrize(
@@ -336,6 +351,8 @@ def test_http_response_wire_format() -> None:
         (200, [("X", "a\r\nSet-Cookie: evil=1")], None, ValueError),
         (200, [("X", "a\nb")], None, ValueError),
         (200, [("X", "a\x00b")], None, ValueError),
+        (200, [("X", "a\x01b")], None, ValueError),
+        (200, [("X", "a\x7fb")], None, ValueError),
         (200, [("Bad Name", "a")], None, ValueError),
         (200, [("", "a")], None, ValueError),
         (200, [("X:", "a")], None, ValueError),
