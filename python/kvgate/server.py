@@ -22,9 +22,10 @@ from typing import TYPE_CHECKING, Any, cast
 
 import aiohttp
 from aiohttp import web
+from aiohttp.web_protocol import RequestHandler
 
 from kvgate.app import GET_ENDPOINTS, handle_unknown
-from kvgate.errors import GatewayError
+from kvgate.errors import GatewayError, error_body
 from kvgate.metrics import FLUSH_SECONDS
 from kvgate.proxy.handler import (
     INFERENCE_ROUTES,
@@ -96,6 +97,45 @@ async def _refuse_dot_segment(request: web.BaseRequest, path: str) -> Reply:
     )
 
 
+class _RequestHandler(RequestHandler):
+    """aiohttp's connection handler, answering the errors aiohttp decides itself in OpenAI's
+    shape (JSON, ENGINES.md §5.1) instead of plain text: a request it cannot parse (bad request
+    line, header or chunk size, ``Content-Length`` with ``Transfer-Encoding``, a header over
+    8190 bytes, too many headers: 400 ``invalid_http``) and an unexpected exception in a handler
+    (500 ``internal_error``, no traceback). The connection is closed after either, as aiohttp
+    does."""
+
+    def handle_error(
+        self,
+        request: web.BaseRequest,
+        status: int = 500,
+        exc: BaseException | None = None,
+        message: str | None = None,
+    ) -> web.StreamResponse:
+        # aiohttp's version logs the error and refuses to answer when bytes already went out
+        super().handle_error(request, status, exc, message)
+        if status >= 500:
+            body = error_body(
+                "The gateway failed to handle the request.", "server_error", None, "internal_error"
+            )
+        else:
+            text = message or "The request could not be parsed."
+            body = error_body(
+                f"Malformed HTTP request: {text}", "invalid_request_error", None, "invalid_http"
+            )
+        resp = web.Response(status=status, body=body, content_type="application/json")
+        resp.force_close()
+        return resp
+
+
+class _Server(web.Server):
+    """``web.Server`` whose connections use :class:`_RequestHandler` (aiohttp's
+    ``Server.__call__`` builds the handler the same way)."""
+
+    def __call__(self) -> RequestHandler:
+        return _RequestHandler(self, loop=self._loop, **self._kwargs)
+
+
 def make_server(gateway: Gateway) -> web.Server:
     """aiohttp's low-level server for ``gateway``, created inside the running loop.
 
@@ -103,7 +143,8 @@ def make_server(gateway: Gateway) -> web.Server:
     applies to the next request) as ``client_max_size`` (a chunked body over it is cut off while
     it is read); ``handler_cancellation=True`` so a client disconnect cancels the handler at
     once, even while it waits for the engine; keep-alive connections idle for
-    ``timeouts.client_header`` seconds are closed; no access log.
+    ``timeouts.client_header`` seconds are closed; no access log; the errors aiohttp answers
+    itself (unparsable requests, unexpected exceptions) in OpenAI's shape (:class:`_RequestHandler`).
     """
     loop = asyncio.get_running_loop()
 
@@ -119,7 +160,7 @@ def make_server(gateway: Gateway) -> web.Server:
     handler = cast(
         "Callable[[web.BaseRequest], Awaitable[web.StreamResponse]]", Dispatcher(gateway)
     )
-    return web.Server(
+    return _Server(
         handler,
         request_factory=request_factory,
         handler_cancellation=True,

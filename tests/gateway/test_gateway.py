@@ -618,7 +618,29 @@ async def test_expect_100_continue(gateway_for) -> None:
         head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 2)
         writer.close()
         assert head.startswith(b"HTTP/1.1 417")
-        assert len(up.requests) == 1
+        # the same with the body in the same write as the head: still 417, nothing forwarded
+        reader, writer = await asyncio.open_connection(*gw.url[7:].split(":"))
+        writer.write(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+            + f"Content-Length: {len(body)}\r\nExpect: something-else\r\n\r\n".encode()
+            + body
+        )
+        await writer.drain()
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 2)
+        writer.close()
+        assert head.startswith(b"HTTP/1.1 417")
+        # 100-continue with the body already sent along: answered without a 100
+        reader, writer = await asyncio.open_connection(*gw.url[7:].split(":"))
+        writer.write(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+            + f"Content-Length: {len(body)}\r\nExpect: 100-Continue\r\n\r\n".encode()
+            + body
+        )
+        await writer.drain()
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+        writer.close()
+        assert head.startswith(b"HTTP/1.1 200")
+        assert len(up.requests) == 2
 
 
 async def test_a_reload_that_lowers_the_body_cap_applies_to_trickled_bodies(gateway_for) -> None:

@@ -389,3 +389,54 @@ def test_refusal_response_refuses_bad_reason_and_unknown_ids() -> None:
         ctl.refusal_response(b + 5, t, "backend-slots", 1.0, False, False, None, "t", 1)
     with pytest.raises(OverflowError):
         ctl.refusal_response(b, t, "backend-slots", 1.0, False, False, None, "t", -1)
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+        b"zz\r\nhello\r\n0\r\n\r\n",  # bad chunk size
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n"
+        b"Transfer-Encoding: chunked\r\n\r\n0\r\n\r\n",  # both framings
+        b"GET / HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 9000 + b"\r\n\r\n",  # header too long
+        b"GET /\x01 HTTP/1.1\r\nHost: x\r\n\r\n",  # bad request line
+    ],
+)
+async def test_unparsable_requests_get_openai_errors(gw, raw: bytes) -> None:
+    reader, writer = await _connect(gw.url)
+    try:
+        writer.write(raw)
+        data = await asyncio.wait_for(reader.read(), 5)  # the server closes after the error
+    finally:
+        writer.close()
+    head, _, body = data.partition(b"\r\n\r\n")
+    # (aiohttp answers what it could not parse as HTTP/1.0)
+    assert head.split(b"\r\n")[0] in (b"HTTP/1.0 400 Bad Request", b"HTTP/1.1 400 Bad Request")
+    assert b"application/json" in head
+    err = orjson.loads(body)["error"]
+    assert err["type"] == "invalid_request_error"
+    assert err["code"] == "invalid_http"
+    assert err["message"].startswith("Malformed HTTP request")
+    assert set(err) == {"message", "type", "param", "code"}
+
+
+async def test_an_unexpected_failure_is_a_500_in_openai_shape(gw, monkeypatch) -> None:
+    from kvgate.app import Gateway
+
+    def boom(self, request):  # type: ignore[no-untyped-def]
+        raise RuntimeError("secret internals")
+
+    monkeypatch.setattr(Gateway, "authenticate", boom)
+    reader, writer = await _connect(gw.url)
+    try:
+        writer.write(_post())
+        data = await asyncio.wait_for(reader.read(), 5)  # closed after the error
+    finally:
+        writer.close()
+    head, _, body = data.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 500 ")
+    err = orjson.loads(body)["error"]
+    assert err["type"] == "server_error"
+    assert err["code"] == "internal_error"
+    assert b"secret" not in data
+    assert gw.backend_state()["in_use"] == 0

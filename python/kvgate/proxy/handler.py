@@ -93,6 +93,18 @@ async def _continue(request: web.BaseRequest) -> None:
     expect = request.headers.get("Expect")
     if expect is None:
         return
+    _check_expectation(expect)
+    if request.version >= (1, 1):
+        await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        request.writer.output_size = 0  # the interim response is not part of the answer
+
+
+def _check_expectation(expect: str) -> None:
+    """Only ``100-continue`` can be met (RFC 9110 §10.1.1).
+
+    Raises:
+        GatewayError: 417 ``expectation_failed``.
+    """
     if expect.lower() != "100-continue":
         raise GatewayError(
             417,
@@ -101,9 +113,6 @@ async def _continue(request: web.BaseRequest) -> None:
             code="expectation_failed",
             headers={"Connection": "close"},
         )
-    if request.version >= (1, 1):
-        await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
-        request.writer.output_size = 0  # the interim response is not part of the answer
 
 
 def body_if_complete(request: web.BaseRequest, max_body_bytes: int) -> bytes | None:
@@ -113,7 +122,8 @@ def body_if_complete(request: web.BaseRequest, max_body_bytes: int) -> bytes | N
     Raises:
         GatewayError: 413 ``request_too_large`` (``Content-Length``, or the bytes received,
             over the cap); 400 ``invalid_body`` (undecodable ``Content-Encoding``, broken
-            chunking).
+            chunking); 417 ``expectation_failed`` (an ``Expect`` other than ``100-continue``,
+            also when the body came with the head).
     """
     length = request.content_length
     if length is not None and length > max_body_bytes:
@@ -121,6 +131,9 @@ def body_if_complete(request: web.BaseRequest, max_body_bytes: int) -> bytes | N
     content = request.content
     if not content.is_eof():
         return None
+    headers = request.headers
+    if "Expect" in headers:  # the body is here: no 100 to send, but the expectation is checked
+        _check_expectation(headers["Expect"])
     try:
         body = content.read_nowait()
     except RequestPayloadError as exc:
