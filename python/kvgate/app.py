@@ -181,6 +181,8 @@ class Gateway:
     anonymous: Tenant | None = None
     config: Any = None
     config_path: str | None = None
+    #: applied to every reloaded configuration: the command-line flags that win over the file
+    config_overrides: Callable[[Any], Any] | None = None
     poll: bool = False
     session: aiohttp.ClientSession = field(init=False)
     watchdog: Watchdog = field(init=False, default_factory=Watchdog)
@@ -207,15 +209,20 @@ class Gateway:
         )
 
     def reload(self) -> bool:
-        """Re-read ``config_path`` and apply it (SIGHUP). An invalid file is refused with a log
-        line and the running configuration stays in force; returns whether it was applied."""
+        """Re-read ``config_path`` and apply it (SIGHUP), with :attr:`config_overrides`. An
+        invalid file is refused with a log line and the running configuration stays in force;
+        returns whether it was applied. ``listen`` and ``workers`` need a restart (a warning
+        says so when they changed)."""
         from kvgate.config import load_config
         from kvgate.gateway_build import apply_config
 
         if self.config_path is None:
             return False
         try:
-            apply_config(self, load_config(self.config_path))
+            new = load_config(self.config_path)
+            if self.config_overrides is not None:
+                new = self.config_overrides(new)
+            apply_config(self, new)
         except Exception as exc:
             logger.error(
                 "reload of %s refused, keeping the running configuration: %s",

@@ -21,6 +21,7 @@ import signal
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from typing import Any
 
 __all__ = ["add_arguments", "run"]
@@ -101,9 +102,13 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvgate serve: invalid configuration:\n{exc}", file=sys.stderr)
         return 2
     config = _apply_overrides(config, args)
+
+    def overrides(reloaded: Any) -> Any:  # the flags win over a reloaded file too
+        return _apply_overrides(reloaded, args)
+
     if config.workers <= 1:
-        return _serve_single(config, args.grace, config_path=args.config)
-    return _serve_workers(config, args.grace, config_path=args.config)
+        return _serve_single(config, args.grace, config_path=args.config, overrides=overrides)
+    return _serve_workers(config, args.grace, config_path=args.config, overrides=overrides)
 
 
 def _apply_overrides(config: Any, args: argparse.Namespace) -> Any:
@@ -186,6 +191,7 @@ def _serve_single(
     grace: float,
     *,
     config_path: str | None,
+    overrides: Callable[[Any], Any] | None = None,
     shm_name: str | None = None,
     worker: int = 0,
 ) -> int:
@@ -198,6 +204,7 @@ def _serve_single(
     # shedding it derives land in the shared region (the same readings give the same law output)
     try:
         gateway = build_gateway(config, shm_name=shm_name, config_path=config_path, poll=True)
+        gateway.config_overrides = overrides
     except (CoreError, ValueError, OSError) as exc:
         print(f"kvgate serve: cannot start: {exc}", file=sys.stderr)
         return 2
@@ -232,12 +239,20 @@ def _serve_single(
     return 0
 
 
-def _serve_workers(config: Any, grace: float, *, config_path: str | None) -> int:
+def _serve_workers(
+    config: Any,
+    grace: float,
+    *,
+    config_path: str | None,
+    overrides: Callable[[Any], Any] | None = None,
+) -> int:
     # prometheus_client picks its multiprocess value class when first imported: set the
     # directory before anything imports it, so every worker's counters land in shared files
     shm_name = f"kvgate-{os.getpid()}-{int(time.time())}"
     prom_dir = tempfile.mkdtemp(prefix="kvgate-prom-")
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = prom_dir
+    from prometheus_client import multiprocess
+
     from kvgate import CoreError
     from kvgate.gateway_build import build_controller
 
@@ -257,7 +272,12 @@ def _serve_workers(config: Any, grace: float, *, config_path: str | None) -> int
                 signal.signal(sig, signal.SIG_DFL)
             try:
                 code = _serve_single(
-                    config, grace, config_path=config_path, shm_name=shm_name, worker=index
+                    config,
+                    grace,
+                    config_path=config_path,
+                    overrides=overrides,
+                    shm_name=shm_name,
+                    worker=index,
                 )
             except BaseException:
                 logger.exception("worker %d crashed", index)
@@ -280,6 +300,21 @@ def _serve_workers(config: Any, grace: float, *, config_path: str | None) -> int
                 os.kill(pid, signum)
 
     def forward_reload(signum: int, _frame: Any) -> None:
+        # the master re-reads the file too, so a worker it restarts later starts from the
+        # configuration the others reloaded, not the one read at start-up
+        nonlocal config
+        if config_path is not None:
+            from kvgate.config import load_config
+
+            try:
+                reloaded = load_config(config_path)
+                config = overrides(reloaded) if overrides is not None else reloaded
+            except Exception as exc:
+                logger.error(
+                    "reload of %s refused; restarted workers keep the previous configuration: %s",
+                    config_path,
+                    exc,
+                )
         for pid in list(children):  # each worker reloads its configuration
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signum)
@@ -304,6 +339,8 @@ def _serve_workers(config: Any, grace: float, *, config_path: str | None) -> int
         index = children.pop(pid, None)
         if index is None:
             continue
+        # its live-summed gauges (kvgate_queue_depth) must stop counting
+        multiprocess.mark_process_dead(pid)
         reclaimed = controller.reclaim_dead()
         if not stopping:
             logger.warning(

@@ -292,7 +292,9 @@ class TenantConfig(_Model):
 
 
 class QueueConfig(_Model):
-    """The priority wait queue: at most ``max_size`` waiting requests (over it → 503)."""
+    """The priority wait queue: at most ``max_size`` waiting requests (over it → 503). Each
+    worker process keeps its own queue (the limits the queue waits on are shared), so with
+    ``--workers N`` up to N × ``max_size`` requests wait."""
 
     max_size: int = Field(1024, ge=0)
 

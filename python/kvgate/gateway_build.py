@@ -201,6 +201,14 @@ def apply_config(gateway: Gateway, new: Config) -> None:
             raise ConfigError(
                 [("backends", "backends and models cannot change on reload; restart kvgate")]
             )
+        if new.listen != old.listen or new.workers != old.workers:
+            logger.warning(
+                "reload: listen address and workers changed in the file; they apply only at "
+                "the next start (still %s:%d, %d worker(s))",
+                old.listen.host,
+                old.listen.port,
+                old.workers,
+            )
     ctl = gateway.controller
     for b in new.backends:
         limits = _backend_limits(b)

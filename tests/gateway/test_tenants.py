@@ -484,3 +484,22 @@ async def test_sheddable_is_shed_at_once_even_behind_queued_requests() -> None:
             held.close()
             assert (await chat_waiter)[0] == 200
             await until(lambda: gateway.controller.backend_state(0)["in_use"] == 0)
+
+
+def test_reload_keeps_the_command_line_overrides_and_warns_about_listen(
+    tmp_path: Path, caplog
+) -> None:
+    """`kvgate serve --config F --max-body-bytes N`: a SIGHUP reload applies the file with the
+    flags still winning; a changed listen address is reported as needing a restart."""
+    caplog.set_level(logging.WARNING, logger="kvgate.gateway")
+    path = tmp_path / "kvgate.yaml"
+    data = config_data("http://127.0.0.1:9", ["m"])
+    path.write_text(json.dumps(data))
+    gateway = build_gateway(load_config(path), config_path=str(path), poll=False)
+    gateway.config_overrides = lambda c: c.model_copy(update={"max_body_bytes": 12_345})
+    data["max_body_bytes"] = 999_999
+    data["listen"] = {"host": "127.0.0.1", "port": 18999}
+    path.write_text(json.dumps(data))
+    assert gateway.reload() is True
+    assert gateway.max_body_bytes == 12_345
+    assert "next start" in caplog.text

@@ -361,3 +361,77 @@ async def test_sighup_without_a_config_file_is_logged_not_fatal() -> None:
             err = await stop_process(proc)
         assert proc.returncode == 0
         assert b"SIGHUP ignored" in err
+
+
+async def test_a_restarted_worker_serves_the_reloaded_configuration(tmp_path: Path) -> None:
+    """SIGHUP reloads every worker; a worker that dies afterwards is restarted with the reloaded
+    file, not the one read at start-up (the master reloads it too), and its live-summed gauge
+    files are removed when it is reaped."""
+    import hashlib
+
+    def config(key: str) -> str:
+        digest = hashlib.sha256(key.encode()).hexdigest()
+        return json.dumps(
+            {
+                "listen": {"host": "127.0.0.1", "port": port},
+                "workers": 2,
+                "backends": [
+                    {
+                        "name": "fake",
+                        "url": up.url,
+                        "models": [{"name": "replay", "context_window": 1024}],
+                        "max_concurrency": 8,
+                    }
+                ],
+                "tenants": [{"name": "a", "api_key_sha256": [digest]}],
+            }
+        )
+
+    async def statuses(key: str, n: int = 12) -> list[int]:
+        # a new connection each time, so both workers answer
+        out = []
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as s:
+            for _ in range(n):
+                async with s.post(
+                    url + "/v1/chat/completions",
+                    json=chat("replay", "hi", max_tokens=5),
+                    headers={"Authorization": f"Bearer {key}"},
+                ) as r:
+                    out.append(r.status)
+        return out
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    async with run_upstream() as up:
+        path = tmp_path / "kvgate.yaml"
+        path.write_text(config("key-one"))
+        gw = await start_kvgate("serve", "--config", str(path), "--grace", "2")
+        try:
+            await wait_http_up(url + "/healthz")
+            await until(lambda: len(children(gw.pid)) == 2)
+            assert set(await statuses("key-one")) == {200}
+            path.write_text(config("key-two"))
+            gw.send_signal(signal.SIGHUP)
+
+            async def reloaded() -> bool:
+                return set(await statuses("key-two", 6)) == {200}
+
+            await until(reloaded, timeout=10, interval=0.2)
+            victim = min(children(gw.pid))
+            # each worker writes its queue-depth gauge file at its first flush (1 s)
+            await until(lambda: _livesum_file(victim))
+            os.kill(victim, signal.SIGKILL)
+            await until(lambda: len(children(gw.pid) - {victim}) == 2, timeout=20)
+            await wait_http_up(url + "/healthz")
+            assert not _livesum_file(victim)
+            assert set(await statuses("key-two")) == {200}
+            assert set(await statuses("key-one")) == {401}
+        finally:
+            await stop_process(gw)
+
+
+def _livesum_file(pid: int) -> bool:
+    """Whether worker ``pid`` has a live-summed gauge file in a gateway's multiprocess dir."""
+    import tempfile
+
+    return any(Path(tempfile.gettempdir()).glob(f"kvgate-prom-*/gauge_livesum_{pid}.db"))
