@@ -271,7 +271,9 @@ class TenantConfig(_Model):
     themselves never appear in the config; compare in constant time). ``priority``: its class.
     ``guaranteed_slots``: slots carved out of each backend it may use (``backends``; ``None`` =
     all) that only it can take. ``tokens_per_minute`` / ``max_concurrency``: its own quota and
-    cap (``None`` = none). ``max_wait_ms``: how long a refused request may wait in the queue
+    cap (``None`` = none); ``burst_tokens``: the capacity of its token bucket (default: one
+    minute's worth; needs ``tokens_per_minute``). ``max_wait_ms``: how long a refused request
+    may wait in the queue
     (0 = refuse at once). ``mode: shadow`` counts its refusals without enforcing them.
     """
 
@@ -280,6 +282,7 @@ class TenantConfig(_Model):
     priority: Priority = "standard"
     guaranteed_slots: int = Field(0, ge=0)
     tokens_per_minute: int | None = Field(None, ge=1)
+    burst_tokens: int | None = Field(None, ge=1)
     max_concurrency: int | None = Field(None, ge=1)
     max_wait_ms: int = Field(0, ge=0)
     backends: list[str] | None = None
@@ -386,6 +389,8 @@ def _cross_field_issues(cfg: Config) -> Iterator[tuple[str, str]]:
     key_owner: dict[str, int] = {}
     for ti, tn in enumerate(cfg.tenants):
         p = f"tenants[{ti}]"
+        if tn.burst_tokens is not None and tn.tokens_per_minute is None:
+            yield f"{p}.burst_tokens", "needs tokens_per_minute"
         if tn.max_concurrency is not None and tn.guaranteed_slots > tn.max_concurrency:
             yield (
                 f"{p}.guaranteed_slots",

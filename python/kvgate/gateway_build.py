@@ -46,6 +46,8 @@ def _tenant_limits(t: Any, controller: Any) -> dict[str, Any]:
     return {
         "priority": t.priority,
         "tokens_per_minute": t.tokens_per_minute,
+        # explicit, so a reload that drops `burst_tokens` goes back to one minute's worth
+        "burst_tokens": t.burst_tokens if t.burst_tokens is not None else t.tokens_per_minute,
         "max_concurrency": t.max_concurrency,
         "guaranteed_slots": t.guaranteed_slots,
         "guaranteed_backends": guaranteed_backends,

@@ -255,6 +255,11 @@ CROSS_RULES: list[tuple[str, dict[str, Any], list[tuple[str, str]]]] = [
         [("backends[0].burst_tokens", "needs tokens_per_minute")],
     ),
     (
+        "tenant_burst_needs_tpm",
+        with_value("tenants[1].burst_tokens", 1000),
+        [("tenants[1].burst_tokens", "needs tokens_per_minute")],
+    ),
+    (
         "unique_backend_names",
         second_backend(base(), "a"),
         [("backends[1].name", "duplicate backend name 'a' (also backends[0])")],

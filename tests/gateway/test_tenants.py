@@ -503,3 +503,17 @@ def test_reload_keeps_the_command_line_overrides_and_warns_about_listen(
     assert gateway.reload() is True
     assert gateway.max_body_bytes == 12_345
     assert "next start" in caplog.text
+
+
+def test_tenant_burst_tokens_size_its_bucket_and_a_reload_resets_it(tmp_path: Path) -> None:
+    path = tmp_path / "kvgate.yaml"
+    t = tenant("alice", "sk-alice", tokens_per_minute=60_000, burst_tokens=5_000)
+    path.write_text(json.dumps(config_data("http://127.0.0.1:9", ["m"], tenants=[t])))
+    gateway = build_gateway(load_config(path), config_path=str(path), poll=False)
+    ctl = gateway.controller
+    state = ctl.tenant_state(ctl.tenant_id("alice"))
+    assert (state["tokens_per_minute"], state["burst_tokens"]) == (60_000, 5_000)
+    del t["burst_tokens"]  # back to the default: one minute's worth
+    path.write_text(json.dumps(config_data("http://127.0.0.1:9", ["m"], tenants=[t])))
+    assert gateway.reload() is True
+    assert ctl.tenant_state(ctl.tenant_id("alice"))["burst_tokens"] == 60_000
