@@ -134,15 +134,21 @@ class AdaptiveSink:
         self._gw.metrics.scrape_errors.labels(backend).inc()
 
     def on_stale(self, backend: str, stale: bool, now: float) -> None:
-        """Stale metrics: go to the floor and shed; fresh again: the next reading decides."""
+        """Stale metrics: go to the floor and shed; fresh again: the readings decide, and the
+        limits recover from the floor at the bounded rate from now (the outage is not
+        recovery time)."""
         b = self._gw.backend_named(backend)
         b.stale = stale
         self._gw.metrics.metrics_stale.labels(backend).set(1 if stale else 0)
-        if stale and backend in self.laws:
+        if backend not in self.laws:
+            return
+        if stale:
             logger.warning(
                 "backend %s: limits go to the floor scale until its metrics come back", backend
             )
-            self._apply(backend, None, 0)
+        # stale: the floor; fresh again (called just before the first good reading): the floor
+        # once more, which restarts the law's recovery clock now
+        self._apply(backend, None, 0)
 
     def on_health(self, backend: str, healthy: bool, now: float) -> None:
         """Take a backend out of routing (or put it back)."""

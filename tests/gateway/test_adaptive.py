@@ -362,3 +362,33 @@ async def test_preemptions_direct_vs_through_kvgate() -> None:
     # while kvgate keeps the engine busy: several sequences running, a well-used cache
     assert adaptive["mean_running"] >= 2
     assert adaptive["peak_kv"] >= 0.5
+
+
+def test_limits_recover_gradually_after_a_metrics_outage() -> None:
+    """The outage is not recovery time: back from stale, the scale climbs from the floor at
+    ``recovery_per_second`` (0.5/s here), it does not snap back to base."""
+    from kvgate import ManualClock
+    from kvgate.adaptive import AdaptiveSink
+    from kvgate.telemetry.engine_metrics import EngineReading
+
+    config = Config.model_validate(
+        {"backends": [backend("b0", "http://127.0.0.1:9")], "tenants": TENANTS}
+    )
+    gw = build_gateway(config, poll=False)
+    clock = ManualClock()
+    sink = AdaptiveSink(gw, law_clock=clock)
+    calm = EngineReading(engine="vllm", kv_usage=0.3, waiting=0)
+    sink.on_reading("b0", calm, 0.0)
+    assert gw.controller.backend_state(0)["scale"] == 1.0
+    sink.on_stale("b0", True, 0.0)
+    assert gw.controller.backend_state(0)["scale"] == pytest.approx(0.6)
+    clock.advance(30.0)  # a long outage
+    sink.on_stale("b0", False, 30.0)
+    sink.on_reading("b0", calm, 30.0)
+    assert gw.controller.backend_state(0)["scale"] == pytest.approx(0.6)
+    clock.advance(0.4)
+    sink.on_reading("b0", calm, 30.4)
+    assert gw.controller.backend_state(0)["scale"] == pytest.approx(0.8)
+    clock.advance(1.0)
+    sink.on_reading("b0", calm, 31.4)
+    assert gw.controller.backend_state(0)["scale"] == pytest.approx(1.0)

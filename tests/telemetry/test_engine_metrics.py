@@ -447,11 +447,22 @@ def test_kv_within_epsilon_is_clamped() -> None:
     assert read_engine_metrics("vllm:kv_cache_usage_perc 1.0\n").kv_usage == 1.0
 
 
-@pytest.mark.parametrize("value", ["NaN", "-1"])
+@pytest.mark.parametrize("value", ["NaN", "-1", "1e30", "1000000001"])
 def test_bad_counts_are_refused(value: str) -> None:
     text = f"vllm:kv_cache_usage_perc 0.2\nvllm:num_requests_waiting {value}\n"
     with pytest.raises(BadValueError, match="vllm:num_requests_waiting"):
         read_engine_metrics(text)
+
+
+def test_counts_that_sum_past_any_engine_are_refused() -> None:
+    text = (
+        "vllm:kv_cache_usage_perc 0.2\n"
+        'vllm:num_requests_waiting{model_name="a"} 600000000\n'
+        'vllm:num_requests_waiting{model_name="b"} 600000000\n'
+    )
+    with pytest.raises(BadValueError, match="more than an engine can hold"):
+        read_engine_metrics(text)
+    assert read_engine_metrics(text.replace("600000000", "6")).waiting == 12
 
 
 def test_bad_lines_are_skipped_not_fatal() -> None:

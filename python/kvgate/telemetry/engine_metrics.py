@@ -117,7 +117,7 @@ class MissingMetricError(MetricsError):
 
 class BadValueError(MetricsError):
     """A value that cannot be right: NaN or ±Inf anywhere, a KV ratio outside [0, 1], a negative
-    request count. ``metric`` and ``value`` say which one."""
+    request count or one above ``MAX_REQUEST_COUNT``. ``metric`` and ``value`` say which one."""
 
     reason = "bad_value"
 
@@ -378,13 +378,27 @@ def _usage(name: str, series: Series, partition: Sequence[str]) -> float:
     return min(1.0, max(0.0, max(_group(series, partition).values())))
 
 
+#: More requests than any engine can hold (running or waiting): a broken exporter, not a load.
+MAX_REQUEST_COUNT = 10**9
+
+
 def _count(name: str, series: Series, partition: Sequence[str]) -> int:
-    """Request count: validated per series, sum over partitions."""
+    """Request count: validated per series (finite, 0..``MAX_REQUEST_COUNT``), sum over
+    partitions."""
     for _, value in series:
         _check_finite(name, value)
         if value < 0:
             raise BadValueError(f"{name} = {value!r} is negative", name, value)
-    return round(sum(_group(series, partition).values()))
+        if value > MAX_REQUEST_COUNT:
+            raise BadValueError(
+                f"{name} = {value!r} is more requests than an engine can hold", name, value
+            )
+    total = round(sum(_group(series, partition).values()))
+    if total > MAX_REQUEST_COUNT:
+        raise BadValueError(
+            f"{name} sums to {total} requests, more than an engine can hold", name, total
+        )
+    return total
 
 
 def _total(name: str, series: Series, partition: Sequence[str]) -> float:
