@@ -12,6 +12,7 @@ import contextlib
 import hashlib
 import hmac
 import logging
+import math
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -247,14 +248,17 @@ class Gateway:
 
     def max_wait(self, request: web.BaseRequest, tenant: Tenant) -> float:
         """Seconds a refused request may wait: the tenant's ``max_wait_ms``, shortened (never
-        lengthened) by the client's ``x-kvgate-max-wait-ms`` header."""
-        wait_ms = tenant.max_wait_ms
+        lengthened) by the client's ``x-kvgate-max-wait-ms`` header (milliseconds, fractions
+        allowed; a value that is not a finite number is ignored)."""
+        wait_ms = float(tenant.max_wait_ms)
         if wait_ms <= 0:  # the header can only shorten it
             return 0.0
         asked = request.headers.get(MAX_WAIT_HEADER)
         if asked is not None:
             with contextlib.suppress(ValueError):
-                wait_ms = min(wait_ms, max(0, int(asked)))
+                value = float(asked)  # milliseconds, fractions allowed ("1500.5")
+                if math.isfinite(value):
+                    wait_ms = min(wait_ms, max(0.0, value))
         return wait_ms / 1000.0
 
     def refusal_stands(
@@ -301,7 +305,14 @@ class Gateway:
             # the fast path was skipped because others are queued: what can never fit, and a
             # shed class, must still be answered at once, not parked behind them
             refusal = self._refuse_without_queueing(backend, tenant, priority, tokens)
-        if refusal is not None and self.shadow(backend, tenant):
+        if self.shadow(backend, tenant):
+            # a shadow request never waits, not even behind queued ones: the core decides now,
+            # and a refusal is only counted
+            if refusal is None:
+                decision = self.controller.admit(backend.id, tenant.id, priority, tokens)
+                if decision.admitted:
+                    return decision
+                refusal = decision
             self.metrics.shadow_rejections.labels(refusal.reason).inc()
             return SHADOW_ADMISSION
         queue = self.queue
@@ -326,7 +337,11 @@ class Gateway:
 
         try:
             return await queue.wait(
-                tenant=tenant.name, priority=priority, max_wait=wait, try_admit=try_admit
+                tenant=tenant.name,
+                priority=priority,
+                max_wait=wait,
+                try_admit=try_admit,
+                backend=backend.name,
             )
         except _NeverFits as never:
             return never.rejection
@@ -336,11 +351,22 @@ class Gateway:
                     self.metrics.shadow_rejections.labels(last[0].reason).inc()
                     return SHADOW_ADMISSION
                 return last[0]
-            return Refusal("queued", retry_after=max(wait, 0.1))
+            return Refusal("queued", retry_after=self._queue_retry(backend))
         except QueueFull:
-            return Refusal("queue-full")
+            return Refusal("queue-full", retry_after=self._queue_retry(backend))
         except Shed:
             return Refusal("shed")
+
+    def _queue_retry(self, backend: Backend) -> float:
+        """Seconds until a request refused by the queue (``queued``, ``queue-full``) may get a
+        turn: the backend's expected time to the next slot release (its hold-time EWMA ÷ slots
+        in use, 1 s hold when nothing finished yet — the core's rule) for each request queued
+        ahead, plus one."""
+        st = self.controller.backend_state(backend.id)
+        hold = st["hold_time_ewma"] or 1.0
+        per_slot = hold / max(1, st["in_use"])
+        ahead = self.queue.waiting if self.queue is not None else 0
+        return max(0.001, per_slot * (ahead + 1))
 
     def _refuse_without_queueing(
         self, backend: Backend, tenant: Tenant, priority: str, tokens: int

@@ -215,9 +215,9 @@ async def _start_poller(gateway: Gateway) -> Any:
     from kvgate.adaptive import AdaptiveSink, poll_targets
     from kvgate.telemetry.poller import MetricsPoller
 
-    def shed_waiters(_backend: str) -> None:
+    def shed_waiters(backend: str) -> None:
         if gateway.queue is not None:
-            gateway.queue.shed("sheddable")
+            gateway.queue.shed("sheddable", backend)
 
     sink = AdaptiveSink(gateway, on_shed=shed_waiters)
     poller = MetricsPoller(gateway.session, sink, poll_targets(gateway))

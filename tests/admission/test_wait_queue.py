@@ -82,13 +82,14 @@ def make(limit: int, *, max_waiters: int = 100, **kw):
     return q, Capacity(limit, q)
 
 
-def spawn(q, cap, name, *, tenant="t", priority="standard", max_wait=60.0, size=1):
+def spawn(q, cap, name, *, tenant="t", priority="standard", max_wait=60.0, size=1, backend=None):
     return asyncio.create_task(
         q.wait(
             tenant=tenant,
             priority=priority,
             max_wait=max_wait,
             try_admit=cap.admitter(name, size),
+            backend=backend,
         )
     )
 
@@ -484,6 +485,22 @@ async def test_shed_answers_queued_sheddable_waiters_and_leaves_others() -> None
     cap.grow(2)
     await settle()
     assert cap.admitted == ["crit", "std"]
+
+
+async def test_shedding_one_backend_leaves_sheddable_waiters_of_another() -> None:
+    q, cap = make(0)
+    on_a = spawn(q, cap, "a", priority="sheddable", backend="a")
+    on_b = spawn(q, cap, "b", priority="sheddable", backend="b")
+    await settle()
+    assert q.shed("sheddable", "a") == 1
+    await settle()
+    with pytest.raises(Shed):
+        on_a.result()
+    assert not on_b.done()
+    assert q.depth("sheddable") == 1
+    cap.grow()
+    await settle()
+    assert cap.admitted == ["b"]
 
 
 # ---------------------------------------------------------------------------- misc API

@@ -13,6 +13,7 @@ from typing import Any
 
 import aiohttp
 import orjson
+import pytest
 
 from kvgate.config import Config, load_config
 from kvgate.gateway_build import build_gateway
@@ -517,3 +518,65 @@ def test_tenant_burst_tokens_size_its_bucket_and_a_reload_resets_it(tmp_path: Pa
     path.write_text(json.dumps(config_data("http://127.0.0.1:9", ["m"], tenants=[t])))
     assert gateway.reload() is True
     assert ctl.tenant_state(ctl.tenant_id("alice"))["burst_tokens"] == 60_000
+
+
+async def test_shadow_tenant_is_not_queued_behind_others_and_queue_refusals_are_computed() -> None:
+    """With requests queued, a shadow tenant is still decided at once (admitted, its refusal
+    counted); the queue's refusals carry a Retry-After computed from the backend's hold time
+    and the requests ahead (not a constant); a fractional x-kvgate-max-wait-ms is honoured."""
+    async with run_upstream() as up:
+        data = config_data(
+            up.url,
+            ["slow", "replay"],
+            max_concurrency=1,
+            tenants=[
+                tenant("t", "sk-t", max_wait_ms=20_000),
+                tenant("trial", "sk-trial", mode="shadow", max_wait_ms=20_000),
+            ],
+            queue={"max_size": 2},
+        )
+        gateway = build_gateway(Config.model_validate(data), poll=False)
+        queue = gateway.queue
+        async with run_gateway(gateway) as url, aiohttp.ClientSession() as s:
+            # one short request first, so the backend has a hold-time estimate
+            assert (await post(s, url, chat("replay"), "sk-t"))[0] == 200
+            hold = gateway.controller.backend_state(0)["hold_time_ewma"]
+            assert 0 < hold < 5
+            held = await s.post(
+                url + "/v1/chat/completions",
+                json=chat("slow", max_tokens=300, stream=True),
+                headers=bearer("sk-t"),
+            )
+            await held.content.readline()
+            waiters = [asyncio.create_task(post(s, url, chat("replay"), "sk-t"))]
+            await until(lambda: queue.depth() == 1)
+            # the shadow tenant: decided now, not parked behind the waiter
+            started = time.monotonic()
+            assert (await post(s, url, chat("replay"), "sk-trial"))[0] == 200
+            assert time.monotonic() - started < 2.0
+            text = await get_text(url + "/metrics")
+            assert metric(text, "kvgate_shadow_rejections_total", reason="backend-slots") == 1
+            # a fractional client wait is honoured (not ignored): refused at once, `queued`,
+            # with a computed wait (the hold time for the one queued ahead, plus one)
+            started = time.monotonic()
+            async with s.post(
+                url + "/v1/chat/completions",
+                json=chat("replay"),
+                headers={**bearer("sk-t"), "x-kvgate-max-wait-ms": "0.5"},
+            ) as r:
+                assert (r.status, r.headers["x-kvgate-reject-reason"]) == (503, "queued")
+                queued_ms = int(r.headers["retry-after-ms"])
+            assert time.monotonic() - started < 2.0
+            assert queued_ms == pytest.approx(2 * hold * 1000, rel=0.05, abs=2)
+            # queue full: one more ahead
+            waiters.append(asyncio.create_task(post(s, url, chat("replay"), "sk-t")))
+            await until(lambda: queue.depth() == 2)
+            async with s.post(
+                url + "/v1/chat/completions", json=chat("replay"), headers=bearer("sk-t")
+            ) as r:
+                assert r.headers["x-kvgate-reject-reason"] == "queue-full"
+                full_ms = int(r.headers["retry-after-ms"])
+            assert full_ms == pytest.approx(3 * hold * 1000, rel=0.05, abs=2)
+            held.close()
+            assert [(await w)[0] for w in waiters] == [200, 200]
+            await until(lambda: gateway.controller.backend_state(0)["in_use"] == 0)

@@ -127,6 +127,7 @@ class _Waiter:
     """One queued request: its identity, its admission callback and the future it awaits."""
 
     __slots__ = (
+        "backend",
         "enqueued_at",
         "future",
         "max_wait",
@@ -150,7 +151,9 @@ class _Waiter:
         try_admit: Callable[[], Any],
         future: asyncio.Future[Any],
         enqueued_at: float,
+        backend: str | None = None,
     ) -> None:
+        self.backend = backend
         self.seq = seq
         self.tenant = tenant
         self.priority = priority
@@ -269,6 +272,7 @@ class PriorityWaitQueue(Generic[T]):
         max_wait: float,
         try_admit: Callable[[], T | None],
         release: Callable[[T], object] | None = None,
+        backend: str | None = None,
     ) -> T:
         """Admit now if possible, else wait in the queue for at most ``max_wait`` seconds.
 
@@ -287,6 +291,8 @@ class PriorityWaitQueue(Generic[T]):
             release: how to give a reservation back if the task is cancelled between being
                 admitted by ``notify()`` and resuming (default: ``reservation.release()``).
                 After releasing, the queue runs ``notify()`` itself.
+            backend: the backend the request waits for (so :meth:`shed` can answer only the
+                waiters of a backend under pressure); ``None``: any.
 
         Returns:
             The reservation returned by ``try_admit()``.
@@ -341,6 +347,7 @@ class PriorityWaitQueue(Generic[T]):
             try_admit=try_admit,
             future=loop.create_future(),
             enqueued_at=self._now(loop),
+            backend=backend,
         )
         self._classes[rank].setdefault(tenant, OrderedDict())[waiter.seq] = waiter
         self._count[rank] += 1
@@ -382,11 +389,12 @@ class PriorityWaitQueue(Generic[T]):
         finally:
             self._draining = False
 
-    def shed(self, priority: str = "sheddable") -> int:
-        """Answer every queued waiter of one class with :class:`Shed` at once.
+    def shed(self, priority: str = "sheddable", backend: str | None = None) -> int:
+        """Answer every queued waiter of one class with :class:`Shed` at once — only those
+        waiting for ``backend`` when it is given (and those queued without a backend).
 
-        Waiters of other classes stay. New arrivals are not refused by this call: the gateway
-        decides whether to send a request of a shed class here at all.
+        Waiters of other classes (and backends) stay. New arrivals are not refused by this
+        call: the gateway decides whether to send a request of a shed class here at all.
 
         Returns:
             How many waiters were shed.
@@ -395,7 +403,12 @@ class PriorityWaitQueue(Generic[T]):
             ValueError: unknown priority class.
         """
         rank = _rank(priority)
-        victims = [w for q in self._classes[rank].values() for w in q.values()]
+        victims = [
+            w
+            for q in self._classes[rank].values()
+            for w in q.values()
+            if backend is None or w.backend in (None, backend)
+        ]
         for waiter in victims:
             self._leave(waiter)
             if not waiter.future.done():
