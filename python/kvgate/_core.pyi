@@ -143,8 +143,10 @@ class TokenBucket:
     (an overrun is never free). The state is one word updated by compare-and-swap (GCRA).
     Time costs are rounded up to whole nanoseconds, refunds down.
 
-    Raises: ``InvalidConfigError`` for a rate or burst of 0; ``InvalidAmountError`` /
-    ``TypeError`` for bad amounts.
+    Raises: ``InvalidConfigError`` for a rate or burst of 0 or above 2**62, or a burst that
+    would take more than about 70 years to refill at the rate; ``InvalidAmountError`` /
+    ``TypeError`` for bad amounts. (A burst that refills in under a nanosecond still holds a
+    burst.)
     """
 
     def __new__(
@@ -696,8 +698,9 @@ class RequestAnalyzer:
             without being parsed.
 
     Raises:
-        ValueError: bad settings (``context_window`` 0, ``default_max_tokens`` 0, both
-            tokenizer sources, an invalid ``tokenizer.json`` / config / template).
+        ValueError: bad settings (``context_window`` 0, ``default_max_tokens`` 0, a token
+            amount above 2**62, both tokenizer sources, an invalid ``tokenizer.json`` / config /
+            template).
         OSError: a path that cannot be read.
     """
 
@@ -736,7 +739,8 @@ class RequestAnalyzer:
                 ``prompt`` / ``input``, unknown content-part type, token ids outside the
                 vocabulary, more than 2048 embedding inputs, a chat template error, or the
                 context check (``prompt_tokens >= context_window`` with no limit requested, or
-                ``prompt + max_tokens > context_window``, per prompt); 404 ``model_not_found``
+                ``prompt + max_tokens > context_window``, per prompt), a reservation above
+                2**62 tokens (``max_tokens``); 404 ``model_not_found``
                 when ``model`` differs from this analyser's, ``unknown_url`` for another route;
                 500 on an internal failure (panics are caught, never crash the process).
         """

@@ -37,6 +37,14 @@ fn span_ns(n: u64, rate: u64) -> i64 {
     ns.min(MAX_SPAN_NS as u128) as i64
 }
 
+/// The time a whole `burst` takes to refill at `rate`, rounded down but at least 1 ns: at rates
+/// where a whole burst refills in under a nanosecond (10^13 tokens per minute with a burst of
+/// 100) the bucket still holds a burst, instead of a zero span that could never admit.
+#[inline]
+fn fill_ns(burst: u64, rate: u64) -> i64 {
+    span_ns(burst, rate).max(1)
+}
+
 /// Converts a `u64` clock reading to the bucket's `i64` time axis.
 #[inline]
 fn to_i64(now_ns: u64) -> i64 {
@@ -96,7 +104,7 @@ impl TokenBucket {
         let _ = self
             .tat
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, |tat| {
-                let base = tat.max(now - span_ns(old_burst, old_rate));
+                let base = tat.max(now - fill_ns(old_burst, old_rate));
                 // Level in tokens (exact rational) re-expressed as time at the new rate.
                 let level_ns = i128::from(now - base);
                 // Rounded down (toward fewer tokens), so a rate change never grants tokens.
@@ -111,7 +119,7 @@ impl TokenBucket {
 
     #[inline]
     fn base(tat: i64, now: i64, rate: u64, burst: u64) -> i64 {
-        tat.max(now - span_ns(burst, rate))
+        tat.max(now - fill_ns(burst, rate))
     }
 
     /// Tokens available at `now_ns` with effective `rate`/`burst` (negative when in debt).
@@ -134,7 +142,7 @@ impl TokenBucket {
         }
         let now = to_i64(now_ns);
         let cost = cost_ns(n, rate);
-        let span = span_ns(burst, rate);
+        let span = fill_ns(burst, rate);
         let mut tat = self.tat.load(Ordering::Acquire);
         loop {
             let base = tat.max(now - span);
@@ -159,7 +167,7 @@ impl TokenBucket {
         }
         let now = to_i64(now_ns);
         let back = span_ns(n, rate);
-        let span = span_ns(burst, rate);
+        let span = fill_ns(burst, rate);
         let _ = self
             .tat
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, |tat| {
@@ -175,7 +183,7 @@ impl TokenBucket {
         }
         let now = to_i64(now_ns);
         let cost = cost_ns(n, rate);
-        let span = span_ns(burst, rate);
+        let span = fill_ns(burst, rate);
         let _ = self
             .tat
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, |tat| {
@@ -218,7 +226,7 @@ impl TokenBucket {
     pub fn time_to_full_ns_with(&self, now_ns: u64, rate: u64, burst: u64) -> u64 {
         let now = to_i64(now_ns);
         let tat = self.tat.load(Ordering::Acquire);
-        (tat + span_ns(burst, rate) - now).max(0) as u64
+        (tat + fill_ns(burst, rate) - now).max(0) as u64
     }
 
     /// [`Self::available_with`] with the configured parameters.
@@ -267,6 +275,13 @@ fn check_params(rate: u64, burst: u64) -> Result<(), CoreError> {
             "token bucket parameters must be <= 2**62 (got {rate}, {burst})"
         )));
     }
+    // the refill of a whole burst must fit the bucket's time axis (about 73 years)
+    if u128::from(burst) * NS_PER_MINUTE / u128::from(rate) >= MAX_SPAN_NS as u128 {
+        return Err(CoreError::InvalidConfig(format!(
+            "token bucket: burst_tokens {burst} at {rate} tokens per minute takes more than 70 \
+             years to refill"
+        )));
+    }
     Ok(())
 }
 
@@ -276,6 +291,34 @@ mod tests {
     use proptest::prelude::*;
 
     const S: u64 = 1_000_000_000;
+
+    #[test]
+    fn a_burst_that_refills_in_under_a_nanosecond_still_admits() {
+        for rate in [10_u64.pow(13), crate::error::MAX_AMOUNT] {
+            let b = TokenBucket::new(rate, 100).unwrap();
+            assert_eq!(b.available(1_000), 100, "rate {rate}");
+            assert!(b.try_reserve_with(100, 1_000, rate, 100));
+            assert!(b.try_reserve_with(1, 1_002, rate, 100));
+        }
+        // a rate change to such a rate keeps the bucket usable
+        let b = TokenBucket::new(600, 100).unwrap();
+        b.set_params(crate::error::MAX_AMOUNT, 100, 10 * S).unwrap();
+        assert!(b.try_reserve_with(1, 11 * S, crate::error::MAX_AMOUNT, 100));
+    }
+
+    #[test]
+    fn a_burst_that_takes_decades_to_refill_is_refused() {
+        assert!(matches!(
+            TokenBucket::new(1, 100_000_000),
+            Err(CoreError::InvalidConfig(_))
+        ));
+        assert!(matches!(
+            TokenBucket::new(60, crate::error::MAX_AMOUNT),
+            Err(CoreError::InvalidConfig(_))
+        ));
+        // 60 years of refill is still fine
+        assert!(TokenBucket::new(1, 60 * 525_960).is_ok());
+    }
 
     #[test]
     fn starts_full_and_refills_continuously() {

@@ -234,6 +234,18 @@ impl RequestAnalyzer {
         if cfg.context_window == 0 {
             return Err("context_window must be at least 1 token".into());
         }
+        let max = crate::error::MAX_AMOUNT;
+        for (name, value) in [
+            ("context_window", cfg.context_window),
+            ("per_message_overhead", cfg.per_message_overhead),
+            ("image_tokens", cfg.image_tokens),
+            ("audio_tokens", cfg.audio_tokens),
+            ("default_max_tokens", cfg.default_max_tokens.unwrap_or(0)),
+        ] {
+            if value > max {
+                return Err(format!("{name} must be at most 2**62 tokens (got {value})"));
+            }
+        }
         if cfg.default_max_tokens == Some(0) {
             return Err("default_max_tokens must be at least 1 token".into());
         }
@@ -397,6 +409,17 @@ impl RequestAnalyzer {
                 }
             }
         };
+        let reserved_tokens = prompt_tokens.saturating_add(completion_tokens);
+        if reserved_tokens > crate::error::MAX_AMOUNT {
+            // n × max_tokens × prompts past what any limit can account for
+            return Err(AnalysisError::invalid_value(
+                "max_tokens",
+                format!(
+                    "This request would reserve {reserved_tokens} tokens (prompt + max_tokens × n \
+                     per prompt), more than 2**62; lower max_tokens or n."
+                ),
+            ));
+        }
         Ok(Analysis {
             model,
             route,
@@ -405,7 +428,7 @@ impl RequestAnalyzer {
             n,
             stream,
             include_usage,
-            reserved_tokens: prompt_tokens.saturating_add(completion_tokens),
+            reserved_tokens,
             inject_max_tokens,
             counting,
         })

@@ -757,3 +757,28 @@ fn count_equals_encoding_length() {
         }
     }
 }
+
+#[test]
+fn limits_past_what_the_core_accounts_are_refused() {
+    let max = crate::error::MAX_AMOUNT;
+    let counter = || Counter::from_json(&byte_tokenizer_json()).unwrap();
+    assert!(RequestAnalyzer::new(cfg(max + 1), counter(), None).is_err());
+    let mut c = cfg(1024);
+    c.image_tokens = u64::MAX;
+    assert!(RequestAnalyzer::new(c, counter(), None).is_err());
+    // a window of 2**62 with n = 128 and no max_tokens: 128 × the window is past 2**62
+    let a = RequestAnalyzer::new(cfg(max), counter(), None).unwrap();
+    let body = serde_json::json!({"model": "m", "n": 128, "messages": [{"role": "user", "content": "hi"}]});
+    let err = chat(&a, &body).unwrap_err();
+    assert_eq!(err.status, 400);
+    assert_eq!(err.param.as_deref(), Some("max_tokens"));
+    assert!(err.message.contains("more than 2**62"), "{}", err.message);
+    // within the bound: reserved as before
+    let ok = chat(
+        &a,
+        &serde_json::json!({"model": "m", "max_tokens": 5, "n": 2,
+        "messages": [{"role": "user", "content": "hi"}]}),
+    )
+    .unwrap();
+    assert_eq!(ok.completion_tokens, 10);
+}
