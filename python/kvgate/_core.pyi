@@ -514,8 +514,11 @@ class SSEInspector:
 
     Args:
         strip_usage_chunk: drop the usage-only chunk (``"choices": []`` with a ``usage``
-            object). Set when the gateway added ``stream_options.include_usage`` itself and the
-            client did not ask for it, so the client sees exactly what it would have seen.
+            object) and cut the ``"usage": null`` member an OpenAI-style engine adds to every
+            other chunk (only when the event holds exactly one, at the top level; else the
+            event passes as it came; events with ``"usage"`` are then parsed as they pass).
+            Set when the gateway added ``stream_options.include_usage`` itself and the client
+            did not ask for it, so the client sees what it would have seen.
     """
 
     def __new__(cls, *, strip_usage_chunk: bool) -> Self: ...
@@ -523,7 +526,7 @@ class SSEInspector:
         """Take the next upstream bytes; return the complete events to write now (maybe
         ``b""``; ``data`` itself when it is exactly that). Bytes of an event whose end has not
         arrived yet are held until it does; nothing is re-encoded (byte for byte what upstream
-        sent, minus a stripped usage chunk).
+        sent, minus, when stripping, the usage chunk and the ``"usage": null`` members).
 
         Raises:
             TypeError: ``data`` is not ``bytes``.

@@ -46,8 +46,9 @@ pub struct SseInspector {
 
 impl SseInspector {
     /// A new inspector. `strip_usage_chunk`: drop the usage-only chunk (`"choices": []` with a
-    /// `usage` object) — set when the gateway added `stream_options.include_usage` itself and
-    /// the client did not ask for it, so the client sees exactly what it would have seen.
+    /// `usage` object) and the `"usage": null` member of the other chunks — set when the
+    /// gateway added `stream_options.include_usage` itself and the client did not ask for it,
+    /// so the client sees what it would have seen (an OpenAI-style engine sends neither then).
     pub fn new(strip_usage_chunk: bool) -> Self {
         Self {
             strip: strip_usage_chunk,
@@ -64,7 +65,8 @@ impl SseInspector {
 
     /// Takes the next upstream bytes; returns the complete events to write now. Bytes of an
     /// event whose end has not arrived yet are held until it does; nothing is re-encoded, so
-    /// what comes back is byte for byte what upstream sent (minus a stripped usage chunk).
+    /// what comes back is byte for byte what upstream sent (minus, when stripping, the usage
+    /// chunk and each chunk's `"usage": null` member).
     pub fn feed(&mut self, data: &[u8]) -> Fed {
         if !self.cr && memchr::memchr(b'\r', data).is_some() {
             self.cr = true;
@@ -76,6 +78,7 @@ impl SseInspector {
             && data.ends_with(b"\n\n")
             && find(data, b"[DONE]", 0).is_none()
             && !may_carry_usage_or_error(data)
+            && !(self.strip && find(data, b"\"usage\"", 0).is_some())
         {
             self.pending.push(Pending::Raw(data.to_vec()));
             return Fed::Same;
@@ -86,12 +89,18 @@ impl SseInspector {
         while let Some((end, size)) = self.split_point(pos) {
             let stop = end + size;
             let event = self.buf[pos..stop].to_vec();
-            if self.inspect(&event) {
-                if let Some(out) = out.as_mut() {
-                    out.extend_from_slice(&event);
+            match self.inspect(&event) {
+                Verdict::Keep => {
+                    if let Some(out) = out.as_mut() {
+                        out.extend_from_slice(&event);
+                    }
                 }
-            } else if out.is_none() {
-                out = Some(self.buf[..pos].to_vec());
+                verdict => {
+                    let out = out.get_or_insert_with(|| self.buf[..pos].to_vec());
+                    if let Verdict::Replace(bytes) = verdict {
+                        out.extend_from_slice(&bytes);
+                    }
+                }
             }
             pos = stop;
         }
@@ -105,13 +114,18 @@ impl SseInspector {
         kept
     }
 
-    /// Whatever partial event remains at the end of the stream (to be written as is).
+    /// Whatever partial event remains at the end of the stream (to be written as is, or
+    /// without its `"usage": null` / usage chunk when stripping).
     pub fn flush(&mut self) -> Vec<u8> {
         let rest = std::mem::take(&mut self.buf);
-        if !rest.trim_ascii().is_empty() {
-            self.inspect(&rest);
+        if rest.trim_ascii().is_empty() {
+            return rest;
         }
-        rest
+        match self.inspect(&rest) {
+            Verdict::Keep => rest,
+            Verdict::Drop => Vec::new(),
+            Verdict::Replace(bytes) => bytes,
+        }
     }
 
     /// The last non-null `usage` object seen.
@@ -187,8 +201,10 @@ impl SseInspector {
             .min_by_key(|&(i, _)| i)
     }
 
-    /// Reads one complete event; returns false when it must not be forwarded.
-    fn inspect(&mut self, event: &[u8]) -> bool {
+    /// Reads one complete event; says whether to forward it as is, drop it (the usage chunk
+    /// when stripping) or forward it rewritten (without `"usage": null` when stripping).
+    fn inspect(&mut self, event: &[u8]) -> Verdict {
+        let mut null_usage = false;
         for line in lines(event) {
             let Some(payload) = data_payload(line) else {
                 continue;
@@ -197,7 +213,8 @@ impl SseInspector {
                 self.done = true;
                 continue;
             }
-            if !may_carry_usage_or_error(payload) {
+            let stripping = self.strip && find(payload, b"\"usage\"", 0).is_some();
+            if !stripping && !may_carry_usage_or_error(payload) {
                 self.pending.push(Pending::Raw(line.to_vec()));
                 continue;
             }
@@ -208,11 +225,15 @@ impl SseInspector {
                 self.error = Some(err.clone());
             }
             let empty_choices = matches!(obj.get("choices"), Some(Value::Array(c)) if c.is_empty());
-            if let Some(usage @ Value::Object(_)) = obj.remove("usage") {
-                self.usage = Some(usage);
-                if self.strip && empty_choices {
-                    return false;
+            match obj.remove("usage") {
+                Some(usage @ Value::Object(_)) => {
+                    self.usage = Some(usage);
+                    if self.strip && empty_choices {
+                        return Verdict::Drop;
+                    }
                 }
+                Some(Value::Null) if stripping => null_usage = true,
+                _ => {}
             }
             if let Some(Value::Array(choices)) = obj.get("choices") {
                 let mut pieces = Vec::new();
@@ -220,8 +241,85 @@ impl SseInspector {
                 self.pending.push(Pending::Text(pieces, found));
             }
         }
-        true
+        if null_usage {
+            if let Some(bytes) = without_null_usage(event) {
+                return Verdict::Replace(bytes);
+            }
+        }
+        Verdict::Keep
     }
+}
+
+/// What to do with one event.
+#[derive(Debug)]
+enum Verdict {
+    /// Forward it as it came.
+    Keep,
+    /// Do not forward it (the usage chunk the gateway asked for).
+    Drop,
+    /// Forward these bytes instead (the event without its `"usage": null` member).
+    Replace(Vec<u8>),
+}
+
+/// `event` without its one `"usage": null` member (what an OpenAI-style engine adds to every
+/// chunk only because `include_usage` was asked), or `None` when the bytes do not hold exactly
+/// one such member in a form that can be cut cleanly (then the event is forwarded as it came).
+/// The caller has parsed the event and seen a top-level `"usage": null`; a quote inside a JSON
+/// string is escaped, so the unescaped `"usage"` found here is a key.
+fn without_null_usage(event: &[u8]) -> Option<Vec<u8>> {
+    let ws = |c: u8| matches!(c, b' ' | b'\t' | b'\r' | b'\n');
+    let mut found = None;
+    let mut from = 0;
+    while let Some(i) = find(event, b"\"usage\"", from) {
+        from = i + 7;
+        // `"usage"` ws* `:` ws* `null`
+        let mut j = i + 7;
+        while j < event.len() && ws(event[j]) {
+            j += 1;
+        }
+        if event.get(j) != Some(&b':') {
+            continue;
+        }
+        j += 1;
+        while j < event.len() && ws(event[j]) {
+            j += 1;
+        }
+        if !event[j..].starts_with(b"null") {
+            continue;
+        }
+        if found.is_some() {
+            return None; // two of them: leave the event alone
+        }
+        found = Some((i, j + 4));
+    }
+    let (start, end) = found?;
+    let mut before = start;
+    while before > 0 && ws(event[before - 1]) {
+        before -= 1;
+    }
+    let mut after = end;
+    while after < event.len() && ws(event[after]) {
+        after += 1;
+    }
+    let (cut_from, cut_to) = match (before.checked_sub(1).map(|k| event[k]), event.get(after)) {
+        // `, "usage": null` before `}` or `,`: cut from the comma
+        (Some(b','), Some(b'}' | b',')) => (before - 1, end),
+        // `{"usage": null, ...`: cut through the following comma and its spaces
+        (Some(b'{'), Some(b',')) => {
+            let mut to = after + 1;
+            while to < event.len() && ws(event[to]) {
+                to += 1;
+            }
+            (start, to)
+        }
+        // `{"usage": null}`: the object becomes `{}`
+        (Some(b'{'), Some(b'}')) => (start, end),
+        _ => return None,
+    };
+    let mut out = Vec::with_capacity(event.len());
+    out.extend_from_slice(&event[..cut_from]);
+    out.extend_from_slice(&event[cut_to..]);
+    Some(out)
 }
 
 /// `prompt_tokens` and `completion_tokens` of a usage object, each only when it is a
@@ -390,10 +488,56 @@ mod tests {
         let Fed::Bytes(out) = insp.feed(&stream) else {
             panic!("a chunk was stripped")
         };
-        let mut want = chunk("a");
+        // the usage chunk is gone, and so is the `"usage":null` the engine added to the others
+        let mut want =
+            b"data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"a\"}}]}\n\n".to_vec();
         want.extend_from_slice(b"data: [DONE]\n\n");
         assert_eq!(out, want);
         assert_eq!(insp.usage().unwrap()["completion_tokens"], 2);
+        assert_eq!(insp.delivered_text(), ["a"]);
+    }
+
+    #[test]
+    fn null_usage_members_are_cut_cleanly_or_left_alone() {
+        let cut = |e: &str| without_null_usage(e.as_bytes()).map(|b| String::from_utf8(b).unwrap());
+        assert_eq!(
+            cut("data: {\"a\":1,\"usage\":null}\n\n").as_deref(),
+            Some("data: {\"a\":1}\n\n")
+        );
+        assert_eq!(
+            cut("data: {\"a\": 1, \"usage\": null, \"b\": 2}\n\n").as_deref(),
+            Some("data: {\"a\": 1, \"b\": 2}\n\n")
+        );
+        assert_eq!(
+            cut("data: {\"usage\": null, \"b\": 2}\n\n").as_deref(),
+            Some("data: {\"b\": 2}\n\n")
+        );
+        assert_eq!(
+            cut("data: {\"usage\":null}\n\n").as_deref(),
+            Some("data: {}\n\n")
+        );
+        // two of them (one nested): left as it came
+        assert_eq!(
+            cut("data: {\"x\":{\"usage\":null},\"usage\":null}\n\n"),
+            None
+        );
+        // the words inside generated text are escaped: not a key, not cut
+        let text = "data: {\"choices\":[{\"delta\":{\"content\":\"say \\\"usage\\\":null\"}}],\"usage\":null}\n\n";
+        let out = cut(text).unwrap();
+        assert!(out.contains("say \\\"usage\\\":null"), "{out}");
+        assert!(out.ends_with("}]}\n\n"), "{out}");
+        // through the inspector: stripping on, the text and the JSON survive
+        let mut insp = SseInspector::new(true);
+        let Fed::Bytes(fed) = insp.feed(text.as_bytes()) else {
+            panic!("rewritten")
+        };
+        let payload = fed.strip_prefix(b"data: ").unwrap();
+        let v: Value = serde_json::from_slice(payload.trim_ascii()).unwrap();
+        assert!(v.get("usage").is_none());
+        assert_eq!(v["choices"][0]["delta"]["content"], "say \"usage\":null");
+        // stripping off: untouched
+        let mut keep = SseInspector::new(false);
+        assert_eq!(keep.feed(text.as_bytes()), Fed::Same);
     }
 
     #[test]

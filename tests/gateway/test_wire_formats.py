@@ -35,13 +35,21 @@ def test_sse_passthrough_is_byte_for_byte_and_reads_usage() -> None:
     assert insp.done
 
 
-def test_sse_strips_only_the_usage_chunk() -> None:
+def test_sse_strips_the_usage_chunk_and_the_null_usage_members() -> None:
+    """What the client would have received without include_usage: no usage chunk, and no
+    `"usage":null` on the other chunks (OpenAI sends it only when usage was asked for)."""
     insp = SSEInspector(strip_usage_chunk=True)
     out = insp.feed(STREAM) + insp.flush()
     events = _events(STREAM)
     usage_events = [e for e in events if b'"choices":[]' in e]
     assert len(usage_events) == 1
-    assert out == b"".join(e for e in events if e not in usage_events)
+    want = b"".join(e.replace(b',"usage":null}', b"}") for e in events if e not in usage_events)
+    assert out == want
+    assert b'"usage"' not in out
+    # every remaining event is still valid JSON, its other members untouched
+    for event in _events(out):
+        if event.startswith(b"data: {"):
+            assert "usage" not in json.loads(event[6:])
     assert insp.usage is not None
     assert insp.usage["total_tokens"] == 128
 
