@@ -202,9 +202,36 @@ pub fn check_content_length(
 
 /// Reads only `model` from a body (the rest is skipped without building values).
 pub fn peek_model(body: &[u8]) -> Result<String, AnalysisError> {
-    #[derive(serde::Deserialize)]
+    /// The body's `model` member (the last one when the key repeats, as a full parse keeps);
+    /// every other value is skipped without being built.
     struct Peek {
         model: Option<Value>,
+    }
+    impl<'de> serde::Deserialize<'de> for Peek {
+        fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+            struct Visit;
+            impl<'de> serde::de::Visitor<'de> for Visit {
+                type Value = Peek;
+                fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                    f.write_str("a JSON object")
+                }
+                fn visit_map<A: serde::de::MapAccess<'de>>(
+                    self,
+                    mut map: A,
+                ) -> Result<Peek, A::Error> {
+                    let mut model = None;
+                    while let Some(key) = map.next_key::<std::borrow::Cow<'de, str>>()? {
+                        if key == "model" {
+                            model = Some(map.next_value::<Value>()?);
+                        } else {
+                            map.next_value::<serde::de::IgnoredAny>()?;
+                        }
+                    }
+                    Ok(Peek { model })
+                }
+            }
+            d.deserialize_map(Visit)
+        }
     }
     let peek: Peek = serde_json::from_slice(body).map_err(|e| {
         if e.is_data() {

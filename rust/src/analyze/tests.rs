@@ -690,6 +690,12 @@ fn peek_model_reads_only_the_model() {
         Some("invalid_type")
     );
     assert_eq!(peek_model(b"[1]").unwrap_err().code, Some("invalid_type"));
+    // a repeated key: the last one, as the full analysis reads it
+    assert_eq!(peek_model(br#"{"model":"a","model":"b"}"#).unwrap(), "b");
+    assert_eq!(
+        peek_model(br#"{"model":"a\u0041","x":{"model":1}}"#).unwrap(),
+        "aA"
+    );
     assert_eq!(peek_model(b"{").unwrap_err().code, Some("invalid_json"));
     assert_eq!(
         peek_model("[".repeat(10_000).as_bytes())
