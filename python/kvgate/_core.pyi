@@ -449,30 +449,32 @@ class AdmissionController:
         self,
         backend: int,
         tenant: int,
-        reason: str,
-        retry_after: float | None,
-        never: bool,
-        tenant_scope: bool,
+        refusal: Rejection | Any,
         model: str | None,
         tenant_name: str,
         requested: int,
         connection: str | None = None,
-    ) -> tuple[int, bytes]:
-        """A whole refusal as it goes on the wire, and its status: 429 when ``tenant_scope``
-        (the tenant's own quota refused it), else 503. The message is an HTTP/1.1 response
-        (:func:`http_response`): the :meth:`refusal_headers` (with ``Retry-After`` for a wait of
-        ``retry_after`` seconds, none when ``never``), ``Content-Length``, ``Date`` and, when
-        given, ``Connection: <connection>``, then OpenAI's error body (ENGINES.md §5.1): for 429
-        ``type`` ``tokens`` (a TPM reason) or ``requests`` and ``code`` ``rate_limit_exceeded``;
-        for 503 ``type`` ``server_error`` and ``code`` ``server_is_overloaded``; the message
-        names ``model`` (``None``: "this backend"), ``tenant_name``, ``reason``, the wait
-        (rounded up to the millisecond) or, when ``never``, the ``requested`` tokens (prompt +
-        completion). One read of the shared state; the gateway writes the bytes with one write.
+    ) -> tuple[int, str, bytes]:
+        """A whole refusal as it goes on the wire, with its status and reason. ``refusal``: a
+        :class:`Rejection` (read natively) or any object with ``reason`` (str), ``scope``
+        (``"tenant"`` / ``"backend"``), ``retry_after`` (seconds or ``None``) and ``never``.
+        The status is 429 when the tenant's own quota refused it (scope ``tenant``), else 503.
+        The message is an HTTP/1.1 response (:func:`http_response`): the :meth:`refusal_headers`
+        (with ``Retry-After`` for a wait of ``retry_after`` seconds, none when ``never``),
+        ``Content-Length``, ``Date`` and, when given, ``Connection: <connection>``, then OpenAI's
+        error body (ENGINES.md §5.1): for 429 ``type`` ``tokens`` (a TPM reason) or
+        ``requests`` and ``code`` ``rate_limit_exceeded``; for 503 ``type`` ``server_error`` and
+        ``code`` ``server_is_overloaded``; the message names ``model`` (``None``: "this
+        backend"), ``tenant_name``, the reason, the wait (rounded up to the millisecond) or,
+        when ``never``, the ``requested`` tokens (prompt + completion). One read of the shared
+        state; the gateway writes the bytes with one write.
 
         Raises:
             InvalidConfigError: unknown backend or tenant id.
-            ValueError: ``reason`` or ``connection`` with a control character (CR, LF, NUL,
+            ValueError: a reason or ``connection`` with a control character (CR, LF, NUL,
                 ...; tab is allowed).
+            AttributeError, TypeError: ``refusal`` lacks one of the attributes, or has the
+                wrong types.
             OverflowError: ``requested`` negative or above 2**64 - 1.
         """
     def relay_http(

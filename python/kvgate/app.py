@@ -273,9 +273,11 @@ class Gateway:
         )
 
     def _waiting_cannot_help(self, request: web.BaseRequest, tenant: Tenant, refusal: Any) -> bool:
-        """No wait queue, never admissible, a shed class, or no wait allowed."""
+        """No wait queue, no wait allowed, never admissible, or a shed class (the cheapest
+        checks first: this runs on every refusal)."""
         return (
             self.queue is None
+            or tenant.max_wait_ms <= 0
             or refusal.never
             or refusal.reason == "shed"
             or self.max_wait(request, tenant) <= 0
@@ -412,8 +414,9 @@ class Gateway:
             GatewayError: 401 ``invalid_api_key`` for a missing or unknown key when there is no
                 anonymous tenant.
         """
-        key = _api_key(request)
         tenant: Tenant | None = None
+        # no keys configured: whatever key a client sends, it is the anonymous tenant
+        key = _api_key(request) if self._by_hash else None
         if key:
             digest = hashlib.sha256(key.encode("utf-8", "surrogatepass")).digest()
             for known, candidate in self._by_hash.items():
@@ -531,27 +534,25 @@ class Gateway:
         tenant: Tenant,
         model: ModelRoute | None,
         requested: int,
-    ) -> PreparedResponse:
+    ) -> tuple[PreparedResponse, str]:
         """429 (tenant over quota) or 503 (backend saturated / class shed) with OpenAI's error
         body, ``Retry-After`` (computed; omitted with ``x-should-retry: false`` when it can never
         be admitted), the ``x-ratelimit-*`` headers and ``x-kvgate-reject-reason``, serialized
-        whole in Rust (:meth:`kvgate._core.AdmissionController.refusal_response`)."""
+        whole in Rust (:meth:`kvgate._core.AdmissionController.refusal_response`). Returns it and
+        the refusal's reason (for the metrics)."""
         # status, OpenAI error body, x-ratelimit-*, Retry-After / retry-after-ms (or
         # x-should-retry: false), the reason, Content-Length, Date: one call, one buffer
         connection = connection_header(request)
-        status, raw = self.controller.refusal_response(
+        status, reason, raw = self.controller.refusal_response(
             backend.id,
             tenant.id,
-            decision.reason,
-            decision.retry_after,
-            bool(decision.never),
-            decision.scope == "tenant",
+            decision,
             model.name if model is not None else None,
             tenant.name,
             requested,
             connection,
         )
-        return PreparedResponse(status, raw, connection != "close")
+        return PreparedResponse(status, raw, connection != "close"), reason
 
     async def forward_raw(
         self, request: web.BaseRequest, backend: Backend, body: bytes

@@ -8,6 +8,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use pyo3::exceptions::{PyTypeError, PyValueError};
+use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyBool, PyBytes, PyDict, PyInt, PyList, PyString, PyTuple, PyType};
@@ -889,25 +890,38 @@ impl AdmissionController {
         ))
     }
 
-    #[pyo3(signature = (
-        backend, tenant, reason, retry_after, never, tenant_scope, model, tenant_name, requested,
-        connection=None,
-    ))]
+    #[pyo3(signature = (backend, tenant, refusal, model, tenant_name, requested, connection=None))]
     #[allow(clippy::too_many_arguments)]
     fn refusal_response<'py>(
         &self,
         py: Python<'py>,
         backend: u32,
         tenant: u32,
-        reason: &str,
-        retry_after: Option<f64>,
-        never: bool,
-        tenant_scope: bool,
+        refusal: &Bound<'py, PyAny>,
         model: Option<&str>,
         tenant_name: &str,
         requested: u64,
         connection: Option<&str>,
-    ) -> PyResult<(u16, Bound<'py, PyBytes>)> {
+    ) -> PyResult<(u16, Bound<'py, PyString>, Bound<'py, PyBytes>)> {
+        // the core's Rejection is read natively; anything else (the gateway's own refusals)
+        // through its `reason`, `scope`, `retry_after` and `never` attributes
+        let owned_reason: String;
+        let (reason, tenant_scope, never, retry_after) = if let Ok(r) = refusal.cast::<Rejection>()
+        {
+            let r = r.get();
+            (
+                r.refusal.reason.as_str(),
+                r.refusal.reason.scope() == "tenant",
+                r.refusal.retry_after_ns.is_none(),
+                r.refusal.retry_after_ns.map(secs),
+            )
+        } else {
+            owned_reason = refusal.getattr(intern!(py, "reason"))?.extract()?;
+            let scope: String = refusal.getattr(intern!(py, "scope"))?.extract()?;
+            let never: bool = refusal.getattr(intern!(py, "never"))?.is_truthy()?;
+            let retry: Option<f64> = refusal.getattr(intern!(py, "retry_after"))?.extract()?;
+            (owned_reason.as_str(), scope == "tenant", never, retry)
+        };
         let limits = self.core.rate_limits(backend, tenant)?;
         let retry_after = if never { None } else { retry_after };
         let owned = crate::headers::refusal_headers(&limits, retry_after, reason);
@@ -924,7 +938,7 @@ impl AdmissionController {
         let date = crate::headers::http_date_now();
         let raw = crate::headers::http_response(status, &headers, &body, &date, connection)
             .map_err(|e| PyValueError::new_err(e.to_string()))?;
-        Ok((status, PyBytes::new(py, &raw)))
+        Ok((status, PyString::intern(py, reason), PyBytes::new(py, &raw)))
     }
 
     #[pyo3(signature = (backend, tenant, status, upstream_headers, body=None, connection=None, chunked=true))]

@@ -369,26 +369,50 @@ def test_http_response_refuses_what_could_split_a_response(
 
 
 def test_refusal_response_refuses_bad_reason_and_unknown_ids() -> None:
+    from types import SimpleNamespace
+
     ctl = AdmissionController()
     b = ctl.add_backend("b", max_concurrency=1, tokens_per_minute=100)
     t = ctl.add_tenant("t", priority="standard")
-    status, raw = ctl.refusal_response(b, t, "backend-slots", 1.5, False, False, "m", "t", 9)
-    assert status == 503
+    # the core's own Rejection, read natively
+    held = ctl.admit(b, t, "standard", 1)
+    assert held.admitted
+    rejection = ctl.admit(b, t, "standard", 1)
+    assert not rejection.admitted
+    status, reason, raw = ctl.refusal_response(b, t, rejection, "m", "t", 1)
+    assert (status, reason) == (503, "backend-slots")
     assert raw.startswith(b"HTTP/1.1 503 Service Unavailable\r\n")
+    assert b"\r\nx-kvgate-reject-reason: backend-slots\r\n" in raw
+    assert b"\r\nretry-after-ms: " in raw
+
+    def refusal(reason: str, scope: str, retry: float | None, never: bool) -> SimpleNamespace:
+        return SimpleNamespace(reason=reason, scope=scope, retry_after=retry, never=never)
+
+    status, reason, raw = ctl.refusal_response(
+        b, t, refusal("queue-full", "backend", 1.5, False), "m", "t", 9
+    )
+    assert (status, reason) == (503, "queue-full")
     assert b"\r\nRetry-After: 2\r\nretry-after-ms: 1500\r\n" in raw
     err = orjson.loads(raw.split(b"\r\n\r\n", 1)[1])["error"]
-    assert err["message"] == "m is saturated (backend-slots). Please try again in 1.5s."
-    status, raw = ctl.refusal_response(b, t, "tenant-tpm", 3.0, True, True, "m", "t", 9, "close")
+    assert err["message"] == "m is saturated (queue-full). Please try again in 1.5s."
+    status, _, raw = ctl.refusal_response(
+        b, t, refusal("tenant-tpm", "tenant", None, True), "m", "t", 9, "close"
+    )
     assert status == 429
     assert b"x-should-retry: false" in raw
     assert b"Retry-After" not in raw
     assert b"\r\nConnection: close\r\n" in raw
     with pytest.raises(ValueError, match="invalid name or value"):
-        ctl.refusal_response(b, t, "x\r\nSet-Cookie: a=b", 1.0, False, False, None, "t", 1)
+        ctl.refusal_response(
+            b, t, refusal("x\r\nSet-Cookie: a=b", "backend", 1.0, False), None, "t", 1
+        )
+    with pytest.raises(AttributeError):
+        ctl.refusal_response(b, t, object(), None, "t", 1)
     with pytest.raises(Exception, match="backend"):
-        ctl.refusal_response(b + 5, t, "backend-slots", 1.0, False, False, None, "t", 1)
+        ctl.refusal_response(b + 5, t, rejection, None, "t", 1)
     with pytest.raises(OverflowError):
-        ctl.refusal_response(b, t, "backend-slots", 1.0, False, False, None, "t", -1)
+        ctl.refusal_response(b, t, rejection, None, "t", -1)
+    held.release()
 
 
 @pytest.mark.parametrize(

@@ -211,8 +211,11 @@ async def handle_inference(gw: Gateway, request: web.BaseRequest) -> Reply:
         if decision is None or not gw.refusal_stands(request, backend, tenant, decision):
             decision = await gw.admit_slow(request, backend, tenant, priority, tokens, decision)
         if not decision.admitted:
-            gw.metrics.rejected(backend, tenant, decision.reason, time.perf_counter() - started)
-            return gw.rejection_response(request, decision, backend, tenant, model, tokens)
+            response, reason = gw.rejection_response(
+                request, decision, backend, tenant, model, tokens
+            )
+            gw.metrics.rejected(backend, tenant, reason, time.perf_counter() - started)
+            return response
     gw.metrics.admitted(backend, tenant, tokens, time.perf_counter() - started)
 
     stream = bool(analysis.stream)
@@ -270,8 +273,9 @@ async def handle_passthrough(gw: Gateway, request: web.BaseRequest) -> Reply:
     if decision is None or not decision.admitted:
         decision = await gw.admit_slow(request, backend, tenant, priority, 0, decision)
         if not decision.admitted:
-            gw.metrics.rejected(backend, tenant, decision.reason, 0.0)
-            return gw.rejection_response(request, decision, backend, tenant, None, 0)
+            response, reason = gw.rejection_response(request, decision, backend, tenant, None, 0)
+            gw.metrics.rejected(backend, tenant, reason, 0.0)
+            return response
     try:
         return await gw.forward_raw(request, backend, body)
     except GatewayError as err:
