@@ -616,38 +616,27 @@ async def test_expect_100_continue(gateway_for) -> None:
         head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
         assert head.startswith(b"HTTP/1.1 200")
         writer.close()
+
+        async def first_head(expect: str, with_body: bool) -> bytes:
+            """Send a request with `Expect: <expect>` (its body in the same write, or never);
+            return the head of the first answer."""
+            reader, writer = await asyncio.open_connection(*gw.url[7:].split(":"))
+            writer.write(
+                b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                + f"Content-Length: {len(body)}\r\nExpect: {expect}\r\n\r\n".encode()
+                + (body if with_body else b"")
+            )
+            await writer.drain()
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+            writer.close()
+            return head
+
         # an expectation the gateway cannot meet: 417 at once, without waiting for the body
-        reader, writer = await asyncio.open_connection(*gw.url[7:].split(":"))
-        writer.write(
-            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
-            + f"Content-Length: {len(body)}\r\nExpect: something-else\r\n\r\n".encode()
-        )
-        await writer.drain()
-        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 2)
-        writer.close()
-        assert head.startswith(b"HTTP/1.1 417")
+        assert (await first_head("something-else", with_body=False)).startswith(b"HTTP/1.1 417")
         # the same with the body in the same write as the head: still 417, nothing forwarded
-        reader, writer = await asyncio.open_connection(*gw.url[7:].split(":"))
-        writer.write(
-            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
-            + f"Content-Length: {len(body)}\r\nExpect: something-else\r\n\r\n".encode()
-            + body
-        )
-        await writer.drain()
-        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 2)
-        writer.close()
-        assert head.startswith(b"HTTP/1.1 417")
+        assert (await first_head("something-else", with_body=True)).startswith(b"HTTP/1.1 417")
         # 100-continue with the body already sent along: answered without a 100
-        reader, writer = await asyncio.open_connection(*gw.url[7:].split(":"))
-        writer.write(
-            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
-            + f"Content-Length: {len(body)}\r\nExpect: 100-Continue\r\n\r\n".encode()
-            + body
-        )
-        await writer.drain()
-        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
-        writer.close()
-        assert head.startswith(b"HTTP/1.1 200")
+        assert (await first_head("100-Continue", with_body=True)).startswith(b"HTTP/1.1 200")
         assert len(up.requests) == 2
 
 
