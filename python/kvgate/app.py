@@ -552,7 +552,7 @@ class Gateway:
             requested,
             connection,
         )
-        return PreparedResponse(status, raw, connection != "close"), reason
+        return PreparedResponse(status, raw, connection), reason
 
     async def forward_raw(
         self, request: web.BaseRequest, backend: Backend, body: bytes

@@ -267,51 +267,35 @@ enum Verdict {
 /// The caller has parsed the event and seen a top-level `"usage": null`; a quote inside a JSON
 /// string is escaped, so the unescaped `"usage"` found here is a key.
 fn without_null_usage(event: &[u8]) -> Option<Vec<u8>> {
-    let ws = |c: u8| matches!(c, b' ' | b'\t' | b'\r' | b'\n');
+    let ws = |c: &u8| matches!(c, b' ' | b'\t' | b'\r' | b'\n');
+    // the first index from `i` that is not JSON whitespace
+    let skip = |i: usize| i + event[i..].iter().take_while(|c| ws(c)).count();
     let mut found = None;
     let mut from = 0;
     while let Some(i) = find(event, b"\"usage\"", from) {
         from = i + 7;
         // `"usage"` ws* `:` ws* `null`
-        let mut j = i + 7;
-        while j < event.len() && ws(event[j]) {
-            j += 1;
-        }
-        if event.get(j) != Some(&b':') {
+        let colon = skip(i + 7);
+        if event.get(colon) != Some(&b':') {
             continue;
         }
-        j += 1;
-        while j < event.len() && ws(event[j]) {
-            j += 1;
-        }
-        if !event[j..].starts_with(b"null") {
+        let value = skip(colon + 1);
+        if !event[value..].starts_with(b"null") {
             continue;
         }
         if found.is_some() {
             return None; // two of them: leave the event alone
         }
-        found = Some((i, j + 4));
+        found = Some((i, value + 4));
     }
     let (start, end) = found?;
-    let mut before = start;
-    while before > 0 && ws(event[before - 1]) {
-        before -= 1;
-    }
-    let mut after = end;
-    while after < event.len() && ws(event[after]) {
-        after += 1;
-    }
+    let before = start - event[..start].iter().rev().take_while(|c| ws(c)).count();
+    let after = skip(end);
     let (cut_from, cut_to) = match (before.checked_sub(1).map(|k| event[k]), event.get(after)) {
         // `, "usage": null` before `}` or `,`: cut from the comma
         (Some(b','), Some(b'}' | b',')) => (before - 1, end),
         // `{"usage": null, ...`: cut through the following comma and its spaces
-        (Some(b'{'), Some(b',')) => {
-            let mut to = after + 1;
-            while to < event.len() && ws(event[to]) {
-                to += 1;
-            }
-            (start, to)
-        }
+        (Some(b'{'), Some(b',')) => (start, skip(after + 1)),
         // `{"usage": null}`: the object becomes `{}`
         (Some(b'{'), Some(b'}')) => (start, end),
         _ => return None,

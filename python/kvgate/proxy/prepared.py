@@ -24,11 +24,13 @@ from aiohttp.abc import AbstractStreamWriter
 from kvgate._core import http_response
 
 __all__ = [
+    "HeadBuilder",
     "PreparedResponse",
     "PreparedStream",
     "Reply",
     "connection_header",
     "prepared",
+    "relayed",
     "start_stream",
 ]
 
@@ -37,19 +39,19 @@ class PreparedResponse:
     """A complete HTTP/1.1 response (status line, headers, body) as bytes, returned from a
     handler in place of a ``web.Response``.
 
-    Attributes:
+    Args:
         status: the HTTP status code (for logs and tests; the bytes carry it).
         raw: the message as it goes on the wire.
-        keep_alive: whether the connection stays open after it (``False`` when the message says
-            ``Connection: close``).
+        connection: the ``Connection`` value the message carries (:func:`connection_header`);
+            ``close`` ends the connection after it (``keep_alive`` false).
     """
 
     __slots__ = ("keep_alive", "raw", "status")
 
-    def __init__(self, status: int, raw: bytes, keep_alive: bool) -> None:
+    def __init__(self, status: int, raw: bytes, connection: str | None) -> None:
         self.status = status
         self.raw = raw
-        self.keep_alive = keep_alive
+        self.keep_alive = connection != "close"
 
     async def prepare(self, request: web.BaseRequest) -> None:
         """Write the whole message (aiohttp calls this once the handler returned it).
@@ -79,9 +81,9 @@ class PreparedStream:
 
     __slots__ = ("_eof", "_writer", "keep_alive", "status")
 
-    def __init__(self, status: int, keep_alive: bool, writer: AbstractStreamWriter) -> None:
+    def __init__(self, status: int, connection: str | None, writer: AbstractStreamWriter) -> None:
         self.status = status
-        self.keep_alive = keep_alive
+        self.keep_alive = connection != "close"
         self._writer = writer
         self._eof = False
 
@@ -129,7 +131,7 @@ def relayed(
     ``(name, value)`` byte pairs, aiohttp's ``raw_headers``) as a :class:`PreparedResponse`."""
     connection = connection_header(request)
     raw = build(status, upstream_headers, body, connection, True)
-    return PreparedResponse(status, raw, connection != "close")
+    return PreparedResponse(status, raw, connection)
 
 
 async def start_stream(
@@ -149,7 +151,7 @@ async def start_stream(
     await writer.write(head)
     if chunked:
         writer.enable_chunking()
-    return PreparedStream(status, connection != "close", writer)
+    return PreparedStream(status, connection, writer)
 
 
 #: What kvgate's handlers return: aiohttp's responses (streams, relayed bodies, its own GET
@@ -186,4 +188,4 @@ def prepared(
     raw = http_response(status, headers, body, connection)
     if body and request.method == "HEAD":  # the Content-Length of the body, without it
         raw = raw[: -len(body)]
-    return PreparedResponse(status, raw, connection != "close")
+    return PreparedResponse(status, raw, connection)
