@@ -413,7 +413,8 @@ class AdmissionController:
         guaranteed_slots (sum of the guarantees that apply to this backend), burst_pool, burst_in_use, tokens_per_minute,
         effective_tokens_per_minute, burst_tokens, effective_burst_tokens, available_tokens,
         time_to_full (s), inflight_tokens, inflight_token_limit,
-        effective_inflight_token_limit, hold_time_ewma (s)."""
+        effective_inflight_token_limit, hold_time_ewma (s: weight 1/8, fed by the first
+        release and then one in eight per thread; every release under a manual clock)."""
     def rate_limit_headers(self, backend: int, tenant: int) -> list[tuple[str, str]]:
         """OpenAI's six ``x-ratelimit-*`` headers (ENGINES.md §5.3) for ``tenant`` on
         ``backend``, as ``(name, value)`` pairs in this order: ``limit-requests``,

@@ -16,8 +16,9 @@
 //! as a whole while the backend is shedding. The in-flight token budget is scaled too, except
 //! for a request holding a guaranteed slot, which is checked against the base (unscaled) budget.
 //!
-//! Crash safety: every process keeps its own held counts in the region; `reclaim_dead` (from
-//! any live process) gives back what a dead process held. A process is identified by pid and
+//! Crash safety: every process attached to a shared region keeps its own held counts in the
+//! region (a private heap region, which dies with its one process, keeps none); `reclaim_dead`
+//! (from any live process) gives back what a dead process held. A process is identified by pid and
 //! start time, so a reused pid is not mistaken for the dead one. Counters are updated global
 //! first, ledger second on acquire, and ledger first, global second on release: a kill between
 //! the two can leak one unit (the limit shrinks by one) but never frees a unit twice.
@@ -270,7 +271,8 @@ pub struct BackendSnapshot {
     pub inflight_token_limit: Option<u64>,
     /// Scaled in-flight budget.
     pub effective_inflight_token_limit: Option<u64>,
-    /// EWMA of slot hold times (ns).
+    /// EWMA (weight 1/8) of slot hold times (ns). With the system clock it is fed by the first
+    /// release and then one release in eight per thread (a manual clock: every release).
     pub hold_time_ewma_ns: u64,
 }
 
@@ -328,6 +330,10 @@ pub struct Admission {
     storage: Storage,
     clock: Clock,
     proc_idx: usize,
+    /// Whether admit / release keep this process's ledger: only for a shared region, where
+    /// another process may have to reclaim what this one held. A private heap region dies
+    /// with its process, so its ledger would never be read.
+    ledger: bool,
     leaks: AtomicU64,
 }
 
@@ -428,10 +434,12 @@ impl Admission {
     }
 
     fn finish(storage: Storage, clock: Clock, create: bool) -> Result<Arc<Self>, CoreError> {
+        let ledger = matches!(storage, Storage::Shm(_));
         let mut me = Self {
             storage,
             clock,
             proc_idx: 0,
+            ledger,
             leaks: AtomicU64::new(0),
         };
         let h = &me.region().header;
@@ -930,7 +938,7 @@ impl Admission {
         let undo_tenant = || {
             undo_tenant_conc();
             if has_tpm {
-                t.tpm.refund_with(tokens, now, t_rate, t_burst);
+                t.tpm.refund_with(tokens, t_rate);
             }
         };
         // Backend slot: guaranteed first (not for sheddable), then the burst pool.
@@ -1006,16 +1014,18 @@ impl Admission {
             return refuse(Reason::BackendTpm, Some(ra));
         }
         add(&b.in_use, 1);
-        // Ledger of this process (global first, ledger second).
-        let p = &self.region().procs[self.proc_idx];
-        let bi = backend as usize;
-        add(&p.backend_total[bi], 1);
-        match pool {
-            Pool::Guaranteed => add(&p.guar[tenant as usize][bi], 1),
-            Pool::Burst => add(&p.backend_burst[bi], 1),
+        if self.ledger {
+            // Ledger of this process (global first, ledger second).
+            let p = &self.region().procs[self.proc_idx];
+            let bi = backend as usize;
+            add(&p.backend_total[bi], 1);
+            match pool {
+                Pool::Guaranteed => add(&p.guar[tenant as usize][bi], 1),
+                Pool::Burst => add(&p.backend_burst[bi], 1),
+            }
+            add(&p.backend_inflight[bi], tokens);
+            add(&p.tenant_conc[tenant as usize], 1);
         }
-        add(&p.backend_inflight[bi], tokens);
-        add(&p.tenant_conc[tenant as usize], 1);
         Ok(Ok(Ticket {
             backend,
             tenant,
@@ -1036,17 +1046,18 @@ impl Admission {
         };
         let b = self.backend(ticket.backend)?;
         let t = self.tenant(ticket.tenant)?;
-        let now = self.clock.now_ns();
         let (bi, ti) = (ticket.backend as usize, ticket.tenant as usize);
-        let p = &self.region().procs[self.proc_idx];
-        // Ledger first, global second.
-        sub(&p.backend_total[bi], 1);
-        match ticket.pool {
-            Pool::Guaranteed => sub(&p.guar[ti][bi], 1),
-            Pool::Burst => sub(&p.backend_burst[bi], 1),
+        if self.ledger {
+            // Ledger first, global second.
+            let p = &self.region().procs[self.proc_idx];
+            sub(&p.backend_total[bi], 1);
+            match ticket.pool {
+                Pool::Guaranteed => sub(&p.guar[ti][bi], 1),
+                Pool::Burst => sub(&p.backend_burst[bi], 1),
+            }
+            sub(&p.backend_inflight[bi], ticket.tokens);
+            sub(&p.tenant_conc[ti], 1);
         }
-        sub(&p.backend_inflight[bi], ticket.tokens);
-        sub(&p.tenant_conc[ti], 1);
         sub(&b.in_use, 1);
         match ticket.pool {
             Pool::Guaranteed => sub(&t.guar_in_use[bi], 1),
@@ -1054,27 +1065,35 @@ impl Admission {
         }
         b.inflight.release_saturating(ticket.tokens).into_unit();
         t.conc.release_saturating(1).into_unit();
-        // Reconcile both buckets with the real usage.
+        // Reconcile both buckets with the real usage: a refund needs no clock reading, an
+        // overrun reads it once.
+        let now = std::cell::OnceCell::new();
+        let now_ns = || *now.get_or_init(|| self.clock.now_ns());
         if t.has_tpm.load(Ordering::Acquire) == 1 {
-            t.tpm.reconcile(ticket.tokens, actual, now);
+            t.tpm
+                .reconcile_with(ticket.tokens, actual, now_ns, t.tpm.rate(), t.tpm.burst());
         }
         let ppm = b.scale_ppm.load(Ordering::Acquire);
         b.tpm.reconcile_with(
             ticket.tokens,
             actual,
-            now,
+            now_ns,
             scaled(b.tpm.rate(), ppm),
             scaled(b.tpm.burst(), ppm),
         );
-        // EWMA (1/8) of hold times, racy by design: it is only an estimate.
-        let hold = now.saturating_sub(ticket.admitted_ns).max(1);
+        // EWMA (1/8) of hold times, racy by design: it is only an estimate. With the system
+        // clock, one release in HOLD_SAMPLE_EVERY per thread (and the first) is timed, so most
+        // releases read no clock; a manual clock times every release.
         let old = b.ewma_hold_ns.load(Ordering::Relaxed);
-        let new = if old == 0 {
-            hold
-        } else {
-            (i128::from(old) + (i128::from(hold) - i128::from(old)) / 8).max(1) as u64
-        };
-        b.ewma_hold_ns.store(new, Ordering::Relaxed);
+        if old == 0 || matches!(self.clock, Clock::Manual(_)) || hold_sample() {
+            let hold = now_ns().saturating_sub(ticket.admitted_ns).max(1);
+            let new = if old == 0 {
+                hold
+            } else {
+                (i128::from(old) + (i128::from(hold) - i128::from(old)) / 8).max(1) as u64
+            };
+            b.ewma_hold_ns.store(new, Ordering::Relaxed);
+        }
         Ok(())
     }
 
@@ -1233,6 +1252,22 @@ impl Admission {
             time_to_full_ns: has.then(|| t.tpm.time_to_full_ns(now)),
         })
     }
+}
+
+/// Releases timed for the hold-time EWMA with the system clock: one in this many per thread.
+const HOLD_SAMPLE_EVERY: u32 = 8;
+
+/// Whether this release is one of the timed ones (a per-thread count, no atomic).
+#[inline]
+fn hold_sample() -> bool {
+    thread_local! {
+        static TICK: std::cell::Cell<u32> = const { std::cell::Cell::new(0) };
+    }
+    TICK.with(|t| {
+        let v = t.get().wrapping_add(1);
+        t.set(v);
+        v % HOLD_SAMPLE_EVERY == 0
+    })
 }
 
 /// Discards a count where only the side effect matters.
@@ -1646,6 +1681,44 @@ mod tests {
         let s = a.backend_state(b).unwrap();
         assert_eq!((s.in_use, s.inflight_tokens), (0, 0));
         assert_eq!(tk.tokens, 10);
+    }
+
+    #[test]
+    fn hold_time_ewma_is_sampled_with_the_system_clock() {
+        let a = Admission::new_heap(Clock::Monotonic).unwrap();
+        let b = a
+            .add_backend(
+                "b",
+                &BackendConfig {
+                    max_concurrency: 4,
+                    tokens_per_minute: 1_000_000,
+                    burst_tokens: None,
+                    inflight_token_limit: None,
+                },
+            )
+            .unwrap();
+        let t = tenant(&a, "t", Priority::Standard, 0, None);
+        let hold = |a: &Admission| a.backend_state(b).unwrap().hold_time_ewma_ns;
+        // The first release is always timed: the EWMA starts from a measured hold.
+        let tk = a.admit(b, t, Priority::Standard, 10).unwrap().unwrap();
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        a.release(&tk, None).unwrap();
+        let first = hold(&a);
+        assert!(first >= 20_000_000, "{first}");
+        // Then one release in HOLD_SAMPLE_EVERY per thread: a run of instant releases moves the
+        // EWMA down, by at most one 1/8 step per sampled release.
+        for _ in 0..HOLD_SAMPLE_EVERY * 4 {
+            let tk = a.admit(b, t, Priority::Standard, 10).unwrap().unwrap();
+            a.release(&tk, None).unwrap();
+        }
+        let after = hold(&a);
+        assert!(after < first, "{after} vs {first}");
+        let floor = (0..5).fold(first, |h, _| h - h / 8);
+        assert!(
+            after >= floor - 1_000_000,
+            "{after} below 5 steps from {first}"
+        );
+        assert_eq!(a.backend_state(b).unwrap().in_use, 0);
     }
 
     /// Rust-only throughput of admit + release (run with

@@ -21,6 +21,8 @@ mod python;
 #[cfg(feature = "python")]
 mod python_analyze;
 #[cfg(feature = "python")]
+mod python_fast;
+#[cfg(feature = "python")]
 mod python_sse;
 
 #[cfg(feature = "python")]

@@ -149,7 +149,22 @@ impl From<CoreError> for PyErr {
 
 /// Reads a token/slot amount: an `int` in 0..=2**62. Floats, None, bools and other types raise
 /// `TypeError`; negative or huge ints raise `InvalidAmountError`.
-fn amount(obj: &Bound<'_, PyAny>, what: &'static str) -> PyResult<u64> {
+#[inline]
+pub(crate) fn amount(obj: &Bound<'_, PyAny>, what: &'static str) -> PyResult<u64> {
+    // Fast path: an exact `int` in range, read with one C call that cannot raise for an int.
+    if obj.is_exact_instance_of::<PyInt>() {
+        let mut overflow = 0;
+        // SAFETY: `obj` is a live `int` (checked above) and the GIL is held (`Bound`).
+        let v = unsafe { pyo3::ffi::PyLong_AsLongLongAndOverflow(obj.as_ptr(), &mut overflow) };
+        if overflow == 0 && (0..=MAX_AMOUNT as i64).contains(&v) {
+            return Ok(v as u64);
+        }
+    }
+    amount_slow(obj, what)
+}
+
+#[cold]
+fn amount_slow(obj: &Bound<'_, PyAny>, what: &'static str) -> PyResult<u64> {
     if !obj.is_exact_instance_of::<PyInt>()
         && (obj.is_instance_of::<PyBool>() || !obj.is_instance_of::<PyInt>())
     {
@@ -280,7 +295,7 @@ impl ManualClock {
 /// A lock-free pool of concurrency slots.
 #[pyclass(frozen, module = "kvgate")]
 pub struct SlotPool {
-    c: SlotCounter,
+    pub(crate) c: SlotCounter,
 }
 
 #[pymethods]
@@ -294,17 +309,8 @@ impl SlotPool {
         })
     }
 
-    #[pyo3(signature = (n=None))]
-    fn try_acquire(&self, n: Option<&Bound<'_, PyAny>>) -> PyResult<bool> {
-        let n = opt_amount(n, "n")?.unwrap_or(1);
-        Ok(self.c.try_acquire(n))
-    }
-
-    #[pyo3(signature = (n=None))]
-    fn release(&self, n: Option<&Bound<'_, PyAny>>) -> PyResult<()> {
-        let n = opt_amount(n, "n")?.unwrap_or(1);
-        Ok(self.c.release(n)?)
-    }
+    // `try_acquire(n=None)` and `release(n=None)` are hand-written CPython entry points,
+    // installed on the type at module initialisation (`python_fast.rs`).
 
     #[getter]
     fn in_use(&self) -> u64 {
@@ -363,7 +369,9 @@ impl TokenBucket {
     fn reconcile(&self, reserved: &Bound<'_, PyAny>, actual: &Bound<'_, PyAny>) -> PyResult<()> {
         let r = amount(reserved, "reserved")?;
         let a = amount(actual, "actual")?;
-        self.b.reconcile(r, a, self.clock.now_ns());
+        let clock = &self.clock;
+        self.b
+            .reconcile_with(r, a, || clock.now_ns(), self.b.rate(), self.b.burst());
         Ok(())
     }
 
@@ -503,11 +511,20 @@ impl AdaptiveLaw {
 }
 
 /// An admitted request's hold on every limit.
+///
+/// Holds its controller by a Python reference (no atomic reference count on the hot path).
 #[pyclass(frozen, module = "kvgate")]
 pub struct Reservation {
-    core: Arc<Admission>,
+    ctl: Py<AdmissionController>,
     ticket: Ticket,
     released: AtomicBool,
+}
+
+impl Reservation {
+    #[inline]
+    fn core(&self) -> &Admission {
+        &self.ctl.get().core
+    }
 }
 
 #[pymethods]
@@ -551,7 +568,7 @@ impl Reservation {
         if self.released.swap(true, Ordering::AcqRel) {
             return Ok(());
         }
-        Ok(self.core.release(&self.ticket, actual)?)
+        Ok(self.core().release(&self.ticket, actual)?)
     }
 
     fn __enter__(slf: Bound<'_, Self>) -> Bound<'_, Self> {
@@ -587,9 +604,10 @@ impl Reservation {
 
 impl Drop for Reservation {
     fn drop(&mut self) {
-        if !self.released.swap(true, Ordering::AcqRel) {
-            let _ = self.core.release(&self.ticket, None);
-            self.core.count_leak();
+        // `&mut self`: nobody else can see the object, so a plain read of the flag will do.
+        if !*self.released.get_mut() {
+            let _ = self.core().release(&self.ticket, None);
+            self.core().count_leak();
         }
     }
 }
@@ -836,20 +854,20 @@ impl AdmissionController {
     }
 
     fn admit(
-        &self,
-        py: Python<'_>,
+        slf: &Bound<'_, Self>,
         backend: u32,
         tenant: u32,
         priority: &Bound<'_, PyAny>,
         tokens: &Bound<'_, PyAny>,
     ) -> PyResult<Py<PyAny>> {
+        let py = slf.py();
         let n = amount(tokens, "tokens")?;
         let p = priority_of(priority)?;
-        match self.core.admit(backend, tenant, p, n)? {
+        match slf.get().core.admit(backend, tenant, p, n)? {
             Ok(ticket) => Ok(Bound::new(
                 py,
                 Reservation {
-                    core: self.core.clone(),
+                    ctl: slf.clone().unbind(),
                     ticket,
                     released: AtomicBool::new(false),
                 },
@@ -1154,6 +1172,7 @@ pub fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(relay_http, m)?)?;
     m.add_class::<ManualClock>()?;
     m.add_class::<SlotPool>()?;
+    crate::python_fast::install(py)?;
     m.add_class::<TokenBucket>()?;
     m.add_class::<AdaptiveLaw>()?;
     m.add_class::<AdmissionController>()?;

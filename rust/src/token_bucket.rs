@@ -161,17 +161,21 @@ impl TokenBucket {
     }
 
     /// Gives `n` unused tokens back (never above a full bucket).
-    pub fn refund_with(&self, n: u64, now_ns: u64, rate: u64, burst: u64) {
+    ///
+    /// Needs no clock reading: `tat` moves back by the refund's span, and every reader caps the
+    /// level at a full bucket (`max(tat, now - T)`), which gives the same level at any later
+    /// time as capping now would (the clock never goes back). `tat` is floored at the
+    /// "full forever" value so repeated refunds cannot overflow it.
+    #[inline]
+    pub fn refund_with(&self, n: u64, rate: u64) {
         if n == 0 {
             return;
         }
-        let now = to_i64(now_ns);
         let back = span_ns(n, rate);
-        let span = fill_ns(burst, rate);
         let _ = self
             .tat
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, |tat| {
-                Some((tat.max(now - span) - back).max(now - span))
+                Some(tat.saturating_sub(back).max(FULL_TAT))
             });
     }
 
@@ -192,12 +196,23 @@ impl TokenBucket {
     }
 
     /// Settles a reservation of `reserved` tokens with the `actual` usage: refunds the unused
-    /// part, or charges the overrun (into bounded debt).
-    pub fn reconcile_with(&self, reserved: u64, actual: u64, now_ns: u64, rate: u64, burst: u64) {
-        if actual < reserved {
-            self.refund_with(reserved - actual, now_ns, rate, burst);
-        } else {
-            self.charge_with(actual - reserved, now_ns, rate, burst);
+    /// part, or charges the overrun (into bounded debt). `now_ns` is called only for an overrun
+    /// (a refund needs no clock reading).
+    #[inline]
+    pub fn reconcile_with(
+        &self,
+        reserved: u64,
+        actual: u64,
+        now_ns: impl FnOnce() -> u64,
+        rate: u64,
+        burst: u64,
+    ) {
+        match actual.cmp(&reserved) {
+            std::cmp::Ordering::Less => self.refund_with(reserved - actual, rate),
+            std::cmp::Ordering::Greater => {
+                self.charge_with(actual - reserved, now_ns(), rate, burst);
+            }
+            std::cmp::Ordering::Equal => {}
         }
     }
 
@@ -250,7 +265,7 @@ impl TokenBucket {
 
     /// [`Self::reconcile_with`] with the configured parameters.
     pub fn reconcile(&self, reserved: u64, actual: u64, now_ns: u64) {
-        self.reconcile_with(reserved, actual, now_ns, self.rate(), self.burst());
+        self.reconcile_with(reserved, actual, || now_ns, self.rate(), self.burst());
     }
 
     /// [`Self::retry_after_ns_with`] with the configured parameters.
@@ -361,6 +376,31 @@ mod tests {
         assert_eq!(b.time_to_full_ns(0), 20 * S);
         b.reconcile(20, 0, 0); // refund beyond full is capped
         assert_eq!(b.available(0), 10);
+    }
+
+    #[test]
+    fn refund_reads_no_clock_and_keeps_overruns_charged() {
+        let b = TokenBucket::new(60, 10).unwrap();
+        assert!(b.try_reserve(8, 0).unwrap());
+        // A refund never asks for the time (the closure would panic).
+        b.reconcile_with(8, 2, || unreachable!("refund read the clock"), 60, 10);
+        b.reconcile_with(5, 5, || unreachable!("no-op read the clock"), 60, 10);
+        assert_eq!(b.available(0), 8);
+        // Refunds far beyond a full bucket, many times over: capped at full, no overflow.
+        for _ in 0..100 {
+            b.refund_with(crate::error::MAX_AMOUNT, 1);
+        }
+        assert_eq!(b.available(0), 10);
+        assert_eq!(b.available(1_000 * S), 10);
+        // ...and the slack does not absorb a later overrun: it is charged in full.
+        b.reconcile_with(0, 4, || 1_000 * S, 60, 10);
+        assert_eq!(b.available(1_000 * S), 6);
+        // A refund made while in debt, read later, gives the level capping at once would.
+        b.reconcile_with(0, 20, || 1_000 * S, 60, 10); // 6 - 20 -> bounded at -10
+        b.refund_with(3, 60);
+        assert_eq!(b.available(1_000 * S), -7);
+        assert_eq!(b.available(1_010 * S), 3);
+        assert_eq!(b.available(1_030 * S), 10);
     }
 
     #[test]

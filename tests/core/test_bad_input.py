@@ -54,6 +54,43 @@ def test_slot_pool_bad_types(bad: object) -> None:
     assert pool.in_use == 0
 
 
+def test_slot_pool_argument_forms() -> None:
+    """try_acquire / release are hand-written CPython methods: they take n by position or by
+    keyword, refuse anything else like any Python method, and are introspectable."""
+    import inspect
+
+    pool = SlotPool(8)
+    assert pool.try_acquire(n=3)
+    assert pool.in_use == 3
+    pool.release(n=2)
+    assert SlotPool.try_acquire(pool, 2)  # unbound call
+    SlotPool.release(pool, n=None)
+    assert pool.in_use == 2
+    for call in (pool.try_acquire, pool.release):
+        with pytest.raises(TypeError, match="at most 1 argument"):
+            call(1, 2)  # type: ignore[call-arg]
+        with pytest.raises(TypeError, match="at most 1 argument"):
+            call(1, n=1)  # type: ignore[call-arg, misc]
+        with pytest.raises(TypeError, match="unexpected keyword argument 'slots'"):
+            call(slots=1)  # type: ignore[call-arg]
+        with pytest.raises(TypeError, match="must be an int"):
+            call(n=2.0)  # type: ignore[arg-type]
+        with pytest.raises(InvalidAmountError):
+            call(n=-1)
+        assert str(inspect.signature(call)) == "(n=None)"
+        assert call.__doc__
+    with pytest.raises(TypeError):
+        SlotPool.try_acquire(TokenBucket(10), 1)  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        SlotPool.release(object())  # type: ignore[arg-type]
+    with pytest.raises(OverReleaseError, match="release of 3 but only 2 held"):
+        pool.release(n=3)
+    assert pool.in_use == 2
+    assert not pool.try_acquire(7)
+    pool.release(2)
+    assert pool.in_use == 0
+
+
 def test_slot_pool_zero_and_over_release() -> None:
     pool = SlotPool(1)
     assert pool.try_acquire(0)
