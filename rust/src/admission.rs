@@ -357,7 +357,7 @@ fn layout() -> std::alloc::Layout {
 
 #[inline]
 fn scaled(base: u64, ppm: u64) -> u64 {
-    if base == UNLIMITED || base == 0 {
+    if base == UNLIMITED || base == 0 || ppm == SCALE_ONE {
         return base;
     }
     ((u128::from(base) * u128::from(ppm) / u128::from(SCALE_ONE)) as u64).max(1)
@@ -1764,5 +1764,46 @@ mod tests {
             el * 1e9 / f64::from(n)
         );
         assert_eq!(a.backend_state(b).unwrap().in_use, 0);
+    }
+
+    /// The two primitives admit + release are built from, timed alone: one atomic
+    /// read-modify-write (a `fetch_add` / `fetch_sub` on one of twelve counters in separate
+    /// cache lines, as the limits are) and one `CLOCK_MONOTONIC` reading. A pair makes twelve of
+    /// the first (six limits each way) and one of the second; `benches/core_results.py` turns
+    /// this line into the floor under the pair's cost.
+    #[test]
+    #[ignore = "benchmark"]
+    fn bench_floor_primitives() {
+        #[repr(align(64))]
+        struct Line(AtomicU64);
+        let counters: Vec<Line> = (0..12).map(|_| Line(AtomicU64::new(1 << 40))).collect();
+        let rounds = 2_000_000u32;
+        let start = std::time::Instant::now();
+        for i in 0..rounds {
+            for c in &counters {
+                if i % 2 == 0 {
+                    c.0.fetch_add(1, Ordering::AcqRel);
+                } else {
+                    c.0.fetch_sub(1, Ordering::AcqRel);
+                }
+            }
+        }
+        let rmw_ns = start.elapsed().as_secs_f64() * 1e9 / f64::from(rounds) / 12.0;
+        assert!(counters
+            .iter()
+            .all(|c| c.0.load(Ordering::Relaxed) == 1 << 40));
+        let clock = Clock::Monotonic;
+        let reads = 5_000_000u32;
+        let start = std::time::Instant::now();
+        let mut sum = 0u64;
+        for _ in 0..reads {
+            sum = sum.wrapping_add(std::hint::black_box(&clock).now_ns());
+        }
+        let clock_ns = start.elapsed().as_secs_f64() * 1e9 / f64::from(reads);
+        assert!(sum > 0);
+        println!(
+            "rust floor: atomic read-modify-write {rmw_ns:.2} ns, \
+             clock_gettime(CLOCK_MONOTONIC) {clock_ns:.2} ns"
+        );
     }
 }

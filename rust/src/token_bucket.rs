@@ -26,14 +26,24 @@ const FULL_TAT: i64 = i64::MIN / 4;
 /// The nanoseconds `n` tokens take to refill at `rate` tokens per minute, rounded up.
 #[inline]
 fn cost_ns(n: u64, rate: u64) -> i64 {
-    let ns = (u128::from(n) * NS_PER_MINUTE).div_ceil(u128::from(rate.max(1)));
+    let rate = rate.max(1);
+    // One 64-bit division when `n` minutes of nanoseconds fit 64 bits (below ~3e8 tokens),
+    // else 128-bit arithmetic; the same value either way.
+    let ns = match n.checked_mul(NS_PER_MINUTE as u64) {
+        Some(p) => u128::from(p.div_ceil(rate)),
+        None => (u128::from(n) * NS_PER_MINUTE).div_ceil(u128::from(rate)),
+    };
     ns.min(MAX_SPAN_NS as u128) as i64
 }
 
 /// The nanoseconds `n` tokens take to refill, rounded down (used for refunds and fill time).
 #[inline]
 fn span_ns(n: u64, rate: u64) -> i64 {
-    let ns = u128::from(n) * NS_PER_MINUTE / u128::from(rate.max(1));
+    let rate = rate.max(1);
+    let ns = match n.checked_mul(NS_PER_MINUTE as u64) {
+        Some(p) => u128::from(p / rate),
+        None => u128::from(n) * NS_PER_MINUTE / u128::from(rate),
+    };
     ns.min(MAX_SPAN_NS as u128) as i64
 }
 
