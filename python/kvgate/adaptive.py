@@ -176,6 +176,7 @@ def poll_targets(gateway: Gateway) -> list[Any]:
                 poll_interval=interval,
                 scrape_timeout=getattr(adaptive, "scrape_timeout", None),
                 stale_after=adaptive.stale_after if adaptive is not None else 5.0,
+                adaptive=adaptive is not None and adaptive.enabled,
             )
         )
     return targets

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import logging
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -228,6 +229,31 @@ async def test_stale_metrics_fail_safe_and_recover(failure: str) -> None:
                 assert metric(text, "kvgate_metrics_stale", backend="b0") == 0
             if restarted is not None:
                 await restarted.cleanup()
+
+
+async def test_no_adaptation_stale_metrics_change_nothing(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """`adaptive.enabled: false` (`serve --no-adaptive`) in front of an engine without usable
+    metrics: the backend is marked stale (gauge) but its limits stay at base, nothing is shed,
+    and the log says so at INFO, not as a warning."""
+    caplog.set_level(logging.INFO, logger="kvgate")
+    async with run_scripted() as (eng, _), run_scripted() as (mx, _):
+        mx.mode = "nokv"
+        b = backend("b0", eng.url, metrics_url=mx.url + "/metrics", adaptive={"enabled": False})
+        async with serve(b) as (url, gw):
+            await until(lambda: gw.backends[0].stale, timeout=5)
+            st = gw.controller.backend_state(0)
+            assert (st["scale"], st["shedding"]) == (1.0, False)
+            async with aiohttp.ClientSession() as s:
+                assert (await ask(s, url, "sk-offline"))[0] == 200  # sheddable still served
+                text = await get_text(url + "/metrics")
+                assert metric(text, "kvgate_metrics_stale", backend="b0") == 1
+    stale = [r for r in caplog.records if "metrics stale" in r.getMessage()]
+    assert [r.levelno for r in stale] == [logging.INFO]
+    assert not [
+        r for r in caplog.records if r.levelno >= logging.WARNING and "b0" in r.getMessage()
+    ]
 
 
 async def test_replicas_balanced_by_headroom_and_unhealthy_taken_out() -> None:

@@ -275,6 +275,23 @@ async def test_never_answering_goes_stale_from_start(
     assert not sink.of("reading")
 
 
+async def test_stale_without_adaptation_is_logged_at_info(
+    engine: Engine, session: aiohttp.ClientSession, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A backend whose limits do not adapt (``serve --no-adaptive``, ``adaptive.enabled:
+    false``) still goes stale (gauge, sink), but an engine without metrics is no warning."""
+    caplog.set_level(logging.INFO, logger="kvgate.telemetry")
+    engine.script.mode = "500"
+    sink = Recorder()
+    async with MetricsPoller(session, sink, [target(engine, adaptive=False)]) as poller:
+        await wait_until(sink, lambda: bool(sink.of("stale")))
+        assert poller.status("b1").stale is True
+    stale_logs = [r for r in caplog.records if "stale" in r.getMessage()]
+    assert len(stale_logs) == 1
+    assert stale_logs[0].levelno == logging.INFO
+    assert "adaptive limits are off for it, nothing changes" in stale_logs[0].getMessage()
+
+
 async def test_body_too_large(engine: Engine, session: aiohttp.ClientSession) -> None:
     engine.script.mode = "huge"
     sink = Recorder()

@@ -89,6 +89,8 @@ class PollTarget:
         stale_after: seconds without a good reading before the backend is stale (≥ interval).
         unhealthy_after: consecutive failed health checks before the backend is taken out.
         max_body_bytes: larger metrics bodies are refused (reason ``too_large``).
+        adaptive: whether the backend's limits adapt from these metrics; without it, stale
+            metrics change nothing and are logged at INFO instead of WARNING.
 
     Raises:
         ValueError: a value outside the ranges above.
@@ -105,6 +107,7 @@ class PollTarget:
     stale_after: float = 5.0
     unhealthy_after: int = 3
     max_body_bytes: int = 8 * 1024 * 1024
+    adaptive: bool = True
 
     def __post_init__(self) -> None:
         if self.engine != "auto" and self.engine not in ENGINES:
@@ -292,11 +295,13 @@ class MetricsPoller:
         since = st.last_good_at if st.last_good_at is not None else st.started_at
         if not st.stale and now - since >= st.target.stale_after:
             st.stale = True
-            logger.warning(
-                "backend %s: engine metrics stale (no good scrape for %.1f s; last error: %s)",
+            logger.log(
+                logging.WARNING if st.target.adaptive else logging.INFO,
+                "backend %s: engine metrics stale (no good scrape for %.1f s; last error: %s)%s",
                 st.target.name,
                 now - since,
                 st.last_error,
+                "" if st.target.adaptive else "; adaptive limits are off for it, nothing changes",
             )
             self._sink.on_stale(st.target.name, True, now)
 
