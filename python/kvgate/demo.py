@@ -208,7 +208,7 @@ def run(args: argparse.Namespace) -> int:
         procs.append(sim)
         wait_http(sim_url + "/health", sim)
         gw = subprocess.Popen(
-            [*exe, "serve", "--config", str(cfg_path), "--log-level", "WARNING"],
+            [*exe, "serve", "--config", str(cfg_path), "--log-level", "INFO"],
             env=env,
             stdout=subprocess.DEVNULL,
             stderr=logs.enter_context((tmp / "gateway.log").open("wb")),
