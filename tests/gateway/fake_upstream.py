@@ -53,12 +53,15 @@ class Upstream:
     active: int = 0
     cancelled: int = 0
     requests: list[dict] = field(default_factory=list)
+    raw_bodies: list[bytes] = field(default_factory=list)
     started: asyncio.Event = field(default_factory=asyncio.Event)
 
 
 def _app(state: Upstream) -> web.Application:
     async def handle(request: web.Request) -> web.StreamResponse:
-        body = orjson.loads(await request.read())
+        raw = await request.read()
+        state.raw_bodies.append(raw)
+        body = orjson.loads(raw)
         state.requests.append(body)
         state.active += 1
         state.started.set()

@@ -10,6 +10,7 @@ the real usage. Refusals charge nothing.
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from functools import partial
 from typing import TYPE_CHECKING, Any
@@ -165,18 +166,37 @@ def _too_large(length: int | None, cap: int) -> GatewayError:
 
 
 def rewrite_body(body: bytes, analysis: Any, add_usage: bool) -> bytes:
-    """The body to forward: the client's bytes, or a re-encoded copy when kvgate must add
-    ``stream_options.include_usage`` or inject the ``default_max_tokens`` it reserved for."""
+    """The body to forward: the client's bytes, or a copy with what kvgate must add:
+    ``stream_options.include_usage`` (streamed requests, so the engine reports usage) and the
+    ``default_max_tokens`` it reserved for (``analysis.inject_max_tokens``).
+
+    When those keys are absent (the usual case) the members are spliced in after the opening
+    ``{`` and every byte the client sent is forwarded as sent. When one is present (say
+    ``"stream_options": {}`` or ``"max_tokens": null``) the body is decoded and re-encoded with
+    the standard ``json`` module, which keeps integers of any size exact (orjson would turn
+    those above 64 bits into floats) and writes ASCII escapes.
+    """
     inject = getattr(analysis, "inject_max_tokens", None)
     if not add_usage and inject is None:
         return body
     data = orjson.loads(body)
+    members = []
+    if add_usage and "stream_options" not in data:
+        members.append(b'"stream_options":{"include_usage":true}')
+    if inject is not None and "max_tokens" not in data:
+        members.append(b'"max_tokens":%d' % inject)
+    start = len(body) - len(body.lstrip())
+    if len(members) == add_usage + (inject is not None) and body[start : start + 1] == b"{":
+        rest = body[start + 1 :]
+        sep = b"" if rest.lstrip().startswith(b"}") else b","
+        return body[: start + 1] + b",".join(members) + sep + rest
+    data = json.loads(body)
     if add_usage:
         opts = data.get("stream_options")
         data["stream_options"] = {**(opts if isinstance(opts, dict) else {}), "include_usage": True}
     if inject is not None:
         data["max_tokens"] = inject
-    return orjson.dumps(data)
+    return json.dumps(data, separators=(",", ":")).encode()
 
 
 async def handle_inference(gw: Gateway, request: web.BaseRequest) -> Reply:
