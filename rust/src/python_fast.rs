@@ -91,7 +91,10 @@ unsafe fn call(
     match result {
         Ok(obj) => obj,
         Err(e) => {
-            e.restore(py);
+            // Raising a lazily built error drops the Python references it holds; inside
+            // `attach` (which raises pyo3's attach count, unlike `assume_attached`) they are
+            // released at once instead of waiting in pyo3's deferred reference pool.
+            Python::attach(|py| e.restore(py));
             std::ptr::null_mut()
         }
     }

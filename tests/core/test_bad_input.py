@@ -91,6 +91,31 @@ def test_slot_pool_argument_forms() -> None:
     assert pool.in_use == 0
 
 
+def test_slot_pool_errors_hold_no_references() -> None:
+    """Errors raised by the hand-written methods release what they hold at once (no reference
+    parked in pyo3's deferred pool until some other call runs)."""
+    import sys
+
+    pool = SlotPool(4)
+    # each kind of error on its own: a call that converts a core error goes through pyo3's
+    # attach, which would flush references parked by the calls before it
+    calls = [
+        (lambda: pool.release(1.5), TypeError),
+        (lambda: pool.try_acquire(slots=1), TypeError),
+        (lambda: pool.release(1, 2), TypeError),
+        (lambda: pool.try_acquire(-1), InvalidAmountError),
+        (lambda: pool.release(2**100), InvalidAmountError),
+        (lambda: pool.release(), OverReleaseError),
+    ]
+    for call, kind in calls:
+        before = sys.getrefcount(kind)
+        for _ in range(2_000):
+            with pytest.raises(kind):
+                call()
+        assert sys.getrefcount(kind) - before < 50, (call, kind)
+    assert pool.in_use == 0
+
+
 def test_slot_pool_zero_and_over_release() -> None:
     pool = SlotPool(1)
     assert pool.try_acquire(0)
