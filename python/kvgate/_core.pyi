@@ -253,8 +253,10 @@ class Reservation:
     def released(self) -> bool: ...
     def release(self, actual_tokens: int | None = None) -> None:
         """Frees the slot and in-flight tokens and reconciles the tenant and backend buckets
-        with ``actual_tokens`` (prompt + real completion; ``None`` = as reserved). Idempotent.
-        A bad ``actual_tokens`` raises before anything is released."""
+        with ``actual_tokens`` (prompt + real completion; ``None`` = as reserved). Unused
+        tokens give back the time they were charged at admission (an adaptive scale change in
+        between neither inflates nor shrinks the refund); an overrun is charged at the rates in
+        force now. Idempotent. A bad ``actual_tokens`` raises before anything is released."""
     def __enter__(self) -> Reservation: ...
     def __exit__(
         self,

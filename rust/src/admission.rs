@@ -197,6 +197,10 @@ pub struct Ticket {
     pub tokens: u64,
     /// Admission time (ns, controller clock).
     pub admitted_ns: u64,
+    /// Effective (scaled) backend TPM the reservation was charged at (tokens per minute).
+    pub backend_rate: u64,
+    /// Tenant TPM the reservation was charged at; 0 when the tenant had no TPM limit.
+    pub tenant_rate: u64,
 }
 
 /// Configuration of a backend (base limits, before scaling).
@@ -1032,6 +1036,8 @@ impl Admission {
             pool,
             tokens,
             admitted_ns: now,
+            backend_rate: rate,
+            tenant_rate: if has_tpm { t_rate } else { 0 },
         }))
     }
 
@@ -1065,22 +1071,36 @@ impl Admission {
         }
         b.inflight.release_saturating(ticket.tokens).into_unit();
         t.conc.release_saturating(1).into_unit();
-        // Reconcile both buckets with the real usage: a refund needs no clock reading, an
-        // overrun reads it once.
+        // Reconcile both buckets with the real usage. Unused tokens give back the time they
+        // were charged (at the rate of the admission, so a scale change in between neither
+        // inflates nor shrinks the refund), with no clock reading; an overrun is new usage,
+        // charged now at today's rates (one clock reading).
         let now = std::cell::OnceCell::new();
         let now_ns = || *now.get_or_init(|| self.clock.now_ns());
-        if t.has_tpm.load(Ordering::Acquire) == 1 {
-            t.tpm
-                .reconcile_with(ticket.tokens, actual, now_ns, t.tpm.rate(), t.tpm.burst());
+        match actual.cmp(&ticket.tokens) {
+            std::cmp::Ordering::Less => {
+                let unused = ticket.tokens - actual;
+                if ticket.tenant_rate != 0 {
+                    t.tpm.refund_with(unused, ticket.tenant_rate);
+                }
+                b.tpm.refund_with(unused, ticket.backend_rate);
+            }
+            std::cmp::Ordering::Greater => {
+                let over = actual - ticket.tokens;
+                if t.has_tpm.load(Ordering::Acquire) == 1 {
+                    t.tpm
+                        .charge_with(over, now_ns(), t.tpm.rate(), t.tpm.burst());
+                }
+                let ppm = b.scale_ppm.load(Ordering::Acquire);
+                b.tpm.charge_with(
+                    over,
+                    now_ns(),
+                    scaled(b.tpm.rate(), ppm),
+                    scaled(b.tpm.burst(), ppm),
+                );
+            }
+            std::cmp::Ordering::Equal => {}
         }
-        let ppm = b.scale_ppm.load(Ordering::Acquire);
-        b.tpm.reconcile_with(
-            ticket.tokens,
-            actual,
-            now_ns,
-            scaled(b.tpm.rate(), ppm),
-            scaled(b.tpm.burst(), ppm),
-        );
         // EWMA (1/8) of hold times, racy by design: it is only an estimate. With the system
         // clock, one release in HOLD_SAMPLE_EVERY per thread (and the first) is timed, so most
         // releases read no clock; a manual clock times every release.
@@ -1721,6 +1741,58 @@ mod tests {
         assert!(after < first, "{after} vs {first}");
         assert!(after > first / 1000, "{after}: every release was timed");
         assert_eq!(a.backend_state(b).unwrap().in_use, 0);
+    }
+
+    #[test]
+    fn refund_gives_back_what_was_charged_across_a_scale_change() {
+        let mc = Arc::new(ManualClock::new(0));
+        let a = Admission::new_heap(Clock::Manual(mc.clone())).unwrap();
+        let b = a
+            .add_backend(
+                "b",
+                &BackendConfig {
+                    max_concurrency: 8,
+                    tokens_per_minute: 6000, // 100 tokens/s
+                    burst_tokens: Some(3000),
+                    inflight_token_limit: None,
+                },
+            )
+            .unwrap();
+        let t = tenant(&a, "t", Priority::Standard, 0, Some(6000));
+        let avail = |a: &Admission| a.backend_state(b).unwrap().available_tokens;
+        let tenant_avail = |a: &Admission| a.tenant_state(t).unwrap().available_tokens;
+        // use 2000 of the 3000: the refunds below are not hidden by the cap at a full bucket
+        let tk = a.admit(b, t, Priority::Standard, 2000).unwrap().unwrap();
+        a.release(&tk, None).unwrap();
+        let (b0, t0) = (avail(&a), tenant_avail(&a));
+        assert_eq!((b0, t0), (1000, Some(4000)));
+        for (at_admit, at_release) in [(1.0, 0.6), (0.6, 1.0), (1.0, 1.0)] {
+            a.set_scale(b, at_admit).unwrap();
+            let tk = a.admit(b, t, Priority::Standard, 500).unwrap().unwrap();
+            a.set_scale(b, at_release).unwrap();
+            a.release(&tk, Some(0)).unwrap(); // nothing used: all 500 back
+            a.set_scale(b, 1.0).unwrap();
+            // as before, to within the rounding that never grants (cost up, refund down: 1 ns)
+            let got = avail(&a);
+            assert!(
+                (b0 - 1..=b0).contains(&got),
+                "admit at {at_admit}, release at {at_release}: {got} vs {b0}"
+            );
+            assert_eq!(tenant_avail(&a), t0);
+        }
+        let b0 = avail(&a);
+        // a partial refund under a lower scale returns the unused part at the admission's rate
+        let tk = a.admit(b, t, Priority::Standard, 900).unwrap().unwrap();
+        a.set_scale(b, 0.6).unwrap();
+        a.release(&tk, Some(400)).unwrap();
+        a.set_scale(b, 1.0).unwrap();
+        assert!((b0 - 401..=b0 - 400).contains(&avail(&a)), "{}", avail(&a));
+        // an overrun is charged at the rates in force when it is reported
+        mc.advance_ns(60_000_000_000); // full again
+        let tk = a.admit(b, t, Priority::Standard, 100).unwrap().unwrap();
+        a.release(&tk, Some(700)).unwrap();
+        assert_eq!(avail(&a), 3000 - 700);
+        assert_eq!(tenant_avail(&a), Some(6000 - 700));
     }
 
     #[test]
