@@ -1,7 +1,9 @@
 """``kvgate check-config FILE``: validate a configuration file without starting anything.
 
-Exit status 0 and a short summary when the file is valid; 2 and one ``path: message`` line per
-problem (on stderr) when it is not. Never a traceback for a bad file.
+Exit status 0 and a short summary (plus ``warning:`` lines on stderr for tenants no request can
+reach) when ``kvgate serve`` would start with it; 2 and one ``path: message`` line per problem
+(on stderr) when it would not: the file's own rules, then what start-up builds (the admission
+core's limits, tokenizers, chat templates, the listen host). Never a traceback for a bad file.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import sys
 
 from kvgate.config import Config, ConfigError, load_config
 
-__all__ = ["add_arguments", "run", "summary"]
+__all__ = ["add_arguments", "run", "summary", "warnings"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -57,13 +59,35 @@ def summary(cfg: Config) -> str:
     return "\n".join(lines)
 
 
+def warnings(cfg: Config) -> list[str]:
+    """Valid but probably not meant: tenants no request can reach."""
+    out = []
+    for t in cfg.tenants:
+        if not t.api_key_sha256 and t.name != cfg.anonymous_tenant:
+            out.append(
+                f"tenant {t.name} has no API key and is not the anonymous tenant: "
+                "no request can reach it"
+            )
+    return out
+
+
 def run(args: argparse.Namespace) -> int:
-    """Validate ``args.file``; print the summary (exit 0) or the problems (exit 2)."""
+    """Validate ``args.file`` as ``kvgate serve`` would at start-up (the file's rules, then the
+    admission core's limits, tokenizers, chat templates and the listen host; binding the port
+    is not tried); print the summary and any warnings (exit 0) or the problems (exit 2)."""
+    from kvgate.gateway_build import check_startup
+
     try:
         cfg = load_config(args.file)
     except ConfigError as exc:
         print(f"kvgate: {exc}", file=sys.stderr)
         return 2
+    problem = check_startup(cfg)
+    if problem is not None:
+        print(f"kvgate: {args.file}: kvgate serve would refuse it: {problem}", file=sys.stderr)
+        return 2
     print(f"{args.file}: OK")
     print(summary(cfg))
+    for line in warnings(cfg):
+        print(f"warning: {line}", file=sys.stderr)
     return 0

@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import gc
 import logging
+import math
 import os
 import shutil
 import signal
@@ -29,39 +30,128 @@ __all__ = ["add_arguments", "run"]
 logger = logging.getLogger("kvgate.serve")
 
 
+#: The quick-start flags: they describe the one backend of ``--upstream`` and mean nothing with
+#: ``--config`` (the file describes the backends), so using them there is refused.
+QUICK_START = (
+    "model",
+    "max_concurrency",
+    "tpm",
+    "inflight_tokens",
+    "tokenizer",
+    "context_window",
+    "no_adaptive",
+)
+QUICK_DEFAULTS = {"max_concurrency": 64, "tpm": 1_000_000}
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+def _int_in(lo: int, hi: int) -> Callable[[str], int]:
+    """An argparse type: an integer in ``lo..=hi`` (argparse reports the flag and the value)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+        if not lo <= value <= hi:
+            raise argparse.ArgumentTypeError(f"must be in {lo}..{hi}, got {value}")
+        return value
+
+    return parse
+
+
+def _seconds(text: str) -> float:
+    """An argparse type: a finite number of seconds ≥ 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds, got {text!r}") from None
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number ≥ 0, got {text!r}")
+    return value
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of ``kvgate serve``."""
+    from kvgate.config import MAX_AMOUNT, MAX_WORKERS
+
+    parser.description = (
+        "Run the admission gateway from a configuration file (--config) or, for a quick start, "
+        "in front of one engine (--upstream with the quick-start flags). SIGTERM / SIGINT: "
+        "stop accepting, let streams finish for --grace seconds. SIGHUP: reload --config "
+        "(limits, tenants, keys; an invalid file is refused and the running one stays)."
+    )
+    amount = _int_in(1, MAX_AMOUNT)
     a = parser.add_argument
     a("--config", metavar="FILE", help="YAML configuration file (see examples/kvgate.yaml)")
     a("--upstream", metavar="URL", help="quick start without a file: one backend at URL")
-    a("--host", default=None, help="listen address (default 127.0.0.1)")
-    a("--port", type=int, default=None, help="listen port (default 8080)")
-    a("--workers", type=int, default=None, help="worker processes sharing the limits (default 1)")
+    a("--host", default=None, help="listen address (overrides the file; default 127.0.0.1)")
     a(
+        "--port",
+        type=_int_in(0, 65535),
+        default=None,
+        help="listen port (overrides the file; default 8080; 0 = any free port, one worker only)",
+    )
+    a(
+        "--workers",
+        type=_int_in(1, MAX_WORKERS),
+        default=None,
+        help=f"worker processes sharing the limits, 1..{MAX_WORKERS} (overrides the file; "
+        "default 1)",
+    )
+    quick = parser.add_argument_group("quick start (with --upstream only)")
+    q = quick.add_argument
+    q(
         "--model",
         action="append",
         default=None,
         help="model name served by --upstream (repeatable; default: ask GET /v1/models)",
     )
-    a("--max-concurrency", type=int, default=64, help="backend concurrency limit (slots)")
-    a("--tpm", type=int, default=1_000_000, help="backend tokens-per-minute limit")
-    a(
+    q(
+        "--max-concurrency",
+        type=amount,
+        default=None,
+        help=f"backend concurrency limit in slots (default {QUICK_DEFAULTS['max_concurrency']})",
+    )
+    q(
+        "--tpm",
+        type=amount,
+        default=None,
+        help=f"backend tokens-per-minute limit (default {QUICK_DEFAULTS['tpm']:,})",
+    )
+    q(
         "--inflight-tokens",
-        type=int,
+        type=amount,
         default=None,
         help="backend in-flight token budget (default: from the engine's KV capacity, else none)",
     )
-    a("--tokenizer", metavar="PATH", help="tokenizer.json for exact prompt counts")
-    a(
+    q("--tokenizer", metavar="PATH", help="tokenizer.json for exact prompt counts")
+    q(
         "--context-window",
-        type=int,
+        type=amount,
         default=None,
         help="model context window in tokens (default: max_model_len from GET /v1/models, else 8192)",
     )
-    a("--max-body-bytes", type=int, default=None, help="request body cap in bytes")
-    a("--no-adaptive", action="store_true", help="quick start: do not adapt limits from /metrics")
-    a("--grace", type=float, default=30.0, help="seconds streams may finish after SIGTERM")
-    a("--log-level", default="INFO", help="logging level")
+    q("--no-adaptive", action="store_true", default=None, help="do not adapt limits from /metrics")
+    a(
+        "--max-body-bytes",
+        type=amount,
+        default=None,
+        help="request body cap in bytes (overrides the file; default 10 MiB)",
+    )
+    a(
+        "--grace",
+        type=_seconds,
+        default=30.0,
+        help="seconds streams may finish after SIGTERM (default 30)",
+    )
+    a(
+        "--log-level",
+        type=str.upper,
+        choices=LOG_LEVELS,
+        default="INFO",
+        help="logging level (default INFO)",
+    )
 
 
 class _BadHttpToDebug(logging.Filter):
@@ -90,6 +180,18 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    if args.config and args.upstream:
+        print("kvgate serve: give --config FILE or --upstream URL, not both", file=sys.stderr)
+        return 2
+    if args.config:
+        given = [f"--{n.replace('_', '-')}" for n in QUICK_START if getattr(args, n) is not None]
+        if given:
+            print(
+                f"kvgate serve: {', '.join(given)} only apply with --upstream (the file "
+                "describes the backends)",
+                file=sys.stderr,
+            )
+            return 2
     try:
         if args.config:
             config = load_config(args.config)
@@ -98,10 +200,17 @@ def run(args: argparse.Namespace) -> int:
         else:
             print("kvgate serve: give --config FILE or --upstream URL", file=sys.stderr)
             return 2
+        config = _apply_overrides(config, args)
     except ConfigError as exc:
-        print(f"kvgate serve: invalid configuration:\n{exc}", file=sys.stderr)
+        print(f"kvgate serve: {exc}", file=sys.stderr)
         return 2
-    config = _apply_overrides(config, args)
+    if config.workers > 1 and config.listen.port == 0:
+        print(
+            f"kvgate serve: {config.workers} workers need a fixed port (port 0 would give each "
+            "worker its own)",
+            file=sys.stderr,
+        )
+        return 2
 
     def overrides(reloaded: Any) -> Any:  # the flags win over a reloaded file too
         return _apply_overrides(reloaded, args)
@@ -112,16 +221,30 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _apply_overrides(config: Any, args: argparse.Namespace) -> Any:
-    """Command-line flags win over the file: listen address, workers, body cap."""
+    """Command-line flags win over the file: listen address, workers, body cap. The result is
+    validated again like a file.
+
+    Raises:
+        kvgate.config.ConfigError: an override the configuration's rules refuse.
+    """
+    from pydantic import ValidationError
+
+    from kvgate.config import Config, ConfigError, issues_from
+
     update: dict[str, Any] = {}
     listen = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
     if listen:
-        update["listen"] = config.listen.model_copy(update=listen)
+        update["listen"] = {**config.listen.model_dump(), **listen}
     if args.workers is not None:
         update["workers"] = args.workers
     if args.max_body_bytes is not None:
         update["max_body_bytes"] = args.max_body_bytes
-    return config.model_copy(update=update) if update else config
+    if not update:
+        return config
+    try:
+        return Config.model_validate({**config.model_dump(), **update})
+    except ValidationError as exc:
+        raise ConfigError(issues_from(exc), "from the command line") from None
 
 
 def _config_from_flags(args: argparse.Namespace) -> Any:
@@ -146,14 +269,16 @@ def _config_from_flags(args: argparse.Namespace) -> Any:
         "name": "default",
         "url": url,
         "models": models,
-        "max_concurrency": args.max_concurrency,
-        "tokens_per_minute": args.tpm,
+        "max_concurrency": args.max_concurrency or QUICK_DEFAULTS["max_concurrency"],
+        "tokens_per_minute": args.tpm or QUICK_DEFAULTS["tpm"],
         "adaptive": {"enabled": not args.no_adaptive},
     }
     if args.inflight_tokens is not None:
         backend["inflight_token_limit"] = args.inflight_tokens
     # no tenants declared: every request runs as one implicit `anonymous` standard tenant
-    return parse_config({"backends": [backend]}, base_dir=os.getcwd(), source="command line")
+    return parse_config(
+        {"backends": [backend]}, base_dir=os.getcwd(), source="from the command line"
+    )
 
 
 def _discover_models(url: str) -> dict[str, int | None]:
@@ -175,6 +300,26 @@ def _discover_models(url: str) -> dict[str, int | None]:
             mml = item.get("max_model_len")
             out[item["id"]] = mml if isinstance(mml, int) and mml > 0 else None
     return out
+
+
+def _port_in_use(host: str, port: int) -> str | None:
+    """Why ``host:port`` cannot be listened on (in use, no permission, no such address), by a
+    trial bind without ``SO_REUSEPORT``, so that a port held by any other socket (another
+    gateway's workers included) is seen; ``None`` when it is free."""
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except (OSError, UnicodeError) as exc:
+        return f"cannot listen on {host}:{port}: {exc}"
+    for family, kind, proto, _, addr in infos:
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind(addr)
+            except OSError as exc:
+                return f"cannot listen on {host}:{port}: {exc.strerror or exc}"
+    return None
 
 
 def _install_uvloop() -> None:
@@ -213,11 +358,9 @@ def _serve_single(
     # process: out of the collector's reach, so collections only scan per-request objects
     gc.freeze()
 
-    def announce(_url: str) -> None:
-        if not worker:
-            print(
-                f"kvgate: serving on http://{config.listen.host}:{config.listen.port}", flush=True
-            )
+    def announce(url: str) -> None:
+        if shm_name is None:  # one process; with workers the master announces
+            print(f"kvgate: serving on {url}", flush=True)
 
     try:
         asyncio.run(
@@ -254,8 +397,16 @@ def _serve_workers(
     from prometheus_client import multiprocess
 
     from kvgate import CoreError
-    from kvgate.gateway_build import build_controller
+    from kvgate.gateway_build import build_controller, check_startup
 
+    # what each worker would refuse (limits, tokenizers, templates), found once here instead of
+    # by every worker; and the port: the workers share it with SO_REUSEPORT, which would also
+    # let them join another gateway's workers on it, so it must be free first
+    problem = check_startup(config) or _port_in_use(config.listen.host, config.listen.port)
+    if problem is not None:
+        print(f"kvgate serve: cannot start: {problem}", file=sys.stderr)
+        shutil.rmtree(prom_dir, ignore_errors=True)
+        return 2
     try:
         controller = build_controller(config, shm_name=shm_name, create=True)
     except (CoreError, ValueError, OSError) as exc:
@@ -263,6 +414,7 @@ def _serve_workers(
         shutil.rmtree(prom_dir, ignore_errors=True)
         return 2
     children: dict[int, int] = {}
+    started: dict[int, float] = {}  # worker index -> when it was last spawned (monotonic)
     stopping = False
 
     def spawn(index: int) -> None:
@@ -284,6 +436,7 @@ def _serve_workers(
                 code = 1
             os._exit(code)
         children[pid] = index
+        started[index] = time.monotonic()
 
     forwarded: set[int] = set()
 
@@ -342,6 +495,14 @@ def _serve_workers(
         # its live-summed gauges (kvgate_queue_depth) must stop counting
         multiprocess.mark_process_dead(pid)
         reclaimed = controller.reclaim_dead()
+        exit_code = os.waitstatus_to_exitcode(status)
+        if not stopping and exit_code == 2:
+            # 2 = could not start (its configuration, its socket): a restart would fail the
+            # same way, forever; stop the whole gateway instead
+            logger.error("worker %d (pid %d) could not start; stopping kvgate", index, pid)
+            code = 2
+            forward(signal.SIGTERM, None)
+            continue
         if not stopping:
             logger.warning(
                 "worker %d (pid %d) died with status %d; reclaimed %d held units; restarting",
@@ -350,9 +511,12 @@ def _serve_workers(
                 status,
                 reclaimed,
             )
-            spawn(index)
-        elif os.waitstatus_to_exitcode(status) not in (0, -signal.SIGTERM, -signal.SIGINT):
-            code = 1
+            # a worker that dies as soon as it starts is restarted at most once a second
+            time.sleep(max(0.0, started.get(index, 0.0) + 1.0 - time.monotonic()))
+            if not stopping:
+                spawn(index)
+        elif exit_code not in (0, 2, -signal.SIGTERM, -signal.SIGINT):
+            code = max(code, 1)
     del controller
     shutil.rmtree(prom_dir, ignore_errors=True)
     return code

@@ -39,6 +39,7 @@ import yaml
 from pydantic import (
     AfterValidator,
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     ValidationError,
@@ -57,6 +58,7 @@ __all__ = [
     "QueueConfig",
     "TenantConfig",
     "TimeoutsConfig",
+    "issues_from",
     "load_config",
     "parse_config",
 ]
@@ -75,6 +77,24 @@ EngineOption = Literal[
     "trtllm-serve",
     "lmdeploy",
 ]
+
+#: The largest amount (tokens, slots, bytes) the admission core accepts: 2**62.
+MAX_AMOUNT = 1 << 62
+#: Most worker processes: the shared region holds 64 process entries, one of them the master's.
+MAX_WORKERS = 63
+
+
+def _not_bool(value: Any) -> Any:
+    # pydantic's lax mode reads true/false as 1/0; a limit written as a boolean is a mistake
+    if isinstance(value, bool):
+        raise ValueError("must be a number, not true/false")
+    return value
+
+
+#: An integer field: YAML ints or numeric strings (``${VAR}``), never a boolean.
+Int = Annotated[int, BeforeValidator(_not_bool)]
+#: A number field: finite (the models refuse NaN and infinities), never a boolean.
+Float = Annotated[float, BeforeValidator(_not_bool)]
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 _HEX64_RE = re.compile(r"^[0-9a-fA-F]{64}$")
@@ -101,7 +121,7 @@ class ConfigError(ValueError):
 
 
 class _Model(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 def _name(value: str) -> str:
@@ -130,7 +150,7 @@ class ListenConfig(_Model):
     """Where the gateway listens. ``port`` 0 picks a free port (tests)."""
 
     host: str = "127.0.0.1"
-    port: int = Field(8080, ge=0, le=65535)
+    port: Int = Field(8080, ge=0, le=65535)
 
 
 class TimeoutsConfig(_Model):
@@ -140,12 +160,12 @@ class TimeoutsConfig(_Model):
     keep-alive idle time); ``client_body`` — a body that has not fully arrived in this time gets
     408 (slow clients are cut off instead of holding a connection)."""
 
-    connect: float = Field(5.0, gt=0)
-    first_byte: float = Field(120.0, gt=0)
-    idle: float = Field(60.0, gt=0)
-    total: float = Field(600.0, gt=0)
-    client_header: float = Field(15.0, gt=0)
-    client_body: float = Field(30.0, gt=0)
+    connect: Float = Field(5.0, gt=0)
+    first_byte: Float = Field(120.0, gt=0)
+    idle: Float = Field(60.0, gt=0)
+    total: Float = Field(600.0, gt=0)
+    client_header: Float = Field(15.0, gt=0)
+    client_body: Float = Field(30.0, gt=0)
 
 
 class ModelConfig(_Model):
@@ -161,8 +181,8 @@ class ModelConfig(_Model):
     name: Name
     tokenizer: str | None = None
     chat_template: str | None = None
-    context_window: int = Field(ge=1)
-    default_max_tokens: int | None = Field(None, ge=1)
+    context_window: Int = Field(ge=1, le=MAX_AMOUNT)
+    default_max_tokens: Int | None = Field(None, ge=1, le=MAX_AMOUNT)
 
     @field_validator("tokenizer")
     @classmethod
@@ -198,14 +218,14 @@ class AdaptiveConfig(_Model):
     """
 
     enabled: bool = True
-    high: float = Field(0.85, gt=0, le=1)
-    low: float = Field(0.70, ge=0, lt=1)
-    floor: float = Field(0.6, gt=0, le=1)
-    recovery_per_second: float = Field(0.1, gt=0, le=1)
-    waiting_threshold: int = Field(8, ge=0)
-    poll_interval: float = Field(1.0, gt=0)
-    stale_after: float = Field(5.0, gt=0)
-    scrape_timeout: float | None = Field(None, gt=0)
+    high: Float = Field(0.85, gt=0, le=1)
+    low: Float = Field(0.70, ge=0, lt=1)
+    floor: Float = Field(0.6, gt=0, le=1)
+    recovery_per_second: Float = Field(0.1, gt=0, le=1)
+    waiting_threshold: Int = Field(8, ge=0, le=10**9)
+    poll_interval: Float = Field(1.0, gt=0)
+    stale_after: Float = Field(5.0, gt=0)
+    scrape_timeout: Float | None = Field(None, gt=0)
 
 
 class BackendConfig(_Model):
@@ -228,11 +248,11 @@ class BackendConfig(_Model):
     metrics_url: str | None = None
     health_url: str | None = None
     models: list[ModelConfig] = Field(min_length=1)
-    max_concurrency: int = Field(ge=1)
-    tokens_per_minute: int | None = Field(None, ge=1)
-    burst_tokens: int | None = Field(None, ge=1)
-    inflight_token_limit: int | None = Field(None, ge=1)
-    capacity_safety_factor: float = Field(0.9, gt=0, le=1)
+    max_concurrency: Int = Field(ge=1, le=MAX_AMOUNT)
+    tokens_per_minute: Int | None = Field(None, ge=1, le=MAX_AMOUNT)
+    burst_tokens: Int | None = Field(None, ge=1, le=MAX_AMOUNT)
+    inflight_token_limit: Int | None = Field(None, ge=1, le=MAX_AMOUNT)
+    capacity_safety_factor: Float = Field(0.9, gt=0, le=1)
     adaptive: AdaptiveConfig = AdaptiveConfig()
     mode: Mode = "enforce"
 
@@ -280,12 +300,12 @@ class TenantConfig(_Model):
     name: Name
     api_key_sha256: list[Sha256Hex] = Field(default_factory=list)
     priority: Priority = "standard"
-    guaranteed_slots: int = Field(0, ge=0)
-    tokens_per_minute: int | None = Field(None, ge=1)
-    burst_tokens: int | None = Field(None, ge=1)
-    max_concurrency: int | None = Field(None, ge=1)
-    max_wait_ms: int = Field(0, ge=0)
-    backends: list[str] | None = None
+    guaranteed_slots: Int = Field(0, ge=0, le=MAX_AMOUNT)
+    tokens_per_minute: Int | None = Field(None, ge=1, le=MAX_AMOUNT)
+    burst_tokens: Int | None = Field(None, ge=1, le=MAX_AMOUNT)
+    max_concurrency: Int | None = Field(None, ge=1, le=MAX_AMOUNT)
+    max_wait_ms: Int = Field(0, ge=0, le=MAX_AMOUNT)
+    backends: list[str] | None = Field(None, min_length=1)
     mode: Mode = "enforce"
 
     @field_validator("name")
@@ -299,15 +319,15 @@ class QueueConfig(_Model):
     worker process keeps its own queue (the limits the queue waits on are shared), so with
     ``--workers N`` up to N × ``max_size`` requests wait."""
 
-    max_size: int = Field(1024, ge=0)
+    max_size: Int = Field(1024, ge=0, le=MAX_AMOUNT)
 
 
 class Config(_Model):
     """The whole file. See the module docstring for the cross-field rules."""
 
     listen: ListenConfig = ListenConfig()
-    workers: int = Field(1, ge=1)
-    max_body_bytes: int = Field(10 * 1024 * 1024, ge=1)
+    workers: Int = Field(1, ge=1, le=MAX_WORKERS)
+    max_body_bytes: Int = Field(10 * 1024 * 1024, ge=1, le=MAX_AMOUNT)
     timeouts: TimeoutsConfig = TimeoutsConfig()
     backends: list[BackendConfig] = Field(min_length=1)
     tenants: list[TenantConfig] = Field(default_factory=list)
@@ -321,7 +341,7 @@ class Config(_Model):
         issues = list(_cross_field_issues(self))
         if issues:
             # One ValueError carrying every issue, one per line, each with its full path;
-            # _issues_from() splits it again.
+            # issues_from() splits it again.
             raise ValueError("\n".join(f"{_CROSS}{p}\t{m}" for p, m in issues))
         return self
 
@@ -490,7 +510,9 @@ def _message(err: Any) -> str:
     return str(err["msg"])
 
 
-def _issues_from(exc: ValidationError) -> list[tuple[str, str]]:
+def issues_from(exc: ValidationError) -> list[tuple[str, str]]:
+    """``(path, message)`` per problem of a pydantic validation error of :class:`Config`, in
+    :class:`ConfigError`'s wording (``("workers", "must be ≥ 1")``)."""
     issues: list[tuple[str, str]] = []
     for err in exc.errors(include_url=False):
         message = _message(err)
@@ -592,7 +614,7 @@ def parse_config(
     try:
         return Config.model_validate(data, context=context)
     except ValidationError as exc:
-        raise ConfigError(_issues_from(exc), source) from None
+        raise ConfigError(issues_from(exc), source) from None
 
 
 def load_config(path: str | Path, *, env: Mapping[str, str] | None = None) -> Config:

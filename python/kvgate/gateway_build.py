@@ -162,6 +162,26 @@ def build_gateway(
     return gateway
 
 
+def check_startup(config: Config) -> str | None:
+    """What ``kvgate serve`` would refuse in a valid ``config`` at start-up, beyond the file's
+    own rules: the admission core's limits, tokenizers and chat templates (built here and
+    dropped), a listen host that does not resolve. ``None`` when it would start (binding the
+    port is not tried). Starts nothing."""
+    import socket
+
+    from kvgate import CoreError
+
+    try:
+        build_gateway(config, poll=False)
+    except (CoreError, ValueError, OSError) as exc:
+        return str(exc)
+    try:
+        socket.getaddrinfo(config.listen.host, config.listen.port, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError) as exc:
+        return f"listen.host {config.listen.host!r} does not resolve: {exc}"
+    return None
+
+
 def _set_tenants(gateway: Gateway, config: Config) -> None:
     tenants = [
         Tenant(
@@ -190,11 +210,13 @@ def apply_config(gateway: Gateway, new: Config) -> None:
 
     Raises:
         kvgate.config.ConfigError: the backends or models differ from the running set.
-        kvgate.InvalidConfigError: the core refuses a limit (nothing was changed before the
-            first refusal; later items keep their old values).
+        kvgate.InvalidConfigError: the core refuses a limit (tried on a scratch core first:
+            nothing is changed).
     """
     from kvgate.config import ConfigError
 
+    # every limit is tried on a scratch core first, so a refusal leaves the running one as it is
+    build_controller(new)
     old = gateway.config
     if old is not None:
         before = [(b.name, b.url, [m.name for m in b.models]) for b in old.backends]
@@ -225,6 +247,8 @@ def apply_config(gateway: Gateway, new: Config) -> None:
             ctl.update_tenant(tid, **_tenant_limits(t, ctl))
     for backend, b in zip(gateway.backends, new.backends, strict=True):
         backend.config = b
+    if old is not None:  # the listening socket and the workers stay those of the start
+        new = new.model_copy(update={"listen": old.listen, "workers": old.workers})
     gateway.config = new
     gateway.max_body_bytes = new.max_body_bytes
     gateway.timeouts = new.timeouts

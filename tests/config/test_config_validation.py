@@ -190,6 +190,49 @@ FIELD_RULES: list[tuple[str, Any, list[tuple[str, str]]]] = [
     ("queue.max_size", -1, [("queue.max_size", "must be ≥ 0")]),
     ("timeouts.connect", 0, [("timeouts.connect", "must be > 0")]),
     ("timeouts.total", -1, [("timeouts.total", "must be > 0")]),
+    # what the admission core or the process table cannot hold, refused in the file (not at
+    # start-up, nor half-way through a reload)
+    (
+        "backends[0].max_concurrency",
+        2**62 + 1,
+        [("backends[0].max_concurrency", f"must be ≤ {2**62}")],
+    ),
+    (
+        "backends[0].tokens_per_minute",
+        2**63,
+        [("backends[0].tokens_per_minute", f"must be ≤ {2**62}")],
+    ),
+    (
+        "tenants[1].tokens_per_minute",
+        2**64,
+        [("tenants[1].tokens_per_minute", f"must be ≤ {2**62}")],
+    ),
+    ("max_body_bytes", 10**20, [("max_body_bytes", f"must be ≤ {2**62}")]),
+    (
+        "backends[0].models[0].context_window",
+        10**20,
+        [("backends[0].models[0].context_window", f"must be ≤ {2**62}")],
+    ),
+    ("workers", 64, [("workers", "must be ≤ 63")]),
+    # booleans are not numbers; NaN and infinities are not finite
+    (
+        "backends[0].max_concurrency",
+        True,
+        [("backends[0].max_concurrency", "must be a number, not true/false")],
+    ),
+    (
+        "backends[0].capacity_safety_factor",
+        False,
+        [("backends[0].capacity_safety_factor", "must be a number, not true/false")],
+    ),
+    (
+        "backends[0].capacity_safety_factor",
+        float("nan"),
+        [("backends[0].capacity_safety_factor", "must be a finite number")],
+    ),
+    ("timeouts.connect", float("nan"), [("timeouts.connect", "must be a finite number")]),
+    ("timeouts.total", float("inf"), [("timeouts.total", "must be a finite number")]),
+    ("tenants[1].backends", [], [("tenants[1].backends", "must have at least 1 entry")]),
 ]
 
 
@@ -524,6 +567,48 @@ def test_check_config_bad(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
         f"kvgate: invalid configuration {path}:\n"
         "  workers: must be ≥ 1\n"
         "  backends: must have at least 1 entry\n"
+    )
+
+
+def test_check_config_refuses_what_serve_would(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A file whose fields are valid but that ``kvgate serve`` could not start with (a tokenizer
+    that does not load, a broken chat template, a listen host that does not resolve) fails
+    check-config too."""
+    tok = tmp_path / "tokenizer.json"
+    tok.write_text("not json")
+    cases = {
+        "tokenizer": f"  - {{name: m, context_window: 64, tokenizer: {tok}}}\n",
+        "template": "  - {name: m, context_window: 64, chat_template: '{% for %}'}\n",
+        "host": "  - {name: m, context_window: 64}\nlisten: {host: 'not a host'}\n",
+    }
+    for what, models in cases.items():
+        path = write(
+            tmp_path,
+            "backends:\n- name: b\n  url: http://127.0.0.1:9\n  max_concurrency: 2\n"
+            "  models:\n" + models.replace("  - ", "  - ", 1),
+        )
+        assert main(["check-config", str(path)]) == 2, what
+        err = capsys.readouterr().err
+        assert "kvgate serve would refuse it" in err, (what, err)
+        assert "Traceback" not in err
+
+
+def test_check_config_warns_about_unreachable_tenants(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = write(
+        tmp_path,
+        "backends:\n- name: b\n  url: http://127.0.0.1:9\n  max_concurrency: 2\n"
+        "  models: [{name: m, context_window: 64}]\n"
+        "tenants:\n- name: nobody\n- name: anon\nanonymous_tenant: anon\n",
+    )
+    assert main(["check-config", str(path)]) == 0
+    err = capsys.readouterr().err
+    assert err == (
+        "warning: tenant nobody has no API key and is not the anonymous tenant: "
+        "no request can reach it\n"
     )
 
 

@@ -117,3 +117,38 @@ async def test_tenant_is_routed_only_to_its_backends(gateway_for) -> None:
             assert ctl.backend_state(0)["guaranteed_slots"] == 3
             assert ctl.backend_state(1)["guaranteed_slots"] == 3
             assert ctl.tenant_state(ctl.tenant_id("pinned"))["guaranteed_backends"] == [0, 1]
+
+
+def test_a_reload_the_core_refuses_changes_nothing() -> None:
+    """Every limit of a reloaded file is tried on a scratch core first: a refusal (here a
+    tenant burst that would take ~190 years to refill at 1 token per minute) leaves the
+    running backends and tenants as they were, and the listen address stays the started one."""
+    base = two_backends(
+        "http://127.0.0.1:9", "http://127.0.0.1:10", [{"name": "t", "api_key_sha256": [sha("k")]}]
+    )
+    gateway = build_gateway(Config.model_validate(base), poll=False)
+    ctl = gateway.controller
+    b0 = ctl.backend_id("b0")
+    changed = two_backends(
+        "http://127.0.0.1:9",
+        "http://127.0.0.1:10",
+        [
+            {
+                "name": "t",
+                "api_key_sha256": [sha("k")],
+                "tokens_per_minute": 1,
+                "burst_tokens": 10**8,
+            }
+        ],
+    )
+    changed["backends"][0]["max_concurrency"] = 3
+    with pytest.raises(ValueError, match="refill"):
+        apply_config(gateway, Config.model_validate(changed))
+    assert ctl.backend_state(b0)["max_concurrency"] == 4
+    assert ctl.tenant_state(ctl.tenant_id("t"))["tokens_per_minute"] is None
+    # a valid reload that moves the listen port applies the limits, not the port
+    moved = {**base, "listen": {"host": "127.0.0.1", "port": 18099}}
+    moved["backends"][0]["max_concurrency"] = 3
+    apply_config(gateway, Config.model_validate(moved))
+    assert ctl.backend_state(b0)["max_concurrency"] == 3
+    assert gateway.config.listen.port == Config.model_validate(base).listen.port
