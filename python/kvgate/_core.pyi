@@ -276,7 +276,7 @@ class Rejection:
         """Which limit refused (low-cardinality metric label)."""
     @property
     def scope(self) -> Literal["tenant", "backend"]:
-        """``"tenant"`` (HTTP 429) or ``"backend"`` (HTTP 503)."""
+        """``"tenant"`` (HTTP 429) or ``"backend"`` (HTTP 503; 429 when :attr:`never`)."""
     @property
     def retry_after(self) -> float | None:
         """Estimated seconds until a retry may succeed; ``None`` when it never can."""
@@ -461,7 +461,8 @@ class AdmissionController:
         """A whole refusal as it goes on the wire, with its status and reason. ``refusal``: a
         :class:`Rejection` (read natively) or any object with ``reason`` (str), ``scope``
         (``"tenant"`` / ``"backend"``), ``retry_after`` (seconds or ``None``) and ``never``.
-        The status is 429 when the tenant's own quota refused it (scope ``tenant``), else 503.
+        The status is 429 when the tenant's own quota refused it (scope ``tenant``) or when it
+        can never fit (``never``: OpenAI's "Request too large", ``type`` ``tokens``), else 503.
         The message is an HTTP/1.1 response (:func:`http_response`): the :meth:`refusal_headers`
         (with ``Retry-After`` for a wait of ``retry_after`` seconds, none when ``never``),
         ``Content-Length``, ``Date`` and, when given, ``Connection: <connection>``, then OpenAI's

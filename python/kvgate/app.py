@@ -535,7 +535,8 @@ class Gateway:
         model: ModelRoute | None,
         requested: int,
     ) -> tuple[PreparedResponse, str]:
-        """429 (tenant over quota) or 503 (backend saturated / class shed) with OpenAI's error
+        """429 (tenant over quota, or a request that can never fit) or 503 (backend saturated /
+        class shed) with OpenAI's error
         body, ``Retry-After`` (computed; omitted with ``x-should-retry: false`` when it can never
         be admitted), the ``x-ratelimit-*`` headers and ``x-kvgate-reject-reason``, serialized
         whole in Rust (:meth:`kvgate._core.AdmissionController.refusal_response`). Returns it and

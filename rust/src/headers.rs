@@ -197,15 +197,19 @@ fn wait_text(retry_after: Option<f64>) -> String {
     }
 }
 
-/// The status (429 for a tenant's quota, 503 for the backend) and `OpenAI` error body of a
-/// refusal: `{"error": {"message", "type", "param": null, "code"}}` with `type` `tokens` /
-/// `requests` and code `rate_limit_exceeded` for 429, `server_error` /
-/// `server_is_overloaded` for 503 (ENGINES.md §5.1).
+/// The status (429 for a tenant's quota and for a request that can never fit any limit, 503
+/// for a busy backend) and `OpenAI` error body of a refusal: `{"error": {"message", "type",
+/// "param": null, "code"}}` with `type` `tokens` / `requests` and code `rate_limit_exceeded`
+/// for 429, `server_error` / `server_is_overloaded` for 503 (ENGINES.md §5.1). A request larger
+/// than a whole limit (TPM burst, in-flight budget) is `OpenAI`'s "Request too large" 429 with
+/// type `tokens`, sent with `x-should-retry: false` (ENGINES.md §5.1, DESIGN.md: a clear 4xx).
 #[must_use]
 pub fn refusal_body(t: &RefusalText<'_>) -> (u16, Vec<u8>) {
     let name = t.model.unwrap_or("this backend");
     let wait = wait_text(t.retry_after);
-    let (status, kind, code) = if t.tenant_scope {
+    let (status, kind, code) = if t.never {
+        (429, "tokens", "rate_limit_exceeded")
+    } else if t.tenant_scope {
         let kind = if t.reason.contains("tpm") {
             "tokens"
         } else {
@@ -650,8 +654,11 @@ mod tests {
             ..base
         };
         let (status, err) = parse(&backend);
-        assert_eq!(status, 503);
-        assert_eq!(err["code"], "server_is_overloaded");
+        assert_eq!(status, 429);
+        assert_eq!(
+            (&err["type"], &err["code"]),
+            (&"tokens".into(), &"rate_limit_exceeded".into())
+        );
         assert_eq!(
             err["message"],
             "Request too large for this backend: 28 tokens exceed the backend's whole token \

@@ -17,7 +17,7 @@ from kvgate._core import AdmissionController, http_response, relay_http
 from .conftest import config_for
 from .fake_upstream import EVENTS, run_upstream
 
-# bigger than the backend's whole TPM bucket (50): refused at once, never admissible (503)
+# bigger than the backend's whole TPM bucket (50): refused at once, never admissible (429)
 TOO_BIG = orjson.dumps(
     {"model": "replay", "max_tokens": 100, "messages": [{"role": "user", "content": "hi"}]}
 )
@@ -120,7 +120,7 @@ async def test_pipelined_refusals_and_errors_are_framed_on_one_connection(gw) ->
             _post() + b"GET /nowhere HTTP/1.1\r\nHost: x\r\n\r\n" + _post(bad_json) + _post()
         )
         responses, _ = await _read_responses(reader, 4, [b"POST", b"GET", b"POST", b"POST"])
-        assert [r.status_code for r, _ in responses] == [503, 404, 400, 503]
+        assert [r.status_code for r, _ in responses] == [429, 404, 400, 429]
         for resp, body in responses:
             h = _headers(resp)
             assert int(h["content-length"]) == len(body)
@@ -135,7 +135,7 @@ async def test_pipelined_refusals_and_errors_are_framed_on_one_connection(gw) ->
         assert refusal["x-should-retry"] == "false"
         assert "retry-after" not in refusal
         assert refusal["x-ratelimit-limit-tokens"] == "50"
-        assert responses[0][0].reason == b"Service Unavailable"
+        assert responses[0][0].reason == b"Too Many Requests"
         assert orjson.loads(responses[2][1])["error"]["code"] == "invalid_json"
         # nothing was held by any of them
         assert gw.backend_state()["in_use"] == 0
@@ -148,7 +148,7 @@ async def test_http10_closes_unless_kept_alive(gw) -> None:
     try:
         writer.write(_post(version=b"1.0"))
         [(resp, _)], _ = await _read_responses(reader, 1)
-        assert resp.status_code == 503
+        assert resp.status_code == 429
         assert _headers(resp)["connection"] == "close"
         assert await _closed_by_server(reader)
     finally:
@@ -164,7 +164,7 @@ async def test_http10_closes_unless_kept_alive(gw) -> None:
         await reader.readexactly(length)
         writer.write(_post(version=b"1.0", extra=keep))  # the same connection answers again
         head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
-        assert head.startswith(b"HTTP/1.1 503 ")
+        assert head.startswith(b"HTTP/1.1 429 ")
     finally:
         writer.close()
 
@@ -174,9 +174,9 @@ async def test_connection_close_is_honoured(gw) -> None:
     try:
         writer.write(_post(extra=b"Connection: close\r\n"))
         [(resp, body)], _ = await _read_responses(reader, 1)
-        assert resp.status_code == 503
+        assert resp.status_code == 429
         assert _headers(resp)["connection"] == "close"
-        assert orjson.loads(body)["error"]["code"] == "server_is_overloaded"
+        assert orjson.loads(body)["error"]["code"] == "rate_limit_exceeded"
         assert await _closed_by_server(reader)
     finally:
         writer.close()
@@ -194,7 +194,7 @@ async def test_head_error_has_length_but_no_body(gw) -> None:
         assert head.status_code == 404
         assert head_body == b""
         assert int(_headers(head)["content-length"]) > 0
-        assert post.status_code == 503
+        assert post.status_code == 429
     finally:
         writer.close()
 
