@@ -320,8 +320,9 @@ async def test_health_out_and_back(engine: Engine, session: aiohttp.ClientSessio
 
 
 async def test_health_refused_takes_backend_out(
-    engine: Engine, session: aiohttp.ClientSession
+    engine: Engine, session: aiohttp.ClientSession, caplog: pytest.LogCaptureFixture
 ) -> None:
+    caplog.set_level(logging.WARNING, logger="kvgate.telemetry")
     sink = Recorder()
     t = target(engine, health_url=engine.url("/health"), unhealthy_after=2)
     async with MetricsPoller(session, sink, [t]):
@@ -329,6 +330,10 @@ async def test_health_refused_takes_backend_out(
         await engine.refuse()
         await wait_until(sink, lambda: bool(sink.of("health")))
         assert sink.of("health") == [("health", "b1", False)]
+    [line] = [r.getMessage() for r in caplog.records if "health check failed" in r.getMessage()]
+    # the error's class and text, not its repr (aiohttp's repr dumps the whole connection key)
+    assert "(ClientConnectorError: Cannot connect to host" in line
+    assert "ConnectionKey(" not in line
 
 
 async def test_llamacpp_slots(engine: Engine, session: aiohttp.ClientSession) -> None:

@@ -351,8 +351,10 @@ class MetricsPoller:
             async with self._session.get(target.health_url, timeout=timeout) as resp:
                 ok = 200 <= resp.status < 300
                 detail = f"HTTP {resp.status}"
-        except (TimeoutError, aiohttp.ClientError) as exc:
-            ok, detail = False, repr(exc)
+        except TimeoutError:
+            ok, detail = False, f"no answer in {target.timeout:g} s"
+        except aiohttp.ClientError as exc:
+            ok, detail = False, f"{type(exc).__name__}: {exc}"
         now = self._now()
         if ok:
             st.health_failures = 0
