@@ -201,6 +201,7 @@ class Gateway:
         # one JSON parse per request: the registry picks the model's analyser itself
         self.registry = ModelRegistry([m.analyzer for m in self.models.values()])
         self.metrics = GatewayMetrics(self.read_state, lambda: int(self.controller.leaks))
+        self.metrics.init_backends(b.name for b in self.backends)
         size = self.config.queue.max_size if self.config is not None else 1024
         self.queue = (
             PriorityWaitQueue(max_waiters=size, on_wait=self._observe_wait) if size > 0 else None
