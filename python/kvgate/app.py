@@ -201,6 +201,7 @@ class Gateway:
         # one JSON parse per request: the registry picks the model's analyser itself
         self.registry = ModelRegistry([m.analyzer for m in self.models.values()])
         self.metrics = GatewayMetrics(self.read_state, lambda: int(self.controller.leaks))
+        self.metrics.init_backends(b.name for b in self.backends)
         size = self.config.queue.max_size if self.config is not None else 1024
         self.queue = (
             PriorityWaitQueue(max_waiters=size, on_wait=self._observe_wait) if size > 0 else None
@@ -406,13 +407,15 @@ class Gateway:
     def authenticate(self, request: web.BaseRequest) -> tuple[Tenant, str]:
         """The tenant of a request and its priority class.
 
-        The key comes from ``Authorization: Bearer <key>`` (or ``api-key``); it is hashed with
-        SHA-256 and compared in constant time against every declared hash. A request may lower
-        its priority with ``x-kvgate-priority``; a higher value is ignored.
+        The key comes from ``Authorization: Bearer <key>`` (or, without a Bearer authorization,
+        ``api-key``); it is hashed with SHA-256 and compared in constant time against every
+        declared hash. Only a request with no key runs as the anonymous tenant; when no tenant
+        has a key, keys are not read and every request is the anonymous tenant's. A request may
+        lower its priority with ``x-kvgate-priority``; a higher value is ignored.
 
         Raises:
-            GatewayError: 401 ``invalid_api_key`` for a missing or unknown key when there is no
-                anonymous tenant.
+            GatewayError: 401 ``invalid_api_key`` for a key that matches no tenant, and for a
+                request with no key when there is no anonymous tenant.
         """
         tenant: Tenant | None = None
         # no keys configured: whatever key a client sends, it is the anonymous tenant

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 from bisect import bisect_left
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -246,6 +246,18 @@ class GatewayMetrics:
             self.usage_ratio: _RATIO_BUCKETS,
         }
         reg.register(_StateCollector(read_state))
+
+    def init_backends(self, names: Iterable[str]) -> None:
+        """Give every backend its samples from start-up: ``kvgate_shedding{class="sheddable"}``
+        and ``kvgate_metrics_stale`` at 0, ``kvgate_metrics_scrape_errors_total`` at 0 (else a
+        healthy gateway exports none until the first change). In multiprocess mode each worker
+        writes its 0s to its own file, and the ``max`` of the gauges and the sum of the counter
+        over workers are unchanged by them."""
+        for name in names:
+            # the adaptive controller sets these (kvgate.adaptive: only the sheddable class is shed)
+            self.shedding.labels(name, "sheddable").set(0)
+            self.metrics_stale.labels(name).set(0)
+            self.scrape_errors.labels(name)
 
     def _count(self, metric: Any, labels: tuple[str, ...], amount: float = 1) -> None:
         key = (metric, labels)

@@ -12,6 +12,7 @@ use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyBool, PyBytes, PyDict, PyInt, PyList, PyString, PyTuple, PyType};
+use pyo3::IntoPyObjectExt;
 
 use crate::adaptive::{AdaptiveLaw as RustLaw, LawParams};
 use crate::admission::{
@@ -33,6 +34,12 @@ static INVALID_CONFIG: PyOnceLock<Py<PyType>> = PyOnceLock::new();
 static SHARED_STATE: PyOnceLock<Py<PyType>> = PyOnceLock::new();
 /// The `x-ratelimit-*` header names, interned once.
 static RATE_LIMIT_NAMES: PyOnceLock<[Py<PyString>; 6]> = PyOnceLock::new();
+
+/// Python's `repr()` of `value` (`None`, `True`, `'text'`, `1.0`), so that a binding's
+/// `__repr__` reads as Python, not as Rust's `Debug` (`Some(1.0)`, `true`, `"text"`).
+pub(crate) fn py_repr<'py, T: IntoPyObject<'py>>(py: Python<'py>, value: T) -> PyResult<String> {
+    Ok(value.into_bound_py_any(py)?.repr()?.to_str()?.to_owned())
+}
 
 fn make_type(
     py: Python<'_>,
@@ -501,12 +508,12 @@ impl AdaptiveLaw {
         self.law.params().waiting_threshold
     }
 
-    fn __repr__(&self) -> String {
-        format!(
-            "AdaptiveLaw(scale={:.3}, shedding={})",
-            self.law.scale(),
-            self.law.shedding()
-        )
+    fn __repr__(&self, py: Python<'_>) -> PyResult<String> {
+        Ok(format!(
+            "AdaptiveLaw(scale={}, shedding={})",
+            py_repr(py, (self.law.scale() * 1000.0).round() / 1000.0)?,
+            py_repr(py, self.law.shedding())?
+        ))
     }
 }
 
@@ -590,15 +597,15 @@ impl Reservation {
         true
     }
 
-    fn __repr__(&self) -> String {
-        format!(
-            "Reservation(backend={}, tenant={}, tokens={}, pool={:?}, released={})",
+    fn __repr__(&self, py: Python<'_>) -> PyResult<String> {
+        Ok(format!(
+            "Reservation(backend={}, tenant={}, tokens={}, pool={}, released={})",
             self.ticket.backend,
             self.ticket.tenant,
             self.ticket.tokens,
-            self.pool(),
-            self.released()
-        )
+            py_repr(py, self.pool())?,
+            py_repr(py, self.released())?
+        ))
     }
 }
 
@@ -649,13 +656,13 @@ impl Rejection {
         false
     }
 
-    fn __repr__(&self) -> String {
-        format!(
-            "Rejection(reason={:?}, scope={:?}, retry_after={:?})",
-            self.reason(),
-            self.scope(),
-            self.retry_after()
-        )
+    fn __repr__(&self, py: Python<'_>) -> PyResult<String> {
+        Ok(format!(
+            "Rejection(reason={}, scope={}, retry_after={})",
+            py_repr(py, self.reason())?,
+            py_repr(py, self.scope())?,
+            py_repr(py, self.retry_after())?
+        ))
     }
 }
 
@@ -1033,13 +1040,13 @@ impl AdmissionController {
         Ok(d)
     }
 
-    fn __repr__(&self) -> String {
-        format!(
-            "AdmissionController(backends={}, tenants={}, shm_name={:?})",
+    fn __repr__(&self, py: Python<'_>) -> PyResult<String> {
+        Ok(format!(
+            "AdmissionController(backends={}, tenants={}, shm_name={})",
             self.core.backend_count(),
             self.core.tenant_count(),
-            self.core.shm_name()
-        )
+            py_repr(py, self.core.shm_name())?
+        ))
     }
 }
 

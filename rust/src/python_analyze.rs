@@ -15,6 +15,7 @@ use pyo3::types::{PyBytes, PyDict};
 use crate::analyze::{
     self, AnalysisError, AnalyzerConfig, ChatTemplate, Counter, ModelRegistry, RequestAnalyzer,
 };
+use crate::python::py_repr;
 
 /// Bodies below this many bytes are analysed without releasing the GIL (detaching would cost
 /// more than the work).
@@ -84,11 +85,15 @@ impl PyAnalysisError {
         self.message.clone()
     }
 
-    fn __repr__(&self) -> String {
-        format!(
-            "AnalysisError(status={}, type={:?}, param={:?}, code={:?}, message={:?})",
-            self.status, self.kind, self.param, self.code, self.message
-        )
+    fn __repr__(&self, py: Python<'_>) -> PyResult<String> {
+        Ok(format!(
+            "AnalysisError(status={}, type={}, param={}, code={}, message={})",
+            self.status,
+            py_repr(py, &self.kind)?,
+            py_repr(py, &self.param)?,
+            py_repr(py, &self.code)?,
+            py_repr(py, &self.message)?
+        ))
     }
 }
 
@@ -168,22 +173,21 @@ impl From<analyze::Analysis> for PyAnalysis {
 
 #[pymethods]
 impl PyAnalysis {
-    fn __repr__(&self) -> String {
-        format!(
-            "Analysis(model={:?}, route={:?}, prompt_tokens={}, completion_tokens={}, n={}, \
-             stream={}, include_usage={}, reserved_tokens={}, inject_max_tokens={}, counting={:?})",
-            self.model,
-            self.route,
+    fn __repr__(&self, py: Python<'_>) -> PyResult<String> {
+        Ok(format!(
+            "Analysis(model={}, route={}, prompt_tokens={}, completion_tokens={}, n={}, \
+             stream={}, include_usage={}, reserved_tokens={}, inject_max_tokens={}, counting={})",
+            py_repr(py, &self.model)?,
+            py_repr(py, self.route)?,
             self.prompt_tokens,
             self.completion_tokens,
             self.n,
-            if self.stream { "True" } else { "False" },
-            if self.include_usage { "True" } else { "False" },
+            py_repr(py, self.stream)?,
+            py_repr(py, self.include_usage)?,
             self.reserved_tokens,
-            self.inject_max_tokens
-                .map_or_else(|| "None".to_owned(), |v| v.to_string()),
-            self.counting
-        )
+            py_repr(py, self.inject_max_tokens)?,
+            py_repr(py, self.counting)?
+        ))
     }
 }
 
@@ -297,15 +301,15 @@ impl PyRequestAnalyzer {
         run(py, text.len(), || inner.count_text(text))
     }
 
-    fn __repr__(&self) -> String {
+    fn __repr__(&self, py: Python<'_>) -> PyResult<String> {
         let c = self.inner.config();
-        format!(
-            "RequestAnalyzer(model={:?}, context_window={}, tokenizer={}, chat_template={})",
-            c.model,
+        Ok(format!(
+            "RequestAnalyzer(model={}, context_window={}, tokenizer={}, chat_template={})",
+            py_repr(py, &c.model)?,
             c.context_window,
-            self.inner.has_tokenizer(),
-            self.inner.has_chat_template()
-        )
+            py_repr(py, self.inner.has_tokenizer())?,
+            py_repr(py, self.inner.has_chat_template())?
+        ))
     }
 }
 

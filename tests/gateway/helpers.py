@@ -47,6 +47,24 @@ def metric(text: str, name: str, **labels: str) -> float | None:
     return total
 
 
+#: the series every backend has from start-up: (sample name, labels besides ``backend``)
+STARTUP_SERIES = (
+    ("kvgate_shedding", {"class": "sheddable"}),
+    ("kvgate_metrics_stale", {}),
+    ("kvgate_metrics_scrape_errors_total", {}),
+)
+
+
+def samples(text: str, name: str) -> dict[str, list[tuple[dict[str, str], float]]]:
+    """``{backend: [(labels, value), ...]}`` of the samples called ``name``."""
+    out: dict[str, list[tuple[dict[str, str], float]]] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == name:
+                out.setdefault(s.labels["backend"], []).append((dict(s.labels), s.value))
+    return out
+
+
 async def get_text(url: str, headers: dict[str, str] | None = None) -> str:
     """``GET url`` and return the body as text (a fresh connection each time)."""
     async with aiohttp.ClientSession() as s, s.get(url, headers=headers) as r:

@@ -25,10 +25,12 @@ from kvgate.sim import SimConfig, run_sim
 
 from .fake_upstream import run_upstream
 from .helpers import (
+    STARTUP_SERIES,
     chat,
     free_port,
     get_text,
     metric,
+    samples,
     start_kvgate,
     stop_process,
     until,
@@ -435,3 +437,20 @@ def _livesum_file(pid: int) -> bool:
     import tempfile
 
     return any(Path(tempfile.gettempdir()).glob(f"kvgate-prom-*/gauge_livesum_{pid}.db"))
+
+
+async def test_two_workers_export_the_startup_series_for_every_backend(tmp_path: Path) -> None:
+    """Multiprocess mode: kvgate_shedding / kvgate_metrics_stale / scrape errors exist for every
+    backend from start-up, one merged series each (gauges: max, counter: sum over workers)."""
+    async with workers_stack(tmp_path) as st:
+        await until(lambda: len(children(st["proc"].pid)) == 2)
+        # new connections spread over SO_REUSEPORT: several scrapes reach both workers
+        for _ in range(4):
+            text = await get_text(st["url"] + "/metrics")
+            for name, extra in STARTUP_SERIES:
+                found = samples(text, name)
+                assert sorted(found) == ["dead", "fake", "sim"], (name, found)
+                for backend, series in found.items():
+                    assert [labels for labels, _ in series] == [{"backend": backend, **extra}]
+                # the simulator answers its /metrics: nothing shed, stale or failed
+                assert found["sim"][0][1] == 0, (name, found)

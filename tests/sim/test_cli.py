@@ -3,6 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import re
+import signal
+import socket
+import subprocess
+import sys
+import urllib.request
 
 import pytest
 
@@ -40,3 +46,43 @@ def test_invalid_settings_exit_2_with_a_message(capsys: pytest.CaptureFixture[st
 def test_unknown_choice_is_an_argparse_error() -> None:
     with pytest.raises(SystemExit):
         parse("--on-overflow", "explode")
+
+
+def test_port_in_use_is_one_line_and_exit_2() -> None:
+    """A taken port: one line naming host:port on stderr, exit 2, no banner, no traceback."""
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        done = subprocess.run(
+            [sys.executable, "-m", "kvgate", "sim", "--host", "127.0.0.1", "--port", str(port)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    assert done.returncode == 2
+    assert done.stdout == ""
+    assert done.stderr.splitlines() == [
+        f"kvgate sim: error: cannot listen on 127.0.0.1:{port}: Address already in use"
+    ]
+
+
+def test_banner_names_the_bound_port_and_it_serves() -> None:
+    """``--port 0``: the banner (printed after the bind) names the ephemeral port, which answers."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvgate", "sim", "--host", "127.0.0.1", "--port", "0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        banner = proc.stdout.readline()
+        match = re.search(r"on http://127\.0\.0\.1:(\d+) ", banner)
+        assert match, banner
+        port = int(match.group(1))
+        assert port != 0
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=30) as r:
+            assert r.status == 200
+    finally:
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, err

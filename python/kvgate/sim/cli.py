@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import os
+import socket
 import sys
 
 from kvgate.sim.config import SimConfig
@@ -98,8 +100,22 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
     )
 
 
+def _listen(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on ``host``:``port`` (port 0: an ephemeral one).
+
+    Raises:
+        OSError: the address does not resolve, or it cannot be bound (e.g. already in use).
+    """
+    family, *_ = socket.getaddrinfo(
+        host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    )[0]
+    # socket.create_server sets SO_REUSEADDR on POSIX, as aiohttp's own listener does
+    return socket.create_server((host, port), family=family)
+
+
 def run(args: argparse.Namespace) -> int:
-    """Serve until interrupted; returns 0, or 2 for invalid settings (message on stderr)."""
+    """Serve until interrupted; returns 0, or 2 for invalid settings or an address that cannot
+    be listened on (one line on stderr). The banner is printed once the port is bound."""
     import uvloop
     from aiohttp import web
 
@@ -111,8 +127,19 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"kvgate sim: error: {exc}", file=sys.stderr)
         return 2
+    where = f"[{args.host}]:{args.port}" if ":" in args.host else f"{args.host}:{args.port}"
+    try:
+        sock = _listen(args.host, args.port)
+    except OSError as exc:
+        # create_server appends "(while attempting to bind ...)" to strerror; keep the reason
+        errno = exc.errno or 0
+        reason = os.strerror(errno) if errno > 0 else exc.strerror or str(exc)
+        print(f"kvgate sim: error: cannot listen on {where}: {reason}", file=sys.stderr)
+        return 2
+    port = sock.getsockname()[1]
+    where = f"[{args.host}]:{port}" if ":" in args.host else f"{args.host}:{port}"
     print(
-        f"kvgate sim: {config.model} ({config.profile}) on http://{args.host}:{args.port} — "
+        f"kvgate sim: {config.model} ({config.profile}) on http://{where} — "
         f"{config.kv_blocks} blocks × {config.block_size} = {config.kv_capacity_tokens} KV tokens, "
         f"context {config.context_window}, max_num_seqs {config.max_num_seqs}, "
         f"on_overflow={config.on_overflow}, speed ×{config.speed:g}",
@@ -120,8 +147,7 @@ def run(args: argparse.Namespace) -> int:
     )
     web.run_app(
         app,
-        host=args.host,
-        port=args.port,
+        sock=sock,
         loop=uvloop.new_event_loop(),
         handler_cancellation=True,
         access_log=None,
