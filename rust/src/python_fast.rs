@@ -72,22 +72,29 @@ impl FastArgs {
     }
 }
 
-/// Runs `body` with the GIL token and the pool behind `slf`, turning an error or a panic into a
-/// raised exception (null return).
+/// One call of `method`: reads its argument `n` and runs `body` with the pool behind `slf`,
+/// turning an error or a panic into a raised exception (null return).
 ///
 /// # Safety
-/// `slf` must be a live `SlotPool` (CPython's method descriptor checks the type before calling)
-/// and the GIL must be held.
+/// As CPython calls a `METH_FASTCALL | METH_KEYWORDS` method: `slf` a live `SlotPool` (the
+/// method descriptor checks the type before calling), the arguments as described on
+/// [`FastArgs::n`], the GIL held.
 unsafe fn call(
     slf: *mut ffi::PyObject,
-    body: impl FnOnce(Python<'_>, &SlotPool) -> PyResult<*mut ffi::PyObject>,
+    args: FastArgs,
+    method: &str,
+    body: impl FnOnce(&SlotPool, u64) -> PyResult<*mut ffi::PyObject>,
 ) -> *mut ffi::PyObject {
     // SAFETY: CPython calls methods with the GIL held.
     let py = unsafe { Python::assume_attached() };
     // SAFETY: the descriptor was created for the SlotPool type, so `slf` is one (borrowed).
     let pool = unsafe { Bound::ref_from_ptr(py, &slf).cast_unchecked::<SlotPool>() };
-    let result = catch_unwind(AssertUnwindSafe(|| body(py, pool.get())))
-        .unwrap_or_else(|_| Err(PyRuntimeError::new_err("kvgate: panic in SlotPool")));
+    let result = catch_unwind(AssertUnwindSafe(|| {
+        // SAFETY: the arguments are CPython's vectorcall arguments (this function's contract).
+        let n = unsafe { args.n(py, method) }?;
+        body(pool.get(), n)
+    }))
+    .unwrap_or_else(|_| Err(PyRuntimeError::new_err("kvgate: panic in SlotPool")));
     match result {
         Ok(obj) => obj,
         Err(e) => {
@@ -112,46 +119,35 @@ fn py_none() -> *mut ffi::PyObject {
     unsafe { ffi::Py_NewRef(ffi::Py_None()) }
 }
 
-unsafe extern "C" fn try_acquire(
-    slf: *mut ffi::PyObject,
-    args: *const *mut ffi::PyObject,
-    nargs: ffi::Py_ssize_t,
-    kwnames: *mut ffi::PyObject,
-) -> *mut ffi::PyObject {
-    let a = FastArgs {
-        args,
-        nargs,
-        kwnames,
+/// Defines the `METH_FASTCALL | METH_KEYWORDS` entry point `$name`: its one argument `n` read by
+/// [`call`], then `$body(pool, n)`.
+macro_rules! fast_method {
+    ($name:ident, $body:expr) => {
+        unsafe extern "C" fn $name(
+            slf: *mut ffi::PyObject,
+            args: *const *mut ffi::PyObject,
+            nargs: ffi::Py_ssize_t,
+            kwnames: *mut ffi::PyObject,
+        ) -> *mut ffi::PyObject {
+            let args = FastArgs {
+                args,
+                nargs,
+                kwnames,
+            };
+            // SAFETY: CPython calls it as a SlotPool method (the descriptor checks the type),
+            // with the GIL held and vectorcall arguments.
+            unsafe { call(slf, args, stringify!($name), $body) }
+        }
     };
-    // SAFETY: called by CPython as a SlotPool method with the GIL held and vectorcall arguments.
-    unsafe {
-        call(slf, |py, pool| {
-            let n = a.n(py, "try_acquire")?;
-            Ok(py_bool(pool.c.try_acquire(n)))
-        })
-    }
 }
 
-unsafe extern "C" fn release(
-    slf: *mut ffi::PyObject,
-    args: *const *mut ffi::PyObject,
-    nargs: ffi::Py_ssize_t,
-    kwnames: *mut ffi::PyObject,
-) -> *mut ffi::PyObject {
-    let a = FastArgs {
-        args,
-        nargs,
-        kwnames,
-    };
-    // SAFETY: as in `try_acquire`.
-    unsafe {
-        call(slf, |py, pool| {
-            let n = a.n(py, "release")?;
-            pool.c.release(n)?;
-            Ok(py_none())
-        })
-    }
-}
+fast_method!(try_acquire, |pool: &SlotPool, n| Ok(py_bool(
+    pool.c.try_acquire(n)
+)));
+fast_method!(release, |pool: &SlotPool, n| {
+    pool.c.release(n)?;
+    Ok(py_none())
+});
 
 /// A `PyMethodDef` in a static: CPython keeps a pointer to it and never writes through it.
 struct MethodDef(ffi::PyMethodDef);

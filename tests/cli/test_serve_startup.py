@@ -20,16 +20,7 @@ def _serve(*args: str) -> subprocess.CompletedProcess[str]:
 def test_unloadable_tokenizer_is_a_clear_startup_error(tmp_path: Path) -> None:
     tok = tmp_path / "tokenizer.json"
     tok.write_text('{"not": "a tokenizer"}')
-    cfg = tmp_path / "kvgate.yaml"
-    cfg.write_text(
-        "backends:\n"
-        "  - name: b0\n"
-        "    url: http://127.0.0.1:9\n"
-        "    max_concurrency: 4\n"
-        "    models:\n"
-        f"      - {{name: m, context_window: 1024, tokenizer: {tok}}}\n"
-    )
-    done = _serve("--config", str(cfg), "--port", "0")
+    done = _serve("--config", str(_config(tmp_path, tokenizer=tok)), "--port", "0")
     assert done.returncode == 2
     assert "kvgate serve: cannot start:" in done.stderr
     assert "Traceback" not in done.stderr
