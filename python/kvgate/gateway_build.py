@@ -87,13 +87,16 @@ def build_controller(config: Config, *, shm_name: str | None = None, create: boo
     return controller
 
 
-def _analyzer(model: Any, max_body_bytes: int) -> Any:
+def _analyzer(model: Any) -> Any:
     from kvgate import RequestAnalyzer
+    from kvgate.config import MAX_AMOUNT
 
     kwargs: dict[str, Any] = {
         "model": model.name,
         "context_window": model.context_window,
-        "max_body_bytes": max_body_bytes,
+        # the gateway caps bodies while reading them (``Gateway.max_body_bytes``, which a reload
+        # changes); a cap of its own here would keep the start-up value
+        "max_body_bytes": MAX_AMOUNT,
     }
     if model.tokenizer:
         kwargs["tokenizer_path"] = model.tokenizer
@@ -141,7 +144,7 @@ def build_gateway(
         for m in b.models:
             route = models.get(m.name)
             if route is None:
-                analyzer = _analyzer(m, config.max_body_bytes)
+                analyzer = _analyzer(m)
                 models[m.name] = ModelRoute(
                     m.name, analyzer, [backend], count_text=analyzer.count_tokens
                 )
@@ -224,6 +227,15 @@ def apply_config(gateway: Gateway, new: Config) -> None:
         if before != after:
             raise ConfigError(
                 [("backends", "backends and models cannot change on reload; restart kvgate")]
+            )
+        models_before = [m for b in old.backends for m in b.models]
+        models_after = [m for b in new.backends for m in b.models]
+        if models_before != models_after:
+            # the request analysers (tokenizer, chat template, context window, default
+            # max_tokens) are built at start-up
+            logger.warning(
+                "reload: model settings (tokenizer, chat_template, context_window, "
+                "default_max_tokens) changed in the file; they apply only at the next start"
             )
         if new.listen != old.listen or new.workers != old.workers:
             logger.warning(

@@ -656,6 +656,38 @@ async def test_a_reload_that_lowers_the_body_cap_applies_to_trickled_bodies(gate
         assert up.requests == []
 
 
+async def test_a_reload_that_raises_the_body_cap_admits_larger_bodies(gateway_for, caplog) -> None:
+    """The cap is the gateway's (changed by a reload), not one the analysers kept from start-up;
+    model settings a reload cannot apply are named in a warning."""
+    import logging
+
+    from kvgate.config import Config
+    from kvgate.gateway_build import apply_config
+
+    async with (
+        run_upstream() as up,
+        gateway_for(config_for(up.url, ["replay"], max_body_bytes=2_000)) as gw,
+    ):
+        body = {
+            "model": "replay",
+            "max_tokens": 5,
+            "messages": [{"role": "user", "content": "x " * 1500}],
+        }
+        async with aiohttp.ClientSession() as s:
+            async with s.post(gw.url + "/v1/chat/completions", json=body) as r:
+                assert r.status == 413
+            data = gw.gateway.config.model_dump()
+            data["max_body_bytes"] = 100_000
+            apply_config(gw.gateway, Config.model_validate(data))
+            async with s.post(gw.url + "/v1/chat/completions", json=body) as r:
+                assert r.status == 200, await r.text()
+            caplog.set_level(logging.WARNING, logger="kvgate")
+            data["backends"][0]["models"][0]["context_window"] = 2048
+            apply_config(gw.gateway, Config.model_validate(data))
+            assert any("model settings" in r.getMessage() for r in caplog.records)
+        assert gw.backend_state()["in_use"] == 0
+
+
 async def test_shutdown_cuts_streams_at_the_grace_period(gateway_for) -> None:
     from kvgate.gateway_build import build_gateway
     from kvgate.server import run_gateway
