@@ -202,16 +202,16 @@ def run(args: argparse.Namespace) -> int:
                 "7",
             ],
             env=env,
-            stdout=subprocess.DEVNULL,
-            stderr=logs.enter_context((tmp / "sim.log").open("wb")),
+            stdout=(sim_log := logs.enter_context((tmp / "sim.log").open("wb"))),
+            stderr=sim_log,
         )
         procs.append(sim)
         wait_http(sim_url + "/health", sim)
         gw = subprocess.Popen(
             [*exe, "serve", "--config", str(cfg_path), "--log-level", "INFO"],
             env=env,
-            stdout=subprocess.DEVNULL,
-            stderr=logs.enter_context((tmp / "gateway.log").open("wb")),
+            stdout=(gw_log := logs.enter_context((tmp / "gateway.log").open("wb"))),
+            stderr=gw_log,
         )
         procs.append(gw)
         wait_http(gw_url + "/healthz", gw)
