@@ -3,7 +3,9 @@
 With ``--workers N`` (N > 1) the master process creates the admission state in a named shared
 memory region, then starts N worker processes that attach to it and listen on the same port with
 ``SO_REUSEPORT``; the limits hold for the whole gateway, not per process. The master restarts a
-worker that dies and reclaims the slots and in-flight tokens it held (``reclaim_dead``).
+worker that dies and reclaims the slots and in-flight tokens it held (``reclaim_dead``); the
+workers get SIGTERM when the master dies (``PR_SET_PDEATHSIG``), and a master removes the
+regions and metric folders that dead masters left (:func:`remove_stale_state`).
 SIGTERM / SIGINT: stop accepting, let streams finish for ``--grace`` seconds, then close them
 (every path releases its reservation).
 """
@@ -17,6 +19,7 @@ import gc
 import logging
 import math
 import os
+import re
 import shutil
 import signal
 import sys
@@ -25,7 +28,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["add_arguments", "run"]
+__all__ = ["add_arguments", "remove_stale_state", "run"]
 
 logger = logging.getLogger("kvgate.serve")
 
@@ -302,6 +305,66 @@ def _discover_models(url: str) -> dict[str, int | None]:
     return out
 
 
+_STALE_SHM = re.compile(r"^kvgate-(\d+)-\d+$")
+_STALE_PROM = re.compile(r"^kvgate-prom-(\d+)-")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
+
+
+def remove_stale_state(shm_dir: str = "/dev/shm", tmp_dir: str | None = None) -> list[str]:
+    """Removes what masters of ``--workers N`` that died without cleaning up (SIGKILL, the OOM
+    killer) left behind: their shared-memory regions (``/dev/shm/kvgate-<pid>-<time>``, 4.5 MB
+    each) and metric folders (``<tmp>/kvgate-prom-<pid>-*``), chosen by name and only when that
+    pid is not alive. Returns the paths removed; errors (a race with another master, no
+    permission) are skipped."""
+    removed = []
+    tmp_dir = tmp_dir if tmp_dir is not None else tempfile.gettempdir()
+    for folder, pattern in ((shm_dir, _STALE_SHM), (tmp_dir, _STALE_PROM)):
+        try:
+            names = os.listdir(folder)
+        except OSError:
+            continue
+        for name in names:
+            m = pattern.match(name)
+            if m is None or _alive(int(m[1])):
+                continue
+            path = os.path.join(folder, name)
+            try:
+                if os.path.isdir(path):
+                    shutil.rmtree(path)
+                else:
+                    os.unlink(path)
+            except OSError:
+                continue
+            removed.append(path)
+    return removed
+
+
+def _die_with(master: int) -> None:
+    """In a worker: have the kernel send it SIGTERM when the master dies (Linux
+    ``PR_SET_PDEATHSIG``), so a master killed with SIGKILL leaves no orphan workers holding the
+    port; they drain like on a SIGTERM. Elsewhere, or if the call fails, nothing."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        pr_set_pdeathsig = 1
+        if libc.prctl(pr_set_pdeathsig, int(signal.SIGTERM), 0, 0, 0) != 0:
+            return
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != master:  # the master died before the call
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
 def _port_in_use(host: str, port: int) -> str | None:
     """Why ``host:port`` cannot be listened on (in use, no permission, no such address), by a
     trial bind without ``SO_REUSEPORT``, so that a port held by any other socket (another
@@ -391,8 +454,11 @@ def _serve_workers(
 ) -> int:
     # prometheus_client picks its multiprocess value class when first imported: set the
     # directory before anything imports it, so every worker's counters land in shared files
-    shm_name = f"kvgate-{os.getpid()}-{int(time.time())}"
-    prom_dir = tempfile.mkdtemp(prefix="kvgate-prom-")
+    for stale in remove_stale_state():
+        logger.warning("removed %s, left by a kvgate master that died without cleaning up", stale)
+    master = os.getpid()
+    shm_name = f"kvgate-{master}-{int(time.time())}"
+    prom_dir = tempfile.mkdtemp(prefix=f"kvgate-prom-{master}-")
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = prom_dir
     from prometheus_client import multiprocess
 
@@ -422,6 +488,7 @@ def _serve_workers(
         if pid == 0:  # worker
             for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
                 signal.signal(sig, signal.SIG_DFL)
+            _die_with(master)
             try:
                 code = _serve_single(
                     config,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -210,3 +211,100 @@ def test_the_announced_url_has_the_real_port(tmp_path: Path) -> None:
         finally:
             proc.send_signal(signal.SIGTERM)
             proc.wait(timeout=30)
+
+
+def _dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def test_state_left_by_dead_masters_is_removed(tmp_path: Path) -> None:
+    from kvgate.cli_serve import remove_stale_state
+
+    shm, tmp = tmp_path / "shm", tmp_path / "tmp"
+    shm.mkdir()
+    tmp.mkdir()
+    dead, live = _dead_pid(), os.getpid()
+    for name in (
+        f"kvgate-{dead}-1700000000",
+        f"kvgate-{live}-1700000000",
+        "kvgate-bench-1",
+        "other",
+    ):
+        (shm / name).write_bytes(b"x")
+    for name in (f"kvgate-prom-{dead}-abc", f"kvgate-prom-{live}-def", "kvgate-prom-xyz"):
+        (tmp / name).mkdir()
+        (tmp / name / "counter_1.db").write_bytes(b"x")
+    removed = remove_stale_state(str(shm), str(tmp))
+    assert sorted(removed) == sorted(
+        [str(shm / f"kvgate-{dead}-1700000000"), str(tmp / f"kvgate-prom-{dead}-abc")]
+    )
+    assert sorted(p.name for p in shm.iterdir()) == sorted(
+        [f"kvgate-{live}-1700000000", "kvgate-bench-1", "other"]
+    )
+    assert sorted(p.name for p in tmp.iterdir()) == sorted(
+        [f"kvgate-prom-{live}-def", "kvgate-prom-xyz"]
+    )
+
+
+def test_workers_stop_when_the_master_is_killed(tmp_path: Path) -> None:
+    """SIGKILL of the master (no chance to stop its workers): the kernel sends each worker
+    SIGTERM, they drain and exit, and the port is free again; the next master removes the
+    region the dead one left."""
+    import socket
+    import time
+
+    port = _free_port()
+    cmd = [
+        sys.executable,
+        "-m",
+        "kvgate",
+        "serve",
+        "--config",
+        str(_config(tmp_path)),
+        "--workers",
+        "2",
+        "--port",
+        str(port),
+        "--grace",
+        "1",
+    ]
+    with subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+    ) as proc:
+        assert proc.stdout is not None
+        assert "2 workers serving on" in proc.stdout.readline()
+        region = f"/dev/shm/kvgate-{proc.pid}-"
+        deadline = time.monotonic() + 30
+        workers: set[int] = set()
+        while len(workers) < 2 and time.monotonic() < deadline:
+            workers = {
+                int(e) for e in os.listdir("/proc") if e.isdigit() and _ppid(int(e)) == proc.pid
+            }
+            time.sleep(0.05)
+        assert len(workers) == 2
+        assert any(n.startswith(region[len("/dev/shm/") :]) for n in os.listdir("/dev/shm"))
+        proc.kill()
+        proc.wait(timeout=10)
+    deadline = time.monotonic() + 30
+    while any(_ppid(w) is not None for w in workers) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert all(_ppid(w) is None for w in workers), "orphan workers still running"
+    with socket.socket() as s:
+        assert s.connect_ex(("127.0.0.1", port)) != 0  # nobody listens any more
+    # the next master removes what the dead one left (remove_stale_state runs at its start)
+    from kvgate.cli_serve import remove_stale_state
+
+    removed = remove_stale_state()
+    assert any(r.startswith(region) for r in removed)
+    assert not any(n.startswith(region[len("/dev/shm/") :]) for n in os.listdir("/dev/shm"))
+
+
+def _ppid(pid: int) -> int | None:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat.rsplit(")", 1)[1].split()
+    return None if fields[0] == "Z" else int(fields[1])
