@@ -416,7 +416,7 @@ class AdmissionController:
         effective_tokens_per_minute, burst_tokens, effective_burst_tokens, available_tokens,
         time_to_full (s), inflight_tokens, inflight_token_limit,
         effective_inflight_token_limit, hold_time_ewma (s: weight 1/8, fed by the first
-        release and then one in eight per thread; every release under a manual clock)."""
+        release and then about one in eight, a random draw; every release under a manual clock)."""
     def rate_limit_headers(self, backend: int, tenant: int) -> list[tuple[str, str]]:
         """OpenAI's six ``x-ratelimit-*`` headers (ENGINES.md §5.3) for ``tenant`` on
         ``backend``, as ``(name, value)`` pairs in this order: ``limit-requests``,

@@ -276,7 +276,7 @@ pub struct BackendSnapshot {
     /// Scaled in-flight budget.
     pub effective_inflight_token_limit: Option<u64>,
     /// EWMA (weight 1/8) of slot hold times (ns). With the system clock it is fed by the first
-    /// release and then one release in eight per thread (a manual clock: every release).
+    /// release, then by about one release in eight (a random draw); a manual clock: every one.
     pub hold_time_ewma_ns: u64,
 }
 
@@ -1102,8 +1102,8 @@ impl Admission {
             std::cmp::Ordering::Equal => {}
         }
         // EWMA (1/8) of hold times, racy by design: it is only an estimate. With the system
-        // clock, one release in HOLD_SAMPLE_EVERY per thread (and the first) is timed, so most
-        // releases read no clock; a manual clock times every release.
+        // clock the first release and about one in HOLD_SAMPLE_EVERY (a random draw) are
+        // timed, so most releases read no clock; a manual clock times every release.
         let old = b.ewma_hold_ns.load(Ordering::Relaxed);
         if old == 0 || matches!(self.clock, Clock::Manual(_)) || hold_sample() {
             let hold = now_ns().saturating_sub(ticket.admitted_ns).max(1);
