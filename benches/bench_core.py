@@ -1,7 +1,8 @@
 """pytest-benchmark of the admission core from Python (FFI cost included), each side by side with
 the pure-Python reference of the article's Go sketch (benches/reference_limiter.py).
 
-Each benchmarked call runs ``BATCH`` operation pairs, so pairs/s = BATCH / mean time.
+Each benchmarked call runs ``BATCH`` operation pairs, so pairs/s = BATCH / time per call (the
+section reports the min and the median round).
 Run: ``make bench`` (``benches/core_results.py`` runs this file and writes the figures into
 benches/RESULTS.md), or ``.venv/bin/python -m pytest benches/bench_core.py --benchmark-enable``.
 """

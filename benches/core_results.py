@@ -34,6 +34,7 @@ import shlex
 import statistics
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from dataclasses import dataclass
@@ -316,7 +317,7 @@ def core_section(
             if md >= CORE_RATIO_TARGET
             else "not met"
         )
-        ratio_items.append(f"{group} {lo:.1f}× / {md:.1f}× (min / median): **{verdict}**")
+        ratio_items.append(f"{group} {lo:.2f}× / {md:.2f}× (min / median): **{verdict}**")
     py_pairs = pairs["admit+release"]
     admit_ratio = ratios["admit+release"]
     lines = [
@@ -510,7 +511,8 @@ def run_pytest(
     """Run pytest-benchmark (output streams to the terminal); the command and its display form."""
     json_path.unlink(missing_ok=True)
     cmd = [sys.executable, "-m", "pytest", *args, *PYTEST_OPTS]
-    shown = display(cmd) + f" --benchmark-json={json_path.relative_to(ROOT)}"
+    where = json_path.relative_to(ROOT) if json_path.is_relative_to(ROOT) else json_path
+    shown = display(cmd) + f" --benchmark-json={where}"
     rc = subprocess.run(
         [*cmd, f"--benchmark-json={json_path}"], cwd=ROOT, env={**os.environ, **(env or {})}
     ).returncode
@@ -539,26 +541,28 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-write", action="store_true", help="print the sections, write nothing")
     args = ap.parse_args(argv)
     t0 = time.monotonic()
-    OUT.mkdir(parents=True, exist_ok=True)
+    # --no-write keeps the raw files of the run RESULTS.md was written from untouched
+    out = Path(tempfile.mkdtemp(prefix="core-results-")) if args.no_write else OUT
+    out.mkdir(parents=True, exist_ok=True)
     load_start = os.getloadavg()[0]
     stamp = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
     try:
         rust = run_rust(t0)
         step("pytest-benchmark: benches/bench_core.py", t0)
-        _, core_cmd = run_pytest(["benches/bench_core.py"], OUT / "bench_core.json")
+        _, core_cmd = run_pytest(["benches/bench_core.py"], out / "bench_core.json")
         step("pytest-benchmark: benches/bench_analyze.py", t0)
         analyze_args = ["benches/bench_analyze.py", *ANALYZE_OPTS]
-        _, analyze_cmd = run_pytest(analyze_args, OUT / "bench_analyze.json")
+        _, analyze_cmd = run_pytest(analyze_args, out / "bench_analyze.json")
         step("pytest-benchmark: analyze-32k with TOKENIZERS_PARALLELISM=false", t0)
         _, serial_cmd = run_pytest(
             [*analyze_args, "-k", "32k"],
-            OUT / "bench_analyze_serial.json",
+            out / "bench_analyze_serial.json",
             env={"TOKENIZERS_PARALLELISM": "false"},
         )
         load = (load_start, os.getloadavg()[0])
-        core_stats, machine = load_stats(OUT / "bench_core.json")
-        par, _ = load_stats(OUT / "bench_analyze.json")
-        ser, _ = load_stats(OUT / "bench_analyze_serial.json")
+        core_stats, machine = load_stats(out / "bench_core.json")
+        par, _ = load_stats(out / "bench_analyze.json")
+        ser, _ = load_stats(out / "bench_analyze_serial.json")
         mtext = machine_text(machine, load)
         core = core_section(core_stats, rust, core_cmd, mtext, stamp)
         analyze = analyze_section(

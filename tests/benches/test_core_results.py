@@ -97,7 +97,7 @@ def test_core_section_figures_and_verdicts() -> None:
     assert max(len(ln) for p in prose for ln in p.splitlines() if not ln.startswith("|")) <= 100
     assert f"```\n{cr.display(cr.RUST_CMD)}\n{line}\n{floor}\n```" in missed  # never wrapped
     missed = " ".join(missed.split())  # prose is wrapped at 100 columns
-    assert "admit+release 5.0× / 5.0× (min / median): **not met**" in missed
+    assert "admit+release 5.00× / 5.00× (min / median): **not met**" in missed
     assert "from Python **not met** on the best round (1.67 M/s)" in missed
     # 10x of 3,000 ns allows 300 ns; 600 ns from Python = 252 in Rust + 348 on the Python side;
     # floor 12 x 5.5 + 20 = 86 ns, 434 with the Python side.
