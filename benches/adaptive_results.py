@@ -15,6 +15,7 @@ import ast
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from core_results import RESULTS, replace_section
@@ -39,18 +40,66 @@ LABELS = {
 }
 
 
-def parse(output: str) -> list[dict[str, object]]:
+def parse(output: str) -> list[dict[str, Any]]:
     """The three result dicts the test prints after its ``preempt burst:`` line."""
     lines = output.splitlines()
     start = next(i for i, ln in enumerate(lines) if ln.startswith("preempt burst:"))
     return [ast.literal_eval(ln.strip()) for ln in lines[start + 1 : start + 4]]
 
 
-def section(rows: list[dict[str, object]]) -> str:
-    """The RESULTS.md section for ``rows``."""
+# the test's request shape (tests/gateway/test_adaptive.py: PROMPT, max_tokens)
+PROMPT_TOKENS = 190
+GENERATED_TOKENS = 300
+
+
+def _closing(rows: list[dict[str, Any]]) -> str:
+    """The sentence under the table, from the figures in ``rows``."""
+    by = {str(r["mode"]): r for r in rows}
+    if all(r["ok"] == r["sent"] for r in rows):
+        done = (
+            "Every request completes on every path (preemption only delays, kvgate's queue only "
+            "waits)"
+        )
+    else:
+        done = "Completed: " + ", ".join(
+            f"{r['ok']} of {r['sent']} {LABELS.get(str(r['mode']), r['mode'])}" for r in rows
+        )
+    ad = by.get("adaptive")
+    if ad is None:
+        return done + "."
+    others = "; ".join(
+        f"{r['preemptions']} {LABELS.get(m, m).split(' (')[0]}"
+        for m, r in by.items()
+        if m != "adaptive"
+    )
+    pre = int(ad["preemptions"])
+    what = "without a single preemption" if pre == 0 else f"with {pre} preemption(s)"
+    return (
+        f"{done}; with adaptation kvgate kept {float(ad['mean_running']):.2f} requests "
+        f"running on average {what}" + (f" (preemptions: {others})." if others else ".")
+    )
+
+
+def section(rows: list[dict[str, Any]]) -> str:
+    """The RESULTS.md section for ``rows`` (each with ``mode``, ``sent``, ``ok``,
+    ``preemptions``, ``peak_kv``, ``mean_running``, ``seconds``).
+
+    Raises:
+        ValueError: a row lacks one of those keys (e.g. output of an older test without
+            ``sent``).
+    """
+    keys = ("mode", "sent", "ok", "preemptions", "peak_kv", "mean_running", "seconds")
+    for r in rows:
+        missing = [k for k in keys if k not in r]
+        if missing:
+            raise ValueError(f"result row {r!r} lacks {', '.join(missing)}")
+    sent = sorted({int(r["sent"]) for r in rows})
+    n_text = " / ".join(str(n) for n in sent)
+    total = max(sent) * (PROMPT_TOKENS + GENERATED_TOKENS)
     table = "\n".join(
-        f"| {LABELS.get(str(r['mode']), r['mode'])} | {r['ok']} | {r['preemptions']} | "
-        f"{float(r['peak_kv']):.2f} | {float(r['mean_running']):.2f} | {r['seconds']} |"
+        f"| {LABELS.get(str(r['mode']), r['mode'])} | {r['ok']} of {r['sent']} | "
+        f"{r['preemptions']} | {float(r['peak_kv']):.2f} | "
+        f"{float(r['mean_running']):.2f} | {r['seconds']} |"
         for r in rows
     )
     return f"""{SECTION}
@@ -62,16 +111,17 @@ Written by `make bench` (`benches/adaptive_results.py`), from the end-to-end tes
 ```
 
 One burst, sent three ways to `kvgate sim` in `preempt` mode (`tiny` profile: 128 blocks × 16 =
-2,048 KV tokens, speed 20): 12 requests of ~190 prompt tokens and 300 generated tokens each
-(`ignore_eos`), about 5,900 tokens against 2,048. Peak KV is the simulator's high-water mark;
-"mean running" is the engine's running requests averaged over the samples; seconds are wall time.
+2,048 KV tokens, speed 20): {n_text} requests of ~{PROMPT_TOKENS} prompt tokens and {GENERATED_TOKENS} generated
+tokens each (`ignore_eos`), about {total:,} tokens against 2,048. Peak KV is the simulator's
+high-water mark; "mean running" is the engine's running requests, sampled every ~10 ms, averaged
+over the samples in which at least one request was running (samples with none running, e.g.
+while the gateway starts, are left out); seconds are wall time.
 
-| path | completed (of 12) | preemptions | peak KV | mean running | seconds |
+| path | completed | preemptions | peak KV | mean running | seconds |
 |---|---|---|---|---|---|
 {table}
 
-Every request completes on every path (preemption only delays, kvgate's queue only waits); with
-adaptation kvgate keeps the engine busy without a single preemption.
+{_closing(rows)}
 """
 
 

@@ -151,7 +151,16 @@ class ClassStats:
 
 
 def percentile(values: list[float], q: float) -> float | None:
-    """The ``q`` quantile (0..1) by nearest rank, or ``None`` for no values."""
+    """The ``q`` quantile (0..1) of ``values``: the element at index ``round(q * (n - 1))`` of
+    the ascending sort (``n = len(values)``; Python's ``round``, halves to even), or ``None`` for
+    no values.
+
+    No interpolation: the result is always one of the values, the one nearest the linear
+    interpolation position ``q * (n - 1)``. This is not the textbook nearest-rank method
+    (``ceil(q * n)``-th smallest), though both give index 98 (the second-largest) for ``q=0.99``
+    over 100 values. Units are those of ``values`` (seconds for TTFT); ``q`` outside 0..1 is
+    clamped to the smallest / largest value.
+    """
     if not values:
         return None
     ordered = sorted(values)

@@ -367,9 +367,11 @@ async def _run(mode: str) -> dict[str, Any]:
         busy = [r for r in running if r > 0]
         return {
             "mode": mode,
+            "sent": len(statuses),
             "ok": statuses.count(200),
             "preemptions": sim.engine.preemptions,
             "peak_kv": sim.engine.peak_used_blocks / cfg.kv_blocks,
+            # mean over the samples with at least one running (benches/adaptive_results.py says so)
             "mean_running": sum(busy) / max(1, len(busy)),
             "seconds": round(elapsed, 2),
         }
