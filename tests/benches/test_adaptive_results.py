@@ -2,21 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 from pathlib import Path
 
 import pytest
+from benchmod import load
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benches"))
-_spec = importlib.util.spec_from_file_location(
-    "adaptive_results", ROOT / "benches/adaptive_results.py"
-)
-assert _spec is not None
-assert _spec.loader is not None
-adaptive_results = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(adaptive_results)
+adaptive_results = load("adaptive_results", "benches/adaptive_results.py")
 
 OUTPUT = """.
 preempt burst:

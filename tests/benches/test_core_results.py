@@ -2,27 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
+from benchmod import load
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _load() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("core_results", ROOT / "benches/core_results.py")
-    assert spec is not None
-    assert spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["core_results"] = mod  # dataclasses look the module up by name
-    spec.loader.exec_module(mod)
-    return mod
-
-
-cr = _load()
+cr = load("core_results", "benches/core_results.py")
 
 DOC = (
     "# Benchmark results\n\n"

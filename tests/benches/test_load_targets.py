@@ -2,25 +2,9 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-from types import ModuleType
+from benchmod import load
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _load() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("run_load", ROOT / "benches/load/run_load.py")
-    assert spec is not None
-    assert spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["run_load"] = mod  # dataclasses look the module up by name
-    spec.loader.exec_module(mod)
-    return mod
-
-
-rl = _load()
+rl = load("run_load", "benches/load/run_load.py")
 
 
 def m(

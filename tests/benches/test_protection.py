@@ -3,24 +3,18 @@ text, on the measured results.json of a full run (fixture) and on synthetic one-
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+from benchmod import load
 
 from kvgate.loadgen import percentile
 
 ROOT = Path(__file__).resolve().parents[2]
 FIXTURE = ROOT / "tests/fixtures/protection/results.json"
-_spec = importlib.util.spec_from_file_location("protection_run", ROOT / "benches/protection/run.py")
-assert _spec is not None
-assert _spec.loader is not None
-prot = importlib.util.module_from_spec(_spec)
-sys.modules["protection_run"] = prot  # dataclasses look their module up
-_spec.loader.exec_module(prot)
+prot = load("protection_run", "benches/protection/run.py")
 
 
 @pytest.fixture(scope="module")
