@@ -76,7 +76,8 @@ def _seconds(text: str) -> float:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of ``kvgate serve``."""
-    from kvgate.config import MAX_AMOUNT, MAX_WORKERS
+    from kvgate._core import MAX_AMOUNT
+    from kvgate.config import MAX_WORKERS
 
     parser.description = (
         "Run the admission gateway from a configuration file (--config) or, for a quick start, "

@@ -48,6 +48,8 @@ from pydantic import (
     model_validator,
 )
 
+from kvgate._core import MAX_AMOUNT, MAX_PROCS
+
 __all__ = [
     "AdaptiveConfig",
     "BackendConfig",
@@ -78,10 +80,9 @@ EngineOption = Literal[
     "lmdeploy",
 ]
 
-#: The largest amount (tokens, slots, bytes) the admission core accepts: 2**62.
-MAX_AMOUNT = 1 << 62
-#: Most worker processes: the shared region holds 64 process entries, one of them the master's.
-MAX_WORKERS = 63
+#: Most worker processes: the shared region holds ``MAX_PROCS`` process entries, one of them
+#: the master's. (``MAX_AMOUNT``, the largest amount the core accepts, bounds the limits.)
+MAX_WORKERS = MAX_PROCS - 1
 
 
 def _not_bool(value: Any) -> Any:

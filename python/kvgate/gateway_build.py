@@ -89,7 +89,7 @@ def build_controller(config: Config, *, shm_name: str | None = None, create: boo
 
 def _analyzer(model: Any) -> Any:
     from kvgate import RequestAnalyzer
-    from kvgate.config import MAX_AMOUNT
+    from kvgate._core import MAX_AMOUNT
 
     kwargs: dict[str, Any] = {
         "model": model.name,

@@ -8,9 +8,13 @@ import sys
 from pathlib import Path
 
 
+def _serve_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "kvgate", "serve", *args]
+
+
 def _serve(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "kvgate", "serve", *args],
+        _serve_cmd(*args),
         capture_output=True,
         text=True,
         timeout=60,
@@ -187,16 +191,7 @@ def test_the_announced_url_has_the_real_port(tmp_path: Path) -> None:
     import signal
     import urllib.request
 
-    cmd = [
-        sys.executable,
-        "-m",
-        "kvgate",
-        "serve",
-        "--config",
-        str(_config(tmp_path)),
-        "--port",
-        "0",
-    ]
+    cmd = _serve_cmd("--config", str(_config(tmp_path)), "--port", "0")
     with subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
     ) as proc:
@@ -256,20 +251,9 @@ def test_workers_stop_when_the_master_is_killed(tmp_path: Path) -> None:
     import time
 
     port = _free_port()
-    cmd = [
-        sys.executable,
-        "-m",
-        "kvgate",
-        "serve",
-        "--config",
-        str(_config(tmp_path)),
-        "--workers",
-        "2",
-        "--port",
-        str(port),
-        "--grace",
-        "1",
-    ]
+    cmd = _serve_cmd(
+        "--config", str(_config(tmp_path)), "--workers", "2", "--port", str(port), "--grace", "1"
+    )
     with subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
     ) as proc:

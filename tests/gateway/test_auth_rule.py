@@ -56,6 +56,15 @@ async def tenant_of(
     return changed[0]
 
 
+def alice_and_anon(url: str) -> Config:
+    """Tenant ``alice`` (key ``sk-alice``) and the anonymous tenant ``anon``."""
+    return config(
+        url,
+        tenants=[{"name": "alice", "api_key_sha256": [sha("sk-alice")]}, {"name": "anon"}],
+        anonymous_tenant="anon",
+    )
+
+
 @pytest.mark.parametrize(
     ("headers", "expected"),
     [
@@ -76,12 +85,7 @@ async def test_only_a_request_without_a_key_is_anonymous(
     headers: dict[str, str], expected: str
 ) -> None:
     async with run_upstream() as up:
-        cfg = config(
-            up.url,
-            tenants=[{"name": "alice", "api_key_sha256": [sha("sk-alice")]}, {"name": "anon"}],
-            anonymous_tenant="anon",
-        )
-        gateway = build_gateway(cfg, poll=False)
+        gateway = build_gateway(alice_and_anon(up.url), poll=False)
         async with run_gateway(gateway) as url, aiohttp.ClientSession() as s:
             assert await tenant_of(s, url, gateway, headers) == expected
 
@@ -107,12 +111,7 @@ async def test_an_empty_bearer_value_defers_to_api_key() -> None:
     """HTTP strips trailing whitespace from a header value: ``Bearer `` arrives as ``Bearer``, a
     scheme with no credentials, so the ``api-key`` header is read."""
     async with run_upstream() as up:
-        cfg = config(
-            up.url,
-            tenants=[{"name": "alice", "api_key_sha256": [sha("sk-alice")]}, {"name": "anon"}],
-            anonymous_tenant="anon",
-        )
-        gateway = build_gateway(cfg, poll=False)
+        gateway = build_gateway(alice_and_anon(up.url), poll=False)
         async with run_gateway(gateway) as url, aiohttp.ClientSession() as s:
             headers = {"Authorization": "Bearer ", "api-key": "sk-alice"}
             assert await tenant_of(s, url, gateway, headers) == "alice"
