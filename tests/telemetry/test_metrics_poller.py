@@ -237,8 +237,12 @@ async def test_failure_goes_stale_once_then_recovers(
         assert age is not None
         assert age >= STALE_AFTER  # never stale before stale_after
         reasons = {e[2] for e in sink.of("failure")}
-        assert reasons == {FAILURES[mode]}
-        assert st.errors_by_reason[FAILURES[mode]] == st.scrape_errors >= 2
+        # a scrape of a loaded machine can outlast the 30 ms timeout: that is a real timeout,
+        # counted as one, not a misfiled failure (seen once in a full `make test` run)
+        noise = {"timeout"} - {FAILURES[mode]}
+        assert reasons - noise == {FAILURES[mode]}
+        assert st.errors_by_reason[FAILURES[mode]] >= 2
+        assert sum(st.errors_by_reason.values()) == st.scrape_errors
         # more failing scrapes: still one transition, one log line
         errors_at_stale = st.scrape_errors
         await wait_until(sink, lambda: st.scrape_errors >= errors_at_stale + 3)
