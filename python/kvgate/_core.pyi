@@ -256,7 +256,8 @@ class Reservation:
         with ``actual_tokens`` (prompt + real completion; ``None`` = as reserved). Unused
         tokens give back the time they were charged at admission (an adaptive scale change in
         between neither inflates nor shrinks the refund); an overrun is charged at the rates in
-        force now. Idempotent. A bad ``actual_tokens`` raises before anything is released."""
+        force now. Idempotent. A bad ``actual_tokens`` (``InvalidAmountError``/``TypeError``)
+        raises before anything is released."""
     def __enter__(self) -> Reservation: ...
     def __exit__(
         self,
@@ -407,7 +408,8 @@ class AdmissionController:
         never-admissible sizes, shedding, tenant concurrency, tenant TPM, backend slots,
         in-flight tokens, backend TPM. After a refusal nothing is held. Raises
         ``InvalidAmountError``/``TypeError`` for a bad ``tokens``, ``InvalidConfigError`` for an
-        unknown id or priority."""
+        unknown id or priority, ``TypeError`` for a missing, extra or non-int argument,
+        ``OverflowError`` for an id outside ``0..2**32``."""
     def reclaim_dead(self) -> int:
         """Gives back what dead attached processes held; returns the slots reclaimed."""
     def backend_state(self, backend: int) -> dict[str, object]:

@@ -190,7 +190,10 @@ fn amount_slow(obj: &Bound<'_, PyAny>, what: &'static str) -> PyResult<u64> {
     }
 }
 
-fn opt_amount(obj: Option<&Bound<'_, PyAny>>, what: &'static str) -> PyResult<Option<u64>> {
+pub(crate) fn opt_amount(
+    obj: Option<&Bound<'_, PyAny>>,
+    what: &'static str,
+) -> PyResult<Option<u64>> {
     match obj {
         None => Ok(None),
         Some(o) if o.is_none() => Ok(None),
@@ -237,7 +240,52 @@ fn backend_mask(obj: Option<&Bound<'_, PyAny>>) -> PyResult<Option<u64>> {
     Ok(Some(mask))
 }
 
-fn priority_of(obj: &Bound<'_, PyAny>) -> PyResult<Priority> {
+/// A backend or tenant id (as returned by `add_backend` / `add_tenant`).
+///
+/// Errors: as pyo3's `u32` conversion (`TypeError` for a non-int, `OverflowError` out of range),
+/// a `TypeError` naming the argument.
+#[inline]
+pub(crate) fn id_of(obj: &Bound<'_, PyAny>, what: &'static str) -> PyResult<u32> {
+    if obj.is_exact_instance_of::<PyInt>() {
+        let mut overflow = 0;
+        // SAFETY: `obj` is a live `int` (checked above) and the GIL is held (`Bound`).
+        let v = unsafe { pyo3::ffi::PyLong_AsLongLongAndOverflow(obj.as_ptr(), &mut overflow) };
+        if overflow == 0 {
+            if let Ok(id) = u32::try_from(v) {
+                return Ok(id);
+            }
+        }
+    }
+    obj.extract::<u32>().map_err(|e| {
+        if e.is_instance_of::<PyTypeError>(obj.py()) {
+            PyTypeError::new_err(format!("argument '{what}': {}", e.value(obj.py())))
+        } else {
+            e
+        }
+    })
+}
+
+/// A priority class: `'critical'`, `'standard'`, `'sheddable'` or its code 0 / 1 / 2.
+///
+/// Errors: `InvalidConfigError` for an unknown name or code, `TypeError` for another type.
+#[inline]
+pub(crate) fn priority_of(obj: &Bound<'_, PyAny>) -> PyResult<Priority> {
+    // Fast path: the interned names (string literals in the caller's code are interned).
+    let py = obj.py();
+    if obj.is(pyo3::intern!(py, "standard")) {
+        return Ok(Priority::Standard);
+    }
+    if obj.is(pyo3::intern!(py, "critical")) {
+        return Ok(Priority::Critical);
+    }
+    if obj.is(pyo3::intern!(py, "sheddable")) {
+        return Ok(Priority::Sheddable);
+    }
+    priority_slow(obj)
+}
+
+#[cold]
+fn priority_slow(obj: &Bound<'_, PyAny>) -> PyResult<Priority> {
     if let Ok(s) = obj.cast::<PyString>() {
         return Ok(Priority::parse(s.to_str()?)?);
     }
@@ -517,6 +565,27 @@ impl AdaptiveLaw {
     }
 }
 
+/// Sets a reservation's released flag; returns whether it was already set (the release then does
+/// nothing).
+///
+/// With the GIL (every CPython build but the free-threaded one) the caller holds it for the whole
+/// release, which calls no Python code, so no other release of the same reservation can run in
+/// between: a plain load and store suffice, saving a locked exchange per release. A free-threaded
+/// build needs the atomic swap.
+#[inline]
+fn mark_released(flag: &AtomicBool) -> bool {
+    #[cfg(not(Py_GIL_DISABLED))]
+    {
+        let was = flag.load(Ordering::Relaxed);
+        flag.store(true, Ordering::Relaxed);
+        was
+    }
+    #[cfg(Py_GIL_DISABLED)]
+    {
+        flag.swap(true, Ordering::AcqRel)
+    }
+}
+
 /// An admitted request's hold on every limit.
 ///
 /// Holds its controller by a Python reference (no atomic reference count on the hot path).
@@ -528,9 +597,29 @@ pub struct Reservation {
 }
 
 impl Reservation {
+    /// A reservation of `ticket` on the controller `ctl`.
+    #[inline]
+    pub(crate) fn new(ctl: Py<AdmissionController>, ticket: Ticket) -> Self {
+        Self {
+            ctl,
+            ticket,
+            released: AtomicBool::new(false),
+        }
+    }
+
     #[inline]
     fn core(&self) -> &Admission {
         &self.ctl.get().core
+    }
+
+    /// `release(actual_tokens)` (the hand-written entry point in `python_fast.rs`, and
+    /// `__exit__`): releases once, reconciling with `actual` tokens (`None` = as reserved).
+    #[inline]
+    pub(crate) fn release_once(&self, actual: Option<u64>) -> PyResult<()> {
+        if mark_released(&self.released) {
+            return Ok(());
+        }
+        Ok(self.core().release(&self.ticket, actual)?)
     }
 }
 
@@ -569,14 +658,8 @@ impl Reservation {
         self.released.load(Ordering::Acquire)
     }
 
-    #[pyo3(signature = (actual_tokens=None))]
-    fn release(&self, actual_tokens: Option<&Bound<'_, PyAny>>) -> PyResult<()> {
-        let actual = opt_amount(actual_tokens, "actual_tokens")?;
-        if self.released.swap(true, Ordering::AcqRel) {
-            return Ok(());
-        }
-        Ok(self.core().release(&self.ticket, actual)?)
-    }
+    // `release(actual_tokens=None)` is a hand-written CPython entry point, installed on the
+    // type at module initialisation (`python_fast.rs`).
 
     fn __enter__(slf: Bound<'_, Self>) -> Bound<'_, Self> {
         slf
@@ -589,7 +672,7 @@ impl Reservation {
         _exc: Option<&Bound<'_, PyAny>>,
         _tb: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<bool> {
-        self.release(None)?;
+        self.release_once(None)?;
         Ok(false)
     }
 
@@ -623,6 +706,13 @@ impl Drop for Reservation {
 #[pyclass(frozen, module = "kvgate")]
 pub struct Rejection {
     refusal: Refusal,
+}
+
+impl Rejection {
+    /// The rejection for `refusal`.
+    pub(crate) fn new(refusal: Refusal) -> Self {
+        Self { refusal }
+    }
 }
 
 #[pymethods]
@@ -669,7 +759,7 @@ impl Rejection {
 /// Admission against every limit of a backend and a tenant.
 #[pyclass(frozen, module = "kvgate")]
 pub struct AdmissionController {
-    core: Arc<Admission>,
+    pub(crate) core: Arc<Admission>,
 }
 
 impl AdmissionController {
@@ -860,30 +950,8 @@ impl AdmissionController {
         Ok(self.core.set_shedding(backend, on)?)
     }
 
-    fn admit(
-        slf: &Bound<'_, Self>,
-        backend: u32,
-        tenant: u32,
-        priority: &Bound<'_, PyAny>,
-        tokens: &Bound<'_, PyAny>,
-    ) -> PyResult<Py<PyAny>> {
-        let py = slf.py();
-        let n = amount(tokens, "tokens")?;
-        let p = priority_of(priority)?;
-        match slf.get().core.admit(backend, tenant, p, n)? {
-            Ok(ticket) => Ok(Bound::new(
-                py,
-                Reservation {
-                    ctl: slf.clone().unbind(),
-                    ticket,
-                    released: AtomicBool::new(false),
-                },
-            )?
-            .into_any()
-            .unbind()),
-            Err(refusal) => Ok(Bound::new(py, Rejection { refusal })?.into_any().unbind()),
-        }
-    }
+    // `admit(backend, tenant, priority, tokens)` is a hand-written CPython entry point, installed
+    // on the type at module initialisation (`python_fast.rs`).
 
     fn reclaim_dead(&self) -> u64 {
         self.core.reclaim_dead()

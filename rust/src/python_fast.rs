@@ -1,13 +1,15 @@
-//! Hand-written CPython entry points for `SlotPool.try_acquire(n=None)` and
-//! `SlotPool.release(n=None)`, the two calls a caller makes per request on a slot pool.
+//! Hand-written CPython entry points for the calls a caller makes per request:
+//! `SlotPool.try_acquire(n=None)`, `SlotPool.release(n=None)`,
+//! `AdmissionController.admit(backend, tenant, priority, tokens)` and
+//! `Reservation.release(actual_tokens=None)`.
 //!
-//! pyo3's generated wrappers cost about as much as the slot update itself (the argument parser
-//! for an optional argument, the trampoline's attach-count bookkeeping through thread-local
-//! storage); these functions are plain `METH_FASTCALL | METH_KEYWORDS` methods that read their
-//! one optional argument directly. They are installed on the `SlotPool` type by [`install`] at
-//! module initialisation, as method descriptors, so they are bound, introspected
-//! (`__text_signature__`) and type-checked by CPython like any other method. Their behaviour,
-//! argument handling and error messages are those of the rest of the bindings.
+//! pyo3's generated wrappers cost about as much as the limit updates themselves (the generic
+//! argument parser, the trampoline's attach-count bookkeeping through thread-local storage);
+//! these functions are plain `METH_FASTCALL | METH_KEYWORDS` methods that bind their arguments
+//! directly. They are installed on their types by [`install`] at module initialisation, as
+//! method descriptors, so they are bound, introspected (`__text_signature__`) and type-checked by
+//! CPython like any other method. Their behaviour, argument handling and error messages are those
+//! of the rest of the bindings.
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
@@ -15,10 +17,13 @@ use pyo3::exceptions::{PyRuntimeError, PyTypeError};
 use pyo3::ffi;
 use pyo3::prelude::*;
 use pyo3::types::{PyString, PyTuple};
+use pyo3::PyClass;
 
-use crate::python::{amount, SlotPool};
+use crate::python::{
+    amount, id_of, opt_amount, priority_of, AdmissionController, Rejection, Reservation, SlotPool,
+};
 
-/// The argument tuple of a `METH_FASTCALL | METH_KEYWORDS` call.
+/// The arguments of one `METH_FASTCALL | METH_KEYWORDS` call.
 struct FastArgs {
     args: *const *mut ffi::PyObject,
     nargs: ffi::Py_ssize_t,
@@ -26,75 +31,113 @@ struct FastArgs {
 }
 
 impl FastArgs {
-    /// The single optional argument `n` (positional or keyword `n`) of `method`, as an amount;
-    /// absent or `None` means 1.
+    /// Binds the call's arguments to the parameters `names` (positional or keyword), in order,
+    /// as borrowed object pointers; the first `required` must be given, an absent optional one
+    /// is `None`.
     ///
-    /// Errors: `TypeError` for more than one argument, an unknown keyword or a non-int;
-    /// `InvalidAmountError` for an amount outside `0..=2**62`.
+    /// Errors: `TypeError` for more positional arguments than parameters, an unknown keyword, a parameter
+    /// given twice or a missing required one.
     ///
     /// # Safety
     /// `args` must hold `nargs` positional arguments followed by one value per name in
     /// `kwnames` (a tuple of `str`, or null), as CPython passes them, and the GIL must be held.
-    unsafe fn n(&self, py: Python<'_>, method: &str) -> PyResult<u64> {
+    unsafe fn bind<const N: usize>(
+        &self,
+        py: Python<'_>,
+        method: &str,
+        names: &[&str; N],
+        required: usize,
+    ) -> PyResult<[*mut ffi::PyObject; N]> {
         let nkw = if self.kwnames.is_null() {
             0
         } else {
-            // SAFETY: CPython passes a tuple (or null, handled above).
+            // SAFETY: CPython passes a tuple of names (or null, handled above).
             unsafe { ffi::PyTuple_GET_SIZE(self.kwnames) }
         };
-        if self.nargs + nkw > 1 {
+        let (nargs, nkw) = (self.nargs as usize, nkw as usize);
+        if nargs > N {
             return Err(PyTypeError::new_err(format!(
-                "{method}() takes at most 1 argument (n), got {}",
-                self.nargs + nkw
+                "{method}() takes at most {N} argument{} ({}), got {nargs}",
+                if N == 1 { "" } else { "s" },
+                names.join(", "),
             )));
         }
-        if self.nargs + nkw == 0 {
-            return Ok(1);
+        let mut bound = [std::ptr::null_mut(); N];
+        for (i, slot) in bound.iter_mut().enumerate().take(nargs) {
+            // SAFETY: `args` holds `nargs` positional arguments (this function's contract).
+            *slot = unsafe { *self.args.add(i) };
         }
-        if nkw == 1 {
-            // SAFETY: a live tuple of one `str`, borrowed for this call.
-            let names =
+        if nkw > 0 {
+            // SAFETY: a live tuple of `str` (checked non-null above), borrowed for this call.
+            let kwnames =
                 unsafe { Bound::ref_from_ptr(py, &self.kwnames).cast_unchecked::<PyTuple>() };
-            let name = names.get_item(0)?;
-            let name = name.cast::<PyString>()?;
-            if name.to_str()? != "n" {
-                return Err(PyTypeError::new_err(format!(
-                    "{method}() got an unexpected keyword argument '{name}'"
-                )));
+            for (k, name) in kwnames.iter().enumerate() {
+                let name = name.cast_into::<PyString>()?;
+                let name = name.to_str()?;
+                let Some(pos) = names.iter().position(|n| *n == name) else {
+                    return Err(PyTypeError::new_err(format!(
+                        "{method}() got an unexpected keyword argument '{name}'"
+                    )));
+                };
+                if !bound[pos].is_null() {
+                    return Err(PyTypeError::new_err(format!(
+                        "{method}() got multiple values for argument '{name}'"
+                    )));
+                }
+                // SAFETY: the keyword values follow the positional ones (this function's
+                // contract).
+                bound[pos] = unsafe { *self.args.add(nargs + k) };
             }
         }
-        // SAFETY: one argument is present (checked above); CPython keeps it alive for the call.
-        let value = unsafe { Bound::ref_from_ptr(py, &*self.args) };
-        if value.is_none() {
-            return Ok(1);
+        for (i, (slot, name)) in bound.iter_mut().zip(names).enumerate() {
+            if slot.is_null() {
+                if i < required {
+                    return Err(PyTypeError::new_err(format!(
+                        "{method}() missing required argument '{name}'"
+                    )));
+                }
+                // SAFETY: `None` is a static object; the pointer is borrowed.
+                *slot = unsafe { ffi::Py_None() };
+            }
         }
-        amount(value, "n")
+        Ok(bound)
     }
 }
 
-/// One call of `method`: reads its argument `n` and runs `body` with the pool behind `slf`,
-/// turning an error or a panic into a raised exception (null return).
+/// One call of `method` on a `T`: binds the arguments to `names` (the first `required` of them
+/// required) and runs `body`, which returns the new reference to hand back; an error or a panic
+/// becomes a raised exception (null return).
 ///
 /// # Safety
-/// As CPython calls a `METH_FASTCALL | METH_KEYWORDS` method: `slf` a live `SlotPool` (the
-/// method descriptor checks the type before calling), the arguments as described on
-/// [`FastArgs::n`], the GIL held.
-unsafe fn call(
+/// As CPython calls a `METH_FASTCALL | METH_KEYWORDS` method: `slf` a live `T` (the method
+/// descriptor checks the type before calling), the arguments as described on
+/// [`FastArgs::bind`], the GIL held.
+unsafe fn call<T: PyClass, const N: usize>(
     slf: *mut ffi::PyObject,
-    args: FastArgs,
+    args: &FastArgs,
     method: &str,
-    body: impl FnOnce(&SlotPool, u64) -> PyResult<*mut ffi::PyObject>,
+    names: &[&str; N],
+    required: usize,
+    body: impl FnOnce(&Bound<'_, T>, [&Bound<'_, PyAny>; N]) -> PyResult<*mut ffi::PyObject>,
 ) -> *mut ffi::PyObject {
     // SAFETY: CPython calls methods with the GIL held.
     let py = unsafe { Python::assume_attached() };
-    // SAFETY: the descriptor was created for the SlotPool type, so `slf` is one (borrowed).
-    let pool = unsafe { Bound::ref_from_ptr(py, &slf).cast_unchecked::<SlotPool>() };
+    // SAFETY: the descriptor was created for the type `T`, so `slf` is one (borrowed).
+    let obj = unsafe { Bound::ref_from_ptr(py, &slf).cast_unchecked::<T>() };
     let result = catch_unwind(AssertUnwindSafe(|| {
         // SAFETY: the arguments are CPython's vectorcall arguments (this function's contract).
-        let n = unsafe { args.n(py, method) }?;
-        body(pool.get(), n)
+        let ptrs = unsafe { args.bind(py, method, names, required) }?;
+        // SAFETY: each pointer is an argument or `None`, alive for the call, borrowed.
+        let bound = ptrs
+            .each_ref()
+            .map(|p| unsafe { Bound::ref_from_ptr(py, p) });
+        body(obj, bound)
     }))
-    .unwrap_or_else(|_| Err(PyRuntimeError::new_err("kvgate: panic in SlotPool")));
+    .unwrap_or_else(|_| {
+        Err(PyRuntimeError::new_err(format!(
+            "kvgate: panic in {method}()"
+        )))
+    });
     match result {
         Ok(obj) => obj,
         Err(e) => {
@@ -119,11 +162,20 @@ fn py_none() -> *mut ffi::PyObject {
     unsafe { ffi::Py_NewRef(ffi::Py_None()) }
 }
 
-/// Defines the `METH_FASTCALL | METH_KEYWORDS` entry point `$name`: its one argument `n` read by
-/// [`call`], then `$body(pool, n)`.
+/// A slot count argument: `None` (or absent) means 1.
+fn slots_n(n: &Bound<'_, PyAny>) -> PyResult<u64> {
+    if n.is_none() {
+        Ok(1)
+    } else {
+        amount(n, "n")
+    }
+}
+
+/// Defines the `METH_FASTCALL | METH_KEYWORDS` entry point `$fn_name` of `$ty.$method`: its
+/// parameters `$param`s (the first `$required` required) bound by [`call`], then `$body`.
 macro_rules! fast_method {
-    ($name:ident, $body:expr) => {
-        unsafe extern "C" fn $name(
+    ($fn_name:ident, $ty:ty, $method:literal, [$($param:literal),+], $required:expr, $body:expr) => {
+        unsafe extern "C" fn $fn_name(
             slf: *mut ffi::PyObject,
             args: *const *mut ffi::PyObject,
             nargs: ffi::Py_ssize_t,
@@ -134,20 +186,68 @@ macro_rules! fast_method {
                 nargs,
                 kwnames,
             };
-            // SAFETY: CPython calls it as a SlotPool method (the descriptor checks the type),
-            // with the GIL held and vectorcall arguments.
-            unsafe { call(slf, args, stringify!($name), $body) }
+            // SAFETY: CPython calls it as a method of the type it was installed on (the
+            // descriptor checks the type), with the GIL held and vectorcall arguments.
+            unsafe { call::<$ty, _>(slf, &args, $method, &[$($param),+], $required, $body) }
         }
     };
 }
 
-fast_method!(try_acquire, |pool: &SlotPool, n| Ok(py_bool(
-    pool.c.try_acquire(n)
-)));
-fast_method!(release, |pool: &SlotPool, n| {
-    pool.c.release(n)?;
-    Ok(py_none())
-});
+fast_method!(
+    slot_try_acquire,
+    SlotPool,
+    "SlotPool.try_acquire",
+    ["n"],
+    0,
+    |pool, [n]| Ok(py_bool(pool.get().c.try_acquire(slots_n(n)?)))
+);
+
+fast_method!(
+    slot_release,
+    SlotPool,
+    "SlotPool.release",
+    ["n"],
+    0,
+    |pool, [n]| {
+        pool.get().c.release(slots_n(n)?)?;
+        Ok(py_none())
+    }
+);
+
+fast_method!(
+    controller_admit,
+    AdmissionController,
+    "AdmissionController.admit",
+    ["backend", "tenant", "priority", "tokens"],
+    4,
+    |ctl, [backend, tenant, priority, tokens]| {
+        let backend = id_of(backend, "backend")?;
+        let tenant = id_of(tenant, "tenant")?;
+        let n = amount(tokens, "tokens")?;
+        let p = priority_of(priority)?;
+        let py = ctl.py();
+        let obj = match ctl.get().core.admit(backend, tenant, p, n)? {
+            Ok(ticket) => {
+                Bound::new(py, Reservation::new(ctl.clone().unbind(), ticket))?.into_any()
+            }
+            Err(refusal) => Bound::new(py, Rejection::new(refusal))?.into_any(),
+        };
+        Ok(obj.into_ptr())
+    }
+);
+
+fast_method!(
+    reservation_release,
+    Reservation,
+    "Reservation.release",
+    ["actual_tokens"],
+    0,
+    |res, [actual]| {
+        res.get()
+            .release_once(opt_amount(Some(actual), "actual_tokens")?)?;
+        Ok(py_none())
+    }
+);
 
 /// A `PyMethodDef` in a static: CPython keeps a pointer to it and never writes through it.
 struct MethodDef(ffi::PyMethodDef);
@@ -155,29 +255,51 @@ struct MethodDef(ffi::PyMethodDef);
 // SAFETY: the definitions are immutable after construction (read-only pointers to static data).
 unsafe impl Sync for MethodDef {}
 
-static METHODS: [MethodDef; 2] = [
+/// A `METH_FASTCALL | METH_KEYWORDS` definition; `doc` starts with the text signature.
+const fn def(
+    name: &'static std::ffi::CStr,
+    meth: ffi::PyCFunctionFastWithKeywords,
+    doc: &'static std::ffi::CStr,
+) -> MethodDef {
     MethodDef(ffi::PyMethodDef {
-        ml_name: c"try_acquire".as_ptr(),
+        ml_name: name.as_ptr(),
         ml_meth: ffi::PyMethodDefPointer {
-            PyCFunctionFastWithKeywords: try_acquire,
+            PyCFunctionFastWithKeywords: meth,
         },
         ml_flags: ffi::METH_FASTCALL | ffi::METH_KEYWORDS,
-        ml_doc: c"try_acquire($self, n=None)\n--\n\nTakes n slots (None = 1) if that stays within the limit; returns whether it did.".as_ptr(),
-    }),
-    MethodDef(ffi::PyMethodDef {
-        ml_name: c"release".as_ptr(),
-        ml_meth: ffi::PyMethodDefPointer {
-            PyCFunctionFastWithKeywords: release,
-        },
-        ml_flags: ffi::METH_FASTCALL | ffi::METH_KEYWORDS,
-        ml_doc: c"release($self, n=None)\n--\n\nGives n slots (None = 1) back; raises OverReleaseError (changing nothing) when fewer are held.".as_ptr(),
-    }),
+        ml_doc: doc.as_ptr(),
+    })
+}
+
+static SLOT_POOL: [MethodDef; 2] = [
+    def(
+        c"try_acquire",
+        slot_try_acquire,
+        c"try_acquire($self, n=None)\n--\n\nTakes n slots (None = 1) if that stays within the limit; returns whether it did.",
+    ),
+    def(
+        c"release",
+        slot_release,
+        c"release($self, n=None)\n--\n\nGives n slots (None = 1) back; raises OverReleaseError (changing nothing) when fewer are held.",
+    ),
 ];
 
-/// Installs the hand-written `try_acquire` and `release` on the `SlotPool` type.
-pub(crate) fn install(py: Python<'_>) -> PyResult<()> {
-    let ty = py.get_type::<SlotPool>();
-    for def in &METHODS {
+static CONTROLLER: [MethodDef; 1] = [def(
+    c"admit",
+    controller_admit,
+    c"admit($self, backend, tenant, priority, tokens)\n--\n\nAdmits a request of tokens (prompt + reserved completion) for tenant at priority on backend against every limit that applies: a Reservation, or a Rejection that tells which limit refused (nothing is held after it).",
+)];
+
+static RESERVATION: [MethodDef; 1] = [def(
+    c"release",
+    reservation_release,
+    c"release($self, actual_tokens=None)\n--\n\nReleases everything held and reconciles the token buckets with actual_tokens (prompt + real completion; None = as reserved). Idempotent; a bad actual_tokens raises before anything is released.",
+)];
+
+/// Installs `defs` on the type `T` as method descriptors.
+fn install_on<T: PyClass>(py: Python<'_>, defs: &'static [MethodDef]) -> PyResult<()> {
+    let ty = py.get_type::<T>();
+    for def in defs {
         // SAFETY: `def` is a static, valid method definition; CPython only reads it.
         let descr = unsafe {
             Bound::from_owned_ptr_or_err(
@@ -190,4 +312,11 @@ pub(crate) fn install(py: Python<'_>) -> PyResult<()> {
         ty.setattr(name.to_string_lossy().as_ref(), descr)?;
     }
     Ok(())
+}
+
+/// Installs the hand-written methods on `SlotPool`, `AdmissionController` and `Reservation`.
+pub(crate) fn install(py: Python<'_>) -> PyResult<()> {
+    install_on::<SlotPool>(py, &SLOT_POOL)?;
+    install_on::<AdmissionController>(py, &CONTROLLER)?;
+    install_on::<Reservation>(py, &RESERVATION)
 }

@@ -69,7 +69,7 @@ def test_slot_pool_argument_forms() -> None:
     for call in (pool.try_acquire, pool.release):
         with pytest.raises(TypeError, match="at most 1 argument"):
             call(1, 2)  # type: ignore[call-arg]
-        with pytest.raises(TypeError, match="at most 1 argument"):
+        with pytest.raises(TypeError, match="multiple values for argument 'n'"):
             call(1, n=1)  # type: ignore[call-arg, misc]
         with pytest.raises(TypeError, match="unexpected keyword argument 'slots'"):
             call(slots=1)  # type: ignore[call-arg]
@@ -191,6 +191,103 @@ def test_admit_bad_tokens(bad: object) -> None:
         ctl.admit(b, t, "standard", bad)  # type: ignore[arg-type]
     assert ctl.backend_state(b)["in_use"] == 0
     assert ctl.tenant_state(t)["available_tokens"] == 1000
+
+
+def test_admit_and_release_argument_forms() -> None:
+    """``admit`` and ``Reservation.release`` (hand-written CPython entry points) bind positional
+    and keyword arguments like a Python function, refuse bad forms with a TypeError that names
+    the call, and hold nothing after a refused call."""
+    import inspect
+
+    ctl, b, t = _controller()
+    r = ctl.admit(backend=b, tenant=t, priority="standard", tokens=100)
+    assert r.admitted
+    assert r.tokens == 100
+    r.release(actual_tokens=60)
+    assert r.released
+    r2 = AdmissionController.admit(ctl, b, t, priority=1, tokens=50)  # unbound call, class code
+    assert r2.admitted
+    kvgate.Reservation.release(r2)
+    assert r2.released
+    # a priority spelled by a str that is not the interned literal still parses
+    r3 = ctl.admit(b, t, "".join(["stand", "ard"]), 10)
+    assert r3.admitted
+    r3.release(None)
+    assert str(inspect.signature(ctl.admit)) == "(backend, tenant, priority, tokens)"
+    assert str(inspect.signature(r.release)) == "(actual_tokens=None)"
+    assert ctl.admit.__doc__
+    assert r.release.__doc__
+    bad_calls: list[tuple[object, str]] = [
+        (lambda: ctl.admit(b, t, "standard"), "missing required argument 'tokens'"),
+        (lambda: ctl.admit(), "missing required argument 'backend'"),
+        (lambda: ctl.admit(b, t, "standard", 1, 2), "takes at most 4 arguments"),
+        (lambda: ctl.admit(b, t, "standard", 1, x=2), "unexpected keyword argument 'x'"),
+        (lambda: ctl.admit(b, t, "standard", backend=b), "multiple values for argument 'backend'"),
+        (lambda: ctl.admit("0", t, "standard", 1), "argument 'backend'"),
+        (lambda: ctl.admit(b, 0.0, "standard", 1), "argument 'tenant'"),
+        (lambda: ctl.admit(b, t, None, 1), "priority must be"),
+        (lambda: AdmissionController.admit(SlotPool(1), b, t, "standard", 1), "admit"),
+    ]
+    for call, message in bad_calls:
+        with pytest.raises(TypeError, match=message):
+            call()  # type: ignore[operator]
+    with pytest.raises(OverflowError):
+        ctl.admit(-1, t, "standard", 1)
+    with pytest.raises(OverflowError):
+        ctl.admit(b, 2**40, "standard", 1)
+    held = ctl.admit(b, t, "standard", 10)
+    for call, message in [
+        (lambda: held.release(1, 2), "takes at most 1 argument"),
+        (lambda: held.release(tokens=1), "unexpected keyword argument 'tokens'"),
+        (lambda: held.release(1, actual_tokens=1), "multiple values"),
+        (lambda: kvgate.Reservation.release(object()), "release"),
+    ]:
+        with pytest.raises(TypeError, match=message):
+            call()  # type: ignore[operator]
+    assert not held.released, "a bad release call must not release"
+    held.release()
+    assert ctl.backend_state(b)["in_use"] == 0
+    assert ctl.tenant_state(t)["in_use"] == 0
+
+
+def test_admit_errors_hold_no_references() -> None:
+    """Errors raised by the hand-written ``admit`` / ``release`` free what they hold at once, and
+    a refused or admitted call leaves no reference to its arguments behind."""
+    import sys
+
+    ctl, b, t = _controller()
+    held = ctl.admit(b, t, "standard", 10)
+    calls = [
+        (lambda: ctl.admit(b, t, "standard", 1.5), TypeError),
+        (lambda: ctl.admit(b, t, "standard", x=1), TypeError),
+        (lambda: ctl.admit(b, t, "urgent", 1), InvalidConfigError),
+        (lambda: ctl.admit(7, t, "standard", 1), InvalidConfigError),
+        (lambda: ctl.admit(b, t, "standard", -1), InvalidAmountError),
+        (lambda: held.release(1.5), TypeError),
+        (lambda: held.release(2**100), InvalidAmountError),
+    ]
+    for call, kind in calls:
+        before = sys.getrefcount(kind)
+        for _ in range(2_000):
+            with pytest.raises(kind):
+                call()
+        assert sys.getrefcount(kind) - before < 50, (call, kind)
+    held.release()
+    assert ctl.backend_state(b)["in_use"] == 0
+    big = AdmissionController()
+    b2 = big.add_backend(
+        "b", max_concurrency=2, tokens_per_minute=10**9, inflight_token_limit=10**6
+    )
+    t2 = big.add_tenant("t", priority="standard")
+    tokens, actual = 10**6 + 7, 10**5 + 3  # not cached small ints: their counts show a leak
+    key = "standard"
+    counts = (tokens, actual, big, key)
+    before = [sys.getrefcount(o) for o in counts]
+    for _ in range(2_000):
+        assert not big.admit(b2, t2, key, tokens)  # never admissible: above the in-flight budget
+        big.admit(b2, t2, key, 10**5 + 5).release(actual)
+    assert [sys.getrefcount(o) for o in counts] == before
+    assert big.backend_state(b2)["in_use"] == 0
 
 
 def test_admit_bad_ids_priority_and_release() -> None:
