@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 
 import kvgate
@@ -91,11 +93,20 @@ def test_slot_pool_argument_forms() -> None:
     assert pool.in_use == 0
 
 
+def _assert_errors_hold_no_references(calls: list[tuple[object, type[BaseException]]]) -> None:
+    """Each ``call`` raises ``kind`` 2,000 times; the exception type's reference count must not
+    grow with the calls (an error that parks references would add one or two per call)."""
+    for call, kind in calls:
+        before = sys.getrefcount(kind)
+        for _ in range(2_000):
+            with pytest.raises(kind):
+                call()  # type: ignore[operator]
+        assert sys.getrefcount(kind) - before < 50, (call, kind)
+
+
 def test_slot_pool_errors_hold_no_references() -> None:
     """Errors raised by the hand-written methods release what they hold at once (no reference
     parked in pyo3's deferred pool until some other call runs)."""
-    import sys
-
     pool = SlotPool(4)
     # each kind of error on its own: a call that converts a core error goes through pyo3's
     # attach, which would flush references parked by the calls before it
@@ -107,12 +118,7 @@ def test_slot_pool_errors_hold_no_references() -> None:
         (lambda: pool.release(2**100), InvalidAmountError),
         (lambda: pool.release(), OverReleaseError),
     ]
-    for call, kind in calls:
-        before = sys.getrefcount(kind)
-        for _ in range(2_000):
-            with pytest.raises(kind):
-                call()
-        assert sys.getrefcount(kind) - before < 50, (call, kind)
+    _assert_errors_hold_no_references(calls)
     assert pool.in_use == 0
 
 
@@ -253,8 +259,6 @@ def test_admit_and_release_argument_forms() -> None:
 def test_admit_errors_hold_no_references() -> None:
     """Errors raised by the hand-written ``admit`` / ``release`` free what they hold at once, and
     a refused or admitted call leaves no reference to its arguments behind."""
-    import sys
-
     ctl, b, t = _controller()
     held = ctl.admit(b, t, "standard", 10)
     calls = [
@@ -266,12 +270,7 @@ def test_admit_errors_hold_no_references() -> None:
         (lambda: held.release(1.5), TypeError),
         (lambda: held.release(2**100), InvalidAmountError),
     ]
-    for call, kind in calls:
-        before = sys.getrefcount(kind)
-        for _ in range(2_000):
-            with pytest.raises(kind):
-                call()
-        assert sys.getrefcount(kind) - before < 50, (call, kind)
+    _assert_errors_hold_no_references(calls)
     held.release()
     assert ctl.backend_state(b)["in_use"] == 0
     big = AdmissionController()
