@@ -7,7 +7,7 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
-use pyo3::exceptions::{PyTypeError, PyValueError};
+use pyo3::exceptions::{PyOverflowError, PyTypeError, PyValueError};
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
@@ -240,10 +240,13 @@ fn backend_mask(obj: Option<&Bound<'_, PyAny>>) -> PyResult<Option<u64>> {
     Ok(Some(mask))
 }
 
-/// A backend or tenant id (as returned by `add_backend` / `add_tenant`).
+/// A backend or tenant id (as returned by `add_backend` / `add_tenant`): an `int` in `0..2**32`.
 ///
-/// Errors: as pyo3's `u32` conversion (`TypeError` for a non-int, `OverflowError` out of range),
-/// a `TypeError` naming the argument.
+/// Like the amounts ([`amount`]), a bool or another type (a float, a str, an object with
+/// `__index__`) is refused, and no Python code runs while reading it.
+///
+/// Errors: `TypeError` for a bool or a non-int, `OverflowError` for an int outside `0..2**32`;
+/// both name the argument.
 #[inline]
 pub(crate) fn id_of(obj: &Bound<'_, PyAny>, what: &'static str) -> PyResult<u32> {
     if obj.is_exact_instance_of::<PyInt>() {
@@ -256,13 +259,28 @@ pub(crate) fn id_of(obj: &Bound<'_, PyAny>, what: &'static str) -> PyResult<u32>
             }
         }
     }
-    obj.extract::<u32>().map_err(|e| {
-        if e.is_instance_of::<PyTypeError>(obj.py()) {
-            PyTypeError::new_err(format!("argument '{what}': {}", e.value(obj.py())))
-        } else {
-            e
-        }
-    })
+    id_slow(obj, what)
+}
+
+#[cold]
+fn id_slow(obj: &Bound<'_, PyAny>, what: &'static str) -> PyResult<u32> {
+    if obj.is_instance_of::<PyBool>() || !obj.is_instance_of::<PyInt>() {
+        return Err(PyTypeError::new_err(format!(
+            "argument '{what}' must be an int (an id from add_{what}), got {}",
+            obj.get_type()
+                .name()
+                .map_or_else(|_| "?".into(), |n| n.to_string())
+        )));
+    }
+    // An `int` (or a subclass: its value is read without calling `__index__`).
+    match obj.extract::<i128>() {
+        Ok(v) => u32::try_from(v).map_err(|_| {
+            PyOverflowError::new_err(format!("argument '{what}': id {v} is outside 0..2**32"))
+        }),
+        Err(_) => Err(PyOverflowError::new_err(format!(
+            "argument '{what}': id is outside 0..2**32"
+        ))),
+    }
 }
 
 /// A priority class: `'critical'`, `'standard'`, `'sheddable'` or its code 0 / 1 / 2.

@@ -321,3 +321,56 @@ def test_admit_bad_ids_priority_and_release() -> None:
         ctl.add_tenant("g", priority="critical", guaranteed_slots=3)
     with pytest.raises(InvalidConfigError, match="already exists"):
         ctl.add_backend("b", max_concurrency=1, tokens_per_minute=1)
+
+
+class _IntSub(int):
+    pass
+
+
+class _Index:
+    """Not an int, but convertible through ``__index__`` (as numpy integers are)."""
+
+    calls = 0
+
+    def __index__(self) -> int:
+        _Index.calls += 1
+        return 0
+
+
+@pytest.mark.parametrize("arg", ["backend", "tenant"])
+@pytest.mark.parametrize("bad", [True, False, _Index(), 0.0, "0", None])
+def test_admit_refuses_bool_and_non_int_ids(arg: str, bad: object) -> None:
+    """A backend or tenant id is an int like the token amounts: ``admit(True, ...)`` used to
+    admit on backend 1 (``False`` on id 0) and an object with ``__index__`` was called; both
+    are a ``TypeError`` naming the argument now, and nothing is held."""
+    ctl, b, t = _controller()
+    args = {"backend": b, "tenant": t, "priority": "standard", "tokens": 10}
+    args[arg] = bad
+    _Index.calls = 0
+    with pytest.raises(
+        TypeError, match=f"argument '{arg}' must be an int .*got {type(bad).__name__}"
+    ):
+        ctl.admit(**args)  # type: ignore[arg-type]
+    assert _Index.calls == 0, "no Python code runs while reading an id"
+    assert ctl.backend_state(b)["in_use"] == 0
+    assert ctl.tenant_state(t)["in_use"] == 0
+    # an int subclass is an int: its value is used
+    args[arg] = _IntSub(0)
+    r = ctl.admit(**args)  # type: ignore[arg-type]
+    assert r.admitted
+    r.release()
+
+
+@pytest.mark.parametrize("arg", ["backend", "tenant"])
+@pytest.mark.parametrize("bad", [-1, 2**32, -(2**40), 2**64, 2**200, _IntSub(-3)])
+def test_admit_id_out_of_range_names_the_argument(arg: str, bad: int) -> None:
+    ctl, b, t = _controller()
+    args = {"backend": b, "tenant": t, "priority": "standard", "tokens": 10}
+    args[arg] = bad
+    with pytest.raises(OverflowError, match=f"argument '{arg}': id .*outside 0..2\\*\\*32"):
+        ctl.admit(**args)  # type: ignore[arg-type]
+    assert ctl.backend_state(b)["in_use"] == 0
+    # in range but never registered: the core's error
+    args[arg] = 2**32 - 1
+    with pytest.raises(InvalidConfigError, match=f"unknown {arg} id 4294967295"):
+        ctl.admit(**args)  # type: ignore[arg-type]
