@@ -305,11 +305,20 @@ pub(crate) fn priority_of(obj: &Bound<'_, PyAny>) -> PyResult<Priority> {
 #[cold]
 fn priority_slow(obj: &Bound<'_, PyAny>) -> PyResult<Priority> {
     if let Ok(s) = obj.cast::<PyString>() {
-        return Ok(Priority::parse(s.to_str()?)?);
+        // Lossy: a str that is not valid UTF-8 (a lone surrogate) is an unknown name too.
+        return Ok(Priority::parse(&s.to_string_lossy())?);
     }
     if obj.is_instance_of::<PyInt>() && !obj.is_instance_of::<PyBool>() {
-        let code: u64 = obj.extract().unwrap_or(u64::MAX);
-        return Ok(Priority::from_code(code)?);
+        let code = obj.extract::<i128>().ok();
+        if let Some(code) = code.and_then(|v| u64::try_from(v).ok()) {
+            return Ok(Priority::from_code(code)?);
+        }
+        // Negative or huge: the error shows the value given, not a wrapped one.
+        return Err(CoreError::InvalidConfig(format!(
+            "unknown priority code {}: expected 0 (critical), 1 (standard), 2 (sheddable)",
+            code.map_or_else(|| "outside the 128-bit range".into(), |v| v.to_string())
+        ))
+        .into());
     }
     Err(PyTypeError::new_err(
         "priority must be 'critical', 'standard', 'sheddable' or 0/1/2",

@@ -374,3 +374,49 @@ def test_admit_id_out_of_range_names_the_argument(arg: str, bad: int) -> None:
     args[arg] = 2**32 - 1
     with pytest.raises(InvalidConfigError, match=f"unknown {arg} id 4294967295"):
         ctl.admit(**args)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("bad", "shown"),
+    [
+        (-1, "code -1:"),
+        (3, "code 3:"),
+        (2**64, f"code {2**64}:"),
+        (_IntSub(-2), "code -2:"),
+        (2**200, "code outside the 128-bit range:"),
+        ("\ud800", 'class "\ufffd+"'),  # regex: a lone surrogate shows as replacement chars
+        ("critical\ud800", 'class "critical\ufffd+"'),
+    ],
+)
+def test_admit_bad_priority_shows_the_value_given(bad: object, shown: str) -> None:
+    """A negative or huge priority code used to be reported as 18446744073709551615 (wrapped),
+    and a str with a lone surrogate raised ``UnicodeEncodeError``; both are an
+    ``InvalidConfigError`` that shows what was given, for ``admit`` and ``add_tenant``."""
+    ctl, b, t = _controller()
+    with pytest.raises(InvalidConfigError, match=f"unknown priority {shown}"):
+        ctl.admit(b, t, bad, 10)  # type: ignore[arg-type]
+    assert ctl.backend_state(b)["in_use"] == 0
+    with pytest.raises(InvalidConfigError, match=f"unknown priority {shown}"):
+        ctl.add_tenant("t2", priority=bad)  # type: ignore[arg-type]
+
+
+def test_fast_methods_unexpected_surrogate_keyword() -> None:
+    """A keyword name that is not valid UTF-8 is an unexpected keyword argument (a TypeError
+    naming the call), as for a Python function, not a ``UnicodeEncodeError``; nothing is held
+    or released."""
+    ctl, b, t = _controller()
+    bad = {"\ud800": 1}
+    with pytest.raises(TypeError, match="admit\\(\\) got an unexpected keyword argument"):
+        ctl.admit(b, t, "standard", 10, **bad)
+    held = ctl.admit(b, t, "standard", 10)
+    with pytest.raises(TypeError, match="release\\(\\) got an unexpected keyword argument"):
+        held.release(**bad)
+    assert not held.released
+    assert ctl.backend_state(b)["in_use"] == 1
+    held.release()
+    pool = SlotPool(2)
+    for call in (pool.try_acquire, pool.release):
+        with pytest.raises(TypeError, match="got an unexpected keyword argument"):
+            call(**bad)
+    assert pool.in_use == 0
+    assert ctl.backend_state(b)["in_use"] == 0
