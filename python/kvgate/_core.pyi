@@ -306,6 +306,10 @@ class AdmissionController:
     ``critical``/``standard`` requests use the tenant's guarantee, then the burst pool;
     ``sheddable`` requests use only the burst pool and are refused (``shed``) while shedding.
 
+    Backend and tenant ids (``backend``/``tenant`` arguments) are ints in ``0..2**32``: a bool
+    or another type is a ``TypeError``, an int outside that range an ``OverflowError`` (both
+    naming the argument), an id never registered an ``InvalidConfigError``.
+
     Raises: ``SharedStateError`` when the region cannot be created or attached.
     """
 

@@ -262,11 +262,21 @@ pub(crate) fn id_of(obj: &Bound<'_, PyAny>, what: &'static str) -> PyResult<u32>
     id_slow(obj, what)
 }
 
+/// A `backend` id argument of a pyo3-generated method ([`id_of`]).
+fn backend_id_arg(obj: &Bound<'_, PyAny>) -> PyResult<u32> {
+    id_of(obj, "backend")
+}
+
+/// A `tenant` id argument of a pyo3-generated method ([`id_of`]).
+fn tenant_id_arg(obj: &Bound<'_, PyAny>) -> PyResult<u32> {
+    id_of(obj, "tenant")
+}
+
 #[cold]
 fn id_slow(obj: &Bound<'_, PyAny>, what: &'static str) -> PyResult<u32> {
     if obj.is_instance_of::<PyBool>() || !obj.is_instance_of::<PyInt>() {
         return Err(PyTypeError::new_err(format!(
-            "argument '{what}' must be an int (an id from add_{what}), got {}",
+            "argument '{what}': must be an int (an id from add_{what}), got {}",
             obj.get_type()
                 .name()
                 .map_or_else(|_| "?".into(), |n| n.to_string())
@@ -887,7 +897,7 @@ impl AdmissionController {
     #[pyo3(signature = (backend, *, max_concurrency=None, tokens_per_minute=None, burst_tokens=None, inflight_token_limit=None))]
     fn update_backend(
         &self,
-        backend: u32,
+        #[pyo3(from_py_with = backend_id_arg)] backend: u32,
         max_concurrency: Option<&Bound<'_, PyAny>>,
         tokens_per_minute: Option<&Bound<'_, PyAny>>,
         burst_tokens: Option<&Bound<'_, PyAny>>,
@@ -936,7 +946,7 @@ impl AdmissionController {
     #[allow(clippy::too_many_arguments)] // keyword-only Python arguments
     fn update_tenant(
         &self,
-        tenant: u32,
+        #[pyo3(from_py_with = tenant_id_arg)] tenant: u32,
         priority: Option<&Bound<'_, PyAny>>,
         tokens_per_minute: Option<&Bound<'_, PyAny>>,
         max_concurrency: Option<&Bound<'_, PyAny>>,
@@ -969,11 +979,19 @@ impl AdmissionController {
         Ok(self.core.update_tenant(tenant, &c)?)
     }
 
-    fn set_scale(&self, backend: u32, scale: f64) -> PyResult<()> {
+    fn set_scale(
+        &self,
+        #[pyo3(from_py_with = backend_id_arg)] backend: u32,
+        scale: f64,
+    ) -> PyResult<()> {
         Ok(self.core.set_scale(backend, scale)?)
     }
 
-    fn set_shedding(&self, backend: u32, on: bool) -> PyResult<()> {
+    fn set_shedding(
+        &self,
+        #[pyo3(from_py_with = backend_id_arg)] backend: u32,
+        on: bool,
+    ) -> PyResult<()> {
         Ok(self.core.set_shedding(backend, on)?)
     }
 
@@ -987,8 +1005,8 @@ impl AdmissionController {
     fn rate_limit_headers<'py>(
         &self,
         py: Python<'py>,
-        backend: u32,
-        tenant: u32,
+        #[pyo3(from_py_with = backend_id_arg)] backend: u32,
+        #[pyo3(from_py_with = tenant_id_arg)] tenant: u32,
     ) -> PyResult<Bound<'py, PyList>> {
         let pairs = self.rate_limit_pairs(py, backend, tenant)?;
         PyList::new(py, pairs)
@@ -997,8 +1015,8 @@ impl AdmissionController {
     #[pyo3(signature = (backend, tenant, retry_after, reason))]
     fn refusal_headers(
         &self,
-        backend: u32,
-        tenant: u32,
+        #[pyo3(from_py_with = backend_id_arg)] backend: u32,
+        #[pyo3(from_py_with = tenant_id_arg)] tenant: u32,
         retry_after: Option<f64>,
         reason: &str,
     ) -> PyResult<Vec<(&'static str, String)>> {
@@ -1015,8 +1033,8 @@ impl AdmissionController {
     fn refusal_response<'py>(
         &self,
         py: Python<'py>,
-        backend: u32,
-        tenant: u32,
+        #[pyo3(from_py_with = backend_id_arg)] backend: u32,
+        #[pyo3(from_py_with = tenant_id_arg)] tenant: u32,
         refusal: &Bound<'py, PyAny>,
         model: Option<&str>,
         tenant_name: &str,
@@ -1066,8 +1084,8 @@ impl AdmissionController {
     fn relay_http<'py>(
         &self,
         py: Python<'py>,
-        backend: u32,
-        tenant: u32,
+        #[pyo3(from_py_with = backend_id_arg)] backend: u32,
+        #[pyo3(from_py_with = tenant_id_arg)] tenant: u32,
         status: u16,
         upstream_headers: &Bound<'py, PyAny>,
         body: Option<&[u8]>,
@@ -1091,7 +1109,11 @@ impl AdmissionController {
         )
     }
 
-    fn backend_state<'py>(&self, py: Python<'py>, backend: u32) -> PyResult<Bound<'py, PyDict>> {
+    fn backend_state<'py>(
+        &self,
+        py: Python<'py>,
+        #[pyo3(from_py_with = backend_id_arg)] backend: u32,
+    ) -> PyResult<Bound<'py, PyDict>> {
         let s = self.core.backend_state(backend)?;
         let d = PyDict::new(py);
         d.set_item("name", s.name)?;
@@ -1119,7 +1141,11 @@ impl AdmissionController {
         Ok(d)
     }
 
-    fn tenant_state<'py>(&self, py: Python<'py>, tenant: u32) -> PyResult<Bound<'py, PyDict>> {
+    fn tenant_state<'py>(
+        &self,
+        py: Python<'py>,
+        #[pyo3(from_py_with = tenant_id_arg)] tenant: u32,
+    ) -> PyResult<Bound<'py, PyDict>> {
         let s = self.core.tenant_state(tenant)?;
         let d = PyDict::new(py);
         d.set_item("name", s.name)?;

@@ -348,7 +348,7 @@ def test_admit_refuses_bool_and_non_int_ids(arg: str, bad: object) -> None:
     args[arg] = bad
     _Index.calls = 0
     with pytest.raises(
-        TypeError, match=f"argument '{arg}' must be an int .*got {type(bad).__name__}"
+        TypeError, match=f"argument '{arg}': must be an int .*got {type(bad).__name__}"
     ):
         ctl.admit(**args)  # type: ignore[arg-type]
     assert _Index.calls == 0, "no Python code runs while reading an id"
@@ -420,3 +420,52 @@ def test_fast_methods_unexpected_surrogate_keyword() -> None:
             call(**bad)
     assert pool.in_use == 0
     assert ctl.backend_state(b)["in_use"] == 0
+
+
+_ID_METHODS: list[tuple[str, tuple[str, ...], object]] = [
+    ("backend_state", ("backend",), lambda c, b, t: c.backend_state(b)),
+    ("tenant_state", ("tenant",), lambda c, b, t: c.tenant_state(t)),
+    ("set_scale", ("backend",), lambda c, b, t: c.set_scale(b, 0.5)),
+    ("set_shedding", ("backend",), lambda c, b, t: c.set_shedding(b, True)),
+    ("update_backend", ("backend",), lambda c, b, t: c.update_backend(b, max_concurrency=1)),
+    ("update_tenant", ("tenant",), lambda c, b, t: c.update_tenant(t, max_concurrency=1)),
+    ("rate_limit_headers", ("backend", "tenant"), lambda c, b, t: c.rate_limit_headers(b, t)),
+    (
+        "refusal_headers",
+        ("backend", "tenant"),
+        lambda c, b, t: c.refusal_headers(b, t, 1.0, "backend-slots"),
+    ),
+    ("relay_http", ("backend", "tenant"), lambda c, b, t: c.relay_http(b, t, 200, [], b"{}")),
+]
+
+
+@pytest.mark.parametrize(("name", "args", "call"), _ID_METHODS, ids=[m[0] for m in _ID_METHODS])
+@pytest.mark.parametrize(
+    ("bad", "kind", "message"),
+    [
+        (True, TypeError, "must be an int .*got bool"),
+        (_Index(), TypeError, "must be an int .*got _Index"),
+        (1.0, TypeError, "must be an int .*got float"),
+        (-1, OverflowError, "id -1 is outside 0..2\\*\\*32"),
+        (2**40, OverflowError, f"id {2**40} is outside 0..2\\*\\*32"),
+    ],
+)
+def test_controller_methods_read_ids_like_admit(
+    name: str,
+    args: tuple[str, ...],
+    call: object,
+    bad: object,
+    kind: type[Exception],
+    message: str,
+) -> None:
+    """Every controller method that takes a backend or tenant id reads it as ``admit`` does:
+    a bool or non-int is a ``TypeError``, an int outside ``0..2**32`` an ``OverflowError``,
+    each naming the argument (``backend_state(True)`` used to read backend 1, ``set_scale(-1,
+    ...)`` said 'out of range integral type conversion attempted'); nothing changes."""
+    ctl, b, t = _controller()
+    before = (ctl.backend_state(b), ctl.tenant_state(t))
+    for arg in args:
+        ids = {"backend": b, "tenant": t, arg: bad}
+        with pytest.raises(kind, match=f"argument '{arg}': {message}"):
+            call(ctl, ids["backend"], ids["tenant"])  # type: ignore[operator]
+    assert (ctl.backend_state(b), ctl.tenant_state(t)) == before
