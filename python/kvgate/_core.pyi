@@ -306,6 +306,10 @@ class AdmissionController:
     ``critical``/``standard`` requests use the tenant's guarantee, then the burst pool;
     ``sheddable`` requests use only the burst pool and are refused (``shed``) while shedding.
 
+    Backend and tenant ids (``backend``/``tenant`` arguments) are ints in ``0..2**32``: a bool
+    or another type is a ``TypeError``, an int outside that range an ``OverflowError`` (both
+    naming the argument), an id never registered an ``InvalidConfigError``.
+
     Raises: ``SharedStateError`` when the region cannot be created or attached.
     """
 
@@ -408,8 +412,9 @@ class AdmissionController:
         never-admissible sizes, shedding, tenant concurrency, tenant TPM, backend slots,
         in-flight tokens, backend TPM. After a refusal nothing is held. Raises
         ``InvalidAmountError``/``TypeError`` for a bad ``tokens``, ``InvalidConfigError`` for an
-        unknown id or priority, ``TypeError`` for a missing, extra or non-int argument,
-        ``OverflowError`` for an id outside ``0..2**32``."""
+        unknown id or priority, ``TypeError`` for a missing, extra or non-int argument (ids,
+        like ``tokens``, refuse bools and objects with ``__index__``), ``OverflowError`` for an
+        id outside ``0..2**32``; each error names the argument."""
     def reclaim_dead(self) -> int:
         """Gives back what dead attached processes held; returns the slots reclaimed."""
     def backend_state(self, backend: int) -> dict[str, object]:

@@ -7,7 +7,7 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
-use pyo3::exceptions::{PyTypeError, PyValueError};
+use pyo3::exceptions::{PyOverflowError, PyTypeError, PyValueError};
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
@@ -240,10 +240,13 @@ fn backend_mask(obj: Option<&Bound<'_, PyAny>>) -> PyResult<Option<u64>> {
     Ok(Some(mask))
 }
 
-/// A backend or tenant id (as returned by `add_backend` / `add_tenant`).
+/// A backend or tenant id (as returned by `add_backend` / `add_tenant`): an `int` in `0..2**32`.
 ///
-/// Errors: as pyo3's `u32` conversion (`TypeError` for a non-int, `OverflowError` out of range),
-/// a `TypeError` naming the argument.
+/// Like the amounts ([`amount`]), a bool or another type (a float, a str, an object with
+/// `__index__`) is refused, and no Python code runs while reading it.
+///
+/// Errors: `TypeError` for a bool or a non-int, `OverflowError` for an int outside `0..2**32`;
+/// both name the argument.
 #[inline]
 pub(crate) fn id_of(obj: &Bound<'_, PyAny>, what: &'static str) -> PyResult<u32> {
     if obj.is_exact_instance_of::<PyInt>() {
@@ -256,13 +259,38 @@ pub(crate) fn id_of(obj: &Bound<'_, PyAny>, what: &'static str) -> PyResult<u32>
             }
         }
     }
-    obj.extract::<u32>().map_err(|e| {
-        if e.is_instance_of::<PyTypeError>(obj.py()) {
-            PyTypeError::new_err(format!("argument '{what}': {}", e.value(obj.py())))
-        } else {
-            e
-        }
-    })
+    id_slow(obj, what)
+}
+
+/// A `backend` id argument of a pyo3-generated method ([`id_of`]).
+fn backend_id_arg(obj: &Bound<'_, PyAny>) -> PyResult<u32> {
+    id_of(obj, "backend")
+}
+
+/// A `tenant` id argument of a pyo3-generated method ([`id_of`]).
+fn tenant_id_arg(obj: &Bound<'_, PyAny>) -> PyResult<u32> {
+    id_of(obj, "tenant")
+}
+
+#[cold]
+fn id_slow(obj: &Bound<'_, PyAny>, what: &'static str) -> PyResult<u32> {
+    if obj.is_instance_of::<PyBool>() || !obj.is_instance_of::<PyInt>() {
+        return Err(PyTypeError::new_err(format!(
+            "argument '{what}': must be an int (an id from add_{what}), got {}",
+            obj.get_type()
+                .name()
+                .map_or_else(|_| "?".into(), |n| n.to_string())
+        )));
+    }
+    // An `int` (or a subclass: its value is read without calling `__index__`).
+    match obj.extract::<i128>() {
+        Ok(v) => u32::try_from(v).map_err(|_| {
+            PyOverflowError::new_err(format!("argument '{what}': id {v} is outside 0..2**32"))
+        }),
+        Err(_) => Err(PyOverflowError::new_err(format!(
+            "argument '{what}': id is outside 0..2**32"
+        ))),
+    }
 }
 
 /// A priority class: `'critical'`, `'standard'`, `'sheddable'` or its code 0 / 1 / 2.
@@ -287,11 +315,20 @@ pub(crate) fn priority_of(obj: &Bound<'_, PyAny>) -> PyResult<Priority> {
 #[cold]
 fn priority_slow(obj: &Bound<'_, PyAny>) -> PyResult<Priority> {
     if let Ok(s) = obj.cast::<PyString>() {
-        return Ok(Priority::parse(s.to_str()?)?);
+        // Lossy: a str that is not valid UTF-8 (a lone surrogate) is an unknown name too.
+        return Ok(Priority::parse(&s.to_string_lossy())?);
     }
     if obj.is_instance_of::<PyInt>() && !obj.is_instance_of::<PyBool>() {
-        let code: u64 = obj.extract().unwrap_or(u64::MAX);
-        return Ok(Priority::from_code(code)?);
+        let code = obj.extract::<i128>().ok();
+        if let Some(code) = code.and_then(|v| u64::try_from(v).ok()) {
+            return Ok(Priority::from_code(code)?);
+        }
+        // Negative or huge: the error shows the value given, not a wrapped one.
+        return Err(CoreError::InvalidConfig(format!(
+            "unknown priority code {}: expected 0 (critical), 1 (standard), 2 (sheddable)",
+            code.map_or_else(|| "outside the 128-bit range".into(), |v| v.to_string())
+        ))
+        .into());
     }
     Err(PyTypeError::new_err(
         "priority must be 'critical', 'standard', 'sheddable' or 0/1/2",
@@ -860,7 +897,7 @@ impl AdmissionController {
     #[pyo3(signature = (backend, *, max_concurrency=None, tokens_per_minute=None, burst_tokens=None, inflight_token_limit=None))]
     fn update_backend(
         &self,
-        backend: u32,
+        #[pyo3(from_py_with = backend_id_arg)] backend: u32,
         max_concurrency: Option<&Bound<'_, PyAny>>,
         tokens_per_minute: Option<&Bound<'_, PyAny>>,
         burst_tokens: Option<&Bound<'_, PyAny>>,
@@ -909,7 +946,7 @@ impl AdmissionController {
     #[allow(clippy::too_many_arguments)] // keyword-only Python arguments
     fn update_tenant(
         &self,
-        tenant: u32,
+        #[pyo3(from_py_with = tenant_id_arg)] tenant: u32,
         priority: Option<&Bound<'_, PyAny>>,
         tokens_per_minute: Option<&Bound<'_, PyAny>>,
         max_concurrency: Option<&Bound<'_, PyAny>>,
@@ -942,11 +979,19 @@ impl AdmissionController {
         Ok(self.core.update_tenant(tenant, &c)?)
     }
 
-    fn set_scale(&self, backend: u32, scale: f64) -> PyResult<()> {
+    fn set_scale(
+        &self,
+        #[pyo3(from_py_with = backend_id_arg)] backend: u32,
+        scale: f64,
+    ) -> PyResult<()> {
         Ok(self.core.set_scale(backend, scale)?)
     }
 
-    fn set_shedding(&self, backend: u32, on: bool) -> PyResult<()> {
+    fn set_shedding(
+        &self,
+        #[pyo3(from_py_with = backend_id_arg)] backend: u32,
+        on: bool,
+    ) -> PyResult<()> {
         Ok(self.core.set_shedding(backend, on)?)
     }
 
@@ -960,8 +1005,8 @@ impl AdmissionController {
     fn rate_limit_headers<'py>(
         &self,
         py: Python<'py>,
-        backend: u32,
-        tenant: u32,
+        #[pyo3(from_py_with = backend_id_arg)] backend: u32,
+        #[pyo3(from_py_with = tenant_id_arg)] tenant: u32,
     ) -> PyResult<Bound<'py, PyList>> {
         let pairs = self.rate_limit_pairs(py, backend, tenant)?;
         PyList::new(py, pairs)
@@ -970,8 +1015,8 @@ impl AdmissionController {
     #[pyo3(signature = (backend, tenant, retry_after, reason))]
     fn refusal_headers(
         &self,
-        backend: u32,
-        tenant: u32,
+        #[pyo3(from_py_with = backend_id_arg)] backend: u32,
+        #[pyo3(from_py_with = tenant_id_arg)] tenant: u32,
         retry_after: Option<f64>,
         reason: &str,
     ) -> PyResult<Vec<(&'static str, String)>> {
@@ -988,8 +1033,8 @@ impl AdmissionController {
     fn refusal_response<'py>(
         &self,
         py: Python<'py>,
-        backend: u32,
-        tenant: u32,
+        #[pyo3(from_py_with = backend_id_arg)] backend: u32,
+        #[pyo3(from_py_with = tenant_id_arg)] tenant: u32,
         refusal: &Bound<'py, PyAny>,
         model: Option<&str>,
         tenant_name: &str,
@@ -1039,8 +1084,8 @@ impl AdmissionController {
     fn relay_http<'py>(
         &self,
         py: Python<'py>,
-        backend: u32,
-        tenant: u32,
+        #[pyo3(from_py_with = backend_id_arg)] backend: u32,
+        #[pyo3(from_py_with = tenant_id_arg)] tenant: u32,
         status: u16,
         upstream_headers: &Bound<'py, PyAny>,
         body: Option<&[u8]>,
@@ -1064,7 +1109,11 @@ impl AdmissionController {
         )
     }
 
-    fn backend_state<'py>(&self, py: Python<'py>, backend: u32) -> PyResult<Bound<'py, PyDict>> {
+    fn backend_state<'py>(
+        &self,
+        py: Python<'py>,
+        #[pyo3(from_py_with = backend_id_arg)] backend: u32,
+    ) -> PyResult<Bound<'py, PyDict>> {
         let s = self.core.backend_state(backend)?;
         let d = PyDict::new(py);
         d.set_item("name", s.name)?;
@@ -1092,7 +1141,11 @@ impl AdmissionController {
         Ok(d)
     }
 
-    fn tenant_state<'py>(&self, py: Python<'py>, tenant: u32) -> PyResult<Bound<'py, PyDict>> {
+    fn tenant_state<'py>(
+        &self,
+        py: Python<'py>,
+        #[pyo3(from_py_with = tenant_id_arg)] tenant: u32,
+    ) -> PyResult<Bound<'py, PyDict>> {
         let s = self.core.tenant_state(tenant)?;
         let d = PyDict::new(py);
         d.set_item("name", s.name)?;

@@ -73,7 +73,9 @@ impl FastArgs {
                 unsafe { Bound::ref_from_ptr(py, &self.kwnames).cast_unchecked::<PyTuple>() };
             for (k, name) in kwnames.iter().enumerate() {
                 let name = name.cast_into::<PyString>()?;
-                let name = name.to_str()?;
+                // Lossy: a name that is not valid UTF-8 (a lone surrogate) matches no parameter
+                // and is reported as unexpected, as Python reports it.
+                let name = name.to_string_lossy();
                 let Some(pos) = names.iter().position(|n| *n == name) else {
                     return Err(PyTypeError::new_err(format!(
                         "{method}() got an unexpected keyword argument '{name}'"

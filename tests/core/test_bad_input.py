@@ -320,3 +320,151 @@ def test_admit_bad_ids_priority_and_release() -> None:
         ctl.add_tenant("g", priority="critical", guaranteed_slots=3)
     with pytest.raises(InvalidConfigError, match="already exists"):
         ctl.add_backend("b", max_concurrency=1, tokens_per_minute=1)
+
+
+class _IntSub(int):
+    pass
+
+
+class _Index:
+    """Not an int, but convertible through ``__index__`` (as numpy integers are)."""
+
+    calls = 0
+
+    def __index__(self) -> int:
+        _Index.calls += 1
+        return 0
+
+
+@pytest.mark.parametrize("arg", ["backend", "tenant"])
+@pytest.mark.parametrize("bad", [True, False, _Index(), 0.0, "0", None])
+def test_admit_refuses_bool_and_non_int_ids(arg: str, bad: object) -> None:
+    """A backend or tenant id is an int like the token amounts: ``admit(True, ...)`` used to
+    admit on backend 1 (``False`` on id 0) and an object with ``__index__`` was called; both
+    are a ``TypeError`` naming the argument now, and nothing is held."""
+    ctl, b, t = _controller()
+    args = {"backend": b, "tenant": t, "priority": "standard", "tokens": 10}
+    args[arg] = bad
+    _Index.calls = 0
+    with pytest.raises(
+        TypeError, match=f"argument '{arg}': must be an int .*got {type(bad).__name__}"
+    ):
+        ctl.admit(**args)  # type: ignore[arg-type]
+    assert _Index.calls == 0, "no Python code runs while reading an id"
+    assert ctl.backend_state(b)["in_use"] == 0
+    assert ctl.tenant_state(t)["in_use"] == 0
+    # an int subclass is an int: its value is used
+    args[arg] = _IntSub(0)
+    r = ctl.admit(**args)  # type: ignore[arg-type]
+    assert r.admitted
+    r.release()
+
+
+@pytest.mark.parametrize("arg", ["backend", "tenant"])
+@pytest.mark.parametrize("bad", [-1, 2**32, -(2**40), 2**64, 2**200, _IntSub(-3)])
+def test_admit_id_out_of_range_names_the_argument(arg: str, bad: int) -> None:
+    ctl, b, t = _controller()
+    args = {"backend": b, "tenant": t, "priority": "standard", "tokens": 10}
+    args[arg] = bad
+    with pytest.raises(OverflowError, match=f"argument '{arg}': id .*outside 0..2\\*\\*32"):
+        ctl.admit(**args)  # type: ignore[arg-type]
+    assert ctl.backend_state(b)["in_use"] == 0
+    # in range but never registered: the core's error
+    args[arg] = 2**32 - 1
+    with pytest.raises(InvalidConfigError, match=f"unknown {arg} id 4294967295"):
+        ctl.admit(**args)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("bad", "shown"),
+    [
+        (-1, "code -1:"),
+        (3, "code 3:"),
+        (2**64, f"code {2**64}:"),
+        (_IntSub(-2), "code -2:"),
+        (2**200, "code outside the 128-bit range:"),
+        ("\ud800", 'class "\ufffd+"'),  # regex: a lone surrogate shows as replacement chars
+        ("critical\ud800", 'class "critical\ufffd+"'),
+    ],
+)
+def test_admit_bad_priority_shows_the_value_given(bad: object, shown: str) -> None:
+    """A negative or huge priority code used to be reported as 18446744073709551615 (wrapped),
+    and a str with a lone surrogate raised ``UnicodeEncodeError``; both are an
+    ``InvalidConfigError`` that shows what was given, for ``admit`` and ``add_tenant``."""
+    ctl, b, t = _controller()
+    with pytest.raises(InvalidConfigError, match=f"unknown priority {shown}"):
+        ctl.admit(b, t, bad, 10)  # type: ignore[arg-type]
+    assert ctl.backend_state(b)["in_use"] == 0
+    with pytest.raises(InvalidConfigError, match=f"unknown priority {shown}"):
+        ctl.add_tenant("t2", priority=bad)  # type: ignore[arg-type]
+
+
+def test_fast_methods_unexpected_surrogate_keyword() -> None:
+    """A keyword name that is not valid UTF-8 is an unexpected keyword argument (a TypeError
+    naming the call), as for a Python function, not a ``UnicodeEncodeError``; nothing is held
+    or released."""
+    ctl, b, t = _controller()
+    bad = {"\ud800": 1}
+    with pytest.raises(TypeError, match="admit\\(\\) got an unexpected keyword argument"):
+        ctl.admit(b, t, "standard", 10, **bad)
+    held = ctl.admit(b, t, "standard", 10)
+    with pytest.raises(TypeError, match="release\\(\\) got an unexpected keyword argument"):
+        held.release(**bad)
+    assert not held.released
+    assert ctl.backend_state(b)["in_use"] == 1
+    held.release()
+    pool = SlotPool(2)
+    for call in (pool.try_acquire, pool.release):
+        with pytest.raises(TypeError, match="got an unexpected keyword argument"):
+            call(**bad)
+    assert pool.in_use == 0
+    assert ctl.backend_state(b)["in_use"] == 0
+
+
+_ID_METHODS: list[tuple[str, tuple[str, ...], object]] = [
+    ("backend_state", ("backend",), lambda c, b, t: c.backend_state(b)),
+    ("tenant_state", ("tenant",), lambda c, b, t: c.tenant_state(t)),
+    ("set_scale", ("backend",), lambda c, b, t: c.set_scale(b, 0.5)),
+    ("set_shedding", ("backend",), lambda c, b, t: c.set_shedding(b, True)),
+    ("update_backend", ("backend",), lambda c, b, t: c.update_backend(b, max_concurrency=1)),
+    ("update_tenant", ("tenant",), lambda c, b, t: c.update_tenant(t, max_concurrency=1)),
+    ("rate_limit_headers", ("backend", "tenant"), lambda c, b, t: c.rate_limit_headers(b, t)),
+    (
+        "refusal_headers",
+        ("backend", "tenant"),
+        lambda c, b, t: c.refusal_headers(b, t, 1.0, "backend-slots"),
+    ),
+    ("relay_http", ("backend", "tenant"), lambda c, b, t: c.relay_http(b, t, 200, [], b"{}")),
+]
+
+
+@pytest.mark.parametrize(("name", "args", "call"), _ID_METHODS, ids=[m[0] for m in _ID_METHODS])
+@pytest.mark.parametrize(
+    ("bad", "kind", "message"),
+    [
+        (True, TypeError, "must be an int .*got bool"),
+        (_Index(), TypeError, "must be an int .*got _Index"),
+        (1.0, TypeError, "must be an int .*got float"),
+        (-1, OverflowError, "id -1 is outside 0..2\\*\\*32"),
+        (2**40, OverflowError, f"id {2**40} is outside 0..2\\*\\*32"),
+    ],
+)
+def test_controller_methods_read_ids_like_admit(
+    name: str,
+    args: tuple[str, ...],
+    call: object,
+    bad: object,
+    kind: type[Exception],
+    message: str,
+) -> None:
+    """Every controller method that takes a backend or tenant id reads it as ``admit`` does:
+    a bool or non-int is a ``TypeError``, an int outside ``0..2**32`` an ``OverflowError``,
+    each naming the argument (``backend_state(True)`` used to read backend 1, ``set_scale(-1,
+    ...)`` said 'out of range integral type conversion attempted'); nothing changes."""
+    ctl, b, t = _controller()
+    before = (ctl.backend_state(b), ctl.tenant_state(t))
+    for arg in args:
+        ids = {"backend": b, "tenant": t, arg: bad}
+        with pytest.raises(kind, match=f"argument '{arg}': {message}"):
+            call(ctl, ids["backend"], ids["tenant"])  # type: ignore[operator]
+    assert (ctl.backend_state(b), ctl.tenant_state(t)) == before
