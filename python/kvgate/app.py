@@ -635,7 +635,11 @@ async def handle_healthz(gw: Gateway, request: web.BaseRequest) -> web.Response:
 
 
 async def handle_readyz(gw: Gateway, request: web.BaseRequest) -> web.Response:
-    """``GET /readyz``: 200 when at least one backend is healthy, else 503."""
+    """``GET /readyz``: 200 while at least one backend is in routing, else 503.
+
+    Backends start in routing and leave it after ``unhealthy_after`` (3) failed health checks in
+    a row (:mod:`kvgate.telemetry.poller`), so the answer turns 503 a few poll intervals after
+    every engine went down, or after start-up when none is reachable."""
     ready = any(b.healthy for b in gw.backends)
     return web.json_response({"ready": ready}, status=200 if ready else 503)
 

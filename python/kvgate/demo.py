@@ -259,7 +259,10 @@ async def _drive(gw_url: str, sim_url: str, model: str, seconds: float) -> tuple
 
         tty = sys.stdout.isatty()
         mix = _mix(model, seconds)
+        start = asyncio.get_running_loop().time()
         stats = await drive(gw_url, mix, on_tick=tick, drain=60.0)
+        # a last line once everything ended, so it agrees with the table below
+        await tick(asyncio.get_running_loop().time() - start, stats)
     print()
     return stats, peak
 
