@@ -23,6 +23,9 @@ STALE_AFTER = 0.25
 # for a backend whose scrapes must all succeed (the timing is not what the test checks): a
 # scrape of a loaded machine can outlast 30 ms, a real timeout that such a test must not see
 CALM = {"poll_interval": 0.2, "scrape_timeout": 0.19, "stale_after": 5.0}
+# ... and a process frozen for longer than that (a CI VM losing its CPU) times out any scrape:
+# such tests leave real timeouts out and check every other failure (see failure_reasons)
+NOISE = "timeout"
 
 
 def vllm_text(kv: str, waiting: int = 2) -> str:
@@ -157,6 +160,11 @@ async def wait_until(sink: Recorder, predicate: Callable[[], bool]) -> None:
             await sink.changed.wait()
 
 
+def failure_reasons(sink: Recorder) -> list[str]:
+    """The reasons of the recorded failures, real timeouts (load noise) left out."""
+    return [e[2] for e in sink.of("failure") if e[2] != NOISE]
+
+
 @pytest.fixture
 async def engine() -> AsyncIterator[Engine]:
     e = Engine()
@@ -190,7 +198,7 @@ async def test_good_readings_flow(engine: Engine, session: aiohttp.ClientSession
         await wait_until(sink, lambda: len(sink.of("reading")) >= 3)
         st = poller.status("b1")
         assert st.stale is False
-        assert st.scrape_errors == 0
+        assert st.scrape_errors == st.errors_by_reason.get(NOISE, 0)
         assert st.age(asyncio.get_running_loop().time()) is not None
         reading = sink.of("reading")[-1][2]
         assert (reading.engine, reading.kv_usage, reading.running, reading.waiting) == (
@@ -201,7 +209,7 @@ async def test_good_readings_flow(engine: Engine, session: aiohttp.ClientSession
         )
         engine.script.kv = "0.9"
         await wait_until(sink, lambda: sink.of("reading")[-1][2].kv_usage == 0.9)
-    assert not sink.of("failure")
+    assert not failure_reasons(sink)
     assert not sink.of("stale")
 
 
@@ -303,8 +311,8 @@ async def test_body_too_large(engine: Engine, session: aiohttp.ClientSession) ->
     engine.script.mode = "huge"
     sink = Recorder()
     async with MetricsPoller(session, sink, [target(engine, max_body_bytes=1000, **CALM)]):
-        await wait_until(sink, lambda: bool(sink.of("failure")))
-    assert sink.of("failure")[0][2] == "too_large"
+        await wait_until(sink, lambda: bool(failure_reasons(sink)))
+    assert failure_reasons(sink)[0] == "too_large"
 
 
 async def test_health_out_and_back(engine: Engine, session: aiohttp.ClientSession) -> None:
@@ -357,7 +365,7 @@ async def test_llamacpp_slots(engine: Engine, session: aiohttp.ClientSession) ->
         await wait_until(sink, lambda: len(sink.of("reading")) >= n + 2)
         r = sink.of("reading")[-1][2]
         assert (r.kv_usage, r.waiting) == (None, 0)
-    assert not sink.of("failure")
+    assert not failure_reasons(sink)
 
 
 async def test_two_backends_independent(engine: Engine, session: aiohttp.ClientSession) -> None:
@@ -368,7 +376,8 @@ async def test_two_backends_independent(engine: Engine, session: aiohttp.ClientS
         sink = Recorder()
         targets = [target(engine, **CALM), target(other, name="b2")]
         async with MetricsPoller(session, sink, targets) as poller:
-            await wait_until(sink, lambda: bool(sink.of("stale")))
+            # b1's first scrape, too: on a frozen machine it can time out and come later
+            await wait_until(sink, lambda: bool(sink.of("stale")) and bool(sink.of("reading")))
             assert sink.of("stale") == [("stale", "b2", True)]
             assert poller.status("b1").stale is False
             assert {e[1] for e in sink.of("reading")} == {"b1"}
