@@ -252,11 +252,14 @@ async def test_failure_goes_stale_once_then_recovers(
         # counted as one, not a misfiled failure (seen once in a full `make test` run)
         noise = {"timeout"} - {FAILURES[mode]}
         assert reasons - noise == {FAILURES[mode]}
-        assert st.errors_by_reason[FAILURES[mode]] >= 2
+        # usually several failures before stale_after; one can be enough: a process frozen for
+        # longer than stale_after (a loaded CI machine) finds it stale at its first failure
+        assert st.errors_by_reason[FAILURES[mode]] >= 1
         assert sum(st.errors_by_reason.values()) == st.scrape_errors
-        # more failing scrapes: still one transition, one log line
-        errors_at_stale = st.scrape_errors
-        await wait_until(sink, lambda: st.scrape_errors >= errors_at_stale + 3)
+        # more failing scrapes, each counted under its reason: still one transition, one log line
+        errors_at_stale = st.errors_by_reason[FAILURES[mode]]
+        await wait_until(sink, lambda: st.errors_by_reason[FAILURES[mode]] >= errors_at_stale + 3)
+        assert sum(st.errors_by_reason.values()) == st.scrape_errors
         assert sink.of("stale") == [("stale", "b1", True)]
         # the endpoint comes back
         if mode == "refuse":
