@@ -101,8 +101,8 @@ async def _behave(request: web.Request, body: dict) -> web.StreamResponse:
         big = 2**62 + 1
         absurd = {**COMPLETION, "usage": {"prompt_tokens": big, "completion_tokens": big}}
         return web.Response(body=orjson.dumps(absurd), content_type="application/json")
-    if model == "late":  # the head after 0.3 s, then a chunk every 50 ms for 10 s
-        await asyncio.sleep(0.3)
+    if model == "late":  # the head after 0.6 s, then a chunk every 50 ms for 10 s
+        await asyncio.sleep(0.6)
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         for i in range(200):

@@ -20,6 +20,12 @@ FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "metrics"
 INTERVAL = 0.05
 TIMEOUT = 0.03
 STALE_AFTER = 0.25
+# for a backend whose scrapes must all succeed (the timing is not what the test checks): a
+# scrape of a loaded machine can outlast 30 ms, a real timeout that such a test must not see
+CALM = {"poll_interval": 0.2, "scrape_timeout": 0.19, "stale_after": 5.0}
+# ... and a process frozen for longer than that (a CI VM losing its CPU) times out any scrape:
+# such tests leave real timeouts out and check every other failure (see failure_reasons)
+NOISE = "timeout"
 
 
 def vllm_text(kv: str, waiting: int = 2) -> str:
@@ -154,6 +160,11 @@ async def wait_until(sink: Recorder, predicate: Callable[[], bool]) -> None:
             await sink.changed.wait()
 
 
+def failure_reasons(sink: Recorder) -> list[str]:
+    """The reasons of the recorded failures, real timeouts (load noise) left out."""
+    return [e[2] for e in sink.of("failure") if e[2] != NOISE]
+
+
 @pytest.fixture
 async def engine() -> AsyncIterator[Engine]:
     e = Engine()
@@ -183,11 +194,11 @@ def target(server: Engine, **kw) -> PollTarget:
 
 async def test_good_readings_flow(engine: Engine, session: aiohttp.ClientSession) -> None:
     sink = Recorder()
-    async with MetricsPoller(session, sink, [target(engine, model="m")]) as poller:
+    async with MetricsPoller(session, sink, [target(engine, model="m", **CALM)]) as poller:
         await wait_until(sink, lambda: len(sink.of("reading")) >= 3)
         st = poller.status("b1")
         assert st.stale is False
-        assert st.scrape_errors == 0
+        assert st.scrape_errors == st.errors_by_reason.get(NOISE, 0)
         assert st.age(asyncio.get_running_loop().time()) is not None
         reading = sink.of("reading")[-1][2]
         assert (reading.engine, reading.kv_usage, reading.running, reading.waiting) == (
@@ -198,7 +209,7 @@ async def test_good_readings_flow(engine: Engine, session: aiohttp.ClientSession
         )
         engine.script.kv = "0.9"
         await wait_until(sink, lambda: sink.of("reading")[-1][2].kv_usage == 0.9)
-    assert not sink.of("failure")
+    assert not failure_reasons(sink)
     assert not sink.of("stale")
 
 
@@ -241,11 +252,14 @@ async def test_failure_goes_stale_once_then_recovers(
         # counted as one, not a misfiled failure (seen once in a full `make test` run)
         noise = {"timeout"} - {FAILURES[mode]}
         assert reasons - noise == {FAILURES[mode]}
-        assert st.errors_by_reason[FAILURES[mode]] >= 2
+        # usually several failures before stale_after; one can be enough: a process frozen for
+        # longer than stale_after (a loaded CI machine) finds it stale at its first failure
+        assert st.errors_by_reason[FAILURES[mode]] >= 1
         assert sum(st.errors_by_reason.values()) == st.scrape_errors
-        # more failing scrapes: still one transition, one log line
-        errors_at_stale = st.scrape_errors
-        await wait_until(sink, lambda: st.scrape_errors >= errors_at_stale + 3)
+        # more failing scrapes, each counted under its reason: still one transition, one log line
+        errors_at_stale = st.errors_by_reason[FAILURES[mode]]
+        await wait_until(sink, lambda: st.errors_by_reason[FAILURES[mode]] >= errors_at_stale + 3)
+        assert sum(st.errors_by_reason.values()) == st.scrape_errors
         assert sink.of("stale") == [("stale", "b1", True)]
         # the endpoint comes back
         if mode == "refuse":
@@ -299,14 +313,14 @@ async def test_stale_without_adaptation_is_logged_at_info(
 async def test_body_too_large(engine: Engine, session: aiohttp.ClientSession) -> None:
     engine.script.mode = "huge"
     sink = Recorder()
-    async with MetricsPoller(session, sink, [target(engine, max_body_bytes=1000)]):
-        await wait_until(sink, lambda: bool(sink.of("failure")))
-    assert sink.of("failure")[0][2] == "too_large"
+    async with MetricsPoller(session, sink, [target(engine, max_body_bytes=1000, **CALM)]):
+        await wait_until(sink, lambda: bool(failure_reasons(sink)))
+    assert failure_reasons(sink)[0] == "too_large"
 
 
 async def test_health_out_and_back(engine: Engine, session: aiohttp.ClientSession) -> None:
     sink = Recorder()
-    t = target(engine, health_url=engine.url("/health"), unhealthy_after=3)
+    t = target(engine, health_url=engine.url("/health"), unhealthy_after=3, **CALM)
     async with MetricsPoller(session, sink, [t]) as poller:
         await wait_until(sink, lambda: len(sink.of("reading")) >= 2)
         assert not sink.of("health")
@@ -343,7 +357,7 @@ async def test_health_refused_takes_backend_out(
 async def test_llamacpp_slots(engine: Engine, session: aiohttp.ClientSession) -> None:
     engine.script.mode = "llamacpp"
     sink = Recorder()
-    t = target(engine, engine="llamacpp", slots_url=engine.url("/slots"))
+    t = target(engine, engine="llamacpp", slots_url=engine.url("/slots"), **CALM)
     async with MetricsPoller(session, sink, [t]):
         await wait_until(sink, lambda: len(sink.of("reading")) >= 1)
         r = sink.of("reading")[0][2]
@@ -354,7 +368,7 @@ async def test_llamacpp_slots(engine: Engine, session: aiohttp.ClientSession) ->
         await wait_until(sink, lambda: len(sink.of("reading")) >= n + 2)
         r = sink.of("reading")[-1][2]
         assert (r.kv_usage, r.waiting) == (None, 0)
-    assert not sink.of("failure")
+    assert not failure_reasons(sink)
 
 
 async def test_two_backends_independent(engine: Engine, session: aiohttp.ClientSession) -> None:
@@ -363,9 +377,10 @@ async def test_two_backends_independent(engine: Engine, session: aiohttp.ClientS
     try:
         other.script.mode = "500"
         sink = Recorder()
-        targets = [target(engine), target(other, name="b2")]
+        targets = [target(engine, **CALM), target(other, name="b2")]
         async with MetricsPoller(session, sink, targets) as poller:
-            await wait_until(sink, lambda: bool(sink.of("stale")))
+            # b1's first scrape, too: on a frozen machine it can time out and come later
+            await wait_until(sink, lambda: bool(sink.of("stale")) and bool(sink.of("reading")))
             assert sink.of("stale") == [("stale", "b2", True)]
             assert poller.status("b1").stale is False
             assert {e[1] for e in sink.of("reading")} == {"b1"}
