@@ -134,8 +134,10 @@ class SlotPool:
 
 @final
 class TokenBucket:
-    """A lock-free token bucket: ``tokens_per_minute`` refill, continuous from a monotonic clock
-    (or ``clock``), holding at most ``burst_tokens`` (default: one minute of tokens).
+    """A lock-free token bucket: ``tokens_per_minute`` refill from the system's monotonic clock
+    at kernel-tick resolution (``CLOCK_MONOTONIC_COARSE``, a few ms: the bucket refills in steps
+    of one tick) or from ``clock``, holding at most ``burst_tokens`` (default: one minute of
+    tokens).
 
     Starts full. :meth:`try_reserve` takes tokens up front (prompt + reserved completion);
     :meth:`reconcile` settles with the real usage: unused tokens go back (never above full) and
@@ -297,6 +299,12 @@ class AdmissionController:
     controller is dropped), workers attach (``create=False`` or :meth:`attach`). Each process
     keeps a ledger of what it holds; :meth:`reclaim_dead` (from any live process) gives back
     what dead processes held (pid + start time, so pid reuse is detected).
+
+    A shared-memory controller updates every limit by compare-and-swap. A private one relies on
+    the GIL, which every call holds from entry to return, and updates its limits with plain
+    atomic loads and stores (no locked instruction per limit; compare-and-swap on a
+    free-threaded CPython build). Time is the system's monotonic clock at kernel-tick resolution
+    (``CLOCK_MONOTONIC_COARSE``, a few ms; the limits are per minute) or ``clock``.
 
     Slots: each tenant's ``guaranteed_slots`` are carved out of the (scaled)
     ``max_concurrency`` of every backend its ``guaranteed_backends`` names (all backends by

@@ -554,7 +554,8 @@ impl AdaptiveLaw {
 
     #[pyo3(signature = (kv_usage, waiting=0))]
     fn update(&mut self, kv_usage: Option<f64>, waiting: i64) -> PyResult<f64> {
-        let now = self.clock.now_ns();
+        // Once a poll: the precise clock, which the poller's own times (asyncio's loop) use.
+        let now = self.clock.precise_now_ns();
         Ok(self.law.update(kv_usage, waiting_of(waiting)?, now)?)
     }
 
@@ -620,6 +621,25 @@ fn mark_released(flag: &AtomicBool) -> bool {
     #[cfg(Py_GIL_DISABLED)]
     {
         flag.swap(true, Ordering::AcqRel)
+    }
+}
+
+/// The core of a private (one-process) controller.
+///
+/// With the GIL (every CPython build but the free-threaded one) every call into the controller
+/// holds it from entry to return and runs no Python code while it updates the limits, so no two
+/// updates can overlap: the limits are updated with plain atomic loads and stores
+/// ([`Admission::new_heap_serialized`]), which saves a locked instruction per limit per call. A
+/// free-threaded build, and every shared-memory controller (several processes), uses
+/// compare-and-swap.
+fn private_controller(clock: Clock) -> Result<Arc<Admission>, CoreError> {
+    #[cfg(not(Py_GIL_DISABLED))]
+    {
+        Admission::new_heap_serialized(clock)
+    }
+    #[cfg(Py_GIL_DISABLED)]
+    {
+        Admission::new_heap(clock)
     }
 }
 
@@ -833,7 +853,7 @@ impl AdmissionController {
     ) -> PyResult<Self> {
         let clock = clock_of(clock);
         let core = match (shm_name, create) {
-            (None, _) => Admission::new_heap(clock)?,
+            (None, _) => private_controller(clock)?,
             (Some(name), true) => Admission::create_shm(name, clock)?,
             (Some(name), false) => Admission::attach_shm(name, clock)?,
         };

@@ -1,11 +1,71 @@
 //! Lock-free counters of concurrency slots (and, with weights, of in-flight tokens).
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 
 use crate::error::CoreError;
 
 /// "No limit" for a counter.
 pub const UNLIMITED: u64 = u64::MAX;
+
+/// How a limiter makes its read-modify-writes.
+///
+/// Every counter is an atomic either way, so no mode can cause a data race; the mode only
+/// decides whether concurrent updates are safe.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Rmw {
+    /// Compare-and-swap / fetch-and-add: correct for any number of threads and processes
+    /// updating the same counters at once. The default, and the only mode for shared memory.
+    #[default]
+    Atomic,
+    /// One atomic load and one atomic store (no locked instruction): correct only when the
+    /// caller serialises every update of these counters, as CPython's GIL does for a private
+    /// controller (the bindings call the core with it held and run no Python code in between).
+    /// Concurrent callers would lose updates.
+    Serialized,
+}
+
+impl Rmw {
+    /// Replaces the value `v` of `a` by `f(v)` and returns `Ok(v)`, or leaves it and returns
+    /// `Err(v)` when `f` returns `None` (the contract of [`AtomicU64::fetch_update`]).
+    #[inline]
+    pub fn update(self, a: &AtomicU64, mut f: impl FnMut(u64) -> Option<u64>) -> Result<u64, u64> {
+        match self {
+            Rmw::Atomic => a.fetch_update(Ordering::AcqRel, Ordering::Acquire, f),
+            Rmw::Serialized => {
+                let v = a.load(Ordering::Relaxed);
+                match f(v) {
+                    Some(new) => {
+                        a.store(new, Ordering::Relaxed);
+                        Ok(v)
+                    }
+                    None => Err(v),
+                }
+            }
+        }
+    }
+
+    /// [`Rmw::update`] for a signed word (the token bucket's `tat`).
+    #[inline]
+    pub fn update_i64(
+        self,
+        a: &AtomicI64,
+        mut f: impl FnMut(i64) -> Option<i64>,
+    ) -> Result<i64, i64> {
+        match self {
+            Rmw::Atomic => a.fetch_update(Ordering::AcqRel, Ordering::Acquire, f),
+            Rmw::Serialized => {
+                let v = a.load(Ordering::Relaxed);
+                match f(v) {
+                    Some(new) => {
+                        a.store(new, Ordering::Relaxed);
+                        Ok(v)
+                    }
+                    None => Err(v),
+                }
+            }
+        }
+    }
+}
 
 /// A counter of held units (slots or tokens) with a runtime-settable limit.
 ///
@@ -61,6 +121,12 @@ impl SlotCounter {
         try_acquire_atomic(&self.in_use, n, limit)
     }
 
+    /// [`Self::try_acquire_within`] made in mode `rmw`.
+    #[inline]
+    pub fn try_acquire_within_in(&self, rmw: Rmw, n: u64, limit: u64) -> bool {
+        try_acquire_in(rmw, &self.in_use, n, limit)
+    }
+
     /// Gives back `n` units. Fails with [`CoreError::OverRelease`] (changing nothing) when fewer
     /// than `n` are held.
     #[inline]
@@ -91,11 +157,14 @@ impl SlotCounter {
     /// Gives back up to `n` units, stopping at zero; returns how many were given back. Used when
     /// reclaiming the holdings of a dead process.
     pub fn release_saturating(&self, n: u64) -> u64 {
-        let prev = self
-            .in_use
-            .fetch_update(Ordering::AcqRel, Ordering::Relaxed, |v| {
-                Some(v.saturating_sub(n))
-            })
+        self.release_saturating_in(Rmw::Atomic, n)
+    }
+
+    /// [`Self::release_saturating`] made in mode `rmw`.
+    #[inline]
+    pub fn release_saturating_in(&self, rmw: Rmw, n: u64) -> u64 {
+        let prev = rmw
+            .update(&self.in_use, |v| Some(v.saturating_sub(n)))
             .unwrap_or(0);
         prev.min(n)
     }
@@ -105,6 +174,19 @@ impl SlotCounter {
 /// succeeds. The building block of [`SlotCounter`], also used on bare counters in the region.
 #[inline]
 pub fn try_acquire_atomic(a: &AtomicU64, n: u64, limit: u64) -> bool {
+    try_acquire_in(Rmw::Atomic, a, n, limit)
+}
+
+/// [`try_acquire_atomic`] made in mode `rmw`.
+#[inline]
+pub fn try_acquire_in(rmw: Rmw, a: &AtomicU64, n: u64, limit: u64) -> bool {
+    if rmw == Rmw::Serialized {
+        return rmw
+            .update(a, |cur| {
+                (cur <= limit && n <= limit - cur).then_some(cur + n)
+            })
+            .is_ok();
+    }
     if n == 0 {
         return true;
     }
@@ -123,18 +205,33 @@ pub fn try_acquire_atomic(a: &AtomicU64, n: u64, limit: u64) -> bool {
 /// Adds `delta` to a plain atomic statistic or per-process ledger entry.
 #[inline]
 pub(crate) fn add(a: &AtomicU64, delta: u64) {
+    add_in(Rmw::Atomic, a, delta);
+}
+
+/// [`add`] made in mode `rmw`.
+#[inline]
+pub(crate) fn add_in(rmw: Rmw, a: &AtomicU64, delta: u64) {
     if delta != 0 {
-        a.fetch_add(delta, Ordering::AcqRel);
+        match rmw {
+            Rmw::Atomic => {
+                a.fetch_add(delta, Ordering::AcqRel);
+            }
+            Rmw::Serialized => a.store(a.load(Ordering::Relaxed) + delta, Ordering::Relaxed),
+        }
     }
 }
 
 /// Subtracts `delta` from a plain atomic statistic or ledger entry, stopping at zero.
 #[inline]
 pub(crate) fn sub(a: &AtomicU64, delta: u64) {
+    sub_in(Rmw::Atomic, a, delta);
+}
+
+/// [`sub`] made in mode `rmw`.
+#[inline]
+pub(crate) fn sub_in(rmw: Rmw, a: &AtomicU64, delta: u64) {
     if delta != 0 {
-        let _ = a.fetch_update(Ordering::AcqRel, Ordering::Relaxed, |v| {
-            Some(v.saturating_sub(delta))
-        });
+        let _ = rmw.update(a, |v| Some(v.saturating_sub(delta)));
     }
 }
 

@@ -16,6 +16,7 @@
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 
 use crate::error::CoreError;
+use crate::slots::Rmw;
 
 const NS_PER_MINUTE: u128 = 60_000_000_000;
 /// Cap on every time span, about 73 years, so arithmetic on `i64` nanoseconds never overflows.
@@ -144,6 +145,12 @@ impl TokenBucket {
     /// `n == 0` always succeeds. `n > burst` is never available (returns `false`).
     #[inline]
     pub fn try_reserve_with(&self, n: u64, now_ns: u64, rate: u64, burst: u64) -> bool {
+        self.try_reserve_in(Rmw::Atomic, n, now_ns, rate, burst)
+    }
+
+    /// [`Self::try_reserve_with`] made in mode `rmw`.
+    #[inline]
+    pub fn try_reserve_in(&self, rmw: Rmw, n: u64, now_ns: u64, rate: u64, burst: u64) -> bool {
         if n == 0 {
             return true;
         }
@@ -153,21 +160,11 @@ impl TokenBucket {
         let now = to_i64(now_ns);
         let cost = cost_ns(n, rate);
         let span = fill_ns(burst, rate);
-        let mut tat = self.tat.load(Ordering::Acquire);
-        loop {
-            let base = tat.max(now - span);
-            let new = base + cost;
-            if new > now {
-                return false;
-            }
-            match self
-                .tat
-                .compare_exchange_weak(tat, new, Ordering::AcqRel, Ordering::Acquire)
-            {
-                Ok(_) => return true,
-                Err(actual) => tat = actual,
-            }
-        }
+        rmw.update_i64(&self.tat, |tat| {
+            let new = tat.max(now - span) + cost;
+            (new <= now).then_some(new)
+        })
+        .is_ok()
     }
 
     /// Gives `n` unused tokens back (never above a full bucket).
@@ -178,31 +175,38 @@ impl TokenBucket {
     /// "full forever" value so repeated refunds cannot overflow it.
     #[inline]
     pub fn refund_with(&self, n: u64, rate: u64) {
+        self.refund_in(Rmw::Atomic, n, rate);
+    }
+
+    /// [`Self::refund_with`] made in mode `rmw`.
+    #[inline]
+    pub fn refund_in(&self, rmw: Rmw, n: u64, rate: u64) {
         if n == 0 {
             return;
         }
         let back = span_ns(n, rate);
-        let _ = self
-            .tat
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |tat| {
-                Some(tat.saturating_sub(back).max(FULL_TAT))
-            });
+        let _ = rmw.update_i64(&self.tat, |tat| {
+            Some(tat.saturating_sub(back).max(FULL_TAT))
+        });
     }
 
     /// Charges `n` tokens unconditionally (an overrun): the bucket may go into debt, bounded by
     /// one `burst` (what is beyond the bound is forgiven).
     pub fn charge_with(&self, n: u64, now_ns: u64, rate: u64, burst: u64) {
+        self.charge_in(Rmw::Atomic, n, now_ns, rate, burst);
+    }
+
+    /// [`Self::charge_with`] made in mode `rmw`.
+    pub fn charge_in(&self, rmw: Rmw, n: u64, now_ns: u64, rate: u64, burst: u64) {
         if n == 0 {
             return;
         }
         let now = to_i64(now_ns);
         let cost = cost_ns(n, rate);
         let span = fill_ns(burst, rate);
-        let _ = self
-            .tat
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |tat| {
-                Some((tat.max(now - span) + cost).min(now + span))
-            });
+        let _ = rmw.update_i64(&self.tat, |tat| {
+            Some((tat.max(now - span) + cost).min(now + span))
+        });
     }
 
     /// Settles a reservation of `reserved` tokens with the `actual` usage: refunds the unused

@@ -6,12 +6,13 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import signal
+import sys
 import threading
 import uuid
 
 import pytest
 
-from kvgate import AdmissionController, SlotPool
+from kvgate import AdmissionController, ManualClock, SlotPool
 
 LIMIT = 4
 ROUNDS = 3_000
@@ -70,6 +71,54 @@ def test_threads_hammer_controller() -> None:
     assert max(seen) <= LIMIT
     s = ctl.backend_state(b)
     assert (s["in_use"], s["inflight_tokens"]) == (0, 0)
+    assert ctl.leaks == 0
+
+
+def test_threads_hammer_private_controller_with_exact_counts() -> None:
+    """A private controller updates its limits with plain loads and stores, relying on the GIL
+    to serialise calls: threads switching as often as CPython allows must still never exceed a
+    limit, and every token and slot must add up exactly at the end."""
+    clock = ManualClock()  # time stands still: the buckets refill nothing during the run
+    ctl = AdmissionController(clock=clock)
+    # 60,000,000 tokens per minute = one token per 1,000 ns: refunds are exact
+    b = ctl.add_backend("b", max_concurrency=LIMIT, tokens_per_minute=60_000_000)
+    tenants = [
+        ctl.add_tenant("g", priority="critical", guaranteed_slots=1, tokens_per_minute=60_000_000),
+        ctl.add_tenant("s", priority="standard", max_concurrency=2),
+    ]
+    charged = [0] * 8
+    admitted = [0] * 8
+    peak: list[int] = []
+
+    def work(i: int) -> None:
+        t = tenants[i % 2]
+        for k in range(ROUNDS):
+            r = ctl.admit(b, t, "critical" if t == tenants[0] else "standard", 7)
+            if r.admitted:
+                peak.append(ctl.backend_state(b)["in_use"])
+                actual = 3 if k % 3 else 9  # refunds and overruns
+                r.release(actual)
+                charged[i] += actual
+                admitted[i] += 1
+
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        workers = [threading.Thread(target=work, args=(i,)) for i in range(8)]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+    finally:
+        sys.setswitchinterval(old)
+    assert sum(admitted) > ROUNDS
+    assert max(peak) <= LIMIT
+    s = ctl.backend_state(b)
+    assert (s["in_use"], s["inflight_tokens"], s["burst_in_use"]) == (0, 0, 0)
+    assert s["available_tokens"] == 60_000_000 - sum(charged)
+    g = ctl.tenant_state(tenants[0])
+    assert g["available_tokens"] == 60_000_000 - sum(charged[0::2])
+    assert all(ctl.tenant_state(t)["in_use"] == 0 for t in tenants)
     assert ctl.leaks == 0
 
 
