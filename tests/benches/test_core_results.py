@@ -57,7 +57,7 @@ def test_bad_bodies_and_duplicate_headings_raise() -> None:
 
 def _stats(rust_s: float, ref_s: float) -> dict[str, object]:
     out: dict[str, object] = {}
-    for _, rust, ref, _ in cr.CORE_GROUPS:
+    for _, rust, ref, _, _ in cr.CORE_GROUPS:
         out[rust] = cr.Stat(
             min=rust_s, median=rust_s * 1.1, rounds=10, extra={"pairs_per_call": 1000}
         )
@@ -67,16 +67,28 @@ def _stats(rust_s: float, ref_s: float) -> dict[str, object]:
 
 def test_core_section_figures_and_verdicts() -> None:
     line = "rust admit+release: 5000000 pairs in 1.259 s = 3972832 pairs/s (251.7 ns/pair)"
-    floor = "rust floor: atomic read-modify-write 5.50 ns, clock_gettime(CLOCK_MONOTONIC) 20.00 ns"
+    floor = (
+        "rust floor: atomic read-modify-write 5.50 ns, "
+        "clock_gettime(CLOCK_MONOTONIC_COARSE) 6.00 ns (CLOCK_MONOTONIC 20.00 ns)"
+    )
     run = cr.parse_rust("noise\n" + line + "\n." + floor + "\n")
     assert (run.pairs, run.rate, run.ns, run.line) == (5_000_000, 3_972_832.0, 251.7, line)
-    assert (run.rmw_ns, run.clock_ns, run.floor_line) == (5.5, 20.0, floor)
+    assert (run.rmw_ns, run.clock_ns, run.precise_clock_ns, run.floor_line) == (
+        5.5,
+        6.0,
+        20.0,
+        floor,
+    )
     # 1,000 pairs in 250 µs = 4 M pairs/s, reference 12x slower: both targets met.
     met = cr.core_section(_stats(250e-6, 3e-3), [run], "CMD", "MACHINE", "now")
     assert met.startswith(cr.CORE_HEADING + "\n")
     assert "| 12.00× / 12.00× | 4.00 M / 3.64 M |" in met
     assert "not met" not in met
     assert "Why admit+release" not in met
+    # the shared-memory row is shown for comparison, with no verdict of its own
+    assert "shared-memory controller (`AdmissionController(shm_name=...)`" in met
+    assert "(12.00× / 12.00× the reference)" in " ".join(met.split())
+    assert "shared memory 12.00×" not in met
     # 1,000 pairs in 600 µs = 1.67 M pairs/s, reference 5x slower: neither met from Python.
     missed = cr.core_section(_stats(600e-6, 3e-3), [run], "CMD", "MACHINE", "now")
     prose = missed.split("```")[::2]  # outside the code blocks (commands are never wrapped)
@@ -85,13 +97,12 @@ def test_core_section_figures_and_verdicts() -> None:
     missed = " ".join(missed.split())  # prose is wrapped at 100 columns
     assert "admit+release 5.00× / 5.00× (min / median): **not met**" in missed
     assert "from Python **not met** on the best round (1.67 M/s)" in missed
-    # 10x of 3,000 ns allows 300 ns; 600 ns from Python = 252 in Rust + 348 on the Python side;
-    # floor 12 x 5.5 + 20 = 86 ns, 434 with the Python side.
+    # 10x of 3,000 ns allows 300 ns; 600 ns from Python = 252 in Rust + 348 on the Python side.
     assert "best round allows 300 ns per pair from Python" in missed
     assert "takes 600 ns: 252 ns in the Rust core alone" in missed
     assert "about 348 ns on the Python side" in missed
-    assert "12 per pair at 5.5 ns each, plus one clock reading at 20.0 ns" in missed
-    assert "86 ns before any other work, 434 ns with the Python side" in missed
+    assert "One clock reading takes 6.0 ns of the core's part" in missed
+    assert "adds 12 locked read-modify-writes at about 5.5 ns each" in missed
     with pytest.raises(cr.BenchError, match="cargo output"):
         cr.parse_rust("test result: ok")
     with pytest.raises(cr.BenchError, match="rust floor"):
