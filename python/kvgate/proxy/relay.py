@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import aiohttp
+import orjson
 from aiohttp import web
 
 from kvgate._core import MAX_AMOUNT, usage_tokens
@@ -139,7 +140,7 @@ async def relay(
                 result,
             )
         raw = await _read_all(upstream, timeouts, deadline, end, result)
-        _settle_from_body(raw, result)
+        _settle_from_body(raw, result, count_text)
         result.status = upstream.status
         return relayed(request, build, upstream.status, upstream.raw_headers, raw)
     except asyncio.CancelledError:
@@ -202,10 +203,54 @@ def _wait_until(
     return when
 
 
-def _settle_from_body(raw: bytes, result: RelayResult) -> None:
+def _settle_from_body(
+    raw: bytes, result: RelayResult, count_text: Callable[[str], int] | None
+) -> None:
+    """Settle a whole (non-streamed) answer: the engine's usage; when it sent none, the
+    tokenizer count of the answer's text, as for a stream (a completion is never free)."""
     counts = usage_tokens(raw)  # Rust: reads the usage object only
     if counts is not None:
         _take_usage(*counts, result)
+    if not result.usage_from_engine and count_text is not None:
+        text = _answer_text(raw)
+        if text:
+            result.completion_tokens = count_text(text)
+
+
+def _answer_text(raw: bytes) -> str:
+    """The generated text of a non-streamed answer (``""`` when the body is not one): every
+    choice's legacy ``text``, ``message`` content and reasoning, and tool-call names and
+    arguments — the pieces the stream relay counts from its deltas (``kvgate._core.SSEInspector``).
+    """
+    try:
+        data = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return ""
+    choices = data.get("choices") if isinstance(data, dict) else None
+    if not isinstance(choices, list):
+        return ""
+    parts: list[str] = []
+
+    def take(value: object) -> None:
+        if isinstance(value, str):
+            parts.append(value)
+
+    for choice in choices:
+        if not isinstance(choice, dict):
+            continue
+        take(choice.get("text"))
+        message = choice.get("message")
+        if not isinstance(message, dict):
+            continue
+        for key in ("content", "reasoning_content", "reasoning"):
+            take(message.get(key))
+        calls = message.get("tool_calls")
+        for call in calls if isinstance(calls, list) else ():
+            fn = call.get("function") if isinstance(call, dict) else None
+            if isinstance(fn, dict):
+                take(fn.get("name"))
+                take(fn.get("arguments"))
+    return "".join(parts)
 
 
 def _take_usage(prompt: object, completion: object, result: RelayResult) -> None:
