@@ -14,6 +14,8 @@ The request's ``model`` picks a behaviour:
 * ``stall`` — non-streaming: sends the headers and the start of the body, then nothing.
 * ``absurd`` — non-streaming: usage counts of 2**62 + 1 (past what the core accepts).
 * ``late`` — the response head after 0.3 s, then a chunk every 50 ms for 10 s.
+* ``flood`` — streams 4 KiB content chunks as fast as it may write them, for up to 64 MiB
+  (fills a client that stops reading).
 
 ``Upstream.active`` counts handlers in progress; ``Upstream.cancelled`` counts handlers that ended
 because the gateway closed the connection (the engine-side abort).
@@ -139,6 +141,15 @@ async def _behave(request: web.Request, body: dict) -> web.StreamResponse:
             chunk = {"choices": [{"index": 0, "delta": {"content": f"t{i} "}}]}
             await resp.write(b"data: " + orjson.dumps(chunk) + b"\n\n")
             await asyncio.sleep(0.05)
+        return resp
+    if model == "flood":
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        chunk = {"choices": [{"index": 0, "delta": {"content": "x" * 4096}}]}
+        event = b"data: " + orjson.dumps(chunk) + b"\n\n"
+        for _ in range(16_384):
+            await resp.write(event)
+        await resp.write(b"data: [DONE]\n\n")
         return resp
     if model == "stall":
         resp = web.StreamResponse(headers={"Content-Type": "application/json"})

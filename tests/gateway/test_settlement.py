@@ -1,16 +1,20 @@
-"""What a finished request is charged when the engine's answer does not carry usage: the
-completion is counted from the answer's text, never free (DESIGN.md: "an overrun is charged
-(never silently free)"; README "How a request is admitted", step 5)."""
+"""Settlement end to end: what a finished request is charged when the engine's answer does not
+carry usage (the completion is counted from the answer's text, never free: DESIGN.md "an overrun
+is charged (never silently free)"; README "How a request is admitted", step 5), and a client that
+stops reading a stream, which must not hold its slot past the ``total`` timeout."""
 
 from __future__ import annotations
 
+import asyncio
 import math
+import socket
 
 import openai
 import orjson
 
 from .conftest import config_for
 from .fake_upstream import run_upstream
+from .helpers import chat, until
 
 
 async def test_non_streamed_answer_without_usage_is_charged_from_its_text(gateway_for) -> None:
@@ -40,3 +44,44 @@ async def test_non_streamed_answer_without_usage_is_charged_from_its_text(gatewa
         state = gw.backend_state()
         assert state["in_use"] == 0
         assert state["inflight_tokens"] == 0
+
+
+async def test_a_client_that_stops_reading_a_stream_is_cut_off_at_the_total_timeout(
+    gateway_for,
+) -> None:
+    """The slot, the reservation and the engine's request must not be held past ``total`` by a
+    client that keeps its connection open but reads nothing (its buffers full)."""
+    async with run_upstream() as up:
+        cfg = config_for(up.url, ["flood"], timeouts={"total": 1.5, "idle": 1.5, "first_byte": 1.5})
+        async with gateway_for(cfg) as gw:
+            host, port = gw.url[7:].split(":")
+            sock = socket.socket()
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            sock.setblocking(False)
+            await asyncio.get_running_loop().sock_connect(sock, (host, int(port)))
+            reader, writer = await asyncio.open_connection(sock=sock)
+            try:
+                body = orjson.dumps(chat("flood", max_tokens=100, stream=True))
+                writer.write(
+                    b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                    b"Content-Type: application/json\r\n"
+                    + f"Content-Length: {len(body)}\r\n\r\n".encode()
+                    + body
+                )
+                await writer.drain()
+                head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+                assert head.startswith(b"HTTP/1.1 200")
+                # the client reads nothing more: the gateway's writes block, then `total` fires
+                assert gw.backend_state()["in_use"] == 1
+                await until(lambda: gw.backend_state()["in_use"] == 0, timeout=8)
+                await until(lambda: up.active == 0, timeout=2)  # the engine's request was closed
+                state = gw.backend_state()
+                assert state["inflight_tokens"] == 0
+                m = gw.gateway.metrics
+                m.flush()
+                assert m.requests.labels("b0", "anonymous", "client_timeout")._value.get() == 1
+                # charged the prompt and the text relayed before the cut (more than the 100
+                # reserved: an overrun is charged, never free)
+                assert m.tenant_tokens.labels("anonymous")._value.get() > 100
+            finally:
+                writer.transport.abort()

@@ -46,7 +46,8 @@ class RelayResult:
         usage_from_engine: whether the engine reported usage.
         ttft: upstream time to first byte (seconds), or ``None``.
         outcome: ``ok``, ``upstream_error``, ``upstream_timeout``, ``upstream_unreachable``,
-            ``client_disconnect``, ``stream_broken``.
+            ``client_disconnect``, ``client_timeout`` (the client stopped reading a stream
+            until the ``total`` timeout), ``stream_broken``.
     """
 
     status: int = 0
@@ -294,27 +295,42 @@ async def _relay_stream(
                         data = await content.readany()
             except TimeoutError:
                 result.outcome = "upstream_timeout"
-                await _write_error_event(response, "upstream stream timed out", "upstream_timeout")
+                await _write_error_event(
+                    response, "upstream stream timed out", "upstream_timeout", deadline, end
+                )
                 break
             except aiohttp.ClientError:
                 result.outcome = "stream_broken"
-                await _write_error_event(response, "upstream stream broke", "upstream_broken")
+                await _write_error_event(
+                    response, "upstream stream broke", "upstream_broken", deadline, end
+                )
                 break
             if not data:
                 tail = inspector.flush()
                 if tail:
-                    await response.write(tail)
+                    with deadline.at(end):
+                        await response.write(tail)
                 if not inspector.done and inspector.error is None:
                     result.outcome = "stream_broken"
                     await _write_error_event(
-                        response, "upstream stream ended early", "upstream_broken"
+                        response, "upstream stream ended early", "upstream_broken", deadline, end
                     )
                 break
             out = inspector.feed(data)
             if out:
-                await response.write(out)
+                # a client that stops reading must not hold the slot past the request's `total`
+                with deadline.at(end):
+                    await response.write(out)
         if result.outcome == "ok":
-            await response.write_eof()
+            with deadline.at(end):
+                await response.write_eof()
+    except TimeoutError:
+        # only a write can time out here (a read's timeout is handled above): the client stopped
+        # reading and the request ran past its `total`; the stream is cut off mid-chunk, so the
+        # connection is closed instead of ending it with an error event
+        result.outcome = "client_timeout"
+        if request.transport is not None:
+            request.transport.abort()
     except ConnectionResetError:
         # the client went away between two chunks (a failed write, before the handler is
         # cancelled): not an error of ours; the caller releases everything
@@ -332,10 +348,16 @@ async def _relay_stream(
     return response
 
 
-async def _write_error_event(response: PreparedStream, message: str, code: str) -> None:
-    """End a stream whose upstream failed with an OpenAI error event (ENGINES.md §5.4)."""
+async def _write_error_event(
+    response: PreparedStream, message: str, code: str, deadline: Deadline, end: float | None
+) -> None:
+    """End a stream whose upstream failed with an OpenAI error event (ENGINES.md §5.4), within
+    the request's ``end`` (loop time): a client that does not read it is not waited for."""
     try:
-        await response.write(b"data: " + error_body(message, "server_error", None, code) + b"\n\n")
-        await response.write_eof()
-    except (ConnectionError, RuntimeError):
+        with deadline.at(end):
+            await response.write(
+                b"data: " + error_body(message, "server_error", None, code) + b"\n\n"
+            )
+            await response.write_eof()
+    except (ConnectionError, RuntimeError, TimeoutError):
         pass
