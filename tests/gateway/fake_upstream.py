@@ -5,7 +5,8 @@ The request's ``model`` picks a behaviour:
 * ``replay`` — streams the recorded OpenAI SSE fixture (the usage chunk only when the request
   asked for ``stream_options.include_usage``), cut into small TCP writes; non-streaming answers a
   fixed completion with usage.
-* ``nousage`` — like ``replay`` but never sends usage (engines that send none).
+* ``nousage`` — like ``replay`` but never sends usage (engines that send none); non-streaming
+  answers :data:`NOUSAGE_COMPLETION` (two choices, text and a tool call, no ``usage``).
 * ``slow`` — streams one chunk every 50 ms for up to 200 chunks (for disconnect tests).
 * ``hang`` — never answers.
 * ``die`` — sends the headers and two events, then drops the connection.
@@ -13,6 +14,8 @@ The request's ``model`` picks a behaviour:
 * ``stall`` — non-streaming: sends the headers and the start of the body, then nothing.
 * ``absurd`` — non-streaming: usage counts of 2**62 + 1 (past what the core accepts).
 * ``late`` — the response head after 0.3 s, then a chunk every 50 ms for 10 s.
+* ``flood`` — streams 4 KiB content chunks as fast as it may write them, for up to 64 MiB
+  (fills a client that stops reading).
 
 ``Upstream.active`` counts handlers in progress; ``Upstream.cancelled`` counts handlers that ended
 because the gateway closed the connection (the engine-side abort).
@@ -42,6 +45,35 @@ COMPLETION = {
         {"index": 0, "message": {"role": "assistant", "content": "hi"}, "finish_reason": "stop"}
     ],
     "usage": {"prompt_tokens": 11, "completion_tokens": 7, "total_tokens": 18},
+}
+
+#: ``nousage``'s non-streamed answer: 12 words in choice 0, a tool call in choice 1, no usage
+#: (its text, ``"word " * 12 + "f" + '{"a": 1}'``, is 69 bytes: 18 tokens by the byte estimate)
+NOUSAGE_COMPLETION = {
+    **{k: v for k, v in COMPLETION.items() if k != "usage"},
+    "model": "nousage",
+    "choices": [
+        {
+            "index": 0,
+            "message": {"role": "assistant", "content": "word " * 12},
+            "finish_reason": "length",
+        },
+        {
+            "index": 1,
+            "message": {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {
+                        "id": "c1",
+                        "type": "function",
+                        "function": {"name": "f", "arguments": '{"a": 1}'},
+                    }
+                ],
+            },
+            "finish_reason": "tool_calls",
+        },
+    ],
 }
 
 
@@ -110,13 +142,23 @@ async def _behave(request: web.Request, body: dict) -> web.StreamResponse:
             await resp.write(b"data: " + orjson.dumps(chunk) + b"\n\n")
             await asyncio.sleep(0.05)
         return resp
+    if model == "flood":
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        chunk = {"choices": [{"index": 0, "delta": {"content": "x" * 4096}}]}
+        event = b"data: " + orjson.dumps(chunk) + b"\n\n"
+        for _ in range(16_384):
+            await resp.write(event)
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
     if model == "stall":
         resp = web.StreamResponse(headers={"Content-Type": "application/json"})
         await resp.prepare(request)
         await resp.write(b'{"id": "chatcmpl-1", ')
         await asyncio.sleep(3600)
     if not stream:
-        return web.Response(body=orjson.dumps(COMPLETION), content_type="application/json")
+        answer = NOUSAGE_COMPLETION if model == "nousage" else COMPLETION
+        return web.Response(body=orjson.dumps(answer), content_type="application/json")
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
     await resp.prepare(request)
     if model == "die":

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import aiohttp
+import orjson
 from aiohttp import web
 
 from kvgate._core import MAX_AMOUNT, usage_tokens
@@ -45,7 +46,8 @@ class RelayResult:
         usage_from_engine: whether the engine reported usage.
         ttft: upstream time to first byte (seconds), or ``None``.
         outcome: ``ok``, ``upstream_error``, ``upstream_timeout``, ``upstream_unreachable``,
-            ``client_disconnect``, ``stream_broken``.
+            ``client_disconnect``, ``client_timeout`` (the client stopped reading a stream
+            until the ``total`` timeout), ``stream_broken``.
     """
 
     status: int = 0
@@ -139,7 +141,7 @@ async def relay(
                 result,
             )
         raw = await _read_all(upstream, timeouts, deadline, end, result)
-        _settle_from_body(raw, result)
+        _settle_from_body(raw, result, count_text)
         result.status = upstream.status
         return relayed(request, build, upstream.status, upstream.raw_headers, raw)
     except asyncio.CancelledError:
@@ -202,10 +204,54 @@ def _wait_until(
     return when
 
 
-def _settle_from_body(raw: bytes, result: RelayResult) -> None:
+def _settle_from_body(
+    raw: bytes, result: RelayResult, count_text: Callable[[str], int] | None
+) -> None:
+    """Settle a whole (non-streamed) answer: the engine's usage; when it sent none, the
+    tokenizer count of the answer's text, as for a stream (a completion is never free)."""
     counts = usage_tokens(raw)  # Rust: reads the usage object only
     if counts is not None:
         _take_usage(*counts, result)
+    if not result.usage_from_engine and count_text is not None:
+        text = _answer_text(raw)
+        if text:
+            result.completion_tokens = count_text(text)
+
+
+def _answer_text(raw: bytes) -> str:
+    """The generated text of a non-streamed answer (``""`` when the body is not one): every
+    choice's legacy ``text``, ``message`` content and reasoning, and tool-call names and
+    arguments — the pieces the stream relay counts from its deltas (``kvgate._core.SSEInspector``).
+    """
+    try:
+        data = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return ""
+    choices = data.get("choices") if isinstance(data, dict) else None
+    if not isinstance(choices, list):
+        return ""
+    parts: list[str] = []
+
+    def take(value: object) -> None:
+        if isinstance(value, str):
+            parts.append(value)
+
+    for choice in choices:
+        if not isinstance(choice, dict):
+            continue
+        take(choice.get("text"))
+        message = choice.get("message")
+        if not isinstance(message, dict):
+            continue
+        for key in ("content", "reasoning_content", "reasoning"):
+            take(message.get(key))
+        calls = message.get("tool_calls")
+        for call in calls if isinstance(calls, list) else ():
+            fn = call.get("function") if isinstance(call, dict) else None
+            if isinstance(fn, dict):
+                take(fn.get("name"))
+                take(fn.get("arguments"))
+    return "".join(parts)
 
 
 def _take_usage(prompt: object, completion: object, result: RelayResult) -> None:
@@ -249,27 +295,42 @@ async def _relay_stream(
                         data = await content.readany()
             except TimeoutError:
                 result.outcome = "upstream_timeout"
-                await _write_error_event(response, "upstream stream timed out", "upstream_timeout")
+                await _write_error_event(
+                    response, "upstream stream timed out", "upstream_timeout", deadline, end
+                )
                 break
             except aiohttp.ClientError:
                 result.outcome = "stream_broken"
-                await _write_error_event(response, "upstream stream broke", "upstream_broken")
+                await _write_error_event(
+                    response, "upstream stream broke", "upstream_broken", deadline, end
+                )
                 break
             if not data:
                 tail = inspector.flush()
                 if tail:
-                    await response.write(tail)
+                    with deadline.at(end):
+                        await response.write(tail)
                 if not inspector.done and inspector.error is None:
                     result.outcome = "stream_broken"
                     await _write_error_event(
-                        response, "upstream stream ended early", "upstream_broken"
+                        response, "upstream stream ended early", "upstream_broken", deadline, end
                     )
                 break
             out = inspector.feed(data)
             if out:
-                await response.write(out)
+                # a client that stops reading must not hold the slot past the request's `total`
+                with deadline.at(end):
+                    await response.write(out)
         if result.outcome == "ok":
-            await response.write_eof()
+            with deadline.at(end):
+                await response.write_eof()
+    except TimeoutError:
+        # only a write can time out here (a read's timeout is handled above): the client stopped
+        # reading and the request ran past its `total`; the stream is cut off mid-chunk, so the
+        # connection is closed instead of ending it with an error event
+        result.outcome = "client_timeout"
+        if request.transport is not None:
+            request.transport.abort()
     except ConnectionResetError:
         # the client went away between two chunks (a failed write, before the handler is
         # cancelled): not an error of ours; the caller releases everything
@@ -287,10 +348,16 @@ async def _relay_stream(
     return response
 
 
-async def _write_error_event(response: PreparedStream, message: str, code: str) -> None:
-    """End a stream whose upstream failed with an OpenAI error event (ENGINES.md §5.4)."""
+async def _write_error_event(
+    response: PreparedStream, message: str, code: str, deadline: Deadline, end: float | None
+) -> None:
+    """End a stream whose upstream failed with an OpenAI error event (ENGINES.md §5.4), within
+    the request's ``end`` (loop time): a client that does not read it is not waited for."""
     try:
-        await response.write(b"data: " + error_body(message, "server_error", None, code) + b"\n\n")
-        await response.write_eof()
-    except (ConnectionError, RuntimeError):
+        with deadline.at(end):
+            await response.write(
+                b"data: " + error_body(message, "server_error", None, code) + b"\n\n"
+            )
+            await response.write_eof()
+    except (ConnectionError, RuntimeError, TimeoutError):
         pass
