@@ -1434,6 +1434,8 @@ mod tests {
     }
 
     proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(1024))]
+
         /// The serialised mode (plain loads and stores, for callers that serialise every call)
         /// decides and counts exactly as compare-and-swap does, call for call: the same
         /// admissions and refusals (reasons and retry hints), the same snapshots after every
@@ -1490,6 +1492,19 @@ mod tests {
             let (sx, sy) = (x.backend_state(b).unwrap(), y.backend_state(b).unwrap());
             proptest::prop_assert_eq!((sx.in_use, sx.inflight_tokens), (0, 0));
             proptest::prop_assert_eq!(sx, sy);
+        }
+    }
+
+    #[test]
+    fn zero_tokens_fit_above_a_lowered_budget_in_both_modes() {
+        // Found by `serialized_mode_matches_atomic_mode`: the serialised mode refused a
+        // zero-token request while the in-flight tokens were above the scaled budget.
+        for rmw in [Rmw::Atomic, Rmw::Serialized] {
+            let (a, _mc, b, [(crit, pc), (std_t, ps), _]) = model_controller(rmw);
+            a.set_scale(b, 0.8).unwrap();
+            assert!(a.admit(b, crit, pc, 801).unwrap().is_ok(), "{rmw:?}"); // base budget
+            assert!(a.admit(b, std_t, ps, 0).unwrap().is_ok(), "{rmw:?}");
+            assert_eq!(a.backend_state(b).unwrap().inflight_tokens, 801, "{rmw:?}");
         }
     }
 

@@ -180,15 +180,16 @@ pub fn try_acquire_atomic(a: &AtomicU64, n: u64, limit: u64) -> bool {
 /// [`try_acquire_atomic`] made in mode `rmw`.
 #[inline]
 pub fn try_acquire_in(rmw: Rmw, a: &AtomicU64, n: u64, limit: u64) -> bool {
+    // Zero always fits, even above a lowered limit (nothing is taken).
+    if n == 0 {
+        return true;
+    }
     if rmw == Rmw::Serialized {
         return rmw
             .update(a, |cur| {
                 (cur <= limit && n <= limit - cur).then_some(cur + n)
             })
             .is_ok();
-    }
-    if n == 0 {
-        return true;
     }
     let mut cur = a.load(Ordering::Relaxed);
     loop {
