@@ -135,9 +135,9 @@ class SlotPool:
 @final
 class TokenBucket:
     """A lock-free token bucket: ``tokens_per_minute`` refill from the system's monotonic clock
-    at kernel-tick resolution (``CLOCK_MONOTONIC_COARSE``, a few ms: the bucket refills in steps
-    of one tick) or from ``clock``, holding at most ``burst_tokens`` (default: one minute of
-    tokens).
+    (``CLOCK_MONOTONIC``, the clock of ``time.monotonic()``, so a :meth:`retry_after` waited out
+    by it finds the tokens) or from ``clock``, holding at most ``burst_tokens`` (default: one
+    minute of tokens).
 
     Starts full. :meth:`try_reserve` takes tokens up front (prompt + reserved completion);
     :meth:`reconcile` settles with the real usage: unused tokens go back (never above full) and
@@ -304,7 +304,9 @@ class AdmissionController:
     the GIL, which every call holds from entry to return, and updates its limits with plain
     atomic loads and stores (no locked instruction per limit; compare-and-swap on a
     free-threaded CPython build). Time is the system's monotonic clock at kernel-tick resolution
-    (``CLOCK_MONOTONIC_COARSE``, a few ms; the limits are per minute) or ``clock``.
+    (``CLOCK_MONOTONIC_COARSE``, a few ms; the limits are per minute) or ``clock``; before a
+    token bucket refuses, it looks again at the precise clock (``time.monotonic()``'s), which
+    also times the ``retry_after`` hint, so a retry at or after the hint finds the tokens.
 
     Slots: each tenant's ``guaranteed_slots`` are carved out of the (scaled)
     ``max_concurrency`` of every backend its ``guaranteed_backends`` names (all backends by

@@ -888,6 +888,37 @@ impl Admission {
         Ok(())
     }
 
+    /// Takes `tokens` from bucket `tb` (effective `rate` / `burst`) at `now` (the tick-resolution
+    /// clock), or returns the retry-after hint (ns).
+    ///
+    /// Before refusing it looks again at the precise clock, and the hint is computed from it:
+    /// the tick clock lags real time by up to a tick (4 ms, and a little more, here), so a
+    /// decision and a hint taken from it alone would refuse about half of the clients that
+    /// retry exactly when told to (the clock they retry by has moved on; the tick clock may not
+    /// have). With the precise look, a retry at or after the hint finds the tokens, as with a
+    /// precise clock throughout. Refusals are rare, so the hot path keeps its cheap reading.
+    fn reserve(
+        &self,
+        tb: &TokenBucket,
+        tokens: u64,
+        now: u64,
+        rate: u64,
+        burst: u64,
+    ) -> Result<(), u64> {
+        if tb.try_reserve_in(self.rmw, tokens, now, rate, burst) {
+            return Ok(());
+        }
+        // never before `now`: the manual clock gives the same reading twice
+        let precise = self.clock.precise_now_ns().max(now);
+        if precise > now && tb.try_reserve_in(self.rmw, tokens, precise, rate, burst) {
+            return Ok(());
+        }
+        Err(tb
+            .retry_after_ns_with(tokens, precise, rate, burst)
+            .unwrap_or(SCALE_RETRY_NS)
+            .max(MIN_RETRY_NS))
+    }
+
     fn slot_retry(b: &BackendState, in_use: u64) -> u64 {
         let hold = match b.ewma_hold_ns.load(Ordering::Relaxed) {
             0 => DEFAULT_HOLD_NS,
@@ -948,14 +979,11 @@ impl Admission {
         };
         // Tenant TPM.
         let (t_rate, t_burst) = (t.tpm.rate(), t.tpm.burst());
-        if has_tpm && !t.tpm.try_reserve_in(rmw, tokens, now, t_rate, t_burst) {
-            undo_tenant_conc();
-            let ra = t
-                .tpm
-                .retry_after_ns_with(tokens, now, t_rate, t_burst)
-                .unwrap_or(SCALE_RETRY_NS)
-                .max(MIN_RETRY_NS);
-            return refuse(Reason::TenantTpm, Some(ra));
+        if has_tpm {
+            if let Err(ra) = self.reserve(&t.tpm, tokens, now, t_rate, t_burst) {
+                undo_tenant_conc();
+                return refuse(Reason::TenantTpm, Some(ra));
+            }
         }
         let undo_tenant = || {
             undo_tenant_conc();
@@ -1025,15 +1053,10 @@ impl Admission {
         // Backend TPM (scaled).
         let rate = scaled(b.tpm.rate(), ppm);
         let burst = scaled(b.tpm.burst(), ppm);
-        if !b.tpm.try_reserve_in(rmw, tokens, now, rate, burst) {
+        if let Err(ra) = self.reserve(&b.tpm, tokens, now, rate, burst) {
             b.inflight.release_saturating_in(rmw, tokens).into_unit();
             undo_slot();
             undo_tenant();
-            let ra = b
-                .tpm
-                .retry_after_ns_with(tokens, now, rate, burst)
-                .unwrap_or(SCALE_RETRY_NS)
-                .max(MIN_RETRY_NS);
             return refuse(Reason::BackendTpm, Some(ra));
         }
         add_in(rmw, &b.in_use, 1);

@@ -430,6 +430,10 @@ impl SlotPool {
 }
 
 /// A lock-free token bucket (tokens per minute) with reserve / reconcile.
+///
+/// Without a manual clock it reads the precise system clock (`CLOCK_MONOTONIC`, the clock of
+/// `time.monotonic()`), not the controller's tick clock, so a `retry_after` waited out by
+/// Python's clock finds the tokens (one reading per call is no cost for a standalone bucket).
 #[pyclass(frozen, module = "kvgate")]
 pub struct TokenBucket {
     b: RustBucket,
@@ -455,21 +459,26 @@ impl TokenBucket {
 
     fn try_reserve(&self, tokens: &Bound<'_, PyAny>) -> PyResult<bool> {
         let n = amount(tokens, "tokens")?;
-        Ok(self.b.try_reserve(n, self.clock.now_ns())?)
+        Ok(self.b.try_reserve(n, self.clock.precise_now_ns())?)
     }
 
     fn reconcile(&self, reserved: &Bound<'_, PyAny>, actual: &Bound<'_, PyAny>) -> PyResult<()> {
         let r = amount(reserved, "reserved")?;
         let a = amount(actual, "actual")?;
         let clock = &self.clock;
-        self.b
-            .reconcile_with(r, a, || clock.now_ns(), self.b.rate(), self.b.burst());
+        self.b.reconcile_with(
+            r,
+            a,
+            || clock.precise_now_ns(),
+            self.b.rate(),
+            self.b.burst(),
+        );
         Ok(())
     }
 
     #[getter]
     fn available(&self) -> i64 {
-        self.b.available(self.clock.now_ns())
+        self.b.available(self.clock.precise_now_ns())
     }
 
     #[getter]
@@ -482,7 +491,7 @@ impl TokenBucket {
         let rate = amount(rate, "tokens_per_minute")?;
         Ok(self
             .b
-            .set_params(rate, self.b.burst(), self.clock.now_ns())?)
+            .set_params(rate, self.b.burst(), self.clock.precise_now_ns())?)
     }
 
     #[getter]
@@ -492,11 +501,11 @@ impl TokenBucket {
 
     fn retry_after(&self, tokens: &Bound<'_, PyAny>) -> PyResult<f64> {
         let n = amount(tokens, "tokens")?;
-        Ok(secs(self.b.retry_after_ns(n, self.clock.now_ns())?))
+        Ok(secs(self.b.retry_after_ns(n, self.clock.precise_now_ns())?))
     }
 
     fn time_to_full(&self) -> f64 {
-        secs(self.b.time_to_full_ns(self.clock.now_ns()))
+        secs(self.b.time_to_full_ns(self.clock.precise_now_ns()))
     }
 
     fn __repr__(&self) -> String {
@@ -504,7 +513,7 @@ impl TokenBucket {
             "TokenBucket(tokens_per_minute={}, burst_tokens={}, available={})",
             self.b.rate(),
             self.b.burst(),
-            self.b.available(self.clock.now_ns())
+            self.b.available(self.clock.precise_now_ns())
         )
     }
 }
