@@ -3,11 +3,13 @@ SIGKILL while holding slots has them reclaimed."""
 
 from __future__ import annotations
 
+import gc
 import multiprocessing as mp
 import os
 import signal
 import sys
 import threading
+import time
 import uuid
 
 import pytest
@@ -214,3 +216,99 @@ def test_attach_errors() -> None:
         AdmissionController.attach(f"kvgate-missing-{uuid.uuid4().hex[:8]}")
     with pytest.raises(SharedStateError, match="invalid shared-memory name"):
         AdmissionController(shm_name="a/b")
+
+
+class _SwitchingTokens(int):
+    """A token count (an ``int`` subclass; other objects with ``__index__`` are refused) whose
+    ``__index__`` / ``__int__`` run Python code that gives up the GIL (``sleep(0)``), were they
+    called while ``admit`` parses its arguments."""
+
+    def __index__(self) -> int:
+        time.sleep(0)
+        return 7
+
+    def __int__(self) -> int:
+        time.sleep(0)
+        return 7
+
+
+def test_threads_mix_admin_calls_leaks_and_gc_on_private_controller() -> None:
+    """Admit / release from many threads at a 1 us switch interval, interleaved with
+    ``set_scale``, ``set_shedding``, ``update_backend``, ``update_tenant``, ``reclaim_dead``,
+    reservations dropped unreleased (released by their finaliser, some from the cyclic garbage
+    collector, which may run in any thread at an allocation) and ``int`` subclasses whose
+    ``__index__`` switches threads: the private controller (plain loads and stores under the GIL) must lose
+    no update. The tenant bucket runs at one token per 1,000 ns and the clock stands still, so
+    every token adds up exactly."""
+    clock = ManualClock()
+    ctl = AdmissionController(clock=clock)
+    assert ctl.shm_name is None
+    tpm = 60_000_000
+    b = ctl.add_backend("b", max_concurrency=LIMIT + 1, tokens_per_minute=tpm * 10)
+    g = ctl.add_tenant("g", priority="critical", guaranteed_slots=1, tokens_per_minute=tpm)
+    s = ctl.add_tenant("s", priority="standard", max_concurrency=2, tokens_per_minute=tpm)
+    sh = ctl.add_tenant("sh", priority="sheddable", tokens_per_minute=tpm)
+    charged = {g: 0, s: 0, sh: 0}
+    lock = threading.Lock()  # guards the test's own tallies, not the controller
+    peak: list[int] = []
+    leaked = [0]
+    stop = threading.Event()
+
+    def work(i: int) -> None:
+        t, cls = [(g, "critical"), (s, "standard"), (sh, "sheddable")][i % 3]
+        for k in range(ROUNDS // 2):
+            tokens: int = _SwitchingTokens(7) if k % 5 == 0 else 7
+            r = ctl.admit(b, t, cls, tokens)
+            if not r.admitted:
+                continue
+            peak.append(ctl.backend_state(b)["in_use"])
+            if k % 11 == 0:  # dropped unreleased: its finaliser releases it as reserved
+                with lock:
+                    charged[t] += 7
+                    leaked[0] += 1
+                if k % 2:
+                    cycle: list[object] = [r]
+                    cycle.append(cycle)  # freed only by the cyclic collector, in any thread
+                del r
+                continue
+            actual = 3 if k % 3 else 9  # refunds and overruns
+            r.release(actual)
+            with lock:
+                charged[t] += actual
+
+    def admin() -> None:
+        k = 0
+        while not stop.is_set():
+            k += 1
+            ctl.set_scale(b, (0.25, 0.5, 1.0)[k % 3])
+            ctl.set_shedding(b, k % 4 == 0)
+            ctl.update_backend(b, max_concurrency=LIMIT + k % 2)
+            ctl.update_tenant(s, max_concurrency=2 + k % 2)
+            ctl.reclaim_dead()
+            if k % 7 == 0:
+                gc.collect()
+
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        admin_thread = threading.Thread(target=admin)
+        admin_thread.start()
+        workers = [threading.Thread(target=work, args=(i,)) for i in range(9)]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+        stop.set()
+        admin_thread.join()
+    finally:
+        sys.setswitchinterval(old)
+    gc.collect()
+    assert leaked[0] > 0
+    assert ctl.leaks == leaked[0]
+    assert max(peak) <= LIMIT + 1
+    st = ctl.backend_state(b)
+    assert (st["in_use"], st["inflight_tokens"], st["burst_in_use"]) == (0, 0, 0)
+    for t in (g, s, sh):
+        ts = ctl.tenant_state(t)
+        assert ts["in_use"] == 0
+        assert ts["available_tokens"] == tpm - charged[t], ts["name"]
