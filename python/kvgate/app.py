@@ -58,6 +58,8 @@ logger = logging.getLogger("kvgate.gateway")
 PRIORITY_CLASSES = ("critical", "standard", "sheddable")
 PRIORITY_HEADER = "x-kvgate-priority"
 MAX_WAIT_HEADER = "x-kvgate-max-wait-ms"
+#: refusals that time alone lifts (a token bucket refilling), not a release
+_REFILL_REASONS = frozenset({"tenant-tpm", "backend-tpm"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -192,6 +194,8 @@ class Gateway:
     poller: Any = field(init=False, default=None)
     queue: Any = field(init=False, default=None)
     registry: Any = field(init=False, default=None)
+    #: the pending timed ``queue.notify()`` (a token bucket refills with time, not on releases)
+    _queue_wakeup: asyncio.TimerHandle | None = field(init=False, default=None)
     _by_hash: dict[bytes, Tenant] = field(init=False, default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -336,6 +340,9 @@ class Gateway:
             last[0] = decision
             if decision.never:  # limits shrank by a reload: leave the queue, don't block it
                 raise _NeverFits(decision)
+            if decision.reason in _REFILL_REASONS and decision.retry_after is not None:
+                # nothing is released when a bucket refills: look again when it has
+                self._wake_queue_after(decision.retry_after)
             return None
 
         try:
@@ -359,6 +366,25 @@ class Gateway:
             return Refusal("queue-full", retry_after=self._queue_retry(backend))
         except Shed:
             return Refusal("shed")
+
+    def _wake_queue_after(self, delay: float) -> None:
+        """Run ``queue.notify()`` in ``delay`` seconds, once: a waiter refused by a token bucket
+        fits again when the bucket has refilled, which no release announces. Only the earliest
+        pending wake-up is kept (the waiter it wakes schedules the next one if it still does not
+        fit)."""
+        loop = asyncio.get_running_loop()
+        when = loop.time() + delay
+        pending = self._queue_wakeup
+        if pending is not None:
+            if pending.when() <= when:
+                return
+            pending.cancel()
+        self._queue_wakeup = loop.call_at(when, self._queue_wakeup_due)
+
+    def _queue_wakeup_due(self) -> None:
+        self._queue_wakeup = None
+        if self.queue is not None:
+            self.queue.notify()
 
     def _queue_retry(self, backend: Backend) -> float:
         """Seconds until a request refused by the queue (``queued``, ``queue-full``) may get a

@@ -291,6 +291,34 @@ async def test_wait_queue_bound_cancel_and_client_max_wait() -> None:
             assert metric(text, "kvgate_queue_depth", **{"class": "standard"}) == 0
 
 
+async def test_a_waiter_refused_by_its_token_bucket_is_admitted_once_the_bucket_refills() -> None:
+    """Nothing is released while a tenant's token bucket refills, so the wait queue must look
+    again on its own when the refusal's retry hint has passed (it used to wait for some other
+    request to end, or for its max_wait, and answer 429)."""
+    async with run_upstream() as up:
+        data = config_data(
+            up.url,
+            ["replay"],
+            tenants=[
+                tenant("t", "sk-t", tokens_per_minute=600, burst_tokens=100, max_wait_ms=8_000)
+            ],
+        )
+        gateway = build_gateway(Config.model_validate(data), poll=False)
+        ctl = gateway.controller
+        async with run_gateway(gateway) as url, aiohttp.ClientSession() as s:
+            # drain the bucket (10 tokens/s refill) with short answers (18 tokens each)
+            while ctl.tenant_state(0)["available_tokens"] >= 30:
+                assert (await post(s, url, chat("replay"), "sk-t"))[0] == 200
+            started = time.monotonic()
+            status, reason, _ = await post(s, url, chat("replay", max_tokens=40), "sk-t")
+            took = time.monotonic() - started
+            assert (status, reason) == (200, None)
+            # admitted once about 40 - 30 tokens had refilled (1-4 s), well before max_wait
+            assert 0.5 < took < 6.0, took
+            text = await get_text(url + "/metrics")
+            assert metric(text, "kvgate_rejections_total", reason="tenant-tpm") in (None, 0)
+
+
 # ---- shadow mode ----------------------------------------------------------------------------
 
 
