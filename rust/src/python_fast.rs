@@ -41,7 +41,30 @@ impl FastArgs {
     /// # Safety
     /// `args` must hold `nargs` positional arguments followed by one value per name in
     /// `kwnames` (a tuple of `str`, or null), as CPython passes them, and the GIL must be held.
+    #[inline]
     unsafe fn bind<const N: usize>(
+        &self,
+        py: Python<'_>,
+        method: &str,
+        names: &[&str; N],
+        required: usize,
+    ) -> PyResult<[*mut ffi::PyObject; N]> {
+        // The common call: every parameter given by position, no keyword.
+        if self.kwnames.is_null() && self.nargs as usize == N {
+            // SAFETY: `args` holds `nargs` = N positional arguments (this function's contract).
+            return Ok(std::array::from_fn(|i| unsafe { *self.args.add(i) }));
+        }
+        // SAFETY: the same contract.
+        unsafe { self.bind_general(py, method, names, required) }
+    }
+
+    /// [`Self::bind`] for every other form of call (keywords, absent optional parameters,
+    /// errors).
+    ///
+    /// # Safety
+    /// As [`Self::bind`].
+    #[inline(never)]
+    unsafe fn bind_general<const N: usize>(
         &self,
         py: Python<'_>,
         method: &str,
