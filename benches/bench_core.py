@@ -79,9 +79,8 @@ def test_bucket_python_reference(benchmark) -> None:  # type: ignore[no-untyped-
     benchmark(run)
 
 
-@pytest.mark.benchmark(group="admit+release")
-def test_admit_rust(benchmark) -> None:  # type: ignore[no-untyped-def]
-    ctl = AdmissionController()
+def _admit_release(benchmark, ctl: AdmissionController) -> None:  # type: ignore[no-untyped-def]
+    """Times ``BATCH`` admit + release(actual) pairs on ``ctl`` (one backend, one tenant)."""
     b = ctl.add_backend("b", max_concurrency=64, tokens_per_minute=BIG, inflight_token_limit=BIG)
     t = ctl.add_tenant("t", priority="standard", tokens_per_minute=BIG, max_concurrency=64)
     admit = ctl.admit
@@ -93,6 +92,11 @@ def test_admit_rust(benchmark) -> None:  # type: ignore[no-untyped-def]
     benchmark.extra_info["pairs_per_call"] = BATCH
     benchmark(run)
     assert ctl.backend_state(b)["in_use"] == 0
+
+
+@pytest.mark.benchmark(group="admit+release")
+def test_admit_rust(benchmark) -> None:  # type: ignore[no-untyped-def]
+    _admit_release(benchmark, AdmissionController())
 
 
 @pytest.mark.benchmark(group="admit+release")
@@ -100,18 +104,8 @@ def test_admit_rust_shm(benchmark) -> None:  # type: ignore[no-untyped-def]
     """The same pair on a shared-memory controller, as ``serve --workers N`` runs it: every
     limit is a compare-and-swap (other processes update the same counters), plus the
     per-process ledger a crashed worker's holdings are reclaimed from."""
-    ctl = AdmissionController(shm_name=f"kvgate-bench-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-    b = ctl.add_backend("b", max_concurrency=64, tokens_per_minute=BIG, inflight_token_limit=BIG)
-    t = ctl.add_tenant("t", priority="standard", tokens_per_minute=BIG, max_concurrency=64)
-    admit = ctl.admit
-
-    def run() -> None:
-        for _ in range(BATCH):
-            admit(b, t, "standard", 500).release(400)
-
-    benchmark.extra_info["pairs_per_call"] = BATCH
-    benchmark(run)
-    assert ctl.backend_state(b)["in_use"] == 0
+    name = f"kvgate-bench-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    _admit_release(benchmark, AdmissionController(shm_name=name))
 
 
 @pytest.mark.benchmark(group="admit+release")

@@ -1373,8 +1373,19 @@ mod tests {
     use crate::clock::ManualClock;
 
     fn setup() -> (Arc<Admission>, Arc<ManualClock>, u32) {
+        setup_in(Rmw::Atomic)
+    }
+
+    /// A controller in mode `rmw` on a manual clock with one backend: 4 slots, 6,000 TPM,
+    /// 1,000 in-flight tokens.
+    fn setup_in(rmw: Rmw) -> (Arc<Admission>, Arc<ManualClock>, u32) {
         let mc = Arc::new(ManualClock::new(0));
-        let a = Admission::new_heap(Clock::Manual(mc.clone())).unwrap();
+        let clock = Clock::Manual(mc.clone());
+        let a = match rmw {
+            Rmw::Atomic => Admission::new_heap(clock),
+            Rmw::Serialized => Admission::new_heap_serialized(clock),
+        }
+        .unwrap();
         let b = a
             .add_backend(
                 "b0",
@@ -1404,31 +1415,13 @@ mod tests {
         .unwrap()
     }
 
-    /// A controller in mode `rmw` on a manual clock: one backend (4 slots, 6,000 TPM, 1,000
-    /// in-flight tokens) and three tenants: critical with 2 guaranteed slots and 3,000 TPM,
-    /// standard limited to 3 at once, sheddable.
     /// `(controller, its clock, backend id, [(tenant id, its priority); 3])`.
     type ModelController = (Arc<Admission>, Arc<ManualClock>, u32, [(u32, Priority); 3]);
 
+    /// [`setup_in`]'s controller with three tenants: critical with 2 guaranteed slots and
+    /// 3,000 TPM, standard limited to 3 at once, sheddable.
     fn model_controller(rmw: Rmw) -> ModelController {
-        let mc = Arc::new(ManualClock::new(0));
-        let clock = Clock::Manual(mc.clone());
-        let a = match rmw {
-            Rmw::Atomic => Admission::new_heap(clock),
-            Rmw::Serialized => Admission::new_heap_serialized(clock),
-        }
-        .unwrap();
-        let b = a
-            .add_backend(
-                "b0",
-                &BackendConfig {
-                    max_concurrency: 4,
-                    tokens_per_minute: 6000,
-                    burst_tokens: None,
-                    inflight_token_limit: Some(1000),
-                },
-            )
-            .unwrap();
+        let (a, mc, b) = setup_in(rmw);
         let mut tenants = [(0, Priority::Critical); 3];
         for (i, (p, g, tpm, conc)) in [
             (Priority::Critical, 2, Some(3000), None),

@@ -7,6 +7,26 @@ use crate::error::CoreError;
 /// "No limit" for a counter.
 pub const UNLIMITED: u64 = u64::MAX;
 
+/// The body of [`Rmw::update`] for any atomic integer type.
+macro_rules! rmw_update {
+    ($rmw:expr, $a:expr, $f:expr) => {{
+        let mut f = $f;
+        match $rmw {
+            Rmw::Atomic => $a.fetch_update(Ordering::AcqRel, Ordering::Acquire, f),
+            Rmw::Serialized => {
+                let v = $a.load(Ordering::Relaxed);
+                match f(v) {
+                    Some(new) => {
+                        $a.store(new, Ordering::Relaxed);
+                        Ok(v)
+                    }
+                    None => Err(v),
+                }
+            }
+        }
+    }};
+}
+
 /// How a limiter makes its read-modify-writes.
 ///
 /// Every counter is an atomic either way, so no mode can cause a data race; the mode only
@@ -28,42 +48,14 @@ impl Rmw {
     /// Replaces the value `v` of `a` by `f(v)` and returns `Ok(v)`, or leaves it and returns
     /// `Err(v)` when `f` returns `None` (the contract of [`AtomicU64::fetch_update`]).
     #[inline]
-    pub fn update(self, a: &AtomicU64, mut f: impl FnMut(u64) -> Option<u64>) -> Result<u64, u64> {
-        match self {
-            Rmw::Atomic => a.fetch_update(Ordering::AcqRel, Ordering::Acquire, f),
-            Rmw::Serialized => {
-                let v = a.load(Ordering::Relaxed);
-                match f(v) {
-                    Some(new) => {
-                        a.store(new, Ordering::Relaxed);
-                        Ok(v)
-                    }
-                    None => Err(v),
-                }
-            }
-        }
+    pub fn update(self, a: &AtomicU64, f: impl FnMut(u64) -> Option<u64>) -> Result<u64, u64> {
+        rmw_update!(self, a, f)
     }
 
     /// [`Rmw::update`] for a signed word (the token bucket's `tat`).
     #[inline]
-    pub fn update_i64(
-        self,
-        a: &AtomicI64,
-        mut f: impl FnMut(i64) -> Option<i64>,
-    ) -> Result<i64, i64> {
-        match self {
-            Rmw::Atomic => a.fetch_update(Ordering::AcqRel, Ordering::Acquire, f),
-            Rmw::Serialized => {
-                let v = a.load(Ordering::Relaxed);
-                match f(v) {
-                    Some(new) => {
-                        a.store(new, Ordering::Relaxed);
-                        Ok(v)
-                    }
-                    None => Err(v),
-                }
-            }
-        }
+    pub fn update_i64(self, a: &AtomicI64, f: impl FnMut(i64) -> Option<i64>) -> Result<i64, i64> {
+        rmw_update!(self, a, f)
     }
 }
 

@@ -81,6 +81,17 @@ def chat(model: str, content: str = "hi", max_tokens: int = 8, **extra: Any) -> 
     }
 
 
+def raw_chat_request(body: bytes) -> bytes:
+    """An HTTP/1.1 ``POST /v1/chat/completions`` of JSON ``body`` as bytes, for tests that
+    drive the gateway over a bare socket."""
+    return (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+        b"Content-Type: application/json\r\n"
+        + f"Content-Length: {len(body)}\r\n\r\n".encode()
+        + body
+    )
+
+
 def bearer(key: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"}
 

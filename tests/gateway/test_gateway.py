@@ -14,6 +14,7 @@ from kvgate.sim import SimConfig, run_sim
 
 from .conftest import KEYS, config_for, sha
 from .fake_upstream import EVENTS, STREAM, USAGE_EVENT, run_upstream
+from .helpers import raw_chat_request
 
 
 async def _until(pred, timeout: float = 2.0) -> None:
@@ -138,12 +139,7 @@ async def test_client_disconnect_mid_stream_releases_at_once(gateway_for) -> Non
                 "messages": [{"role": "user", "content": "hi"}],
             }
         )
-        writer.write(
-            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
-            b"Content-Type: application/json\r\n"
-            + f"Content-Length: {len(body)}\r\n\r\n".encode()
-            + body
-        )
+        writer.write(raw_chat_request(body))
         await writer.drain()
         seen = b""
         while seen.count(b"data: ") < 3:

@@ -14,7 +14,7 @@ import orjson
 
 from .conftest import config_for
 from .fake_upstream import run_upstream
-from .helpers import chat, until
+from .helpers import chat, raw_chat_request, until
 
 
 async def test_non_streamed_answer_without_usage_is_charged_from_its_text(gateway_for) -> None:
@@ -62,12 +62,7 @@ async def test_a_client_that_stops_reading_a_stream_is_cut_off_at_the_total_time
             reader, writer = await asyncio.open_connection(sock=sock)
             try:
                 body = orjson.dumps(chat("flood", max_tokens=100, stream=True))
-                writer.write(
-                    b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
-                    b"Content-Type: application/json\r\n"
-                    + f"Content-Length: {len(body)}\r\n\r\n".encode()
-                    + body
-                )
+                writer.write(raw_chat_request(body))
                 await writer.drain()
                 head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
                 assert head.startswith(b"HTTP/1.1 200")

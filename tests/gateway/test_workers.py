@@ -30,6 +30,7 @@ from .helpers import (
     free_port,
     get_text,
     metric,
+    raw_chat_request,
     samples,
     start_kvgate,
     stop_process,
@@ -64,12 +65,7 @@ async def test_non_streaming_disconnect_aborts_upstream_and_releases() -> None:
             before = ctl.backend_state(0)["available_tokens"]
             _reader, writer = await asyncio.open_connection(*url[7:].split(":"))
             body = orjson.dumps(chat(SIM_MODEL, "write a lot", max_tokens=400, ignore_eos=True))
-            writer.write(
-                b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
-                b"Content-Type: application/json\r\n"
-                + f"Content-Length: {len(body)}\r\n\r\n".encode()
-                + body
-            )
+            writer.write(raw_chat_request(body))
             await writer.drain()
             # generating (non-streaming: nothing is sent to the client yet)
             await until(lambda: sim.engine.generation_tokens_total >= 20, timeout=10)
