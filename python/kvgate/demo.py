@@ -9,8 +9,8 @@ of mixed traffic through the gateway:
   of ten ~6k-token prompts arriving together;
 * ``batch`` — tenant ``offline`` (sheddable): summaries of ~2k-token texts.
 
-A live line shows progress each second (admitted, refused, the engine's KV-cache usage, the
-gateway's adaptive scale); at the end a table gives per class: admitted, refused by reason,
+A live line shows progress each second (done, refused, the engine's KV-cache usage, the
+gateway's adaptive scale); at the end a table gives per class: sent, done, refused by reason,
 p50/p99 time to first token, and for the engine: peak KV usage, preemptions, OOMs.
 """
 
@@ -263,7 +263,8 @@ async def _drive(gw_url: str, sim_url: str, model: str, seconds: float) -> tuple
         stats = await drive(gw_url, mix, on_tick=tick, drain=60.0)
         # a last line once everything ended, so it agrees with the table below
         await tick(asyncio.get_running_loop().time() - start, stats)
-    print()
+    if tty:
+        print()  # end the line redrawn in place
     return stats, peak
 
 
