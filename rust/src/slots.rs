@@ -126,24 +126,10 @@ impl SlotCounter {
         if n == 0 {
             return Ok(());
         }
-        let mut cur = self.in_use.load(Ordering::Relaxed);
-        loop {
-            if n > cur {
-                return Err(CoreError::OverRelease {
-                    requested: n,
-                    held: cur,
-                });
-            }
-            match self.in_use.compare_exchange_weak(
-                cur,
-                cur - n,
-                Ordering::AcqRel,
-                Ordering::Relaxed,
-            ) {
-                Ok(_) => return Ok(()),
-                Err(actual) => cur = actual,
-            }
-        }
+        Rmw::Atomic
+            .update(&self.in_use, |cur| cur.checked_sub(n))
+            .map(|_| ())
+            .map_err(|held| CoreError::OverRelease { requested: n, held })
     }
 
     /// Gives back up to `n` units, stopping at zero; returns how many were given back. Used when
@@ -173,26 +159,12 @@ pub fn try_acquire_atomic(a: &AtomicU64, n: u64, limit: u64) -> bool {
 #[inline]
 pub fn try_acquire_in(rmw: Rmw, a: &AtomicU64, n: u64, limit: u64) -> bool {
     // Zero always fits, even above a lowered limit (nothing is taken).
-    if n == 0 {
-        return true;
-    }
-    if rmw == Rmw::Serialized {
-        return rmw
+    n == 0
+        || rmw
             .update(a, |cur| {
                 (cur <= limit && n <= limit - cur).then_some(cur + n)
             })
-            .is_ok();
-    }
-    let mut cur = a.load(Ordering::Relaxed);
-    loop {
-        if cur > limit || n > limit - cur {
-            return false;
-        }
-        match a.compare_exchange_weak(cur, cur + n, Ordering::AcqRel, Ordering::Relaxed) {
-            Ok(_) => return true,
-            Err(actual) => cur = actual,
-        }
-    }
+            .is_ok()
 }
 
 /// Adds `delta` to a plain atomic statistic or per-process ledger entry.
