@@ -12,7 +12,7 @@ import aiohttp
 import openai
 import pytest
 
-from kvgate.config import Config
+from kvgate.config import Config, ConfigError, load_config
 from kvgate.proxy.routes import RouteKind, normalize_path, route_of
 from kvgate.sim import SimConfig, run_sim
 
@@ -391,3 +391,21 @@ def test_route_table(method: str, path: str, kind: RouteKind, canonical: str) ->
     route = route_of(method, path)
     assert (route.kind, route.path) == (kind, canonical)
     assert normalize_path(canonical) == canonical
+
+
+def test_other_routes_is_validated(tmp_path) -> None:
+    """``other_routes`` takes ``refuse`` (the default) or ``forward``; anything else is a
+    configuration error naming the field."""
+    base = (
+        "backends:\n  - name: b0\n    url: http://127.0.0.1:9\n    max_concurrency: 1\n"
+        "    models: [{name: m, context_window: 64}]\n"
+    )
+    path = tmp_path / "kvgate.yaml"
+    path.write_text(base)
+    assert load_config(path).other_routes == "refuse"
+    path.write_text(base + "other_routes: forward\n")
+    assert load_config(path).other_routes == "forward"
+    path.write_text(base + "other_routes: maybe\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert "other_routes" in str(err.value)
