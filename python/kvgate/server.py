@@ -74,7 +74,7 @@ class Dispatcher:
             return handle_model(gateway, request, route.model_id)
         if kind is RouteKind.OTHER:
             if gateway.other_routes == "forward":
-                return handle_forward(gateway, request, route.path)
+                return handle_forward(gateway, request)
             return _answer(
                 request,
                 GatewayError(

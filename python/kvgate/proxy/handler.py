@@ -302,7 +302,7 @@ def _actual_tokens(analysis: Any, result: RelayResult) -> int:
     return min(int(prompt) + int(result.completion_tokens), MAX_AMOUNT)
 
 
-async def handle_forward(gw: Gateway, request: web.BaseRequest, path: str) -> Reply:
+async def handle_forward(gw: Gateway, request: web.BaseRequest) -> Reply:
     """Any route that is neither an inference route nor the gateway's own, when the gateway's
     ``other_routes`` is ``forward``: admitted and accounted like an inference request.
 
@@ -313,12 +313,13 @@ async def handle_forward(gw: Gateway, request: web.BaseRequest, path: str) -> Re
     with its method, normalised path, query string and ``Content-Type``, and its answer is
     relayed as it arrives (an SSE stream read for its ``usage`` like any other; another body
     passed through, its ``usage`` read at the end). The usage the engine reports (prompt +
-    completion tokens) is charged; an answer without one is charged nothing.
+    completion tokens) is charged; a body without one is charged nothing, an SSE stream
+    without one a token per event that carried text.
 
     Args:
         gw: the gateway.
-        request: the client's request.
-        path: its normalised (decoded) path, for the log and the metrics.
+        request: the client's request (its path is normalised again for the upstream URL, from
+            the raw, percent-encoded path, so what the engine receives is encoded as sent).
     """
     started = time.perf_counter()
     tenant = None
