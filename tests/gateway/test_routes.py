@@ -409,3 +409,31 @@ def test_other_routes_is_validated(tmp_path) -> None:
     with pytest.raises(ConfigError) as err:
         load_config(path)
     assert "other_routes" in str(err.value)
+
+
+async def test_responses_incomplete_stream_is_reconciled_from_its_usage(gateway_for) -> None:
+    """A Responses stream cut at ``max_output_tokens`` ends with ``response.incomplete``, whose
+    usage settles the reservation like ``response.completed``'s (the simulator behind the
+    gateway, generating exactly ``max_output_tokens`` with ``ignore_eos``)."""
+    async with run_sim(SimConfig.from_profile("tiny", speed=50)) as sim:
+        model = sim.engine.config.model
+        cfg = _with_tenant(config_for(sim.url, [model], context_window=1024))
+        async with gateway_for(cfg) as gw, _client(gw.url) as client:
+            stream = await client.responses.create(
+                model=model,
+                input="hello",
+                max_output_tokens=5,
+                stream=True,
+                extra_body={"ignore_eos": True},
+            )
+            events = [event async for event in stream]
+            last = events[-1]
+            assert last.type == "response.incomplete"
+            usage = last.response.usage
+            assert usage is not None
+            assert usage.output_tokens == 5
+            deltas = [e for e in events if e.type == "response.output_text.delta"]
+            assert len(deltas) == 5
+            await until(lambda: gw.backend_state()["in_use"] == 0)
+            spent = 100_000 - gw.tenant_state("alice")["available_tokens"]
+            assert usage.total_tokens - 30 <= spent <= usage.total_tokens, spent
