@@ -542,9 +542,17 @@ class SSEInspector:
             event passes as it came; events with ``"usage"`` are then parsed as they pass).
             Set when the gateway added ``stream_options.include_usage`` itself and the client
             did not ask for it, so the client sees what it would have seen.
+        responses: read a Responses stream (``POST /v1/responses``) instead: its events are
+            named (``event: response.output_text.delta``, a ``type`` in each data); the text is
+            the ``delta`` of the text events (output text, refusal, reasoning, tool-call
+            arguments), the usage is ``response.usage`` of the terminal
+            ``response.completed`` / ``response.incomplete`` event (``input_tokens`` and
+            ``output_tokens`` in :attr:`usage_tokens`), which also sets :attr:`done` (such a
+            stream has no ``[DONE]``); ``response.failed`` and ``error`` events set
+            :attr:`error`. ``strip_usage_chunk`` is ignored.
     """
 
-    def __new__(cls, *, strip_usage_chunk: bool) -> Self: ...
+    def __new__(cls, *, strip_usage_chunk: bool, responses: bool = False) -> Self: ...
     def feed(self, data: bytes) -> bytes:
         """Take the next upstream bytes; return the complete events to write now (maybe
         ``b""``; ``data`` itself when it is exactly that). Bytes of an event whose end has not
@@ -562,15 +570,16 @@ class SSEInspector:
         """The last non-null ``usage`` object seen (as ``json.loads`` gives it), or ``None``."""
     @property
     def usage_tokens(self) -> tuple[int | None, int | None] | None:
-        """``(prompt_tokens, completion_tokens)`` of :attr:`usage`, each only when it is a
-        non-negative integer (else ``None``); ``None`` when no usage was seen. What settling a
-        reservation needs, without building the dict."""
+        """``(prompt_tokens, completion_tokens)`` of :attr:`usage` (a Responses usage's
+        ``input_tokens``, ``output_tokens``), each only when it is a non-negative integer (else
+        ``None``); ``None`` when no usage was seen. What settling a reservation needs, without
+        building the dict."""
     @property
     def error(self) -> dict[str, Any] | None:
         """The ``error`` object of an error event, if one was seen."""
     @property
     def done(self) -> bool:
-        """``True`` once ``data: [DONE]`` was seen."""
+        """``True`` once ``data: [DONE]`` was seen (a Responses stream: its terminal event)."""
     @property
     def delivered_text(self) -> list[str]:
         """Text pieces (``delta.content``, ``reasoning_content``, ``reasoning``, tool-call
@@ -582,7 +591,7 @@ class SSEInspector:
 
 def usage_tokens(body: bytes) -> tuple[int | None, int | None] | None:
     """``(prompt_tokens, completion_tokens)`` of the ``usage`` object of a non-streamed JSON
-    response body, each only when it is a non-negative integer (else ``None``); ``None`` when the
+    response body (a Responses body's ``input_tokens``, ``output_tokens``), each only when it is a non-negative integer (else ``None``); ``None`` when the
     body is not a JSON object or has no usage object. Only ``usage`` is built; every other field
     is skipped (faster than a full parse of the response)."""
 
@@ -646,22 +655,30 @@ class Analysis:
 
     Attributes:
         model: the body's ``model``.
-        route: ``"/v1/chat/completions"``, ``"/v1/completions"`` or ``"/v1/embeddings"``.
+        route: ``"/v1/chat/completions"``, ``"/v1/completions"``, ``"/v1/embeddings"`` or
+            ``"/v1/responses"``.
         prompt_tokens: prompt tokens (tokens), summed over the prompts of a batched
             completions / embeddings request.
         completion_tokens: completion tokens reserved (tokens): per-choice limit × ``n`` ×
             number of prompts. The per-choice limit is ``max_completion_tokens``, else
             ``max_tokens``; when both are absent, ``default_max_tokens`` (capped at the room
             left) if configured, else ``context_window - prompt_tokens`` (what vLLM / SGLang /
-            TGI allow, ENGINES.md §5.5). Always 0 for embeddings.
+            TGI allow, ENGINES.md §5.5). Always 0 for embeddings. On ``/v1/responses`` the
+            limit is ``max_output_tokens`` (absent: as above), and the prompt is the chat
+            conversation the body renders as: ``instructions`` as a system message, ``input``
+            (a string: one user message; or items: messages whose ``content`` is a string or
+            ``input_text`` / ``output_text`` / image / audio parts, ``function_call`` and
+            ``function_call_output`` items), ``tools``.
         n: choices per prompt: ``n``, or ``max(n, best_of)`` on ``/v1/completions``; 1 for
-            embeddings.
+            embeddings and Responses.
         stream: the body's ``stream`` (``False`` when absent or null).
-        include_usage: the body's ``stream_options.include_usage``.
+        include_usage: the body's ``stream_options.include_usage`` (always ``False`` on
+            ``/v1/responses``, whose stream always ends with its usage).
         reserved_tokens: ``prompt_tokens + completion_tokens`` (tokens): the TPM / in-flight
             reservation to make before forwarding, reconciled with the real usage afterwards.
         inject_max_tokens: set only when ``default_max_tokens`` was applied: the per-choice limit
-            (tokens) the gateway must write into the forwarded body as ``max_tokens`` so the
+            (tokens) the gateway must write into the forwarded body as ``max_tokens``
+            (``max_output_tokens`` on ``/v1/responses``) so the
             engine honours the same bound as the reservation.
         counting: how ``prompt_tokens`` was obtained: ``"chat_template"`` (chat, the rendered
             template counted with the tokenizer, no extra special tokens), ``"overhead"`` (chat
@@ -749,8 +766,9 @@ class RequestAnalyzer:
         """Analyse one request body.
 
         Args:
-            route: the request path: ``/v1/chat/completions``, ``/v1/completions`` or
-                ``/v1/embeddings`` (the ``/v1`` prefix is optional, a query string is ignored).
+            route: the request path: ``/v1/chat/completions``, ``/v1/completions``,
+                ``/v1/embeddings`` or ``/v1/responses`` (the ``/v1`` prefix is optional, a
+                query string is ignored).
             body: the raw body bytes.
 
         Returns:

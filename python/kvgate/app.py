@@ -23,27 +23,15 @@ import orjson
 from aiohttp import web
 
 from kvgate import AnalysisError, ModelRegistry
-from kvgate._core import relay_http
+from kvgate._core import peek_model
 from kvgate.config import TimeoutsConfig
-from kvgate.errors import (
-    GatewayError,
-    method_not_allowed,
-    reshape_upstream_error,
-    upstream_failed,
-    upstream_timeout,
-)
+from kvgate.errors import GatewayError
 from kvgate.metrics import GatewayMetrics
 from kvgate.proxy.deadline import Watchdog
 from kvgate.proxy.handler import (
     error_response,
 )
-from kvgate.proxy.prepared import (
-    PreparedResponse,
-    Reply,
-    connection_header,
-    prepared,
-    relayed,
-)
+from kvgate.proxy.prepared import PreparedResponse, Reply, connection_header
 
 __all__ = [
     "PRIORITY_CLASSES",
@@ -240,6 +228,14 @@ class Gateway:
 
     def _observe_wait(self, priority: str, seconds: float) -> None:
         self.metrics.queue_wait.labels(priority).observe(seconds)
+
+    @property
+    def other_routes(self) -> str:
+        """What happens to a request on a route that is neither an inference route nor one of
+        the gateway's own (config ``other_routes``): ``refuse`` (404, the default) or
+        ``forward`` (admitted against the tenant's and a backend's limits and relayed)."""
+        cfg = self.config
+        return cfg.other_routes if cfg is not None else "refuse"
 
     def shadow(self, backend: Backend, tenant: Tenant) -> bool:
         """Whether refusals for this tenant on this backend are only counted (``mode: shadow``
@@ -547,12 +543,58 @@ class Gateway:
 
         return max(healthy, key=headroom)
 
-    def default_backend(self) -> Backend:
-        """The first healthy backend (for passthrough routes)."""
-        for b in self.backends:
-            if b.healthy:
-                return b
-        raise GatewayError(503, "No healthy backend.", "server_error", code="backend_unavailable")
+    def model_of(self, body: bytes) -> ModelRoute | None:
+        """The served model a forwarded request's JSON body names in ``model`` (read in Rust,
+        every other field skipped), or ``None`` when the body is empty, not a JSON object, or
+        names no model.
+
+        Raises:
+            GatewayError: 404 ``model_not_found`` for a model no backend serves.
+        """
+        if not body:
+            return None
+        try:
+            name = peek_model(body)
+        except AnalysisError:
+            return None
+        model = self.models.get(name)
+        if model is None:
+            raise GatewayError(
+                404,
+                f"The model `{name}` does not exist or you do not have access to it.",
+                "invalid_request_error",
+                param="model",
+                code="model_not_found",
+            )
+        return model
+
+    def pick_any_backend(self, tenant: Tenant) -> Backend:
+        """For a request that names no model: the healthy backend with the most headroom (free
+        slot ratio, then lower KV usage) among those the tenant may use (``Tenant.backends``).
+
+        Raises:
+            GatewayError: 503 ``backend_unavailable`` when none of them is healthy.
+        """
+        healthy = [
+            b
+            for b in self.backends
+            if b.healthy and (tenant.backends is None or b.name in tenant.backends)
+        ]
+        if not healthy:
+            raise GatewayError(
+                503,
+                "No healthy backend is open to this tenant right now.",
+                "server_error",
+                code="backend_unavailable",
+                headers={"Retry-After": "1"},
+            )
+
+        def headroom(b: Backend) -> tuple[float, float]:
+            st = self.controller.backend_state(b.id)
+            limit = max(1, st["effective_concurrency"])
+            return ((limit - st["in_use"]) / limit, -(b.kv_usage or 0.0))
+
+        return max(healthy, key=headroom)
 
     # ---- responses ------------------------------------------------------------------------
     def rejection_response(
@@ -584,37 +626,6 @@ class Gateway:
         )
         return PreparedResponse(status, raw, connection), reason
 
-    async def forward_raw(
-        self, request: web.BaseRequest, backend: Backend, body: bytes
-    ) -> PreparedResponse:
-        """Forward a non-inference ``/v1/`` request as is (no token accounting)."""
-        url = backend.url + request.path_qs
-        try:
-            async with (
-                asyncio.timeout(self.timeouts.total),
-                self.session.request(
-                    request.method,
-                    url,
-                    data=body or None,
-                    headers={
-                        "Content-Type": request.headers.get("Content-Type", "application/json")
-                    },
-                ) as resp,
-            ):
-                raw = await resp.read()
-                if resp.status >= 400:  # engines' error bodies differ: reshape to OpenAI's
-                    return prepared(
-                        request,
-                        resp.status,
-                        [("Content-Type", "application/json")],
-                        reshape_upstream_error(resp.status, raw),
-                    )
-                return relayed(request, relay_http, resp.status, resp.raw_headers, raw)
-        except TimeoutError:
-            raise upstream_timeout("response") from None
-        except aiohttp.ClientError as exc:
-            raise upstream_failed(exc) from None
-
     # ---- state ----------------------------------------------------------------------------
     def read_state(self) -> list[tuple[str, dict[str, Any]]]:
         """``[(backend name, core state dict)]`` for metrics and ``/admin/state``."""
@@ -632,16 +643,7 @@ def _api_key(request: web.BaseRequest) -> str | None:
 async def handle_models(gw: Gateway, request: web.BaseRequest) -> web.Response:
     """``GET /v1/models``: the models this gateway serves (OpenAI list shape)."""
     now = int(time.time())
-    data = [
-        {
-            "id": name,
-            "object": "model",
-            "created": now,
-            "owned_by": "kvgate",
-            "max_model_len": getattr(route.analyzer, "context_window", None),
-        }
-        for name, route in gw.models.items()
-    ]
+    data = [_model_object(name, route, now) for name, route in gw.models.items()]
     return web.Response(
         body=orjson.dumps({"object": "list", "data": data}), content_type="application/json"
     )
@@ -723,19 +725,37 @@ def _scrape_age(gw: Gateway, b: Backend) -> float | None:
     return status.age(asyncio.get_running_loop().time()) if status.last_good_at else None
 
 
-async def handle_unknown(gw: Gateway, request: web.BaseRequest) -> Reply:
-    """Everything no other route takes: 405 for a wrong method on one of the
-    gateway's own GET routes, else 404 — in OpenAI's error shape, like every other error."""
-    if request.path in GET_ENDPOINTS:
-        err = method_not_allowed(request.method, request.path, "GET")
-    else:
-        err = GatewayError(
-            404,
-            f"Unknown URL: {request.method} {request.path}.",
-            "invalid_request_error",
-            code="unknown_url",
+def _model_object(name: str, route: ModelRoute, created: int) -> dict[str, Any]:
+    """One model in OpenAI's ``Model`` shape, with vLLM's ``max_model_len`` (tokens)."""
+    return {
+        "id": name,
+        "object": "model",
+        "created": created,
+        "owned_by": "kvgate",
+        "max_model_len": getattr(route.analyzer, "context_window", None),
+    }
+
+
+async def handle_model(gw: Gateway, request: web.BaseRequest, model_id: str) -> Reply:
+    """``GET /v1/models/{id}``: one model object, as ``GET /v1/models`` lists it (what the
+    ``openai`` client's ``models.retrieve`` asks); a model this gateway does not serve → 404
+    ``model_not_found`` in OpenAI's shape. Needs no API key, like the list."""
+    route = gw.models.get(model_id)
+    if route is None:
+        return error_response(
+            request,
+            GatewayError(
+                404,
+                f"The model `{model_id}` does not exist or you do not have access to it.",
+                "invalid_request_error",
+                param="model",
+                code="model_not_found",
+            ),
         )
-    return error_response(request, err)
+    return web.Response(
+        body=orjson.dumps(_model_object(model_id, route, int(time.time()))),
+        content_type="application/json",
+    )
 
 
 #: The gateway's own ``GET`` (and ``HEAD``) endpoints, by path.

@@ -324,7 +324,14 @@ class QueueConfig(_Model):
 
 
 class Config(_Model):
-    """The whole file. See the module docstring for the cross-field rules."""
+    """The whole file. See the module docstring for the cross-field rules.
+
+    ``other_routes`` is what happens to a request on a path that is neither an inference route
+    (``POST /v1/chat/completions``, ``/v1/completions``, ``/v1/embeddings``, ``/v1/responses``)
+    nor one of the gateway's own (``/v1/models``, ``/v1/models/{id}``, ``/metrics``, ...):
+    ``refuse`` (404 ``unknown_url``, the default) or ``forward`` (admitted against the tenant's
+    and a backend's limits, relayed as it arrives, charged the usage the engine reports).
+    """
 
     listen: ListenConfig = ListenConfig()
     workers: Int = Field(1, ge=1, le=MAX_WORKERS)
@@ -336,6 +343,7 @@ class Config(_Model):
     admin_key_sha256: Sha256Hex | None = None
     queue: QueueConfig = QueueConfig()
     mode: Mode = "enforce"
+    other_routes: Literal["refuse", "forward"] = "refuse"
 
     @model_validator(mode="after")
     def _cross_field(self) -> Config:

@@ -24,16 +24,12 @@ import aiohttp
 from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 
-from kvgate.app import GET_ENDPOINTS, handle_unknown
-from kvgate.errors import GatewayError, error_body
+from kvgate.app import GET_ENDPOINTS, handle_model
+from kvgate.errors import GatewayError, error_body, method_not_allowed
 from kvgate.metrics import FLUSH_SECONDS
-from kvgate.proxy.handler import (
-    INFERENCE_ROUTES,
-    error_response,
-    handle_inference,
-    handle_passthrough,
-)
+from kvgate.proxy.handler import error_response, handle_forward, handle_inference
 from kvgate.proxy.prepared import Reply
+from kvgate.proxy.routes import RouteKind, route_of
 
 if TYPE_CHECKING:
     from kvgate.app import Gateway
@@ -44,15 +40,20 @@ __all__ = ["Dispatcher", "gateway_runtime", "make_server", "run_gateway", "serve
 
 
 class Dispatcher:
-    """The routing table, called by aiohttp for each request.
+    """The routing table, called by aiohttp for each request: the route is decided once, up
+    front, by :func:`kvgate.proxy.routes.route_of` (path normalised, then looked up), and the
+    request handed to the handler of its kind:
 
-    A path with a ``.`` or ``..`` segment (also percent-encoded) → 400 ``invalid_path``.
-    ``POST`` on an inference route (``/v1/chat/completions``, ``/v1/completions``,
-    ``/v1/embeddings``) → :func:`kvgate.proxy.handler.handle_inference`; ``GET`` (or ``HEAD``)
-    on ``/v1/models``, ``/metrics``, ``/healthz``, ``/readyz``, ``/admin/state`` → the gateway's
-    own endpoints (any other method on them → 405); anything else under ``/v1/`` → the engine (passthrough, which also answers
-    405 for a wrong method on an inference route); anything else → 404 / 405 in OpenAI's error
-    shape. Returns the handler's coroutine itself (no extra frame on the hot path).
+    * inference route → :func:`kvgate.proxy.handler.handle_inference`;
+    * the gateway's own endpoints → :data:`kvgate.app.GET_ENDPOINTS`; ``/v1/models/{id}`` →
+      :func:`kvgate.app.handle_model`;
+    * any other route → the gateway's ``other_routes`` policy: ``forward`` →
+      :func:`kvgate.proxy.handler.handle_forward`, ``refuse`` → 404 ``unknown_url``;
+    * a wrong method on a known route → 405; a ``.`` or ``..`` segment → 400 ``invalid_path``
+      (``/v1/../x`` would reach any engine URL once the upstream client resolves it).
+
+    Errors are in OpenAI's shape. Returns the handler's coroutine itself (no extra frame on the
+    hot path).
     """
 
     __slots__ = ("_gateway", "_get")
@@ -62,39 +63,46 @@ class Dispatcher:
         self._get = GET_ENDPOINTS
 
     def __call__(self, request: web.BaseRequest) -> Awaitable[Reply]:
-        path = request.path
-        method = request.method
-        if "/." in path and _dot_segment(path):
-            # `/v1/../x` (or `%2e%2e`) would reach any engine URL once the upstream client
-            # normalises it, past the inference routes' accounting: refused, never resolved
-            return _refuse_dot_segment(request, path)
-        if method == "POST" and path in INFERENCE_ROUTES:
-            return handle_inference(self._gateway, request)
-        own = self._get.get(path)
-        if own is not None:
-            if method in ("GET", "HEAD"):
-                return own(self._gateway, request)
-            return handle_unknown(self._gateway, request)  # 405, never forwarded
-        if path.startswith("/v1/"):
-            return handle_passthrough(self._gateway, request)
-        return handle_unknown(self._gateway, request)
+        route = route_of(request.method, request.path)
+        kind = route.kind
+        gateway = self._gateway
+        if kind is RouteKind.INFERENCE:
+            return handle_inference(gateway, request, route.path)
+        if kind is RouteKind.GATEWAY:
+            return self._get[route.path](gateway, request)
+        if kind is RouteKind.MODEL:
+            return handle_model(gateway, request, route.model_id)
+        if kind is RouteKind.OTHER:
+            if gateway.other_routes == "forward":
+                return handle_forward(gateway, request)
+            return _answer(
+                request,
+                GatewayError(
+                    404,
+                    f"Unknown URL: {request.method} {route.path}. This gateway serves "
+                    "/v1/chat/completions, /v1/completions, /v1/embeddings, /v1/responses and "
+                    "/v1/models; it refuses other routes (other_routes: refuse).",
+                    "invalid_request_error",
+                    code="unknown_url",
+                ),
+            )
+        if kind is RouteKind.WRONG_METHOD:
+            allow = route.allow or "GET"
+            return _answer(request, method_not_allowed(request.method, route.path, allow))
+        return _answer(
+            request,
+            GatewayError(
+                400,
+                f"The path {route.path!r} has a '.' or '..' segment; send the resolved path.",
+                "invalid_request_error",
+                code="invalid_path",
+            ),
+        )
 
 
-def _dot_segment(path: str) -> bool:
-    """Whether the (decoded) path has a ``.`` or ``..`` segment."""
-    return any(seg in (".", "..") for seg in path.split("/"))
-
-
-async def _refuse_dot_segment(request: web.BaseRequest, path: str) -> Reply:
-    return error_response(
-        request,
-        GatewayError(
-            400,
-            f"The path {path!r} has a '.' or '..' segment; send the resolved path.",
-            "invalid_request_error",
-            code="invalid_path",
-        ),
-    )
+async def _answer(request: web.BaseRequest, err: GatewayError) -> Reply:
+    """The error answer decided by the routing table (nothing read, nothing held)."""
+    return error_response(request, err)
 
 
 class _RequestHandler(RequestHandler):

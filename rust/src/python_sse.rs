@@ -16,11 +16,14 @@ pub struct PySseInspector {
 #[pymethods]
 impl PySseInspector {
     #[new]
-    #[pyo3(signature = (*, strip_usage_chunk))]
-    fn new(strip_usage_chunk: bool) -> Self {
-        Self {
-            inner: SseInspector::new(strip_usage_chunk),
-        }
+    #[pyo3(signature = (*, strip_usage_chunk, responses = false))]
+    fn new(strip_usage_chunk: bool, responses: bool) -> Self {
+        let inner = if responses {
+            SseInspector::new_responses()
+        } else {
+            SseInspector::new(strip_usage_chunk)
+        };
+        Self { inner }
     }
 
     fn feed<'py>(&mut self, data: &Bound<'py, PyBytes>) -> Bound<'py, PyBytes> {

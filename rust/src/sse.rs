@@ -7,6 +7,15 @@
 //! whose engine sends no usage), and `error` events. Only events that may carry a non-null
 //! `usage` or an `error` are parsed as they pass; the others are kept as bytes and parsed for
 //! their text only if it is asked for (most streams end with the engine's usage and never are).
+//!
+//! A Responses stream (`POST /v1/responses`, [`SseInspector::new_responses`]) names its events
+//! (`event: response.output_text.delta` and a `type` member in the data): the text is the
+//! `delta` of the text events, the usage (`input_tokens`, `output_tokens`) is in
+//! `response.usage` of the terminal `response.completed` / `response.incomplete` event, which
+//! also ends the stream (there is no `[DONE]`), and `response.failed` or an `error` event is an
+//! error.
+
+use serde_json::Map;
 
 use serde_json::Value;
 
@@ -42,6 +51,17 @@ pub struct SseInspector {
     usage: Option<Value>,
     error: Option<Value>,
     done: bool,
+    /// Which API's stream this is.
+    dialect: Dialect,
+}
+
+/// The API whose stream an inspector reads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Dialect {
+    /// Chat / completions chunks: text in `choices`, usage at the top level, `[DONE]` at the end.
+    Chat,
+    /// The Responses API: named events, usage in the terminal event.
+    Responses,
 }
 
 impl SseInspector {
@@ -60,7 +80,30 @@ impl SseInspector {
             usage: None,
             error: None,
             done: false,
+            dialect: Dialect::Chat,
         }
+    }
+
+    /// A new inspector for a Responses stream (`POST /v1/responses`): text from the `delta` of
+    /// the text events, usage and the end of the stream from the terminal event, errors from
+    /// `response.failed` and `error` events. Nothing is stripped (a Responses stream always
+    /// ends with its usage).
+    pub fn new_responses() -> Self {
+        Self {
+            dialect: Dialect::Responses,
+            ..Self::new(false)
+        }
+    }
+
+    /// Whether this inspector reads a Responses stream.
+    fn is_responses(&self) -> bool {
+        self.dialect == Dialect::Responses
+    }
+
+    /// Whether `payload` (one `data:` payload, or several whole events) may hold what settles
+    /// the stream: a non-null `usage`, an `error`, or a Responses terminal event.
+    fn may_settle(&self, payload: &[u8]) -> bool {
+        may_carry_usage_or_error(payload) || (self.is_responses() && responses_terminal(payload))
     }
 
     /// Takes the next upstream bytes; returns the complete events to write now. Bytes of an
@@ -77,7 +120,7 @@ impl SseInspector {
             && !self.cr
             && data.ends_with(b"\n\n")
             && find(data, b"[DONE]", 0).is_none()
-            && !may_carry_usage_or_error(data)
+            && !self.may_settle(data)
             && !(self.strip && find(data, b"\"usage\"", 0).is_some())
         {
             self.pending.push(Pending::Raw(data.to_vec()));
@@ -178,8 +221,9 @@ impl SseInspector {
                             continue;
                         }
                         if let Ok(Value::Object(obj)) = serde_json::from_slice::<Value>(payload) {
-                            if let Some(Value::Array(choices)) = obj.get("choices") {
-                                let found = collect_text(choices, &mut self.text);
+                            if let Some(found) =
+                                event_text(self.is_responses(), &obj, &mut self.text)
+                            {
                                 self.chunks += u64::from(found);
                             }
                         }
@@ -214,7 +258,7 @@ impl SseInspector {
                 continue;
             }
             let stripping = self.strip && find(payload, b"\"usage\"", 0).is_some();
-            if !stripping && !may_carry_usage_or_error(payload) {
+            if !stripping && !self.may_settle(payload) {
                 self.pending.push(Pending::Raw(line.to_vec()));
                 continue;
             }
@@ -223,6 +267,9 @@ impl SseInspector {
             };
             if let Some(err @ Value::Object(_)) = obj.get("error") {
                 self.error = Some(err.clone());
+            }
+            if self.is_responses() {
+                self.responses_event(&obj);
             }
             let empty_choices = matches!(obj.get("choices"), Some(Value::Array(c)) if c.is_empty());
             match obj.remove("usage") {
@@ -235,9 +282,8 @@ impl SseInspector {
                 Some(Value::Null) if stripping => null_usage = true,
                 _ => {}
             }
-            if let Some(Value::Array(choices)) = obj.get("choices") {
-                let mut pieces = Vec::new();
-                let found = collect_text(choices, &mut pieces);
+            let mut pieces = Vec::new();
+            if let Some(found) = event_text(self.is_responses(), &obj, &mut pieces) {
                 self.pending.push(Pending::Text(pieces, found));
             }
         }
@@ -247,6 +293,82 @@ impl SseInspector {
             }
         }
         Verdict::Keep
+    }
+
+    /// Reads a parsed Responses event for what settles the stream: the terminal event's
+    /// `response.usage` (and the end of the stream), a `response.failed` event's
+    /// `response.error`, an `error` event.
+    fn responses_event(&mut self, obj: &Map<String, Value>) {
+        let Some(kind) = obj.get("type").and_then(Value::as_str) else {
+            return;
+        };
+        match kind {
+            "response.completed" | "response.incomplete" | "response.failed" => {
+                self.done = true;
+                let Some(Value::Object(response)) = obj.get("response") else {
+                    return;
+                };
+                if let Some(usage @ Value::Object(_)) = response.get("usage") {
+                    self.usage = Some(usage.clone());
+                }
+                if kind == "response.failed" {
+                    self.error = Some(match response.get("error") {
+                        Some(err @ Value::Object(_)) => err.clone(),
+                        _ => Value::Object(response.clone()),
+                    });
+                }
+            }
+            "error" if self.error.is_none() => {
+                // `{"type": "error", "code", "message", "param"}`
+                self.error = Some(Value::Object(obj.clone()));
+            }
+            _ => {}
+        }
+    }
+}
+
+/// Whether `payload` holds a Responses terminal event's `type` (a quote inside generated text
+/// is escaped, so the quoted name is a JSON string of its own).
+fn responses_terminal(payload: &[u8]) -> bool {
+    [
+        &b"\"response.completed\""[..],
+        b"\"response.incomplete\"",
+        b"\"response.failed\"",
+    ]
+    .iter()
+    .any(|name| find(payload, name, 0).is_some())
+}
+
+/// The Responses events whose `delta` is generated text (output, refusal, reasoning, tool-call
+/// arguments).
+const RESPONSES_TEXT_EVENTS: [&str; 5] = [
+    "response.output_text.delta",
+    "response.refusal.delta",
+    "response.reasoning_text.delta",
+    "response.reasoning_summary_text.delta",
+    "response.function_call_arguments.delta",
+];
+
+/// Appends the generated text of one parsed event to `out`: the `choices` of a chat or
+/// completions chunk, or (`responses`) the `delta` of a Responses text event. Returns whether
+/// there was any, or `None` when the event is not one that carries text.
+fn event_text(responses: bool, obj: &Map<String, Value>, out: &mut Vec<String>) -> Option<bool> {
+    if responses {
+        let kind = obj.get("type").and_then(Value::as_str)?;
+        if !RESPONSES_TEXT_EVENTS.contains(&kind) {
+            return None;
+        }
+        return Some(match obj.get("delta") {
+            Some(Value::String(text)) if !text.is_empty() => {
+                out.push(text.clone());
+                true
+            }
+            _ => false,
+        });
+    }
+    match obj.get("choices") {
+        Some(Value::Array(choices)) => Some(collect_text(choices, out)),
+        _ => None,
     }
 }
 
@@ -306,11 +428,14 @@ fn without_null_usage(event: &[u8]) -> Option<Vec<u8>> {
     Some(out)
 }
 
-/// `prompt_tokens` and `completion_tokens` of a usage object, each only when it is a
-/// non-negative integer.
+/// `prompt_tokens` and `completion_tokens` of a usage object (a Responses usage object's
+/// `input_tokens` and `output_tokens`), each only when it is a non-negative integer.
 fn usage_counts(usage: &Value) -> (Option<u64>, Option<u64>) {
     let count = |key| usage.get(key).and_then(Value::as_u64);
-    (count("prompt_tokens"), count("completion_tokens"))
+    (
+        count("prompt_tokens").or_else(|| count("input_tokens")),
+        count("completion_tokens").or_else(|| count("output_tokens")),
+    )
 }
 
 /// The top level of a non-streamed response, read for its `usage` only (every other field is
@@ -638,6 +763,98 @@ mod tests {
             proptest::prop_assert_eq!(cut.delivered_text().to_vec(), whole.delivered_text().to_vec());
             proptest::prop_assert_eq!(cut.content_chunks(), whole.content_chunks());
         }
+    }
+
+    /// A Responses stream as the engines send it: named events, a `type` in each data.
+    fn responses_stream(texts: &[&str], terminal: &str) -> Vec<u8> {
+        let mut out = String::new();
+        let mut ev = |name: &str, data: serde_json::Value| {
+            out.push_str("event: ");
+            out.push_str(name);
+            out.push_str("\ndata: ");
+            out.push_str(&data.to_string());
+            out.push_str("\n\n");
+        };
+        let pending = serde_json::json!({"id": "resp_1", "status": "in_progress", "error": null,
+            "usage": null, "output": []});
+        ev(
+            "response.created",
+            serde_json::json!({"type": "response.created", "response": pending}),
+        );
+        for t in texts {
+            ev(
+                "response.output_text.delta",
+                serde_json::json!({"type": "response.output_text.delta", "item_id": "m",
+                    "output_index": 0, "content_index": 0, "delta": t}),
+            );
+        }
+        let whole: String = texts.concat();
+        ev(
+            "response.output_text.done",
+            serde_json::json!({"type": "response.output_text.done", "text": whole}),
+        );
+        let done = serde_json::json!({"id": "resp_1", "status": "completed", "output": [
+            {"type": "message", "content": [{"type": "output_text", "text": whole}]}],
+            "usage": {"input_tokens": 9, "output_tokens": 4, "total_tokens": 13}});
+        ev(
+            terminal,
+            serde_json::json!({"type": terminal, "response": done}),
+        );
+        out.into_bytes()
+    }
+
+    #[test]
+    fn responses_stream_text_usage_and_end() {
+        let raw = responses_stream(&["Hel", "lo", " you"], "response.completed");
+        let mut insp = SseInspector::new_responses();
+        let mut out = Vec::new();
+        for part in raw.chunks(37) {
+            match insp.feed(part) {
+                Fed::Same => out.extend_from_slice(part),
+                Fed::Bytes(b) => out.extend(b),
+            }
+        }
+        out.extend(insp.flush());
+        assert_eq!(out, raw, "relayed byte for byte");
+        assert!(insp.done(), "response.completed ends the stream");
+        assert!(insp.error().is_none());
+        assert_eq!(insp.usage_tokens(), Some((Some(9), Some(4))));
+        // only the deltas count, never the `done` events that repeat the whole text
+        assert_eq!(insp.delivered_text(), ["Hel", "lo", " you"]);
+        assert_eq!(insp.content_chunks(), 3);
+        // the same stream read as a chat stream finds neither its text nor its end
+        let mut chat = SseInspector::new(false);
+        assert_eq!(chat.feed(&raw), Fed::Same);
+        assert!(!chat.done());
+        assert!(chat.delivered_text().is_empty());
+    }
+
+    #[test]
+    fn responses_terminal_without_usage_still_ends_and_errors_are_seen() {
+        let raw = responses_stream(&["a"], "response.incomplete");
+        let mut insp = SseInspector::new_responses();
+        let text = String::from_utf8(raw).unwrap().replace(
+            "\"usage\":{\"input_tokens\":9,\"output_tokens\":4,\"total_tokens\":13}",
+            "\"usage\":null",
+        );
+        assert_eq!(insp.feed(text.as_bytes()), Fed::Same);
+        assert!(insp.done());
+        assert_eq!(insp.usage_tokens(), None);
+        assert_eq!(insp.delivered_text(), ["a"]);
+        let mut failed = SseInspector::new_responses();
+        failed.feed(b"event: response.failed\ndata: {\"type\":\"response.failed\",\"response\":{\"error\":{\"code\":\"server_error\",\"message\":\"boom\"}}}\n\n");
+        assert_eq!(failed.error().unwrap()["message"], "boom");
+        let mut error = SseInspector::new_responses();
+        error.feed(b"event: error\ndata: {\"type\":\"error\",\"code\":\"x\",\"message\":\"bad\",\"param\":null}\n\n");
+        assert_eq!(error.error().unwrap()["message"], "bad");
+        assert!(!error.done());
+    }
+
+    #[test]
+    fn responses_usage_of_a_whole_body() {
+        let body = br#"{"id":"resp_1","output":[{"type":"message","content":[{"type":"output_text","text":"hi"}]}],
+            "usage":{"input_tokens":12,"input_tokens_details":{"cached_tokens":0},"output_tokens":8,"total_tokens":20}}"#;
+        assert_eq!(body_usage_tokens(body), Some((Some(12), Some(8))));
     }
 
     #[test]

@@ -1,4 +1,8 @@
-"""The inference request handler: body cap → auth → analysis → admission → relay → settle.
+"""The request handlers: body cap → auth → analysis → admission → relay → settle.
+
+:func:`handle_inference` serves the inference routes, :func:`handle_forward` any other route
+when the gateway's ``other_routes`` is ``forward`` (the route is decided before either is
+called, by :mod:`kvgate.proxy.routes`).
 
 Order (issue 5, DESIGN.md): the body-size cap is checked from ``Content-Length`` before a byte of
 the body is read (413), then the tenant is identified (401), the request analysed by the Rust
@@ -20,19 +24,28 @@ from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
 
 from kvgate._core import MAX_AMOUNT
-from kvgate.errors import GatewayError, method_not_allowed
+from kvgate.errors import GatewayError
 from kvgate.proxy.prepared import PreparedResponse, Reply, prepared
 from kvgate.proxy.relay import RelayResult, relay
+from kvgate.proxy.routes import normalize_path
 
 if TYPE_CHECKING:
     from kvgate.app import Gateway
 
-__all__ = ["handle_inference", "handle_passthrough"]
+__all__ = ["FORWARD_RESERVATION", "handle_forward", "handle_inference"]
 
 #: Bodies shorter than this (bytes) are analysed on the event loop; longer ones in a thread.
 INLINE_ANALYSIS_BYTES = 16_384
 
-INFERENCE_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
+#: The routes whose streams kvgate asks usage for (``stream_options.include_usage``); a
+#: Responses stream always ends with its usage (``response.completed``).
+USAGE_OPTION_ROUTES = frozenset({"/v1/chat/completions", "/v1/completions"})
+RESPONSES_ROUTE = "/v1/responses"
+
+#: Tokens a forwarded request (``other_routes: forward``) reserves: what it will use is unknown
+#: before the engine answers, and one token is enough for a tenant whose bucket is empty to be
+#: refused; the usage the engine reports is charged when it ends.
+FORWARD_RESERVATION = 1
 
 
 def error_response(request: web.BaseRequest, err: GatewayError) -> PreparedResponse:
@@ -168,7 +181,8 @@ def _too_large(length: int | None, cap: int) -> GatewayError:
 def rewrite_body(body: bytes, analysis: Any, add_usage: bool) -> bytes:
     """The body to forward: the client's bytes, or a copy with what kvgate must add:
     ``stream_options.include_usage`` (streamed requests, so the engine reports usage) and the
-    ``default_max_tokens`` it reserved for (``analysis.inject_max_tokens``).
+    ``default_max_tokens`` it reserved for (``analysis.inject_max_tokens``, written as
+    ``max_output_tokens`` on ``/v1/responses``, as ``max_tokens`` elsewhere).
 
     When those keys are absent (the usual case) the members are spliced in after the opening
     ``{`` and every byte the client sent is forwarded as sent. When one is present (say
@@ -179,12 +193,14 @@ def rewrite_body(body: bytes, analysis: Any, add_usage: bool) -> bytes:
     inject = getattr(analysis, "inject_max_tokens", None)
     if not add_usage and inject is None:
         return body
+    responses = getattr(analysis, "route", None) == RESPONSES_ROUTE
+    limit = "max_output_tokens" if responses else "max_tokens"
     data = orjson.loads(body)
     members = []
     if add_usage and "stream_options" not in data:
         members.append(b'"stream_options":{"include_usage":true}')
-    if inject is not None and "max_tokens" not in data:
-        members.append(b'"max_tokens":%d' % inject)
+    if inject is not None and limit not in data:
+        members.append(b'"%s":%d' % (limit.encode(), inject))
     start = len(body) - len(body.lstrip())
     if len(members) == add_usage + (inject is not None) and body[start : start + 1] == b"{":
         rest = body[start + 1 :]
@@ -195,14 +211,21 @@ def rewrite_body(body: bytes, analysis: Any, add_usage: bool) -> bytes:
         opts = data.get("stream_options")
         data["stream_options"] = {**(opts if isinstance(opts, dict) else {}), "include_usage": True}
     if inject is not None:
-        data["max_tokens"] = inject
+        data[limit] = inject
     return json.dumps(data, separators=(",", ":")).encode()
 
 
-async def handle_inference(gw: Gateway, request: web.BaseRequest) -> Reply:
-    """``POST /v1/chat/completions``, ``/v1/completions``, ``/v1/embeddings``."""
+async def handle_inference(gw: Gateway, request: web.BaseRequest, route: str) -> Reply:
+    """``POST /v1/chat/completions``, ``/v1/completions``, ``/v1/embeddings``,
+    ``/v1/responses``: analysed, admitted, relayed (streams as they arrive), settled.
+
+    Args:
+        gw: the gateway.
+        request: the client's request.
+        route: the normalised inference path (:func:`kvgate.proxy.routes.route_of`); the
+            request goes upstream to this path, whatever spelling the client used.
+    """
     started = time.perf_counter()
-    route = request.path
     tenant = None
     try:
         # the common case without a single await: body already here, small enough to analyse
@@ -239,7 +262,7 @@ async def handle_inference(gw: Gateway, request: web.BaseRequest) -> Reply:
     gw.metrics.admitted(backend, tenant, tokens, time.perf_counter() - started)
 
     stream = bool(analysis.stream)
-    add_usage = stream and not analysis.include_usage and route != "/v1/embeddings"
+    add_usage = stream and not analysis.include_usage and route in USAGE_OPTION_ROUTES
     result = RelayResult()
     try:
         forward = rewrite_body(body, analysis, add_usage)
@@ -255,6 +278,7 @@ async def handle_inference(gw: Gateway, request: web.BaseRequest) -> Reply:
             build=partial(gw.controller.relay_http, backend.id, tenant.id),
             count_text=model.count_text,
             result=result,
+            responses=route == RESPONSES_ROUTE,
         )
     except GatewayError as err:
         return error_response(request, err)
@@ -278,29 +302,80 @@ def _actual_tokens(analysis: Any, result: RelayResult) -> int:
     return min(int(prompt) + int(result.completion_tokens), MAX_AMOUNT)
 
 
-async def handle_passthrough(gw: Gateway, request: web.BaseRequest) -> Reply:
-    """Anything else under ``/v1/``: forwarded with a slot but no token charge (DESIGN.md).
-    A wrong method on an inference route is answered here (405), not by the engine."""
-    if request.path in INFERENCE_ROUTES:
-        return error_response(request, method_not_allowed(request.method, request.path, "POST"))
+async def handle_forward(gw: Gateway, request: web.BaseRequest) -> Reply:
+    """Any route that is neither an inference route nor the gateway's own, when the gateway's
+    ``other_routes`` is ``forward``: admitted and accounted like an inference request.
+
+    The body's ``model`` (when it is a JSON object that names one) routes it like inference,
+    among the backends the tenant may use; without one, to the backend the tenant may use with
+    the most headroom. It holds the tenant's and the backend's slots and reserves
+    :data:`FORWARD_RESERVATION` token (so a tenant at its TPM limit is refused), goes upstream
+    with its method, normalised path, query string and ``Content-Type``, and its answer is
+    relayed as it arrives (an SSE stream read for its ``usage`` like any other; another body
+    passed through, its ``usage`` read at the end). The usage the engine reports (prompt +
+    completion tokens) is charged; a body without one is charged nothing, an SSE stream
+    without one a token per event that carried text.
+
+    Args:
+        gw: the gateway.
+        request: the client's request (its path is normalised again for the upstream URL, from
+            the raw, percent-encoded path, so what the engine receives is encoded as sent).
+    """
+    started = time.perf_counter()
+    tenant = None
     try:
-        body = await read_body(request, gw.max_body_bytes, gw.timeouts.client_body)
+        body = body_if_complete(request, gw.max_body_bytes)
+        if body is None:
+            body = await read_body(request, gw.max_body_bytes, gw.timeouts.client_body)
         tenant, priority = gw.authenticate(request)
-        backend = gw.default_backend()
+        model = gw.model_of(body)
+        backend = gw.pick_backend(model, tenant) if model else gw.pick_any_backend(tenant)
     except GatewayError as err:
+        gw.metrics.request_done(None, tenant, f"rejected_{err.status}")
         return error_response(request, err)
-    decision = gw.controller.admit(backend.id, tenant.id, priority, 0) if not gw.queue else None
+    tokens = FORWARD_RESERVATION
+    queue = gw.queue
+    decision = (
+        gw.controller.admit(backend.id, tenant.id, priority, tokens)
+        if queue is None or not queue.waiting
+        else None
+    )
     if decision is None or not decision.admitted:
-        decision = await gw.admit_slow(request, backend, tenant, priority, 0, decision)
+        if decision is None or not gw.refusal_stands(request, backend, tenant, decision):
+            decision = await gw.admit_slow(request, backend, tenant, priority, tokens, decision)
         if not decision.admitted:
-            response, reason = gw.rejection_response(request, decision, backend, tenant, None, 0)
-            gw.metrics.rejected(backend, tenant, reason, 0.0)
+            response, reason = gw.rejection_response(
+                request, decision, backend, tenant, model, tokens
+            )
+            gw.metrics.rejected(backend, tenant, reason, time.perf_counter() - started)
             return response
+    gw.metrics.admitted(backend, tenant, tokens, time.perf_counter() - started)
+    raw_path, sep, query = request.raw_path.partition("?")
+    result = RelayResult()
     try:
-        return await gw.forward_raw(request, backend, body)
+        return await relay(
+            request,
+            gw.session,
+            backend.url + normalize_path(raw_path) + sep + query,
+            body,
+            stream=True,
+            strip_usage_chunk=False,
+            timeouts=gw.timeouts,
+            watchdog=gw.watchdog,
+            build=partial(gw.controller.relay_http, backend.id, tenant.id),
+            count_text=None,
+            result=result,
+            method=request.method,
+            content_type=request.headers.get("Content-Type"),
+            pass_body=True,
+        )
     except GatewayError as err:
         return error_response(request, err)
     finally:
-        decision.release(0)
-        if gw.queue:
-            gw.queue.notify()
+        actual = 0
+        if result.outcome != "upstream_unreachable":
+            actual = min(int(result.prompt_tokens or 0) + int(result.completion_tokens), MAX_AMOUNT)
+        decision.release(actual)
+        if queue is not None and queue.waiting:
+            queue.notify()
+        gw.metrics.settled(backend, tenant, tokens, actual, result)

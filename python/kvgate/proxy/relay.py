@@ -71,8 +71,12 @@ async def relay(
     build: HeadBuilder,
     count_text: Callable[[str], int] | None,
     result: RelayResult,
+    responses: bool = False,
+    method: str = "POST",
+    content_type: str | None = "application/json",
+    pass_body: bool = False,
 ) -> Reply:
-    """POST ``body`` to ``url`` and relay the answer to the client.
+    """POST ``body`` to ``url`` (or send it with ``method``) and relay the answer to the client.
 
     Args:
         request: the client's request (its connection receives the answer).
@@ -88,6 +92,14 @@ async def relay(
         count_text: tokenizer count of delivered text, used when the engine sent no usage.
         result: filled in as the relay goes, so the caller can settle even if this raises or is
             cancelled.
+        responses: the answer is OpenAI's Responses API's (``POST /v1/responses``): its stream's
+            named events are read for the ``delta`` text and the terminal event's usage
+            (``SSEInspector(responses=True)``).
+        method: the upstream request's method.
+        content_type: the upstream request's ``Content-Type`` (``None``: none sent).
+        pass_body: an answer that is not an SSE stream is written to the client as it arrives
+            (its ``usage``, when it is JSON of at most :data:`USAGE_SCAN_BYTES`, read at the
+            end) instead of read whole first.
 
     Returns:
         The response: for streams, already prepared and written; else the whole answer as a
@@ -107,14 +119,14 @@ async def relay(
     if end is not None and end < first:
         first = end
     upstream: aiohttp.ClientResponse | None = None
-    headers = {"Content-Type": "application/json"}
+    headers = {"Content-Type": content_type} if content_type else {}
     auth = request.headers.get("X-Upstream-Authorization")
     if auth:
         headers["Authorization"] = auth
     try:
         try:
             with deadline.at(first):
-                upstream = await session.post(url, data=body, headers=headers)
+                upstream = await session.request(method, url, data=body, headers=headers)
         except TimeoutError:
             result.outcome = "upstream_timeout"
             raise upstream_timeout("response") from None
@@ -139,7 +151,10 @@ async def relay(
                 build,
                 count_text,
                 result,
+                responses,
             )
+        if pass_body:
+            return await _relay_body(request, upstream, timeouts, deadline, end, build, result)
         raw = await _read_all(upstream, timeouts, deadline, end, result)
         _settle_from_body(raw, result, count_text)
         result.status = upstream.status
@@ -221,12 +236,15 @@ def _settle_from_body(
 def _answer_text(raw: bytes) -> str:
     """The generated text of a non-streamed answer (``""`` when the body is not one): every
     choice's legacy ``text``, ``message`` content and reasoning, and tool-call names and
-    arguments — the pieces the stream relay counts from its deltas (``kvgate._core.SSEInspector``).
+    arguments — the pieces the stream relay counts from its deltas (``kvgate._core.SSEInspector``);
+    for a Responses answer, the text of its ``output`` items (:func:`_output_text`).
     """
     try:
         data = orjson.loads(raw)
     except orjson.JSONDecodeError:
         return ""
+    if isinstance(data, dict) and isinstance(data.get("output"), list):
+        return _output_text(data["output"])
     choices = data.get("choices") if isinstance(data, dict) else None
     if not isinstance(choices, list):
         return ""
@@ -254,6 +272,29 @@ def _answer_text(raw: bytes) -> str:
     return "".join(parts)
 
 
+def _output_text(output: list[object]) -> str:
+    """The generated text of a non-streamed Responses answer's ``output`` items (OpenAI's
+    Responses API): a ``message``'s ``output_text`` and ``refusal`` parts, a ``function_call``'s
+    name and arguments, a ``reasoning`` item's summary and content text — what its stream
+    delivers as ``delta`` text."""
+    parts: list[str] = []
+    for item in output:
+        if not isinstance(item, dict):
+            continue
+        kind = item.get("type")
+        if kind == "function_call":
+            pieces: list[object] = [item.get("name"), item.get("arguments")]
+        else:
+            pieces = []
+            for key in ("content", "summary"):
+                inner = item.get(key)
+                for part in inner if isinstance(inner, list) else ():
+                    if isinstance(part, dict):
+                        pieces += [part.get("text"), part.get("refusal")]
+        parts += [p for p in pieces if isinstance(p, str)]
+    return "".join(parts)
+
+
 def _take_usage(prompt: object, completion: object, result: RelayResult) -> None:
     """Settle from the engine's counts, each only when it is an integer (not a bool) in
     0..``MAX_AMOUNT`` (2**62; an absurd count is ignored as if the engine had sent none)."""
@@ -274,8 +315,9 @@ async def _relay_stream(
     build: HeadBuilder,
     count_text: Callable[[str], int] | None,
     result: RelayResult,
+    responses: bool = False,
 ) -> PreparedStream:
-    inspector = SSEInspector(strip_usage_chunk=strip_usage_chunk)
+    inspector = SSEInspector(strip_usage_chunk=strip_usage_chunk, responses=responses)
     try:
         response = await start_stream(request, build, upstream.status, upstream.raw_headers)
     except ConnectionResetError:
@@ -345,6 +387,74 @@ async def _relay_stream(
             result.completion_tokens = max(counted, inspector.content_chunks)
         if inspector.error is not None and result.outcome == "ok":
             result.outcome = "upstream_error"
+    return response
+
+
+#: The most bytes of a passed-through answer kept to read its ``usage`` at the end (a JSON
+#: body larger than this, or one that is not JSON, is relayed without being kept).
+USAGE_SCAN_BYTES = 1 << 20
+
+
+async def _relay_body(
+    request: web.BaseRequest,
+    upstream: aiohttp.ClientResponse,
+    timeouts: Timeouts,
+    deadline: Deadline,
+    end: float | None,
+    build: HeadBuilder,
+    result: RelayResult,
+) -> PreparedStream:
+    """Write a non-SSE answer to the client as it arrives (chunked; a forwarded route's answer
+    may be large or slow: audio, files), with ``idle`` between chunks and the request's ``end``
+    overall; a JSON answer of at most :data:`USAGE_SCAN_BYTES` is kept and its ``usage``
+    settled from at the end. An upstream that stalls or breaks mid-body gets the client's
+    connection closed (a body cannot carry an error event)."""
+    try:
+        response = await start_stream(request, build, upstream.status, upstream.raw_headers)
+    except ConnectionResetError:
+        result.outcome = "client_disconnect"
+        raise
+    result.status = upstream.status
+    keep: bytearray | None = bytearray() if "json" in upstream.content_type else None
+    content = upstream.content
+    loop = asyncio.get_running_loop()
+    try:
+        while True:
+            try:
+                data = content.read_nowait()
+                if not data and not content.at_eof():
+                    with deadline.at(_wait_until(loop, timeouts.idle, end)):
+                        data = await content.readany()
+            except TimeoutError:
+                result.outcome = "upstream_timeout"
+                break
+            except aiohttp.ClientError:
+                result.outcome = "stream_broken"
+                break
+            if not data:
+                break
+            if keep is not None:
+                keep += data
+                if len(keep) > USAGE_SCAN_BYTES:
+                    keep = None
+            with deadline.at(end):
+                await response.write(data)
+        if result.outcome == "ok":
+            with deadline.at(end):
+                await response.write_eof()
+        elif request.transport is not None:
+            request.transport.abort()
+    except TimeoutError:
+        result.outcome = "client_timeout"
+        if request.transport is not None:
+            request.transport.abort()
+    except ConnectionResetError:
+        result.outcome = "client_disconnect"
+    finally:
+        if keep:
+            counts = usage_tokens(bytes(keep))
+            if counts is not None:
+                _take_usage(*counts, result)
     return response
 
 

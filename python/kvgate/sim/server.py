@@ -1,7 +1,7 @@
 """The simulator's HTTP face: an OpenAI-compatible aiohttp app in front of :class:`Engine`.
 
-Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (both streaming and not),
-``POST /v1/embeddings``, ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus text,
+Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /v1/responses`` (all
+streaming and not), ``POST /v1/embeddings``, ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus text,
 vLLM names), and ``GET /sim/state`` (JSON snapshot of the engine, for tests).
 
 Conventions followed (see ``ENGINES.md``): errors use vLLM ≥ 0.10.1's nested body
@@ -9,7 +9,10 @@ Conventions followed (see ``ENGINES.md``): errors use vLLM ≥ 0.10.1's nested b
 ``code`` the integer status; streams are SSE ``data: <json>`` events ending with
 ``data: [DONE]``; ``stream_options.include_usage`` adds a final ``choices: []`` chunk carrying
 ``usage`` and ``"usage": null`` on every other chunk (OpenAI); an error after the 200 status line
-is a ``data: {"error": ...}`` event. Generation runs on one asyncio task (the step loop), which
+is a ``data: {"error": ...}`` event. A Responses stream (OpenAI's Responses API, as vLLM serves
+it) names its events (``event: response.output_text.delta``, one per token) and ends with
+``response.completed`` carrying ``usage`` (``input_tokens``, ``output_tokens``,
+``total_tokens``); an error after the first event is an ``event: error``. Generation runs on one asyncio task (the step loop), which
 waits on an event when there is no work, and streams one token per decode step.
 """
 
@@ -320,7 +323,7 @@ def _parse_prompts(value: Any, key: str) -> list[str | list[int]]:
 class _Job:
     """A parsed generation request: one entry per prompt, ``n`` sequences each."""
 
-    kind: str  # "chat" | "completion"
+    kind: str  # "chat" | "completion" | "responses"
     prompts: list[tuple[int, bytes]]  # (prompt tokens, fingerprint)
     n: int
     max_tokens: int | None
@@ -381,6 +384,63 @@ def _parse_chat(state: SimState, body: dict[str, Any]) -> _Job:
     )
     _extra_seed(body, job)
     return _common(state, body, job, "messages")
+
+
+def _responses_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
+    """A Responses body as the chat messages it renders as: ``instructions`` a system message,
+    ``input`` a string (one user message) or items (messages whose ``content`` is a string or
+    ``input_text`` / ``output_text`` parts; ``function_call`` and ``function_call_output``)."""
+    messages: list[dict[str, Any]] = []
+    instructions = body.get("instructions")
+    if instructions is not None:
+        if not isinstance(instructions, str):
+            raise BadRequest("'instructions' must be a string")
+        messages.append({"role": "system", "content": instructions})
+    items = body.get("input")
+    if isinstance(items, str):
+        return [*messages, {"role": "user", "content": items}]
+    if not isinstance(items, list) or not items:
+        raise BadRequest("'input' is required and must be a string or a non-empty list of items")
+    for i, item in enumerate(items):
+        if not isinstance(item, dict):
+            raise BadRequest(f"input[{i}] must be an object")
+        kind = item.get("type")
+        if "role" in item:
+            content = item.get("content")
+            if isinstance(content, list):
+                content = [
+                    {"type": "text", "text": p.get("text", "")}
+                    for p in content
+                    if isinstance(p, dict) and p.get("type") in ("input_text", "output_text")
+                ]
+            elif content is not None and not isinstance(content, str):
+                raise BadRequest(f"input[{i}].content must be a string or a list of parts")
+            messages.append({"role": item["role"], "content": content})
+        elif kind == "function_call":
+            call = {"function": {"name": item.get("name"), "arguments": item.get("arguments")}}
+            messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "function_call_output":
+            messages.append({"role": "tool", "content": str(item.get("output", ""))})
+        else:
+            raise BadRequest(f"input[{i}]: unsupported item type {kind!r}")
+    return messages
+
+
+def _parse_responses(state: SimState, body: dict[str, Any]) -> _Job:
+    _check_model(state, body)
+    text = render_chat(_responses_messages(body))
+    job = _Job(
+        kind="responses",
+        prompts=[(max(1, state.counter.count(text)), text.encode())],
+        n=1,
+        max_tokens=_get_int(body, "max_output_tokens", minimum=1, default=None),
+        stream=_get_bool(body, "stream"),
+        include_usage=True,  # a Responses answer always carries its usage
+        ignore_eos=_get_bool(body, "ignore_eos"),
+        min_tokens=_get_int(body, "min_tokens", minimum=0, default=0) or 0,
+    )
+    _extra_seed(body, job)
+    return _common(state, body, job, "input")
 
 
 def _extra_seed(body: dict[str, Any], job: _Job) -> None:
@@ -463,6 +523,10 @@ async def _generate(request: web.Request, job: _Job) -> web.StreamResponse:
     state.wake.set()
     prompt_total = sum(t for t, _ in job.prompts)
     try:
+        if job.kind == "responses":
+            if job.stream:
+                return await _responses_stream(request, state, seqs[0], queue, prompt_total)
+            return await _responses_collect(state, seqs[0], queue, prompt_total)
         if job.stream:
             return await _stream(request, state, job, seqs, index, queue, prompt_total)
         return await _collect(state, job, seqs, index, queue, prompt_total)
@@ -582,6 +646,136 @@ async def _stream(
     return resp
 
 
+def _response_object(
+    state: SimState, rid: str, status: str, output: list[Any], usage: dict[str, Any] | None
+) -> dict[str, Any]:
+    """A Responses API ``response`` object (the fields OpenAI's and vLLM's carry)."""
+    return {
+        "id": rid,
+        "object": "response",
+        "created_at": int(time.time()),
+        "status": status,
+        "error": None,
+        "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+        "instructions": None,
+        "metadata": {},
+        "model": state.config.model,
+        "output": output,
+        "parallel_tool_calls": True,
+        "temperature": 1.0,
+        "tool_choice": "auto",
+        "tools": [],
+        "top_p": 1.0,
+        "usage": usage,
+    }
+
+
+def _responses_usage(prompt: int, completion: int) -> dict[str, Any]:
+    return {
+        "input_tokens": prompt,
+        "input_tokens_details": {"cached_tokens": 0},
+        "output_tokens": completion,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": prompt + completion,
+    }
+
+
+def _message_item(mid: str, text: str, status: str) -> dict[str, Any]:
+    content = [{"type": "output_text", "text": text, "annotations": []}] if status else []
+    return {
+        "type": "message",
+        "id": mid,
+        "status": status or "in_progress",
+        "role": "assistant",
+        "content": content,
+    }
+
+
+async def _responses_collect(
+    state: SimState, seq: Sequence, queue: asyncio.Queue[Event], prompt_total: int
+) -> web.Response:
+    """A whole Responses answer: one ``message`` output item, ``usage`` at the top level."""
+    texts: list[str] = []
+    while True:
+        ev = await queue.get()
+        if isinstance(ev, FailEvent):
+            return error_response(500, ev.message, "InternalServerError")
+        texts.append(ev.text)
+        if ev.finish_reason is not None:
+            break
+    status = "incomplete" if ev.finish_reason == "length" else "completed"
+    item = _message_item(state.new_id("msg"), "".join(texts), "completed")
+    usage = _responses_usage(prompt_total, seq.generated)
+    body = _response_object(state, state.new_id("resp"), status, [item], usage)
+    return web.Response(body=orjson.dumps(body), content_type="application/json")
+
+
+async def _responses_stream(
+    request: web.Request,
+    state: SimState,
+    seq: Sequence,
+    queue: asyncio.Queue[Event],
+    prompt_total: int,
+) -> web.StreamResponse:
+    """A Responses stream: named events, one ``response.output_text.delta`` per token, then
+    ``response.completed`` (``response.incomplete`` at ``max_output_tokens``) with the usage."""
+    rid, mid = state.new_id("resp"), state.new_id("msg")
+    number = 0
+
+    def event(name: str, **data: Any) -> bytes:
+        nonlocal number
+        number += 1
+        payload = orjson.dumps({"type": name, "sequence_number": number, **data})
+        return b"event: " + name.encode() + b"\ndata: " + payload + b"\n\n"
+
+    resp: web.StreamResponse | None = None
+    texts: list[str] = []
+    where = {"item_id": mid, "output_index": 0, "content_index": 0}
+    while True:
+        ev = await queue.get()
+        if isinstance(ev, FailEvent):
+            if resp is None:  # nothing sent yet: a real 500
+                return error_response(500, ev.message, "InternalServerError")
+            await resp.write(event("error", code="server_error", message=ev.message, param=None))
+            return resp
+        if resp is None:
+            resp = web.StreamResponse(
+                headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+            )
+            await resp.prepare(request)
+            pending = _response_object(state, rid, "in_progress", [], None)
+            await resp.write(
+                event("response.created", response=pending)
+                + event("response.in_progress", response=pending)
+                + event(
+                    "response.output_item.added", output_index=0, item=_message_item(mid, "", "")
+                )
+                + event(
+                    "response.content_part.added",
+                    item_id=mid,
+                    output_index=0,
+                    content_index=0,
+                    part={"type": "output_text", "text": "", "annotations": []},
+                )
+            )
+        texts.append(ev.text)
+        await resp.write(event("response.output_text.delta", **where, delta=ev.text, logprobs=[]))
+        if ev.finish_reason is not None:
+            break
+    text = "".join(texts)
+    item = _message_item(mid, text, "completed")
+    status = "incomplete" if ev.finish_reason == "length" else "completed"
+    usage = _responses_usage(prompt_total, seq.generated)
+    await resp.write(
+        event("response.output_text.done", **where, text=text, logprobs=[])
+        + event("response.content_part.done", **where, part=item["content"][0])
+        + event("response.output_item.done", output_index=0, item=item)
+        + event(f"response.{status}", response=_response_object(state, rid, status, [item], usage))
+    )
+    await resp.write_eof()
+    return resp
+
+
 def _bad_request_middleware() -> Any:
     @web.middleware
     async def middleware(request: web.Request, handler: Any) -> web.StreamResponse:
@@ -603,6 +797,13 @@ async def completions(request: web.Request) -> web.StreamResponse:
     """``POST /v1/completions`` (legacy Completions; ``max_tokens`` defaults to 16)."""
     state = request.app[STATE]
     return await _generate(request, _parse_completion(state, await _read_json(request)))
+
+
+async def responses(request: web.Request) -> web.StreamResponse:
+    """``POST /v1/responses`` (OpenAI's Responses API, as vLLM serves it; streaming and not;
+    ``max_output_tokens`` caps the output, absent → the rest of the context window)."""
+    state = request.app[STATE]
+    return await _generate(request, _parse_responses(state, await _read_json(request)))
 
 
 async def embeddings(request: web.Request) -> web.Response:
@@ -722,6 +923,7 @@ def create_app(config: SimConfig) -> web.Application:
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/embeddings", embeddings)
+    app.router.add_post("/v1/responses", responses)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)

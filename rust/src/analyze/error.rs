@@ -101,7 +101,7 @@ impl AnalysisError {
             code: Some("unknown_url"),
             message: format!(
                 "Invalid URL (POST {route}): request analysis handles /v1/chat/completions, \
-                 /v1/completions and /v1/embeddings."
+                 /v1/completions, /v1/embeddings and /v1/responses."
             ),
         }
     }

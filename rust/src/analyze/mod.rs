@@ -1,9 +1,10 @@
 //! Request analysis: what a request will cost before it reaches a GPU, and refusal of what can
 //! never fit.
 //!
-//! What: for `POST /v1/chat/completions`, `/v1/completions` and `/v1/embeddings` bodies, read the
-//! OpenAI fields that set the cost (`model`, `messages` / `prompt` / `input`, `max_tokens` /
-//! `max_completion_tokens`, `n`, `best_of`, `stream`, `stream_options.include_usage`), count the
+//! What: for `POST /v1/chat/completions`, `/v1/completions`, `/v1/embeddings` and
+//! `/v1/responses` bodies, read the OpenAI fields that set the cost (`model`, `messages` /
+//! `prompt` / `input` / `instructions`, `max_tokens` / `max_completion_tokens` /
+//! `max_output_tokens`, `n`, `best_of`, `stream`, `stream_options.include_usage`), count the
 //! prompt tokens with the model's tokenizer, and compute the TPM reservation
 //! (prompt + completion tokens reserved up front, DESIGN.md "Tokens per minute").
 //!
@@ -18,7 +19,9 @@
 //!   vLLM, SGLang and TGI allow);
 //! - `prompt ≥ context_window`, or `prompt + max_tokens > context_window` → 400
 //!   `context_length_exceeded`;
-//! - embeddings reserve no completion; each input must fit the window by itself.
+//! - embeddings reserve no completion; each input must fit the window by itself;
+//! - Responses (`/v1/responses`) is counted as the chat conversation it renders as
+//!   ([`responses::as_chat`]) and reserves `max_output_tokens` (absent: as chat), `n` = 1.
 //!
 //! Counting ([`Counting`]): a chat template, when configured, is rendered and the result counted
 //! without adding special tokens (the template writes them, as in vLLM); without one, each
@@ -38,6 +41,7 @@ pub mod body;
 pub mod chat;
 pub mod count;
 pub mod error;
+pub mod responses;
 
 use std::borrow::Cow;
 use std::collections::HashMap;
@@ -66,6 +70,8 @@ pub enum Route {
     Completions,
     /// `POST /v1/embeddings`.
     Embeddings,
+    /// `POST /v1/responses` (OpenAI's Responses API).
+    Responses,
 }
 
 impl Route {
@@ -81,6 +87,7 @@ impl Route {
             "/chat/completions" => Some(Self::Chat),
             "/completions" => Some(Self::Completions),
             "/embeddings" => Some(Self::Embeddings),
+            "/responses" => Some(Self::Responses),
             _ => None,
         }
     }
@@ -91,6 +98,7 @@ impl Route {
             Self::Chat => "/v1/chat/completions",
             Self::Completions => "/v1/completions",
             Self::Embeddings => "/v1/embeddings",
+            Self::Responses => "/v1/responses",
         }
     }
 }
@@ -175,7 +183,7 @@ pub struct Analysis {
     /// `prompt_tokens + completion_tokens`: the TPM / in-flight reservation.
     pub reserved_tokens: u64,
     /// When `default_max_tokens` was applied: the per-choice limit the gateway must write into
-    /// the forwarded body as `max_tokens`.
+    /// the forwarded body as `max_tokens` (`max_output_tokens` on `/v1/responses`).
     pub inject_max_tokens: Option<u64>,
     /// How the prompt was counted.
     pub counting: Counting,
@@ -324,6 +332,12 @@ impl RequestAnalyzer {
         let model = body::req_str(obj, "model", "model")?.to_owned();
         let (stream, include_usage) = if route == Route::Embeddings {
             (false, false)
+        } else if route == Route::Responses {
+            // usage always comes with `response.completed`: there is no include_usage to ask
+            (
+                body::opt_bool(obj, "stream", "stream")?.unwrap_or(false),
+                false,
+            )
         } else {
             let stream = body::opt_bool(obj, "stream", "stream")?.unwrap_or(false);
             let include_usage = match obj.get("stream_options") {
@@ -355,6 +369,10 @@ impl RequestAnalyzer {
                 let p = self.prompt_counts(obj, "input", true)?;
                 (p, self.plain_counting(), "input", "input")
             }
+            Route::Responses => {
+                let (p, c) = self.chat_prompt(&responses::as_chat(obj)?)?;
+                (vec![p], c, "input", "input")
+            }
         };
         let prompt_tokens = prompts.iter().fold(0u64, |a, p| a.saturating_add(*p));
         let window = self.cfg.context_window;
@@ -380,7 +398,11 @@ impl RequestAnalyzer {
             });
         }
 
-        let n = body::opt_uint(obj, "n", 1, MAX_N)?.unwrap_or(1);
+        let n = if route == Route::Responses {
+            1
+        } else {
+            body::opt_uint(obj, "n", 1, MAX_N)?.unwrap_or(1)
+        };
         let n = if route == Route::Completions {
             let best_of = body::opt_uint(obj, "best_of", 1, MAX_N)?;
             if let Some(b) = best_of {
@@ -395,9 +417,17 @@ impl RequestAnalyzer {
         } else {
             n
         };
-        let requested = match body::opt_uint(obj, "max_completion_tokens", 1, u64::MAX)? {
-            Some(m) => Some(m),
-            None => body::opt_uint(obj, "max_tokens", 1, u64::MAX)?,
+        let limit_key = if route == Route::Responses {
+            "max_output_tokens"
+        } else {
+            "max_tokens"
+        };
+        let requested = match route {
+            Route::Responses => body::opt_uint(obj, "max_output_tokens", 1, u64::MAX)?,
+            _ => match body::opt_uint(obj, "max_completion_tokens", 1, u64::MAX)? {
+                Some(m) => Some(m),
+                None => body::opt_uint(obj, "max_tokens", 1, u64::MAX)?,
+            },
         };
         let per_prompt = |per_choice: u64| per_choice.saturating_mul(n);
         let (completion_tokens, inject_max_tokens) = match requested {
@@ -440,10 +470,10 @@ impl RequestAnalyzer {
         if reserved_tokens > crate::error::MAX_AMOUNT {
             // n × max_tokens × prompts past what any limit can account for
             return Err(AnalysisError::invalid_value(
-                "max_tokens",
+                limit_key,
                 format!(
-                    "This request would reserve {reserved_tokens} tokens (prompt + max_tokens × n \
-                     per prompt), more than 2**62; lower max_tokens or n."
+                    "This request would reserve {reserved_tokens} tokens (prompt + {limit_key} × \
+                     n per prompt), more than 2**62; lower {limit_key} or n."
                 ),
             ));
         }

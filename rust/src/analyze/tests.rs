@@ -94,6 +94,140 @@ fn routes_parse_with_or_without_prefix() {
     assert_eq!((e.status, e.code), (404, Some("unknown_url")));
 }
 
+fn responses(a: &RequestAnalyzer, body: &Value) -> Result<Analysis, AnalysisError> {
+    a.analyze("/v1/responses", body.to_string().as_bytes())
+}
+
+#[test]
+fn responses_count_as_the_chat_they_render_as() {
+    assert_eq!(Route::parse("/v1/responses"), Some(Route::Responses));
+    for a in [exact(4096), templated(4096, CHATML)] {
+        // a string input is one user message; instructions a system message
+        let r = responses(
+            &a,
+            &serde_json::json!({"model": "m", "input": "hello there", "instructions": "be brief",
+                                "max_output_tokens": 50, "stream": true}),
+        )
+        .unwrap();
+        let c = chat(
+            &a,
+            &serde_json::json!({"model": "m", "max_tokens": 50, "messages": [
+                {"role": "system", "content": "be brief"}, {"role": "user", "content": "hello there"}]}),
+        )
+        .unwrap();
+        assert_eq!(r.route, Route::Responses);
+        assert_eq!(
+            (r.prompt_tokens, r.completion_tokens),
+            (c.prompt_tokens, 50)
+        );
+        assert_eq!(r.reserved_tokens, c.prompt_tokens + 50);
+        assert!(r.stream && !r.include_usage);
+        assert_eq!(r.n, 1);
+        // items: input_text / output_text parts, a developer message, tools (flat → nested)
+        let r = responses(
+            &a,
+            &serde_json::json!({"model": "m", "max_output_tokens": 7, "input": [
+                {"role": "developer", "content": "rules"},
+                {"type": "message", "role": "user", "content": [
+                    {"type": "input_text", "text": "a"}, {"type": "input_text", "text": "b"}]},
+                {"role": "assistant", "content": [{"type": "output_text", "text": "c"}]}],
+                "tools": [{"type": "function", "name": "f", "parameters": {"type": "object"}}]}),
+        )
+        .unwrap();
+        let c = chat(
+            &a,
+            &serde_json::json!({"model": "m", "max_tokens": 7, "messages": [
+                {"role": "system", "content": "rules"},
+                {"role": "user", "content": "a\nb"},
+                {"role": "assistant", "content": "c"}],
+                "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]}),
+        )
+        .unwrap();
+        assert_eq!(r.prompt_tokens, c.prompt_tokens);
+    }
+}
+
+#[test]
+fn responses_reserve_like_chat_and_refuse_with_their_field_names() {
+    let a = exact(100);
+    // no max_output_tokens: the rest of the window, as chat without max_tokens
+    let r = responses(&a, &serde_json::json!({"model": "m", "input": "hi"})).unwrap();
+    assert_eq!(r.completion_tokens, 100 - r.prompt_tokens);
+    assert_eq!(r.inject_max_tokens, None);
+    let mut with_default = cfg(100);
+    with_default.default_max_tokens = Some(10);
+    let d = RequestAnalyzer::new(with_default, Counter::Estimate, None).unwrap();
+    let r = responses(&d, &serde_json::json!({"model": "m", "input": "hi"})).unwrap();
+    assert_eq!((r.completion_tokens, r.inject_max_tokens), (10, Some(10)));
+    // context check
+    let e = err_of(responses(
+        &a,
+        &serde_json::json!({"model": "m", "input": "hi", "max_output_tokens": 100}),
+    ));
+    assert_eq!((e.status, e.code), (400, Some("context_length_exceeded")));
+    for (body, param, code) in [
+        (
+            serde_json::json!({"model": "m"}),
+            "input",
+            "missing_required_parameter",
+        ),
+        (
+            serde_json::json!({"model": "m", "input": 3}),
+            "input",
+            "invalid_type",
+        ),
+        (
+            serde_json::json!({"model": "m", "input": []}),
+            "input",
+            "empty_array",
+        ),
+        (
+            serde_json::json!({"model": "m", "input": [1]}),
+            "input[0]",
+            "invalid_type",
+        ),
+        (
+            serde_json::json!({"model": "m", "input": [{"role": "user", "content": [{"type": "input_text"}]}]}),
+            "input[0].content[0].text",
+            "missing_required_parameter",
+        ),
+        (
+            serde_json::json!({"model": "m", "input": [{"role": "user", "content": [{"type": "nope"}]}]}),
+            "input[0].content[0].type",
+            "invalid_value",
+        ),
+        (
+            serde_json::json!({"model": "m", "input": "x", "max_output_tokens": 0}),
+            "max_output_tokens",
+            "integer_below_min_value",
+        ),
+        (
+            serde_json::json!({"model": "m", "input": "x", "instructions": 1}),
+            "instructions",
+            "invalid_type",
+        ),
+    ] {
+        let e = err_of(responses(&a, &body));
+        assert_eq!(
+            (e.param.as_deref(), e.code),
+            (Some(param), Some(code)),
+            "{body}"
+        );
+    }
+    // tool-call items are counted (name and arguments, the tool's output)
+    let a = exact(1000);
+    let bare = responses(&a, &serde_json::json!({"model": "m", "input": "q"})).unwrap();
+    let calls = responses(
+        &a,
+        &serde_json::json!({"model": "m", "input": [
+            {"role": "user", "content": "q"},
+            {"type": "function_call", "call_id": "c1", "name": "lookup", "arguments": "{\"k\":1}"},
+            {"type": "function_call_output", "call_id": "c1", "output": "result text"}]}),
+    )
+    .unwrap();
+    assert!(calls.prompt_tokens > bare.prompt_tokens + 20, "{calls:?}");
+}
+
 #[test]
 fn truncation_in_tokenizer_json_is_disabled() {
     // The file asks for truncation at 8 tokens; the count must not be capped.
