@@ -62,6 +62,30 @@ pub fn go_duration_secs(seconds: f64) -> String {
     go_duration_ns(ns as u64)
 }
 
+/// Whether a refusal of this `reason` ends when a request holding a slot (or in-flight tokens)
+/// ends: `tenant-concurrency`, `backend-slots`, `inflight-tokens`, and the wait queue's
+/// `queued` and `queue-full`.
+#[must_use]
+pub fn waits_for_a_slot(reason: &str) -> bool {
+    matches!(
+        reason,
+        "tenant-concurrency" | "backend-slots" | "inflight-tokens" | "queued" | "queue-full"
+    )
+}
+
+/// `seconds` in whole nanoseconds (rounded to the nearest; negative and NaN give 0, beyond
+/// `u64::MAX` nanoseconds saturates).
+#[must_use]
+pub fn secs_to_ns(seconds: f64) -> u64 {
+    if seconds.is_nan() || seconds <= 0.0 {
+        return 0;
+    }
+    // `as` saturates for floats past u64::MAX
+    #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+    let ns = (seconds * 1e9).round() as u64;
+    ns
+}
+
 /// `value / unit` with the fraction's `digits` decimal digits, trailing zeros dropped.
 fn frac(value: u64, unit: u64, digits: usize) -> String {
     let (whole, rest) = (value / unit, value % unit);

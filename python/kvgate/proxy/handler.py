@@ -19,7 +19,7 @@ import orjson
 from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
 
-from kvgate._core import MAX_AMOUNT
+from kvgate._core import MAX_AMOUNT, Reservation
 from kvgate.errors import GatewayError, method_not_allowed
 from kvgate.proxy.prepared import PreparedResponse, Reply, prepared
 from kvgate.proxy.relay import RelayResult, relay
@@ -241,6 +241,12 @@ async def handle_inference(gw: Gateway, request: web.BaseRequest) -> Reply:
     stream = bool(analysis.stream)
     add_usage = stream and not analysis.include_usage and route != "/v1/embeddings"
     result = RelayResult()
+    # what holds the slots, for the retry hints of refusals (a shadow admission holds none)
+    running = (
+        gw.running.start(backend.id, tenant.id, analysis.completion_tokens)
+        if type(decision) is Reservation
+        else None
+    )
     try:
         forward = rewrite_body(body, analysis, add_usage)
         return await relay(
@@ -261,6 +267,14 @@ async def handle_inference(gw: Gateway, request: web.BaseRequest) -> Reply:
     finally:
         actual = _actual_tokens(analysis, result)
         decision.release(actual)
+        if running is not None:
+            gw.running.finish(
+                running,
+                completed=result.outcome == "ok",
+                stream=stream,
+                first_byte=result.ttft,
+                completion_tokens=result.completion_tokens,
+            )
         if queue is not None and queue.waiting:
             queue.notify()
         gw.metrics.settled(backend, tenant, tokens, actual, result)
@@ -296,11 +310,17 @@ async def handle_passthrough(gw: Gateway, request: web.BaseRequest) -> Reply:
             response, reason = gw.rejection_response(request, decision, backend, tenant, None, 0)
             gw.metrics.rejected(backend, tenant, reason, 0.0)
             return response
+    # holds a slot (a shadow admission holds none): counted for the retry hints of refusals
+    running = gw.running.start(backend.id, tenant.id, 0) if type(decision) is Reservation else None
     try:
         return await gw.forward_raw(request, backend, body)
     except GatewayError as err:
         return error_response(request, err)
     finally:
         decision.release(0)
+        if running is not None:  # held a slot; its time says nothing about generation
+            gw.running.finish(
+                running, completed=False, stream=False, first_byte=None, completion_tokens=0
+            )
         if gw.queue:
             gw.queue.notify()
