@@ -126,6 +126,21 @@ class Backend:
     kv_usage: float | None = None
     waiting: int | None = None
 
+    @property
+    def api_key(self) -> str | None:
+        """The engine's API key (config ``api_key_env``), or ``None``: sent to the engine as
+        ``Authorization: Bearer <key>`` by every request kvgate makes to it."""
+        return getattr(self.config, "api_key", None)
+
+    def upstream_headers(self, content_type: str) -> dict[str, str]:
+        """The headers of a request to this engine: ``Content-Type`` and, when the backend has
+        an API key, ``Authorization: Bearer <key>``. Nothing of the client's request (its own
+        ``Authorization`` or ``api-key`` in particular) is ever forwarded."""
+        key = self.api_key
+        if key is None:
+            return {"Content-Type": content_type}
+        return {"Content-Type": content_type, "Authorization": f"Bearer {key}"}
+
 
 @dataclass(slots=True)
 class ModelRoute:
@@ -619,7 +634,9 @@ class Gateway:
     async def forward_raw(
         self, request: web.BaseRequest, backend: Backend, body: bytes
     ) -> PreparedResponse:
-        """Forward a non-inference ``/v1/`` request as is (no token accounting)."""
+        """Forward a non-inference ``/v1/`` request (no token accounting): its method, path,
+        query, body and ``Content-Type``, with the backend's API key when it has one; no other
+        header of the client's (its own key in particular) reaches the engine."""
         url = backend.url + request.path_qs
         try:
             async with (
@@ -628,9 +645,10 @@ class Gateway:
                     request.method,
                     url,
                     data=body or None,
-                    headers={
-                        "Content-Type": request.headers.get("Content-Type", "application/json")
-                    },
+                    # the backend's key, never the client's
+                    headers=backend.upstream_headers(
+                        request.headers.get("Content-Type", "application/json")
+                    ),
                 ) as resp,
             ):
                 raw = await resp.read()

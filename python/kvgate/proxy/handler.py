@@ -261,6 +261,7 @@ async def handle_inference(gw: Gateway, request: web.BaseRequest) -> Reply:
             build=partial(gw.controller.relay_http, backend.id, tenant.id),
             count_text=model.count_text,
             result=result,
+            api_key=backend.api_key,
         )
     except GatewayError as err:
         return error_response(request, err)

@@ -71,6 +71,7 @@ async def relay(
     build: HeadBuilder,
     count_text: Callable[[str], int] | None,
     result: RelayResult,
+    api_key: str | None = None,
 ) -> Reply:
     """POST ``body`` to ``url`` and relay the answer to the client.
 
@@ -88,6 +89,8 @@ async def relay(
         count_text: tokenizer count of delivered text, used when the engine sent no usage.
         result: filled in as the relay goes, so the caller can settle even if this raises or is
             cancelled.
+        api_key: the backend's API key, sent as ``Authorization: Bearer <key>``; no header of
+            the client's request (its own key in particular) is forwarded.
 
     Returns:
         The response: for streams, already prepared and written; else the whole answer as a
@@ -108,9 +111,8 @@ async def relay(
         first = end
     upstream: aiohttp.ClientResponse | None = None
     headers = {"Content-Type": "application/json"}
-    auth = request.headers.get("X-Upstream-Authorization")
-    if auth:
-        headers["Authorization"] = auth
+    if api_key is not None:
+        headers["Authorization"] = f"Bearer {api_key}"
     try:
         try:
             with deadline.at(first):
