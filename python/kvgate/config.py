@@ -9,7 +9,8 @@ Environment variables: in any string value, ``${VAR}`` is replaced by the variab
 (``${VAR:-default}`` when unset uses ``default``; ``$${`` is a literal ``${``). A variable that is
 not set and has no default is an error naming the field. Substitution happens after YAML parsing,
 so a value can never change the structure of the file. Numbers may come from variables too
-(``port: ${PORT}``): pydantic converts the string.
+(``port: ${PORT}``): pydantic converts the string. A backend's engine API key is only ever read
+from the environment, by name (``api_key_env: VLLM_KEY``), so it never appears in the file.
 
 Units: seconds for timeouts and intervals, bytes for ``max_body_bytes``, tokens for token limits,
 ratios 0..1 for the adaptive watermarks and floor, milliseconds for ``max_wait_ms``.
