@@ -25,6 +25,7 @@ from hypothesis import strategies as st
 
 from kvgate import AdmissionController
 from kvgate._core import go_duration
+from kvgate.admission import retry_hint
 from kvgate.admission.retry_hint import COLD_HOLD, MAX_HINT, MIN_HINT, RunningRequests
 from kvgate.config import Config
 from kvgate.gateway_build import build_gateway
@@ -285,6 +286,12 @@ def test_retry_after_values_are_short_and_never_early(seconds: float) -> None:
 # ---- the estimator on its own ------------------------------------------------------------
 
 
+@pytest.fixture
+def fresh_hints(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every hint computed anew (no reuse within ``HINT_REUSE``)."""
+    monkeypatch.setattr(retry_hint, "HINT_REUSE", 0.0)
+
+
 def _aged(rr: RunningRequests, backend: int, tenant: int, completion: int, age: float) -> object:
     entry = rr.start(backend, tenant, completion)
     entry.started -= age  # type: ignore[attr-defined]
@@ -302,6 +309,7 @@ def _learn(rr: RunningRequests, backend: int, hold: float, tokens: int, first_by
     )
 
 
+@pytest.mark.usefixtures("fresh_hints")
 def test_hint_is_none_without_running_requests_in_scope() -> None:
     rr = RunningRequests()
     assert rr.hint(0) is None
@@ -310,6 +318,7 @@ def test_hint_is_none_without_running_requests_in_scope() -> None:
     assert rr.hint(1, tenant=2) is None  # another tenant's
 
 
+@pytest.mark.usefixtures("fresh_hints")
 def test_cold_start_assumes_a_hold_then_as_long_again_as_it_ran() -> None:
     rr = RunningRequests()
     _aged(rr, 0, 0, 100, 0.2)
@@ -319,6 +328,7 @@ def test_cold_start_assumes_a_hold_then_as_long_again_as_it_ran() -> None:
     assert rr.hint(0) == pytest.approx(5.0, abs=0.01)
 
 
+@pytest.mark.usefixtures("fresh_hints")
 def test_reserved_completion_at_the_observed_decode_rate() -> None:
     rr = RunningRequests()
     _learn(rr, 0, hold=0.3, tokens=5, first_byte=0.05)  # 0.05 s per token after a 0.05 s head
@@ -331,6 +341,7 @@ def test_reserved_completion_at_the_observed_decode_rate() -> None:
     assert rr.hint(0, ahead=5) == pytest.approx(4.55 + 2 * 0.3, abs=0.02)
 
 
+@pytest.mark.usefixtures("fresh_hints")
 def test_tenant_scope_counts_only_the_tenants_requests() -> None:
     rr = RunningRequests()
     _learn(rr, 0, hold=0.3, tokens=5, first_byte=0.05)
@@ -340,6 +351,7 @@ def test_tenant_scope_counts_only_the_tenants_requests() -> None:
     assert rr.hint(0, tenant=1) == pytest.approx(3.05, abs=0.02)
 
 
+@pytest.mark.usefixtures("fresh_hints")
 def test_overdue_requests_use_the_hold_distribution_then_a_floor() -> None:
     rr = RunningRequests()
     for hold in (1.0, 2.0, 8.0, 9.0, 10.0):
@@ -352,6 +364,7 @@ def test_overdue_requests_use_the_hold_distribution_then_a_floor() -> None:
     assert rr.hint(0) == pytest.approx(2.0, abs=0.02)
 
 
+@pytest.mark.usefixtures("fresh_hints")
 def test_hint_bounds() -> None:
     rr = RunningRequests()
     _learn(rr, 0, hold=1.0, tokens=1, first_byte=0.0)  # 1 s per token
@@ -362,6 +375,7 @@ def test_hint_bounds() -> None:
     assert rr.hint(0) >= MIN_HINT  # type: ignore[operator]
 
 
+@pytest.mark.usefixtures("fresh_hints")
 def test_cut_off_requests_teach_nothing() -> None:
     rr = RunningRequests()
     entry = _aged(rr, 0, 0, 50, 0.01)
@@ -369,3 +383,16 @@ def test_cut_off_requests_teach_nothing() -> None:
     assert len(rr) == 0
     _aged(rr, 0, 0, 50, 0.2)
     assert rr.hint(0) == pytest.approx(COLD_HOLD - 0.2, abs=0.01)  # still cold
+
+
+def test_a_hint_is_reused_briefly_for_a_burst_of_refusals() -> None:
+    rr = RunningRequests()
+    _aged(rr, 0, 0, 0, 0.2)
+    first = rr.hint(0)
+    assert first == pytest.approx(COLD_HOLD - 0.2, abs=0.05)
+    _aged(rr, 0, 0, 0, 0.7)  # ends sooner (0.7 s); a change within HINT_REUSE is not seen yet
+    assert rr.hint(0) == first
+    assert rr.hint(0, ahead=1) != first  # another queue position is its own computation
+    time.sleep(retry_hint.HINT_REUSE * 2)
+    assert rr.hint(0) == pytest.approx(0.7, abs=0.05)  # now it is
+    assert rr.hint(0, tenant=5) is None

@@ -9,7 +9,9 @@ multi-second streams, so a client that retries when told to (the official ``open
 :class:`RunningRequests` keeps what this worker has admitted — start time, backend, tenant and
 reserved completion tokens — and what finished requests taught about each backend (decode time
 per output token, time to the first byte, recent hold times). Only a refusal computes a hint:
-admission adds one entry to a set and settlement removes it (no hint work on the fast path).
+admission adds one entry to a set and settlement removes it (no hint work on the fast path),
+and a hint is reused for :data:`HINT_REUSE` for the same scope, so a storm of refusals costs
+one computation per scope every few milliseconds.
 
 The rule (the README states it): for each request holding a slot in the refusal's scope (the
 tenant's own requests for ``tenant-concurrency``, the backend's for the others), its expected
@@ -38,6 +40,7 @@ and the caller keeps the core's hint.
 from __future__ import annotations
 
 import time
+from bisect import bisect_right
 from collections import deque
 
 __all__ = ["COLD_HOLD", "MAX_HINT", "MIN_HINT", "SLOT_REASONS", "RunningRequests"]
@@ -57,6 +60,9 @@ COLD_HOLD = 1.0
 HOLD_SAMPLES = 64
 #: Weight of a new sample in the per-token and first-byte averages.
 EWMA_WEIGHT = 0.2
+#: A hint is reused for this long (seconds) for the same scope and queue position, so a burst
+#: of refusals costs one computation per scope every few milliseconds, not one each.
+HINT_REUSE = 0.005
 
 
 class _Running:
@@ -93,11 +99,13 @@ class RunningRequests:
     also on errors and disconnects), :meth:`hint` when a request is refused for a slot.
     """
 
-    __slots__ = ("_running", "_stats")
+    __slots__ = ("_recent", "_running", "_stats")
 
     def __init__(self) -> None:
         self._running: set[_Running] = set()
         self._stats: dict[int, _BackendStats] = {}
+        #: (backend, tenant, ahead) → (when computed, hint): see :data:`HINT_REUSE`
+        self._recent: dict[tuple[int, int | None, int], tuple[float, float | None]] = {}
 
     def __len__(self) -> int:
         return len(self._running)
@@ -163,21 +171,31 @@ class RunningRequests:
             worker holds no request in that scope (the slots are held through other workers).
         """
         now = time.monotonic()
+        key = (backend, tenant, max(0, ahead))
+        recent = self._recent.get(key)
+        if recent is not None and now - recent[0] < HINT_REUSE:
+            return recent[1]
+        if len(self._recent) > 1024:  # a bounded memo, not a store
+            self._recent.clear()
         if tenant is None:
             mine = [e for e in self._running if e.backend == backend]
         else:
             mine = [e for e in self._running if e.tenant == tenant]
-        if not mine:
-            return None
-        remaining = sorted(self._remaining(e, now - e.started) for e in mine)
-        rounds, k = divmod(max(0, ahead), len(remaining))
-        wait = remaining[k]
-        if rounds:
-            wait += rounds * self._typical_hold(backend, remaining)
-        return min(MAX_HINT, max(MIN_HINT, wait))
+        hint = None
+        if mine:
+            holds: dict[int, list[float]] = {}  # each backend's recent holds, sorted once
+            remaining = sorted(self._remaining(e, now - e.started, holds) for e in mine)
+            rounds, k = divmod(key[2], len(remaining))
+            wait = remaining[k]
+            if rounds:
+                wait += rounds * self._typical_hold(backend, remaining)
+            hint = min(MAX_HINT, max(MIN_HINT, wait))
+        self._recent[key] = (now, hint)
+        return hint
 
-    def _remaining(self, entry: _Running, elapsed: float) -> float:
-        """Expected seconds until ``entry`` (running for ``elapsed`` seconds) ends."""
+    def _remaining(self, entry: _Running, elapsed: float, holds: dict[int, list[float]]) -> float:
+        """Expected seconds until ``entry`` (running for ``elapsed`` seconds) ends; ``holds``
+        caches each backend's sorted recent hold times for one :meth:`hint`."""
         stats = self._stats.get(entry.backend)
         if stats is None:  # nothing finished on this backend yet
             return max(COLD_HOLD - elapsed, elapsed, MIN_HINT)
@@ -185,9 +203,12 @@ class RunningRequests:
             left = stats.first_byte + entry.completion * stats.per_token - elapsed
             if left > 0:
                 return left
-        longer = sorted(h for h in stats.holds if h > elapsed)
-        if longer:
-            return longer[len(longer) // 2] - elapsed
+        ordered = holds.get(entry.backend)
+        if ordered is None:
+            ordered = holds[entry.backend] = sorted(stats.holds)
+        first_longer = bisect_right(ordered, elapsed)
+        if first_longer < len(ordered):  # the median of the holds longer than elapsed
+            return ordered[(first_longer + len(ordered)) // 2] - elapsed
         return max(elapsed / 10, MIN_HINT)  # overdue: it may end any moment, but not at once
 
     def _typical_hold(self, backend: int, remaining: list[float]) -> float:
