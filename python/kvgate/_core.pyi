@@ -842,10 +842,12 @@ class ModelRegistry:
 def go_duration(seconds: float) -> str:
     """Format a duration (seconds) the way Go's ``time.Duration.String`` does, as OpenAI's
     ``x-ratelimit-reset-*`` headers carry it: ``"0s"``, ``"850ms"``, ``"1.5s"``, ``"6m0s"``,
-    ``"1h2m3s"``. Below one second the unit is ``ms``; trailing zeros of fractions are dropped;
-    anything under 1 ms is ``"1ms"`` (Go's ``µs`` is not ASCII, and a header must be); negative,
-    zero and NaN are ``"0s"``; infinity and anything past Go's ``MaxInt64`` nanoseconds is
-    ``"2562047h47m16.854775807s"``."""
+    ``"1h2m3s"``. The duration is rounded to the nearest millisecond first (``0.088000004`` →
+    ``"88ms"``), so the text has at most three decimals and parses back within 0.5 ms. Below one
+    second the unit is ``ms``; trailing zeros of fractions are dropped; anything under 1 ms but
+    above zero is ``"1ms"`` (Go's ``µs`` is not ASCII, and a header must be); negative, zero and
+    NaN are ``"0s"``; infinity and anything from Go's ``MaxInt64`` nanoseconds on is
+    ``"2562047h47m16.854s"``."""
 
 def http_response(
     status: int,

@@ -177,6 +177,9 @@ def poll_targets(gateway: Gateway) -> list[Any]:
                 scrape_timeout=getattr(adaptive, "scrape_timeout", None),
                 stale_after=adaptive.stale_after if adaptive is not None else 5.0,
                 adaptive=adaptive is not None and adaptive.enabled,
+                headers=(
+                    {"Authorization": f"Bearer {b.api_key}"} if b.api_key is not None else None
+                ),
             )
         )
     return targets

@@ -24,6 +24,7 @@ from aiohttp import web
 
 from kvgate import AnalysisError, ModelRegistry
 from kvgate._core import peek_model
+from kvgate.admission.retry_hint import SLOT_REASONS, RunningRequests
 from kvgate.config import TimeoutsConfig
 from kvgate.errors import GatewayError
 from kvgate.metrics import GatewayMetrics
@@ -113,6 +114,21 @@ class Backend:
     kv_usage: float | None = None
     waiting: int | None = None
 
+    @property
+    def api_key(self) -> str | None:
+        """The engine's API key (config ``api_key_env``), or ``None``: sent to the engine as
+        ``Authorization: Bearer <key>`` by every request kvgate makes to it."""
+        return getattr(self.config, "api_key", None)
+
+    def upstream_headers(self, content_type: str) -> dict[str, str]:
+        """The headers of a request to this engine: ``Content-Type`` and, when the backend has
+        an API key, ``Authorization: Bearer <key>``. Nothing of the client's request (its own
+        ``Authorization`` or ``api-key`` in particular) is ever forwarded."""
+        key = self.api_key
+        if key is None:
+            return {"Content-Type": content_type}
+        return {"Content-Type": content_type, "Authorization": f"Bearer {key}"}
+
 
 @dataclass(slots=True)
 class ModelRoute:
@@ -182,6 +198,8 @@ class Gateway:
     poller: Any = field(init=False, default=None)
     queue: Any = field(init=False, default=None)
     registry: Any = field(init=False, default=None)
+    #: this worker's admitted, unsettled requests: the retry hints of slot refusals
+    running: RunningRequests = field(init=False, default_factory=RunningRequests)
     #: the pending timed ``queue.notify()`` (a token bucket refills with time, not on releases)
     _queue_wakeup: asyncio.TimerHandle | None = field(init=False, default=None)
     _by_hash: dict[bytes, Tenant] = field(init=False, default_factory=dict)
@@ -384,8 +402,9 @@ class Gateway:
 
     def _queue_retry(self, backend: Backend) -> float:
         """Seconds until a request refused by the queue (``queued``, ``queue-full``) may get a
-        turn: the backend's expected time to the next slot release (its hold-time EWMA ÷ slots
-        in use, 1 s hold when nothing finished yet — the core's rule) for each request queued
+        turn, when this worker runs no request on the backend (else :meth:`slot_hint` decides):
+        the backend's expected time to the next slot release (its hold-time EWMA ÷ slots in
+        use, 1 s hold when nothing finished yet — the core's rule) for each request queued
         ahead, plus one."""
         st = self.controller.backend_state(backend.id)
         hold = st["hold_time_ewma"] or 1.0
@@ -611,7 +630,12 @@ class Gateway:
         body, ``Retry-After`` (computed; omitted with ``x-should-retry: false`` when it can never
         be admitted), the ``x-ratelimit-*`` headers and ``x-kvgate-reject-reason``, serialized
         whole in Rust (:meth:`kvgate._core.AdmissionController.refusal_response`). Returns it and
-        the refusal's reason (for the metrics)."""
+        the refusal's reason (for the metrics).
+
+        A refusal that waits for a slot (``tenant-concurrency``, ``backend-slots``,
+        ``inflight-tokens``, ``queued``, ``queue-full``) gets its hint (seconds) from the
+        requests this worker is running (:meth:`slot_hint`)."""
+        decision = self.slot_hint(decision, backend, tenant)
         # status, OpenAI error body, x-ratelimit-*, Retry-After / retry-after-ms (or
         # x-should-retry: false), the reason, Content-Length, Date: one call, one buffer
         connection = connection_header(request)
@@ -625,6 +649,29 @@ class Gateway:
             connection,
         )
         return PreparedResponse(status, raw, connection), reason
+
+    def slot_hint(self, decision: Any, backend: Backend, tenant: Tenant) -> Any:
+        """``decision`` with its retry hint computed from the requests holding the slots
+        (:class:`~kvgate.admission.retry_hint.RunningRequests`), when it is a refusal that waits
+        for a slot: for ``tenant-concurrency`` the tenant's own running requests, for
+        ``backend-slots`` / ``inflight-tokens`` the backend's, for ``queued`` / ``queue-full``
+        the backend's with every request queued in this worker counted ahead. Otherwise, or
+        when this worker runs no request in that scope (with ``--workers N`` the slots may be
+        held through other workers), ``decision`` as it is (the core's hint: its hold-time
+        average ÷ slots in use). Runs on refusals only."""
+        reason = decision.reason
+        if reason not in SLOT_REASONS or decision.never:
+            return decision
+        if reason == "tenant-concurrency":
+            hint = self.running.hint(backend.id, tenant=tenant.id)
+        elif reason in ("queued", "queue-full"):
+            ahead = self.queue.waiting if self.queue is not None else 0
+            hint = self.running.hint(backend.id, ahead=ahead)
+        else:
+            hint = self.running.hint(backend.id)
+        if hint is None:
+            return decision
+        return Refusal(reason, scope=decision.scope, retry_after=hint)
 
     # ---- state ----------------------------------------------------------------------------
     def read_state(self) -> list[tuple[str, dict[str, Any]]]:

@@ -9,7 +9,8 @@ Environment variables: in any string value, ``${VAR}`` is replaced by the variab
 (``${VAR:-default}`` when unset uses ``default``; ``$${`` is a literal ``${``). A variable that is
 not set and has no default is an error naming the field. Substitution happens after YAML parsing,
 so a value can never change the structure of the file. Numbers may come from variables too
-(``port: ${PORT}``): pydantic converts the string.
+(``port: ${PORT}``): pydantic converts the string. A backend's engine API key is only ever read
+from the environment, by name (``api_key_env: VLLM_KEY``), so it never appears in the file.
 
 Units: seconds for timeouts and intervals, bytes for ``max_body_bytes``, tokens for token limits,
 ratios 0..1 for the adaptive watermarks and floor, milliseconds for ``max_wait_ms``.
@@ -42,6 +43,7 @@ from pydantic import (
     BeforeValidator,
     ConfigDict,
     Field,
+    PrivateAttr,
     ValidationError,
     ValidationInfo,
     field_validator,
@@ -98,6 +100,11 @@ Int = Annotated[int, BeforeValidator(_not_bool)]
 Float = Annotated[float, BeforeValidator(_not_bool)]
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+_ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+#: what an API key sent as ``Authorization: Bearer <key>`` may hold: visible ASCII only
+#: (RFC 9110 field values; a space, control character or non-ASCII byte would corrupt the
+#: header or be read differently by the engine)
+_KEY_RE = re.compile(r"^[\x21-\x7e]+$")
 _HEX64_RE = re.compile(r"^[0-9a-fA-F]{64}$")
 _NAME_RULE = "must start with a letter or digit and hold only letters, digits, '.', '_', '-'"
 
@@ -240,7 +247,10 @@ class BackendConfig(_Model):
     completion) in flight; ``None`` = the engine's stated KV capacity ×
     ``capacity_safety_factor`` where the engine states one (vLLM, SGLang, TGI, Triton,
     llama.cpp ``/slots``), else no such limit. ``mode: shadow`` counts this backend's refusals
-    without enforcing them.
+    without enforcing them. ``api_key_env``: the name of an environment variable holding the
+    engine's API key (engines started with ``--api-key`` refuse requests without it, their
+    ``/metrics`` included); it must be set and non-empty when the file is loaded, and the key
+    itself never appears in the file (:attr:`api_key`).
     """
 
     name: Name
@@ -256,11 +266,48 @@ class BackendConfig(_Model):
     capacity_safety_factor: Float = Field(0.9, gt=0, le=1)
     adaptive: AdaptiveConfig = AdaptiveConfig()
     mode: Mode = "enforce"
+    api_key_env: str | None = None
+    _api_key: str | None = PrivateAttr(default=None)
 
     @field_validator("name")
     @classmethod
     def _name_ok(cls, value: str) -> str:
         return _name(value)
+
+    @field_validator("api_key_env")
+    @classmethod
+    def _api_key_env_ok(cls, value: str | None, info: ValidationInfo) -> str | None:
+        if value is None:
+            return None
+        if not _ENV_NAME_RE.match(value):
+            raise ValueError(
+                "must name an environment variable (letters, digits and '_', not starting "
+                f"with a digit), got {value!r}; the key itself never goes in the file"
+            )
+        key = _env_of(info.context).get(value)
+        if key is None:
+            raise ValueError(f"environment variable {value} is not set")
+        if not key:
+            raise ValueError(f"environment variable {value} is empty")
+        if not _KEY_RE.match(key):
+            raise ValueError(
+                f"environment variable {value} holds a space, control or non-ASCII character "
+                "(an API key is sent as 'Authorization: Bearer <key>')"
+            )
+        return value
+
+    def model_post_init(self, context: Any, /) -> None:
+        """Read the engine's API key from ``api_key_env`` (validated above) once, at load."""
+        if self.api_key_env is not None:
+            self._api_key = _env_of(context).get(self.api_key_env)
+
+    @property
+    def api_key(self) -> str | None:
+        """The engine's API key (read from the ``api_key_env`` variable when the file was
+        loaded), or ``None``. kvgate sends it to the engine as ``Authorization: Bearer <key>``
+        on every request (inference, other ``/v1/`` routes, metrics, health, llama.cpp
+        ``/slots``); the client's own key is never forwarded."""
+        return self._api_key
 
     @field_validator("url", "metrics_url", "health_url")
     @classmethod
@@ -283,6 +330,13 @@ class BackendConfig(_Model):
     def effective_health_url(self) -> str:
         """``health_url`` or ``url + "/health"``."""
         return self.health_url or f"{self.url}/health"
+
+
+def _env_of(context: Any) -> Mapping[str, str]:
+    """The environment a file is read with: ``parse_config``'s ``env`` (in the validation
+    context), else ``os.environ``."""
+    env = context.get("env") if isinstance(context, dict) else None
+    return env if env is not None else os.environ
 
 
 class TenantConfig(_Model):
@@ -619,7 +673,7 @@ def parse_config(
     data = _substitute(data, "", os.environ if env is None else env, issues)
     if issues:
         raise ConfigError(issues, source)
-    context = {"base_dir": str(base_dir) if base_dir is not None else None}
+    context = {"base_dir": str(base_dir) if base_dir is not None else None, "env": env}
     try:
         return Config.model_validate(data, context=context)
     except ValidationError as exc:

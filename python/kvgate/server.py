@@ -172,6 +172,8 @@ def make_server(gateway: Gateway) -> web.Server:
         handler,
         request_factory=request_factory,
         handler_cancellation=True,
+        # request bodies are decoded by the handler, under the body cap (decode_body)
+        auto_decompress=False,
         access_log=None,
         keepalive_timeout=gateway.timeouts.client_header,
     )

@@ -6,37 +6,37 @@
 
 use crate::admission::RateLimits;
 
-/// Largest duration Go prints (`math.MaxInt64` nanoseconds).
-const GO_MAX: &str = "2562047h47m16.854775807s";
+/// The text for durations at or past Go's `math.MaxInt64` nanoseconds, in whole milliseconds.
+const GO_MAX: &str = "2562047h47m16.854s";
 
 const MS: u64 = 1_000_000;
-const SEC: u64 = 1_000_000_000;
-const MINUTE: u64 = 60 * SEC;
-const HOUR: u64 = 60 * MINUTE;
+const SEC_MS: u64 = 1_000;
+const MINUTE_MS: u64 = 60 * SEC_MS;
+const HOUR_MS: u64 = 60 * MINUTE_MS;
 
-/// Formats `ns` nanoseconds the way Go's `time.Duration.String` does: `0s`, `850ms`, `1.5s`,
-/// `6m0s`, `1h2m3s`. Below one second the unit is `ms`; trailing zeros of fractions are
-/// dropped. Durations under 1 ms are `1ms` (Go's `µs` is not ASCII, and a header must be);
-/// beyond Go's `MaxInt64` nanoseconds the text is Go's maximum.
+/// Formats `ns` nanoseconds the way Go's `time.Duration.String` does, in whole milliseconds:
+/// `0s`, `850ms`, `1.5s`, `6m0s`, `1h2m3s`. The duration is rounded to the nearest
+/// millisecond first, so a value computed in floating point reads `88ms`, never
+/// `88.000004ms`, and the text has at most three decimals (of seconds) and parses back
+/// within half a millisecond. Below one second the unit is `ms`; trailing zeros of fractions
+/// are dropped. A non-zero duration under 1 ms is `1ms` (Go's `µs` is not ASCII, and a header
+/// must be); from Go's `MaxInt64` nanoseconds on the text is that maximum (in milliseconds).
 #[must_use]
 pub fn go_duration_ns(ns: u64) -> String {
     if ns == 0 {
         return "0s".to_owned();
     }
-    if ns < MS {
-        return "1ms".to_owned();
-    }
-    if ns > i64::MAX as u64 {
+    if ns >= i64::MAX as u64 {
         return GO_MAX.to_owned();
     }
-    if ns < SEC {
-        let mut s = frac(ns, MS, 6);
-        s.push_str("ms");
-        return s;
+    // nearest millisecond, half up (no overflow: ns < 2**63)
+    let ms = ((ns + MS / 2) / MS).max(1);
+    if ms < SEC_MS {
+        return format!("{ms}ms");
     }
-    let (hours, rem) = (ns / HOUR, ns % HOUR);
-    let (minutes, rem) = (rem / MINUTE, rem % MINUTE);
-    let secs = frac(rem, SEC, 9);
+    let (hours, rem) = (ms / HOUR_MS, ms % HOUR_MS);
+    let (minutes, rem) = (rem / MINUTE_MS, rem % MINUTE_MS);
+    let secs = frac(rem, SEC_MS, 3);
     if hours > 0 {
         format!("{hours}h{minutes}m{secs}s")
     } else if minutes > 0 {
@@ -60,6 +60,30 @@ pub fn go_duration_secs(seconds: f64) -> String {
     // in range: finite, positive, below 2**63
     #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
     go_duration_ns(ns as u64)
+}
+
+/// Whether a refusal of this `reason` ends when a request holding a slot (or in-flight tokens)
+/// ends: `tenant-concurrency`, `backend-slots`, `inflight-tokens`, and the wait queue's
+/// `queued` and `queue-full`.
+#[must_use]
+pub fn waits_for_a_slot(reason: &str) -> bool {
+    matches!(
+        reason,
+        "tenant-concurrency" | "backend-slots" | "inflight-tokens" | "queued" | "queue-full"
+    )
+}
+
+/// `seconds` in whole nanoseconds (rounded to the nearest; negative and NaN give 0, beyond
+/// `u64::MAX` nanoseconds saturates).
+#[must_use]
+pub fn secs_to_ns(seconds: f64) -> u64 {
+    if seconds.is_nan() || seconds <= 0.0 {
+        return 0;
+    }
+    // `as` saturates for floats past u64::MAX
+    #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+    let ns = (seconds * 1e9).round() as u64;
+    ns
 }
 
 /// `value / unit` with the fraction's `digits` decimal digits, trailing zeros dropped.
@@ -497,7 +521,7 @@ mod tests {
     #[test]
     fn go_durations_match_go() {
         // (seconds, Go's text) — the same table as tests/gateway/test_wire_formats.py
-        let cases: [(f64, &str); 12] = [
+        let cases: [(f64, &str); 13] = [
             (0.0, "0s"),
             (-1.0, "0s"),
             (0.004, "4ms"),
@@ -510,6 +534,7 @@ mod tests {
             (3723.0, "1h2m3s"),
             (0.000_001_5, "1ms"),
             (0.000_351_521, "1ms"),
+            (0.088_000_004, "88ms"),
         ];
         for (secs, text) in cases {
             assert_eq!(go_duration_secs(secs), text, "{secs} s");
@@ -517,8 +542,12 @@ mod tests {
         assert_eq!(go_duration_secs(f64::NAN), "0s");
         assert_eq!(go_duration_secs(f64::INFINITY), GO_MAX);
         assert_eq!(go_duration_ns(u64::MAX), GO_MAX);
-        assert_eq!(go_duration_ns(1_500_000), "1.5ms");
-        assert_eq!(go_duration_ns(HOUR), "1h0m0s");
+        assert_eq!(go_duration_ns(1_500_000), "2ms");
+        assert_eq!(go_duration_ns(88_000_004), "88ms");
+        assert_eq!(go_duration_ns(1_499_999), "1ms");
+        assert_eq!(go_duration_ns(999_600_000), "1s");
+        assert_eq!(go_duration_ns(1_234_567_891), "1.235s");
+        assert_eq!(go_duration_ns(3_600_000_000_000), "1h0m0s");
         assert_eq!(go_duration_ns(i64::MAX as u64), GO_MAX);
     }
 
@@ -542,10 +571,10 @@ mod tests {
         let h = rate_limit_headers(&RateLimits {
             limit_requests: 4,
             remaining_requests: 0,
-            reset_requests_ns: SEC / 2,
+            reset_requests_ns: 500 * MS,
             limit_tokens: 1000,
             remaining_tokens: 0,
-            reset_tokens_ns: 360 * SEC,
+            reset_tokens_ns: 360_000 * MS,
         });
         assert_eq!(h, ["4", "0", "500ms", "1000", "0", "6m0s"]);
     }

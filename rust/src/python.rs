@@ -1089,8 +1089,15 @@ impl AdmissionController {
             let retry: Option<f64> = refusal.getattr(intern!(py, "retry_after"))?.extract()?;
             (owned_reason.as_str(), scope == "tenant", never, retry)
         };
-        let limits = self.core.rate_limits(backend, tenant)?;
+        let mut limits = self.core.rate_limits(backend, tenant)?;
         let retry_after = if never { None } else { retry_after };
+        // a refusal that waits for a slot says the same wait in `x-ratelimit-reset-requests`
+        // as in `Retry-After` (the gateway computes it from the requests holding the slots)
+        if let Some(wait) = retry_after {
+            if limits.remaining_requests == 0 && crate::headers::waits_for_a_slot(reason) {
+                limits.reset_requests_ns = crate::headers::secs_to_ns(wait);
+            }
+        }
         let owned = crate::headers::refusal_headers(&limits, retry_after, reason);
         let headers: Vec<(&str, &str)> = owned.iter().map(|(n, v)| (*n, v.as_str())).collect();
         let (status, body) = crate::headers::refusal_body(&crate::headers::RefusalText {

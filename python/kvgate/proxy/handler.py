@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+import zlib
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
@@ -23,7 +24,7 @@ import orjson
 from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
 
-from kvgate._core import MAX_AMOUNT
+from kvgate._core import MAX_AMOUNT, Reservation
 from kvgate.errors import GatewayError
 from kvgate.proxy.prepared import PreparedResponse, Reply, prepared
 from kvgate.proxy.relay import RelayResult, relay
@@ -72,9 +73,13 @@ async def read_body(request: web.BaseRequest, max_body_bytes: int, body_seconds:
     A client that sent ``Expect: 100-continue`` is told to go on (``100 Continue``) once the
     size cap passed.
 
+    A ``Content-Encoding: gzip`` / ``deflate`` body is decoded (:func:`decode_body`), and the cap
+    applies to the decoded size too.
+
     Raises:
         GatewayError: 413 ``request_too_large``; 408 ``request_timeout``; 417
-            ``expectation_failed`` (an ``Expect`` other than ``100-continue``).
+            ``expectation_failed`` (an ``Expect`` other than ``100-continue``); 415
+            ``unsupported_content_encoding``; 400 ``invalid_body`` (a corrupt compressed body).
     """
     body = body_if_complete(request, max_body_bytes)
     if body is not None:
@@ -82,7 +87,8 @@ async def read_body(request: web.BaseRequest, max_body_bytes: int, body_seconds:
     await _continue(request)
     try:
         async with asyncio.timeout(body_seconds):
-            return await request.read()
+            raw = await request.read()
+        return decode_body(raw, content_coding(request), max_body_bytes)
     except web.HTTPRequestEntityTooLarge:
         raise _too_large(None, max_body_bytes) from None
     except RequestPayloadError as exc:  # undecodable Content-Encoding, broken chunking
@@ -133,15 +139,20 @@ def body_if_complete(request: web.BaseRequest, max_body_bytes: int) -> bytes | N
     """The body, when all of it has already arrived (it usually comes with the head), taken
     without waiting; ``None`` when part of it is still to come (then :func:`read_body` waits).
 
+    A ``Content-Encoding: gzip`` / ``deflate`` body is returned decoded (:func:`decode_body`).
+
     Raises:
-        GatewayError: 413 ``request_too_large`` (``Content-Length``, or the bytes received,
-            over the cap); 400 ``invalid_body`` (undecodable ``Content-Encoding``, broken
-            chunking); 417 ``expectation_failed`` (an ``Expect`` other than ``100-continue``,
-            also when the body came with the head).
+        GatewayError: 413 ``request_too_large`` (``Content-Length``, the bytes received, or
+            the decoded size over the cap); 415 ``unsupported_content_encoding`` (a coding other
+            than gzip, deflate, identity: refused before the body is read); 400 ``invalid_body``
+            (a corrupt or truncated compressed body, broken chunking); 417
+            ``expectation_failed`` (an ``Expect`` other than ``100-continue``, also when the body
+            came with the head).
     """
     length = request.content_length
     if length is not None and length > max_body_bytes:
         raise _too_large(length, max_body_bytes)
+    coding = content_coding(request)
     content = request.content
     if not content.is_eof():
         return None
@@ -154,7 +165,98 @@ def body_if_complete(request: web.BaseRequest, max_body_bytes: int) -> bytes | N
         raise _unreadable(exc) from None
     if len(body) > max_body_bytes:  # chunked: no Content-Length to check first
         raise _too_large(None, max_body_bytes)
-    return body
+    return decode_body(body, coding, max_body_bytes)
+
+
+#: The request content codings kvgate decodes (RFC 9110 §8.4.1; ``x-gzip`` is gzip's old name).
+SUPPORTED_CODINGS = ("gzip", "x-gzip", "deflate")
+
+
+def content_coding(request: web.BaseRequest) -> str | None:
+    """The request body's content coding: ``"gzip"`` or ``"deflate"``, or ``None`` for a body
+    sent as is (no ``Content-Encoding``, or only ``identity``). The gateway's HTTP server does
+    not decode bodies itself, so that :func:`decode_body` can bound the decoded size.
+
+    Raises:
+        GatewayError: 415 ``unsupported_content_encoding`` for any other coding (``br``,
+            ``zstd``, ``compress``, ...) or several codings stacked (``gzip, gzip``), with
+            ``Accept-Encoding: gzip, deflate`` naming what is accepted (RFC 9110 §12.5.3).
+    """
+    values = request.headers.getall("Content-Encoding", ())
+    if not values:
+        return None
+    codings = [c.strip().lower() for v in values for c in v.split(",")]
+    codings = [c for c in codings if c and c != "identity"]
+    if not codings:
+        return None
+    if len(codings) == 1 and codings[0] in SUPPORTED_CODINGS:
+        return "deflate" if codings[0] == "deflate" else "gzip"
+    raise GatewayError(
+        415,
+        f"Unsupported Content-Encoding {', '.join(values)!r}: this gateway decodes request bodies "
+        "sent as gzip or deflate (one coding), or as is.",
+        "invalid_request_error",
+        code="unsupported_content_encoding",
+        headers={"Accept-Encoding": "gzip, deflate", "Connection": "close"},
+    )
+
+
+def decode_body(body: bytes, coding: str | None, max_body_bytes: int) -> bytes:
+    """``body`` decoded from its content ``coding`` (``None``: returned as is), producing at most
+    ``max_body_bytes`` + 1 bytes (``max_body_bytes`` is the cap on the DECODED size): a
+    decompression bomb (say 10 MB of zeros gzipped to 10 KB) costs the work of one cap's worth
+    of output, then is refused — the rest is never inflated.
+
+    gzip (RFC 1952) may hold several members one after the other; deflate is the zlib format
+    (RFC 1950) or, as some clients send it, a raw deflate stream (RFC 1951).
+
+    Raises:
+        GatewayError: 413 ``request_too_large`` (decoded size over the cap); 400
+            ``invalid_body`` (not valid data of that coding, truncated, or trailing bytes).
+    """
+    if coding is None or not body:
+        return body
+    if coding == "deflate":
+        # a zlib header: CM = 8 in the low nibble and the 16-bit header a multiple of 31
+        zlib_header = len(body) >= 2 and body[0] & 0x0F == 8 and (body[0] << 8 | body[1]) % 31 == 0
+        wbits = zlib.MAX_WBITS if zlib_header else -zlib.MAX_WBITS
+    else:
+        wbits = 16 + zlib.MAX_WBITS
+    out = bytearray()
+    data = body
+    while True:
+        decoder = zlib.decompressobj(wbits)
+        try:
+            # max_length bounds the work: never more than one byte past the cap
+            out += decoder.decompress(data, max_body_bytes + 1 - len(out))
+        except zlib.error as exc:
+            raise _corrupt(coding, str(exc)) from None
+        if len(out) > max_body_bytes:
+            raise GatewayError(
+                413,
+                f"Request body decodes ({coding}) to more than {max_body_bytes} bytes; this "
+                f"gateway accepts at most {max_body_bytes} bytes, decoded.",
+                "invalid_request_error",
+                code="request_too_large",
+                headers={"Connection": "close"},
+            )
+        if not decoder.eof:
+            raise _corrupt(coding, "the compressed data ends early")
+        data = decoder.unused_data
+        if not data:
+            return bytes(out)
+        if coding != "gzip":
+            raise _corrupt(coding, "bytes follow the end of the compressed data")
+
+
+def _corrupt(coding: str, why: str) -> GatewayError:
+    return GatewayError(
+        400,
+        f"The request body is not valid {coding} data: {why}.",
+        "invalid_request_error",
+        code="invalid_body",
+        headers={"Connection": "close"},
+    )
 
 
 def _unreadable(exc: RequestPayloadError) -> GatewayError:
@@ -264,6 +366,12 @@ async def handle_inference(gw: Gateway, request: web.BaseRequest, route: str) ->
     stream = bool(analysis.stream)
     add_usage = stream and not analysis.include_usage and route in USAGE_OPTION_ROUTES
     result = RelayResult()
+    # what holds the slots, for the retry hints of refusals (a shadow admission holds none)
+    running = (
+        gw.running.start(backend.id, tenant.id, analysis.completion_tokens)
+        if type(decision) is Reservation
+        else None
+    )
     try:
         forward = rewrite_body(body, analysis, add_usage)
         return await relay(
@@ -279,12 +387,21 @@ async def handle_inference(gw: Gateway, request: web.BaseRequest, route: str) ->
             count_text=model.count_text,
             result=result,
             responses=route == RESPONSES_ROUTE,
+            api_key=backend.api_key,
         )
     except GatewayError as err:
         return error_response(request, err)
     finally:
         actual = _actual_tokens(analysis, result)
         decision.release(actual)
+        if running is not None:
+            gw.running.finish(
+                running,
+                completed=result.outcome == "ok",
+                stream=stream,
+                first_byte=result.ttft,
+                completion_tokens=result.completion_tokens,
+            )
         if queue is not None and queue.waiting:
             queue.notify()
         gw.metrics.settled(backend, tenant, tokens, actual, result)
@@ -352,6 +469,8 @@ async def handle_forward(gw: Gateway, request: web.BaseRequest) -> Reply:
     gw.metrics.admitted(backend, tenant, tokens, time.perf_counter() - started)
     raw_path, sep, query = request.raw_path.partition("?")
     result = RelayResult()
+    # holds a slot (a shadow admission holds none): counted for the retry hints of refusals
+    running = gw.running.start(backend.id, tenant.id, 0) if type(decision) is Reservation else None
     try:
         return await relay(
             request,
@@ -368,6 +487,7 @@ async def handle_forward(gw: Gateway, request: web.BaseRequest) -> Reply:
             method=request.method,
             content_type=request.headers.get("Content-Type"),
             pass_body=True,
+            api_key=backend.api_key,
         )
     except GatewayError as err:
         return error_response(request, err)
@@ -376,6 +496,10 @@ async def handle_forward(gw: Gateway, request: web.BaseRequest) -> Reply:
         if result.outcome != "upstream_unreachable":
             actual = min(int(result.prompt_tokens or 0) + int(result.completion_tokens), MAX_AMOUNT)
         decision.release(actual)
+        if running is not None:  # held a slot; its time says nothing about generation
+            gw.running.finish(
+                running, completed=False, stream=False, first_byte=None, completion_tokens=0
+            )
         if queue is not None and queue.waiting:
             queue.notify()
         gw.metrics.settled(backend, tenant, tokens, actual, result)

@@ -75,6 +75,7 @@ async def relay(
     method: str = "POST",
     content_type: str | None = "application/json",
     pass_body: bool = False,
+    api_key: str | None = None,
 ) -> Reply:
     """POST ``body`` to ``url`` (or send it with ``method``) and relay the answer to the client.
 
@@ -100,6 +101,8 @@ async def relay(
         pass_body: an answer that is not an SSE stream is written to the client as it arrives
             (its ``usage``, when it is JSON of at most :data:`USAGE_SCAN_BYTES`, read at the
             end) instead of read whole first.
+        api_key: the backend's API key, sent as ``Authorization: Bearer <key>``; no header of
+            the client's request (its own key in particular) is forwarded.
 
     Returns:
         The response: for streams, already prepared and written; else the whole answer as a
@@ -120,9 +123,8 @@ async def relay(
         first = end
     upstream: aiohttp.ClientResponse | None = None
     headers = {"Content-Type": content_type} if content_type else {}
-    auth = request.headers.get("X-Upstream-Authorization")
-    if auth:
-        headers["Authorization"] = auth
+    if api_key is not None:
+        headers["Authorization"] = f"Bearer {api_key}"
     try:
         try:
             with deadline.at(first):

@@ -32,7 +32,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -91,6 +91,9 @@ class PollTarget:
         max_body_bytes: larger metrics bodies are refused (reason ``too_large``).
         adaptive: whether the backend's limits adapt from these metrics; without it, stale
             metrics change nothing and are logged at INFO instead of WARNING.
+        headers: sent with every request to the backend (its ``Authorization: Bearer <key>``
+            when it has an API key: engines started with ``--api-key`` protect ``/metrics``,
+            ``/health`` and llama.cpp's ``/slots`` too), or ``None``.
 
     Raises:
         ValueError: a value outside the ranges above.
@@ -108,6 +111,7 @@ class PollTarget:
     unhealthy_after: int = 3
     max_body_bytes: int = 8 * 1024 * 1024
     adaptive: bool = True
+    headers: Mapping[str, str] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.engine != "auto" and self.engine not in ENGINES:
@@ -322,7 +326,7 @@ class MetricsPoller:
         timeout = aiohttp.ClientTimeout(total=target.timeout)
         started = time.monotonic()
         try:
-            async with self._session.get(url, timeout=timeout) as resp:
+            async with self._session.get(url, timeout=timeout, headers=target.headers) as resp:
                 if resp.status != 200:
                     raise _ScrapeFailed("http_status", f"GET {url} answered HTTP {resp.status}")
                 if resp.content_length is not None and resp.content_length > target.max_body_bytes:
@@ -348,7 +352,9 @@ class MetricsPoller:
         assert target.health_url is not None
         timeout = aiohttp.ClientTimeout(total=target.timeout)
         try:
-            async with self._session.get(target.health_url, timeout=timeout) as resp:
+            async with self._session.get(
+                target.health_url, timeout=timeout, headers=target.headers
+            ) as resp:
                 ok = 200 <= resp.status < 300
                 detail = f"HTTP {resp.status}"
         except TimeoutError:
