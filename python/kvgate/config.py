@@ -176,7 +176,9 @@ class ModelConfig(_Model):
     config file), used to count prompt tokens exactly; ``None`` = the analyser's estimate.
     ``chat_template``: a path to a Jinja template file (relative paths are relative to the config
     file; its text is the template), or an inline template (see :func:`template_is_inline`);
-    ``None`` = the tokenizer's own. ``context_window`` and
+    ``None`` = the tokenizer's own (the ``chat_template`` of the ``tokenizer_config.json`` beside
+    ``tokenizer``, if any; else each message costs its text plus a fixed overhead).
+    ``context_window`` and
     ``default_max_tokens`` (reserved when a request sends no ``max_tokens``) are in tokens.
     """
 

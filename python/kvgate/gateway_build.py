@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvgate.app import Backend, Gateway, ModelRoute, Tenant
@@ -89,7 +90,10 @@ def build_controller(config: Config, *, shm_name: str | None = None, create: boo
 
 def _analyzer(model: Any) -> Any:
     """The model's request analyser. ``chat_template`` is the text of the file it names, or
-    the inline template; the analyser renders it once on a sample conversation.
+    the inline template; without one, the ``chat_template`` of the ``tokenizer_config.json``
+    beside ``tokenizer`` (HuggingFace's layout, which vLLM loads with the tokenizer) is used,
+    and that file's ``bos_token`` / ``eos_token`` fill the template's variables either way.
+    The analyser renders the template once on a sample conversation.
 
     Raises:
         ValueError: a tokenizer or template the analyser refuses (the message starts with the
@@ -108,6 +112,9 @@ def _analyzer(model: Any) -> Any:
     }
     if model.tokenizer:
         kwargs["tokenizer_path"] = model.tokenizer
+        beside = Path(model.tokenizer).with_name("tokenizer_config.json")
+        if beside.is_file():
+            kwargs["tokenizer_config_path"] = str(beside)
     if model.chat_template_file is not None:
         kwargs["chat_template_path"] = model.chat_template_file
     elif model.chat_template:

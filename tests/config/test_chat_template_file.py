@@ -118,3 +118,36 @@ def test_serve_refuses_to_start_with_a_broken_template_file(tmp_path: Path) -> N
     assert "kvgate serve: cannot start: model m:" in done.stderr
     assert f"{tmp_path / 'bad.jinja'}:2" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_tokenizer_config_beside_the_tokenizer_gives_template_and_bos(tmp_path: Path) -> None:
+    """Without ``chat_template`` the template of the ``tokenizer_config.json`` next to
+    ``tokenizer.json`` counts the prompt (as vLLM loads it with the tokenizer); its
+    ``bos_token`` also reaches a configured template file."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({"[UNK]": 0}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()  # one token per word
+    (tmp_path / "model").mkdir()
+    tok.save(str(tmp_path / "model" / "tokenizer.json"))
+    (tmp_path / "model" / "tokenizer_config.json").write_text(
+        orjson.dumps(
+            {
+                "bos_token": "BOS",
+                "chat_template": "{% for m in messages %}turn {{ m['content'] }} {% endfor %}",
+            }
+        ).decode()
+    )
+    (tmp_path / "own.jinja").write_text("{{ bos_token }} own {{ messages[0]['content'] }}")
+    path = tmp_path / "kvgate.yaml"
+    body = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "a b c"}]})
+    # "turn a b c" (the tokenizer's template), "BOS own a b c" (the file, with the tokenizer's
+    # bos_token); without the tokenizer_config.json: 3 words + 4 overhead, and "own a b c"
+    for template, tokens in [("", 4), ("own.jinja", 5)]:
+        extra = f", chat_template: {template}" if template else ""
+        path.write_text(
+            "backends:\n- name: b\n  url: http://127.0.0.1:9\n  max_concurrency: 2\n"
+            f"  models: [{{name: m, context_window: 64, tokenizer: model/tokenizer.json{extra}}}]\n"
+        )
+        analysis = build_gateway(load_config(path), poll=False).registry.analyze(CHAT, body)
+        assert (analysis.counting, analysis.prompt_tokens) == ("chat_template", tokens), template
