@@ -661,7 +661,8 @@ class Analysis:
             completions / embeddings request.
         completion_tokens: completion tokens reserved (tokens): per-choice limit × ``n`` ×
             number of prompts. The per-choice limit is ``max_completion_tokens``, else
-            ``max_tokens``; when both are absent, ``default_max_tokens`` (capped at the room
+            ``max_tokens`` on chat, and ``max_tokens``, else ``max_completion_tokens`` on
+            ``/v1/completions`` (the legacy API's own field); when both are absent, ``default_max_tokens`` (capped at the room
             left) if configured, else ``context_window - prompt_tokens`` (what vLLM / SGLang /
             TGI allow, ENGINES.md §5.5). Always 0 for embeddings. On ``/v1/responses`` the
             limit is ``max_output_tokens`` (absent: as above), and the prompt is the chat
@@ -686,6 +687,10 @@ class Analysis:
             the tokenizer, plus ``per_message_overhead`` per message), ``"tokenizer"``
             (completions / embeddings, counted with the tokenizer's special tokens), or
             ``"estimate"`` (no tokenizer configured: ``ceil(utf8_bytes / 4)`` per text).
+        drop_cap: ``"max_tokens"`` or ``"max_completion_tokens"`` when the body has both keys:
+            the one not reserved, which the gateway removes from the forwarded body so the
+            engine receives exactly the cap reserved for (engines differ in which key they
+            read; TGI takes the two as one field); else ``None``.
     """
 
     model: Final[str]
@@ -698,6 +703,7 @@ class Analysis:
     reserved_tokens: Final[int]
     inject_max_tokens: Final[int | None]
     counting: Final[Literal["chat_template", "overhead", "tokenizer", "estimate"]]
+    drop_cap: Final[Literal["max_tokens", "max_completion_tokens"] | None]
 
 @final
 class RequestAnalyzer:
@@ -717,18 +723,29 @@ class RequestAnalyzer:
             padding settings in the file are switched off (they would falsify counts). With
             no tokenizer, counts are the cheap deterministic estimate ``ceil(utf8_bytes / 4)``
             per text (``counting == "estimate"``), never exact.
-        chat_template: a Jinja chat template; overrides the one in ``tokenizer_config_path``.
+        chat_template: a Jinja chat template's text; overrides the one in
+            ``tokenizer_config_path``.
+        chat_template_path: the path of a Jinja chat template file (give this or
+            ``chat_template``, not both); overrides the one in ``tokenizer_config_path``.
+            Errors about it name the path and the line.
         tokenizer_config_path: path of the model's ``tokenizer_config.json``: ``chat_template``
             (a string, or a list of ``{"name", "template"}`` with ``default`` and ``tool_use``,
             the latter used when the request has ``tools``), ``bos_token``, ``eos_token``.
             Templates render like transformers' ``apply_chat_template`` (trim_blocks,
             lstrip_blocks, loop controls; context ``messages``, ``tools``,
-            ``add_generation_prompt=True``, ``bos_token``, ``eos_token``, ``raise_exception``,
+            ``add_generation_prompt`` (the body's, default true), the body's
+            ``chat_template_kwargs`` as extra variables (vLLM's field, e.g.
+            ``enable_thinking``), ``bos_token``, ``eos_token``, ``raise_exception``,
             ``strftime_now``; ``tojson`` as ``json.dumps(ensure_ascii=False)``; Python ``str`` /
             ``dict`` methods such as ``strip``, ``startswith``, ``split``, ``items``, ``get``).
             Content-part arrays reach the template as their text parts joined with ``"\\n"``
             (vLLM's "string" content format), and tool-call ``arguments`` strings as parsed
-            objects (as vLLM does).
+            objects (as vLLM does). With ``continue_final_message: true`` in the body the
+            rendered prompt ends right after the last message's text (transformers' rule, which
+            vLLM applies). Any template is rendered once here on a sample conversation (system,
+            user, an assistant tool call, its result, with ``tools``; a template that refuses
+            it with ``raise_exception`` is tried without the system message, then on one user
+            message), so one that cannot render fails now, not on the first request.
         per_message_overhead: chat without a template: tokens added per message for the role
             and delimiters (tokens, default 4).
         image_tokens: tokens charged per image content part (``image_url`` / ``input_image``);
@@ -742,9 +759,11 @@ class RequestAnalyzer:
 
     Raises:
         ValueError: bad settings (``context_window`` 0, ``default_max_tokens`` 0, a token
-            amount above 2**62, both tokenizer sources, an invalid ``tokenizer.json`` / config /
-            template).
-        OSError: a path that cannot be read.
+            amount above 2**62, both tokenizer sources, both template sources, an invalid
+            ``tokenizer.json`` / config / template, a template that cannot render the sample
+            conversation; the message names the template's file and line).
+        OSError: a path that cannot be read (``FileNotFoundError`` when it does not exist;
+            the message names the argument and the path).
     """
 
     def __new__(
@@ -761,6 +780,7 @@ class RequestAnalyzer:
         audio_tokens: int = 200,
         default_max_tokens: int | None = None,
         max_body_bytes: int = ...,  # 33554432 (32 MiB, analyze::DEFAULT_MAX_BODY_BYTES)
+        chat_template_path: str | None = None,
     ) -> Self: ...
     def analyze(self, route: str, body: bytes) -> Analysis:
         """Analyse one request body.
@@ -776,10 +796,15 @@ class RequestAnalyzer:
 
         Raises:
             AnalysisError: 413 body over ``max_body_bytes`` (checked before parsing); 400
-                invalid JSON (including invalid UTF-8, lone surrogate escapes, nesting deeper
-                than 128 levels), a non-object body, a missing / mistyped / out-of-range field
-                (``max_tokens`` and ``max_completion_tokens`` must be JSON integers >= 1,
-                ``n`` and ``best_of`` in 1..128 with ``best_of >= n``), empty ``messages`` /
+                invalid JSON (including invalid UTF-8 and nesting deeper than 128 levels; a
+                lone surrogate escape such as ``"\\ud800"`` is accepted, as Python's ``json``
+                and vLLM accept it, and counted as U+FFFD), a non-object body, a missing /
+                mistyped / out-of-range field (``max_tokens`` and ``max_completion_tokens``
+                must be JSON integers in 1..2**62, ``n`` and ``best_of`` in 1..128 with
+                ``best_of >= n``; a number past the range, such as ``1e30`` or an integer too
+                large for 64 bits, is ``integer_above_max_value`` naming the bound;
+                ``chat_template_kwargs`` an object, ``add_generation_prompt`` and
+                ``continue_final_message`` booleans, not both true), empty ``messages`` /
                 ``prompt`` / ``input``, unknown content-part type, token ids outside the
                 vocabulary, more than 2048 embedding inputs, a chat template error, or the
                 context check (``prompt_tokens >= context_window`` with no limit requested, or

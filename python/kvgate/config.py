@@ -181,8 +181,11 @@ class ModelConfig(_Model):
 
     ``tokenizer``: path to a HuggingFace ``tokenizer.json`` (relative paths are relative to the
     config file), used to count prompt tokens exactly; ``None`` = the analyser's estimate.
-    ``chat_template``: a path to a Jinja template file, or an inline template (a string holding
-    ``{{`` or ``{%``); ``None`` = the tokenizer's own. ``context_window`` and
+    ``chat_template``: a path to a Jinja template file (relative paths are relative to the config
+    file; its text is the template), or an inline template (see :func:`template_is_inline`);
+    ``None`` = the tokenizer's own (the ``chat_template`` of the ``tokenizer_config.json`` beside
+    ``tokenizer``, if any; else each message costs its text plus a fixed overhead).
+    ``context_window`` and
     ``default_max_tokens`` (reserved when a request sends no ``max_tokens``) are in tokens.
     """
 
@@ -200,9 +203,28 @@ class ModelConfig(_Model):
     @field_validator("chat_template")
     @classmethod
     def _template(cls, value: str | None, info: ValidationInfo) -> str | None:
-        if value is None or "{{" in value or "{%" in value:
+        if value is None or template_is_inline(value):
             return value
-        return _existing_file(value, info)
+        try:
+            return _existing_file(value, info)
+        except ValueError as exc:
+            raise ValueError(
+                f"{exc} (a chat_template without '{{{{', '{{%', '{{#' or a line break is the "
+                "path of a template file)"
+            ) from None
+
+    @property
+    def chat_template_file(self) -> str | None:
+        """The template file's absolute path when ``chat_template`` names a file, else
+        ``None`` (no template, or an inline one)."""
+        t = self.chat_template
+        return None if t is None or template_is_inline(t) else t
+
+
+def template_is_inline(value: str) -> bool:
+    """Whether a ``chat_template`` value is the template's text rather than a file path: it
+    holds Jinja markup (``{{``, ``{%`` or ``{#``) or a line break, which no sensible path has."""
+    return any(mark in value for mark in ("{{", "{%", "{#", "\n"))
 
 
 def _existing_file(value: str, info: ValidationInfo) -> str:

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvgate.app import Backend, Gateway, ModelRoute, Tenant
@@ -88,6 +89,17 @@ def build_controller(config: Config, *, shm_name: str | None = None, create: boo
 
 
 def _analyzer(model: Any) -> Any:
+    """The model's request analyser. ``chat_template`` is the text of the file it names, or
+    the inline template; without one, the ``chat_template`` of the ``tokenizer_config.json``
+    beside ``tokenizer`` (HuggingFace's layout, which vLLM loads with the tokenizer) is used,
+    and that file's ``bos_token`` / ``eos_token`` fill the template's variables either way.
+    The analyser renders the template once on a sample conversation.
+
+    Raises:
+        ValueError: a tokenizer or template the analyser refuses (the message starts with the
+            model's name and names the template file and line).
+        OSError: a tokenizer or template file that cannot be read.
+    """
     from kvgate import RequestAnalyzer
     from kvgate._core import MAX_AMOUNT
 
@@ -100,11 +112,19 @@ def _analyzer(model: Any) -> Any:
     }
     if model.tokenizer:
         kwargs["tokenizer_path"] = model.tokenizer
-    if model.chat_template:
+        beside = Path(model.tokenizer).with_name("tokenizer_config.json")
+        if beside.is_file():
+            kwargs["tokenizer_config_path"] = str(beside)
+    if model.chat_template_file is not None:
+        kwargs["chat_template_path"] = model.chat_template_file
+    elif model.chat_template:
         kwargs["chat_template"] = model.chat_template
     if model.default_max_tokens:
         kwargs["default_max_tokens"] = model.default_max_tokens
-    return RequestAnalyzer(**kwargs)
+    try:
+        return RequestAnalyzer(**kwargs)
+    except ValueError as exc:
+        raise ValueError(f"model {model.name}: {exc}") from None
 
 
 def build_gateway(

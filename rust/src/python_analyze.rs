@@ -8,7 +8,7 @@
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::Arc;
 
-use pyo3::exceptions::PyValueError;
+use pyo3::exceptions::{PyFileNotFoundError, PyOSError, PyPermissionError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 
@@ -152,6 +152,7 @@ pub struct PyAnalysis {
     reserved_tokens: u64,
     inject_max_tokens: Option<u64>,
     counting: &'static str,
+    drop_cap: Option<&'static str>,
 }
 
 impl From<analyze::Analysis> for PyAnalysis {
@@ -167,6 +168,7 @@ impl From<analyze::Analysis> for PyAnalysis {
             reserved_tokens: a.reserved_tokens,
             inject_max_tokens: a.inject_max_tokens,
             counting: a.counting.as_str(),
+            drop_cap: a.drop_cap,
         }
     }
 }
@@ -176,7 +178,8 @@ impl PyAnalysis {
     fn __repr__(&self, py: Python<'_>) -> PyResult<String> {
         Ok(format!(
             "Analysis(model={}, route={}, prompt_tokens={}, completion_tokens={}, n={}, \
-             stream={}, include_usage={}, reserved_tokens={}, inject_max_tokens={}, counting={})",
+             stream={}, include_usage={}, reserved_tokens={}, inject_max_tokens={}, counting={}, \
+             drop_cap={})",
             py_repr(py, &self.model)?,
             py_repr(py, self.route)?,
             self.prompt_tokens,
@@ -186,7 +189,8 @@ impl PyAnalysis {
             py_repr(py, self.include_usage)?,
             self.reserved_tokens,
             py_repr(py, self.inject_max_tokens)?,
-            py_repr(py, self.counting)?
+            py_repr(py, self.counting)?,
+            py_repr(py, self.drop_cap)?
         ))
     }
 }
@@ -197,8 +201,17 @@ pub struct PyRequestAnalyzer {
     inner: Arc<RequestAnalyzer>,
 }
 
-fn read(path: &str) -> PyResult<String> {
-    Ok(std::fs::read_to_string(path)?)
+/// A file's text; the error (`FileNotFoundError`, `PermissionError`, else `OSError`) names
+/// what the file is for and its path.
+fn read(what: &str, path: &str) -> PyResult<String> {
+    std::fs::read_to_string(path).map_err(|e| {
+        let msg = format!("cannot read {what} {path}: {e}");
+        match e.kind() {
+            std::io::ErrorKind::NotFound => PyFileNotFoundError::new_err(msg),
+            std::io::ErrorKind::PermissionDenied => PyPermissionError::new_err(msg),
+            _ => PyOSError::new_err(msg),
+        }
+    })
 }
 
 #[pymethods]
@@ -208,7 +221,7 @@ impl PyRequestAnalyzer {
         *, model, context_window, tokenizer_path = None, tokenizer_json = None,
         chat_template = None, tokenizer_config_path = None, per_message_overhead = 4,
         image_tokens = 765, audio_tokens = 200, default_max_tokens = None,
-        max_body_bytes = analyze::DEFAULT_MAX_BODY_BYTES
+        max_body_bytes = analyze::DEFAULT_MAX_BODY_BYTES, chat_template_path = None
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -224,6 +237,7 @@ impl PyRequestAnalyzer {
         audio_tokens: u64,
         default_max_tokens: Option<u64>,
         max_body_bytes: u64,
+        chat_template_path: Option<String>,
     ) -> PyResult<Self> {
         let tok_text = match (tokenizer_path, tokenizer_json) {
             (Some(_), Some(_)) => {
@@ -231,10 +245,28 @@ impl PyRequestAnalyzer {
                     "give tokenizer_path or tokenizer_json, not both",
                 ))
             }
-            (Some(p), None) => Some(read(&p)?),
+            (Some(p), None) => Some(read("tokenizer_path", &p)?),
             (None, t) => t,
         };
-        let cfg_text = tokenizer_config_path.as_deref().map(read).transpose()?;
+        let cfg_text = tokenizer_config_path
+            .as_deref()
+            .map(|p| read("tokenizer_config_path", p))
+            .transpose()?;
+        let template_override: Option<(String, String)> = match (chat_template, chat_template_path)
+        {
+            (Some(_), Some(_)) => {
+                return Err(PyValueError::new_err(
+                    "give chat_template or chat_template_path, not both",
+                ))
+            }
+            (Some(t), None) => Some(("chat_template".to_owned(), t)),
+            (None, Some(p)) => {
+                let text = read("chat_template_path", &p)?;
+                Some((p, text))
+            }
+            (None, None) => None,
+        };
+        let cfg_name = tokenizer_config_path.unwrap_or_default();
         let cfg = AnalyzerConfig {
             model,
             context_window,
@@ -249,8 +281,16 @@ impl PyRequestAnalyzer {
                 Some(t) => Counter::from_json(&t)?,
                 None => Counter::Estimate,
             };
-            let template =
-                ChatTemplate::from_tokenizer_config(cfg_text.as_deref(), chat_template.as_deref())?;
+            let template = ChatTemplate::from_tokenizer_config_named(
+                cfg_text.as_deref(),
+                &cfg_name,
+                template_override
+                    .as_ref()
+                    .map(|(name, text)| (name.as_str(), text.as_str())),
+            )?;
+            if let Some(t) = &template {
+                t.check()?;
+            }
             RequestAnalyzer::new(cfg, counter, template)
         });
         built

@@ -529,9 +529,19 @@ def test_tokenizer_and_template_paths(tmp_path: Path) -> None:
     assert issues_of(missing, base_dir=tmp_path) == [
         ("backends[0].models[0].tokenizer", f"file not found: {tmp_path / 'nope.json'}")
     ]
+    assert parse_config(inline, env={}).backends[0].models[0].chat_template_file is None
+    assert cfg.backends[0].models[0].chat_template_file == str((tmp_path / "chat.jinja").resolve())
+    # a line break (or a Jinja comment) marks inline text too, even without other markup
+    for text in ("<|user|>\n", "{# plain #}hello"):
+        one = parse_config(with_value("backends[0].models[0].chat_template", text), env={})
+        assert one.backends[0].models[0].chat_template == text
     missing = with_value("backends[0].models[0].chat_template", "nope.jinja")
     assert issues_of(missing, base_dir=tmp_path) == [
-        ("backends[0].models[0].chat_template", f"file not found: {tmp_path / 'nope.jinja'}")
+        (
+            "backends[0].models[0].chat_template",
+            f"file not found: {tmp_path / 'nope.jinja'} (a chat_template without '{{{{', "
+            "'{%', '{#' or a line break is the path of a template file)",
+        )
     ]
 
 

@@ -78,7 +78,7 @@ def test_analyzer_analysis_and_error_repr() -> None:
         f"Analysis(model={ODD_MODEL!r}, route='/v1/completions', prompt_tokens={a.prompt_tokens}, "
         f"completion_tokens=5, n=1, stream=False, include_usage=False, "
         f"reserved_tokens={a.reserved_tokens}, inject_max_tokens=None, "
-        f"counting={a.counting!r})"
+        f"counting={a.counting!r}, drop_cap=None)"
     )
     with pytest.raises(AnalysisError) as caught:
         analyzer.analyze("/v1/completions", b"{not json")

@@ -281,34 +281,45 @@ def _too_large(length: int | None, cap: int) -> GatewayError:
 
 
 def rewrite_body(body: bytes, analysis: Any, add_usage: bool) -> bytes:
-    """The body to forward: the client's bytes, or a copy with what kvgate must add:
-    ``stream_options.include_usage`` (streamed requests, so the engine reports usage) and the
-    ``default_max_tokens`` it reserved for (``analysis.inject_max_tokens``, written as
-    ``max_output_tokens`` on ``/v1/responses``, as ``max_tokens`` elsewhere).
+    """The body to forward: the client's bytes, or a copy with what kvgate must change:
+    ``stream_options.include_usage`` added (streamed requests, so the engine reports usage),
+    the ``default_max_tokens`` it reserved for (``analysis.inject_max_tokens``, written as
+    ``max_output_tokens`` on ``/v1/responses``, as ``max_tokens`` elsewhere), and, when the
+    body has both ``max_tokens`` and ``max_completion_tokens``, the one not reserved removed
+    (``analysis.drop_cap``), so the engine gets exactly the cap kvgate reserved for (engines
+    differ in which key they read).
 
-    When those keys are absent (the usual case) the members are spliced in after the opening
-    ``{`` and every byte the client sent is forwarded as sent. When one is present (say
-    ``"stream_options": {}`` or ``"max_tokens": null``) the body is decoded and re-encoded with
-    the standard ``json`` module, which keeps integers of any size exact (orjson would turn
-    those above 64 bits into floats) and writes ASCII escapes.
+    When the keys to add are absent and nothing is removed (the usual case) the members are
+    spliced in after the opening ``{`` and every byte the client sent is forwarded as sent.
+    Otherwise (say ``"stream_options": {}``, ``"max_tokens": null``, or a cap to drop) the
+    body is decoded and re-encoded with the standard ``json`` module, which keeps integers of
+    any size exact (orjson would turn those above 64 bits into floats), accepts lone surrogate
+    escapes as the analyser does, and writes ASCII escapes.
     """
     inject = getattr(analysis, "inject_max_tokens", None)
-    if not add_usage and inject is None:
+    drop = getattr(analysis, "drop_cap", None)
+    if not add_usage and inject is None and drop is None:
         return body
     responses = getattr(analysis, "route", None) == RESPONSES_ROUTE
     limit = "max_output_tokens" if responses else "max_tokens"
-    data = orjson.loads(body)
-    members = []
-    if add_usage and "stream_options" not in data:
-        members.append(b'"stream_options":{"include_usage":true}')
-    if inject is not None and limit not in data:
-        members.append(b'"%s":%d' % (limit.encode(), inject))
-    start = len(body) - len(body.lstrip())
-    if len(members) == add_usage + (inject is not None) and body[start : start + 1] == b"{":
-        rest = body[start + 1 :]
-        sep = b"" if rest.lstrip().startswith(b"}") else b","
-        return body[: start + 1] + b",".join(members) + sep + rest
+    if drop is None:
+        try:
+            data = orjson.loads(body)
+        except orjson.JSONDecodeError:  # a lone surrogate escape, which orjson refuses
+            data = json.loads(body)
+        members = []
+        if add_usage and "stream_options" not in data:
+            members.append(b'"stream_options":{"include_usage":true}')
+        if inject is not None and limit not in data:
+            members.append(b'"%s":%d' % (limit.encode(), inject))
+        start = len(body) - len(body.lstrip())
+        if len(members) == add_usage + (inject is not None) and body[start : start + 1] == b"{":
+            rest = body[start + 1 :]
+            sep = b"" if rest.lstrip().startswith(b"}") else b","
+            return body[: start + 1] + b",".join(members) + sep + rest
     data = json.loads(body)
+    if drop is not None:
+        data.pop(drop, None)
     if add_usage:
         opts = data.get("stream_options")
         data["stream_options"] = {**(opts if isinstance(opts, dict) else {}), "include_usage": True}

@@ -3,12 +3,14 @@
 //!
 //! The environment mirrors transformers' `ImmutableSandboxedEnvironment(trim_blocks=True,
 //! lstrip_blocks=True)` with the `loopcontrols` extension; the context has `messages`, `tools`
-//! (or none), `add_generation_prompt=True`, `bos_token`, `eos_token`, and the functions
-//! `raise_exception(msg)` and `strftime_now(fmt)`. A `tojson` filter writes JSON like Python's
+//! (or none), `add_generation_prompt` (the request's, default true), `bos_token`, `eos_token`,
+//! the request's `chat_template_kwargs` as further variables (as vLLM passes them to
+//! `apply_chat_template`), and the functions `raise_exception(msg)` and `strftime_now(fmt)`. A `tojson` filter writes JSON like Python's
 //! `json.dumps(ensure_ascii=False)` (transformers' own filter), and the common Python `str` /
 //! `dict` methods templates call (`strip`, `startswith`, `split`, `items`, `get`, ...) are
 //! provided.
 
+use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::sync::Arc;
 
@@ -26,15 +28,51 @@ const RAISED: &str = "kvgate-raised:";
 /// A compiled chat template plus the special tokens it refers to.
 pub struct ChatTemplate {
     env: Environment<'static>,
-    has_tool_use: bool,
+    /// The name the default template is registered (and its errors reported) under: its file
+    /// path, or `chat_template` for an inline one.
+    default_name: String,
+    /// The `tool_use` variant's name, when there is one.
+    tool_use_name: Option<String>,
     bos_token: String,
     eos_token: String,
 }
 
+/// What a request sets in the template's context beside `messages` and `tools`.
+#[derive(Debug, Clone, Copy)]
+pub struct RenderOptions<'a> {
+    /// `add_generation_prompt` (the chat body's, default true as in vLLM).
+    pub add_generation_prompt: bool,
+    /// The body's `chat_template_kwargs`: extra template variables (vLLM's field; e.g.
+    /// `enable_thinking`). They may replace `bos_token` / `eos_token` as in transformers, never
+    /// `messages`, `tools` or `add_generation_prompt`.
+    pub kwargs: Option<&'a serde_json::Map<String, serde_json::Value>>,
+}
+
+impl Default for RenderOptions<'_> {
+    fn default() -> Self {
+        Self {
+            add_generation_prompt: true,
+            kwargs: None,
+        }
+    }
+}
+
 impl ChatTemplate {
     /// Compiles `default` (and, when given, the `tool_use` variant that HuggingFace repos may
-    /// ship beside it, picked when the request has `tools`).
+    /// ship beside it, picked when the request has `tools`). Errors name it `chat_template`.
     pub fn new(
+        default: &str,
+        tool_use: Option<&str>,
+        bos_token: Option<String>,
+        eos_token: Option<String>,
+    ) -> Result<Self, String> {
+        Self::named("chat_template", default, tool_use, bos_token, eos_token)
+    }
+
+    /// [`Self::new`] with the name compile and start-up check errors give for the template
+    /// (minijinja reports it with the line: `(in NAME:LINE)`), e.g. the template file's path.
+    pub fn named(
+        name: &str,
         default: &str,
         tool_use: Option<&str>,
         bos_token: Option<String>,
@@ -48,19 +86,29 @@ impl ChatTemplate {
                 .build()
                 .map_err(|e| e.to_string())?,
         );
+        // transformers never escapes; minijinja would by the name's extension (a template
+        // named after a `.json` or `.html` file)
+        env.set_auto_escape_callback(|_| minijinja::AutoEscape::None);
         env.add_function("raise_exception", raise_exception);
         env.add_function("strftime_now", strftime_now);
         env.add_filter("tojson", tojson);
         env.set_unknown_method_callback(pycompat);
-        env.add_template_owned(DEFAULT, default.to_owned())
-            .map_err(|e| format!("invalid chat template: {e:#}"))?;
-        if let Some(t) = tool_use {
-            env.add_template_owned(TOOL_USE, t.to_owned())
-                .map_err(|e| format!("invalid tool_use chat template: {e:#}"))?;
-        }
+        let default_name = name.to_owned();
+        env.add_template_owned(default_name.clone(), default.to_owned())
+            .map_err(|e| format!("invalid chat template: {e}"))?;
+        let tool_use_name = match tool_use {
+            Some(t) => {
+                let n = format!("{name} ({TOOL_USE})");
+                env.add_template_owned(n.clone(), t.to_owned())
+                    .map_err(|e| format!("invalid tool_use chat template: {e}"))?;
+                Some(n)
+            }
+            None => None,
+        };
         Ok(Self {
             env,
-            has_tool_use: tool_use.is_some(),
+            default_name,
+            tool_use_name,
             bos_token: bos_token.unwrap_or_default(),
             eos_token: eos_token.unwrap_or_default(),
         })
@@ -73,6 +121,21 @@ impl ChatTemplate {
     pub fn from_tokenizer_config(
         config_json: Option<&str>,
         override_template: Option<&str>,
+    ) -> Result<Option<Self>, String> {
+        Self::from_tokenizer_config_named(
+            config_json,
+            "tokenizer_config.json",
+            override_template.map(|t| ("chat_template", t)),
+        )
+    }
+
+    /// [`Self::from_tokenizer_config`] with names for errors: `config_name` for the file's own
+    /// template (e.g. its path), and the override as `(name, text)` (e.g. a template file's
+    /// path and contents).
+    pub fn from_tokenizer_config_named(
+        config_json: Option<&str>,
+        config_name: &str,
+        override_template: Option<(&str, &str)>,
     ) -> Result<Option<Self>, String> {
         let cfg: serde_json::Value = match config_json {
             Some(text) => serde_json::from_str(text)
@@ -108,45 +171,136 @@ impl ChatTemplate {
                 )
             }
         }
-        if let Some(t) = override_template {
+        let mut name = config_name;
+        if let Some((n, t)) = override_template {
             default = Some(t.to_owned());
             tool_use = None;
+            name = n;
         }
         match default {
-            Some(d) => Self::new(&d, tool_use.as_deref(), bos, eos).map(Some),
+            Some(d) => Self::named(name, &d, tool_use.as_deref(), bos, eos).map(Some),
             None => Ok(None),
         }
     }
 
-    /// Renders the prompt. `messages` and `tools` are already normalised template values.
+    /// Renders the prompt with the defaults (`add_generation_prompt` true, no extra variables).
+    /// `messages` and `tools` are already normalised template values.
     pub fn render(&self, messages: Value, tools: Option<Value>) -> Result<String, AnalysisError> {
-        let name = if tools.is_some() && self.has_tool_use {
-            TOOL_USE
-        } else {
-            DEFAULT
-        };
-        let tmpl = self
-            .env
-            .get_template(name)
-            .map_err(|e| AnalysisError::internal(format!("chat template missing: {e}")))?;
-        let ctx = minijinja::context! {
-            messages => messages,
-            tools => tools.unwrap_or(Value::from(())),
-            add_generation_prompt => true,
-            bos_token => self.bos_token.as_str(),
-            eos_token => self.eos_token.as_str(),
-        };
-        tmpl.render(ctx).map_err(|e| {
+        self.render_with(messages, tools, &RenderOptions::default())
+    }
+
+    /// Renders the prompt with the request's template options. A `raise_exception(msg)` in the
+    /// template, or any other render failure, is a 400 `chat_template_error` (param
+    /// `messages`); its message gives the template line, never the template's file path.
+    pub fn render_with(
+        &self,
+        messages: Value,
+        tools: Option<Value>,
+        opts: &RenderOptions<'_>,
+    ) -> Result<String, AnalysisError> {
+        self.render_raw(messages, tools, opts).map_err(|e| {
             let text = e.detail().unwrap_or_default();
             match text.strip_prefix(RAISED) {
                 Some(msg) => AnalysisError::bad(Some("messages"), "chat_template_error", msg),
-                None => AnalysisError::bad(
-                    Some("messages"),
-                    "chat_template_error",
-                    format!("The chat template could not render these messages: {e:#}"),
-                ),
+                None => {
+                    let line = e
+                        .line()
+                        .map(|l| format!(" (template line {l})"))
+                        .unwrap_or_default();
+                    let what = match e.detail() {
+                        Some(d) => format!("{}: {d}", e.kind()),
+                        None => e.kind().to_string(),
+                    };
+                    AnalysisError::bad(
+                        Some("messages"),
+                        "chat_template_error",
+                        format!("The chat template could not render these messages: {what}{line}"),
+                    )
+                }
             }
         })
+    }
+
+    fn render_raw(
+        &self,
+        messages: Value,
+        tools: Option<Value>,
+        opts: &RenderOptions<'_>,
+    ) -> Result<String, Error> {
+        let name = match (&tools, &self.tool_use_name) {
+            (Some(_), Some(n)) => n,
+            _ => &self.default_name,
+        };
+        let tmpl = self.env.get_template(name)?;
+        let mut ctx: BTreeMap<String, Value> = BTreeMap::new();
+        ctx.insert("bos_token".into(), Value::from(self.bos_token.as_str()));
+        ctx.insert("eos_token".into(), Value::from(self.eos_token.as_str()));
+        if let Some(kwargs) = opts.kwargs {
+            for (k, v) in kwargs {
+                ctx.insert(k.clone(), to_value(v));
+            }
+        }
+        ctx.insert("messages".into(), messages);
+        ctx.insert("tools".into(), tools.unwrap_or(Value::from(())));
+        ctx.insert(
+            "add_generation_prompt".into(),
+            Value::from(opts.add_generation_prompt),
+        );
+        tmpl.render(Value::from(ctx))
+    }
+
+    /// Renders the template once on a sample conversation (system, user, an assistant tool
+    /// call, its tool result, with `tools`), as start-up and `kvgate check-config` do, so a
+    /// template that cannot render (an unknown filter or method, a type error) is refused
+    /// before the first request. A template may refuse a conversation on purpose with
+    /// `raise_exception` (many refuse a system message or tool roles); then it is tried on
+    /// the conversation without the system message, then on one user message, which it must
+    /// render.
+    ///
+    /// # Errors
+    /// The failure as minijinja words it, with the template's name and line, e.g.
+    /// `chat template /models/chat.jinja cannot render a sample conversation: unknown method:
+    /// string has no method named casefold (in /models/chat.jinja:3)`.
+    pub fn check(&self) -> Result<(), String> {
+        let call = serde_json::json!([{"id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]);
+        let system =
+            serde_json::json!({"role": "system", "content": "You are a helpful assistant."});
+        let user = serde_json::json!({"role": "user", "content": "What is the weather in Paris?"});
+        let assistant =
+            serde_json::json!({"role": "assistant", "content": null, "tool_calls": call});
+        let tool = serde_json::json!({"role": "tool", "tool_call_id": "call_1",
+            "name": "get_weather", "content": "{\"temperature_c\": 21}"});
+        let tools = serde_json::json!([{"type": "function", "function": {"name": "get_weather",
+            "description": "The current weather in a city.",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                "required": ["city"]}}}]);
+        let samples = [
+            (
+                vec![system, user.clone(), assistant.clone(), tool.clone()],
+                Some(&tools),
+            ),
+            (vec![user.clone(), assistant, tool], Some(&tools)),
+            (vec![user], None),
+        ];
+        let last = samples.len() - 1;
+        for (i, (messages, tools)) in samples.iter().enumerate() {
+            let messages = to_value(&serde_json::Value::Array(messages.clone()));
+            match self.render_raw(messages, tools.map(to_value), &RenderOptions::default()) {
+                Ok(_) => return Ok(()),
+                Err(e) => {
+                    let raised = e.detail().is_some_and(|d| d.starts_with(RAISED));
+                    if !raised || i == last {
+                        let shown = e.to_string().replace(RAISED, "raise_exception: ");
+                        return Err(format!(
+                            "chat template {} cannot render a sample conversation: {shown}",
+                            self.default_name
+                        ));
+                    }
+                }
+            }
+        }
+        Ok(())
     }
 }
 

@@ -79,16 +79,48 @@ pub fn estimate(text: &str) -> u64 {
     (text.len() as u64).div_ceil(4)
 }
 
-/// Texts longer than this (bytes) have their pre-tokenized words encoded in parallel.
-const PARALLEL_WORDS_MIN_BYTES: usize = 16 * 1024;
+/// Texts longer than this (bytes) are counted in segments of at most this size (see
+/// [`segments`]). The tokenizer's working memory grows by about 100 bytes per input byte (a
+/// normalised copy with per-byte alignments, then the BPE symbols of each word), so a 3 MB
+/// prompt counted whole took about 370 MB; in segments it takes a few MB per thread.
+pub const SEGMENT_BYTES: usize = 16 * 1024;
 
 /// Counts tokens the way `Tokenizer::encode_fast(text, add_special_tokens).len()` does, without
 /// building an `Encoding` (no token strings, offsets or masks are kept): added-token extraction
 /// and normalisation, pre-tokenisation, the model on each word, plus the post-processor's added
-/// tokens (BOS/EOS) when asked. Truncation and padding are off (see [`Counter::from_json`]), so
-/// this equals the encoding's length; the unit and Python tests check it against the
-/// `tokenizers` package. Long texts (rendered chat templates) are encoded word-parallel.
+/// tokens (BOS/EOS) once when asked. Truncation and padding are off (see
+/// [`Counter::from_json`]), so this equals the encoding's length; the unit and Python tests check
+/// it against the `tokenizers` package.
+///
+/// A text over [`SEGMENT_BYTES`] is cut into [`segments`], counted in parallel and summed.
+/// Cuts fall before a space between two letters or digits, where the usual pre-tokenizers
+/// (GPT-2 / Llama 3 style byte-level regexes, whitespace and Metaspace splitting) split anyway,
+/// so normal text keeps its exact count. Only a run of over [`SEGMENT_BYTES`] bytes with no
+/// such space (one character repeated, a base64 blob, unspaced CJK) is cut inside a word; each
+/// such cut may change the count by a few tokens, usually adding some, which is harmless for
+/// admission. (Tokenizers whose normaliser prepends a marker to every input, as SentencePiece
+/// conversions do, may count one more token per segment.)
 fn count_tokens(t: &Tokenizer, text: &str, add_special_tokens: bool) -> TkResult<u64> {
+    let words = if text.len() <= SEGMENT_BYTES {
+        count_segment(t, text)?
+    } else {
+        segments(text, SEGMENT_BYTES)
+            .into_maybe_par_iter()
+            .map(|seg| count_segment(t, seg))
+            .collect::<TkResult<Vec<usize>>>()?
+            .iter()
+            .sum()
+    };
+    let special = match (add_special_tokens, t.get_post_processor()) {
+        (true, Some(p)) => p.added_tokens(false),
+        _ => 0,
+    };
+    Ok((words + special) as u64)
+}
+
+/// Tokens of one piece of text without special tokens: added-token extraction, normalisation,
+/// pre-tokenisation, then the model on each word.
+fn count_segment(t: &Tokenizer, text: &str) -> TkResult<usize> {
     let mut pretok = t
         .get_added_vocabulary()
         .extract_and_normalize(t.get_normalizer(), text);
@@ -96,24 +128,56 @@ fn count_tokens(t: &Tokenizer, text: &str, add_special_tokens: bool) -> TkResult
         pre.pre_tokenize(&mut pretok)?;
     }
     let model = t.get_model();
-    let splits = pretok.get_splits(OffsetReferential::Normalized, OffsetType::None);
-    let per_word = |(word, _, tokens): (&str, _, &Option<Vec<tokenizers::Token>>)| match tokens {
-        Some(done) => Ok(done.len()),
-        None => model.tokenize(word).map(|v| v.len()),
+    pretok
+        .get_splits(OffsetReferential::Normalized, OffsetType::None)
+        .into_iter()
+        .map(|(word, _, tokens)| match tokens {
+            Some(done) => Ok(done.len()),
+            None => model.tokenize(word).map(|v| v.len()),
+        })
+        .sum()
+}
+
+/// Cuts `text` into consecutive pieces of at most `max` bytes (`max` ≥ 4). Each cut is the
+/// last ASCII space within reach that has a letter or digit on both sides (the space starts
+/// the next piece, as pre-tokenizers attach it to the following word); where there is none,
+/// the cut is at the last character boundary within reach, inside a word.
+pub fn segments(text: &str, max: usize) -> Vec<&str> {
+    let mut out = Vec::with_capacity(text.len() / max.max(1) + 1);
+    let mut rest = text;
+    while rest.len() > max {
+        let (piece, tail) = rest.split_at(cut_point(rest, max));
+        out.push(piece);
+        rest = tail;
+    }
+    out.push(rest);
+    out
+}
+
+/// Where [`segments`] cuts `text` (longer than `max`): a byte index in `1..=max`.
+fn cut_point(text: &str, max: usize) -> usize {
+    let bytes = text.as_bytes();
+    let alnum_before = |p: usize| {
+        text[..p]
+            .chars()
+            .next_back()
+            .is_some_and(char::is_alphanumeric)
     };
-    let words: usize = if text.len() >= PARALLEL_WORDS_MIN_BYTES {
-        splits
-            .into_maybe_par_iter()
-            .map(per_word)
-            .collect::<TkResult<Vec<usize>>>()?
-            .iter()
-            .sum()
-    } else {
-        splits.into_iter().map(per_word).sum::<TkResult<usize>>()?
+    let alnum_after = |p: usize| {
+        text[p + 1..]
+            .chars()
+            .next()
+            .is_some_and(char::is_alphanumeric)
     };
-    let special = match (add_special_tokens, t.get_post_processor()) {
-        (true, Some(p)) => p.added_tokens(false),
-        _ => 0,
-    };
-    Ok((words + special) as u64)
+    if let Some(p) = (1..=max)
+        .rev()
+        .find(|&p| bytes[p] == b' ' && alnum_before(p) && alnum_after(p))
+    {
+        return p;
+    }
+    let mut cut = max;
+    while !text.is_char_boundary(cut) {
+        cut -= 1;
+    }
+    cut
 }

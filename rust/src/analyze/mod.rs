@@ -10,9 +10,14 @@
 //!
 //! Inputs: the raw body bytes and the route. Config: [`AnalyzerConfig`] per model.
 //!
-//! Rules (ENGINES.md §5.5):
-//! - completion reservation = (`max_completion_tokens`, else `max_tokens`) × n, where n is
-//!   `max(n, best_of)` on `/v1/completions`, × the number of prompts for a batched prompt;
+//! Rules:
+//! - completion reservation = the per-choice cap × n, where n is `max(n, best_of)` on
+//!   `/v1/completions`, × the number of prompts for a batched prompt. The cap is
+//!   `max_completion_tokens`, else `max_tokens` on chat (OpenAI deprecated `max_tokens` there;
+//!   vLLM and SGLang read `max_completion_tokens` first), and `max_tokens`, else
+//!   `max_completion_tokens` on `/v1/completions` (the legacy API's field). A body with both
+//!   has the other one dropped before forwarding ([`Analysis::drop_cap`]): engines differ in
+//!   which one they read (TGI takes the two as one field), so the engine sees the cap reserved;
 //! - both absent: `default_max_tokens` if configured (capped at the room left in the window,
 //!   and reported in [`Analysis::inject_max_tokens`] so the gateway writes it into the forwarded
 //!   body), else the rest of the window, `context_window − prompt_tokens`, per choice (what
@@ -24,7 +29,9 @@
 //!   ([`responses::as_chat`]) and reserves `max_output_tokens` (absent: as chat), `n` = 1.
 //!
 //! Counting ([`Counting`]): a chat template, when configured, is rendered and the result counted
-//! without adding special tokens (the template writes them, as in vLLM); without one, each
+//! without adding special tokens (the template writes them, as in vLLM), with the body's
+//! `chat_template_kwargs`, `add_generation_prompt` and `continue_final_message` applied as vLLM
+//! applies them; without one, each
 //! message costs its text tokens plus `per_message_overhead`. Raw prompts and embedding inputs
 //! are counted with the tokenizer's special tokens (BOS/EOS post-processor), as engines encode
 //! them. Image parts cost `image_tokens`, audio parts `audio_tokens`.
@@ -50,7 +57,7 @@ use std::sync::Arc;
 use serde_json::Value;
 
 pub use body::Obj;
-pub use chat::ChatTemplate;
+pub use chat::{ChatTemplate, RenderOptions};
 pub use count::Counter;
 pub use error::AnalysisError;
 
@@ -187,6 +194,10 @@ pub struct Analysis {
     pub inject_max_tokens: Option<u64>,
     /// How the prompt was counted.
     pub counting: Counting,
+    /// The completion cap the gateway must remove from the forwarded body
+    /// (`"max_tokens"` or `"max_completion_tokens"`): the body had both keys and the other one
+    /// was reserved, so the engine receives exactly the cap kvgate reserved for.
+    pub drop_cap: Option<&'static str>,
 }
 
 /// One model's analyser: tokenizer, optional chat template, limits. Immutable and `Sync`.
@@ -241,7 +252,7 @@ pub fn peek_model(body: &[u8]) -> Result<String, AnalysisError> {
             d.deserialize_map(Visit)
         }
     }
-    let peek: Peek = serde_json::from_slice(body).map_err(|e| {
+    let peek: Peek = body::parse_lenient(body).map_err(|e| {
         if e.is_data() {
             AnalysisError::bad(
                 None,
@@ -257,6 +268,35 @@ pub fn peek_model(body: &[u8]) -> Result<String, AnalysisError> {
         Some(Value::String(s)) => Ok(s),
         Some(v) => Err(AnalysisError::invalid_type("model", "a string", &v)),
     }
+}
+
+/// The per-choice completion cap a body asks for, and the other cap key to drop from the
+/// forwarded body when it has both (see the module rules): on chat `max_completion_tokens`
+/// wins, on `/v1/completions` `max_tokens`. Both are validated as integers in
+/// `1..=2**62` (larger is never needed: the context check refuses anything over the window).
+fn completion_cap(
+    route: Route,
+    obj: &Obj,
+) -> Result<(Option<u64>, Option<&'static str>), AnalysisError> {
+    const MT: &str = "max_tokens";
+    const MCT: &str = "max_completion_tokens";
+    let max = crate::error::MAX_AMOUNT;
+    if route == Route::Responses {
+        // the Responses API has one cap of its own; chat's keys mean nothing there
+        return Ok((body::opt_uint(obj, "max_output_tokens", 1, max)?, None));
+    }
+    let mct = body::opt_uint(obj, MCT, 1, max)?;
+    let mt = body::opt_uint(obj, MT, 1, max)?;
+    let ((first, first_key), (second, other_key)) = if route == Route::Completions {
+        ((mt, MT), (mct, MCT))
+    } else {
+        ((mct, MCT), (mt, MT))
+    };
+    Ok(match (first, second) {
+        (Some(m), _) => (Some(m), obj.contains_key(other_key).then_some(other_key)),
+        (None, Some(m)) => (Some(m), obj.contains_key(first_key).then_some(first_key)),
+        (None, None) => (None, None),
+    })
 }
 
 impl RequestAnalyzer {
@@ -395,6 +435,7 @@ impl RequestAnalyzer {
                 reserved_tokens: prompt_tokens,
                 inject_max_tokens: None,
                 counting,
+                drop_cap: None,
             });
         }
 
@@ -422,13 +463,7 @@ impl RequestAnalyzer {
         } else {
             "max_tokens"
         };
-        let requested = match route {
-            Route::Responses => body::opt_uint(obj, "max_output_tokens", 1, u64::MAX)?,
-            _ => match body::opt_uint(obj, "max_completion_tokens", 1, u64::MAX)? {
-                Some(m) => Some(m),
-                None => body::opt_uint(obj, "max_tokens", 1, u64::MAX)?,
-            },
-        };
+        let (requested, drop_cap) = completion_cap(route, obj)?;
         let per_prompt = |per_choice: u64| per_choice.saturating_mul(n);
         let (completion_tokens, inject_max_tokens) = match requested {
             Some(m) => {
@@ -488,6 +523,7 @@ impl RequestAnalyzer {
             reserved_tokens,
             inject_max_tokens,
             counting,
+            drop_cap,
         })
     }
 
@@ -516,6 +552,7 @@ impl RequestAnalyzer {
         }
         let tools = body::opt_array(obj, "tools", "tools")?;
         let functions = body::opt_array(obj, "functions", "functions")?;
+        let (opts, continue_final_message) = template_inputs(obj)?;
         let mut media = 0u64;
         let mut parsed = Vec::with_capacity(messages.len());
         for (i, m) in messages.iter().enumerate() {
@@ -527,7 +564,12 @@ impl RequestAnalyzer {
                 let values: Vec<minijinja::Value> =
                     parsed.iter().map(ChatMessage::template_value).collect();
                 let tools_value = tools.map(|t| chat::to_value(&Value::Array(t.clone())));
-                let rendered = tpl.render(minijinja::Value::from(values), tools_value)?;
+                let mut rendered =
+                    tpl.render_with(minijinja::Value::from(values), tools_value, &opts)?;
+                if continue_final_message {
+                    let end = continued_end(&rendered, parsed.last())?;
+                    rendered.truncate(end);
+                }
                 let count = self.counter.count(&rendered, false)?;
                 let counting = if self.counter.is_exact() {
                     Counting::ChatTemplate
@@ -792,6 +834,60 @@ impl RequestAnalyzer {
             }
         }
         Ok(ids.len() as u64)
+    }
+}
+
+/// What a chat body sets for its template: `add_generation_prompt` (default true, false
+/// when the final message is continued), `chat_template_kwargs` (an object), and whether
+/// `continue_final_message` is set. Validated with or without a template.
+fn template_inputs(obj: &Obj) -> Result<(RenderOptions<'_>, bool), AnalysisError> {
+    let add_generation_prompt =
+        body::opt_bool(obj, "add_generation_prompt", "add_generation_prompt")?;
+    let continue_final_message =
+        body::opt_bool(obj, "continue_final_message", "continue_final_message")?.unwrap_or(false);
+    if continue_final_message && add_generation_prompt == Some(true) {
+        // vLLM refuses the pair the same way (a generation prompt after a message that is
+        // to be continued makes no sense)
+        return Err(AnalysisError::invalid_value(
+            "continue_final_message",
+            "Cannot set both 'continue_final_message' and 'add_generation_prompt' to true.",
+        ));
+    }
+    let kwargs = match obj.get("chat_template_kwargs") {
+        None | Some(Value::Null) => None,
+        Some(Value::Object(o)) => Some(o),
+        Some(v) => {
+            return Err(AnalysisError::invalid_type(
+                "chat_template_kwargs",
+                "an object",
+                v,
+            ))
+        }
+    };
+    let opts = RenderOptions {
+        add_generation_prompt: add_generation_prompt.unwrap_or(!continue_final_message),
+        kwargs,
+    };
+    Ok((opts, continue_final_message))
+}
+
+/// Where the rendered prompt ends when the final message is continued: right after the last
+/// occurrence of that message's text (stripped of surrounding whitespace), so the template's
+/// end-of-turn tokens after it are not counted. This is transformers' `continue_final_message`
+/// rule, which vLLM applies.
+fn continued_end(rendered: &str, last: Option<&ChatMessage<'_>>) -> Result<usize, AnalysisError> {
+    let text = last
+        .and_then(|m| m.text.as_deref())
+        .unwrap_or_default()
+        .trim();
+    match rendered.rfind(text) {
+        Some(at) => Ok(at + text.len()),
+        None => Err(AnalysisError::bad(
+            Some("continue_final_message"),
+            "chat_template_error",
+            "continue_final_message is set but the final message's text does not appear in the \
+             prompt the chat template renders, so it cannot be continued.",
+        )),
     }
 }
 

@@ -373,9 +373,31 @@ fn max_tokens_fields_and_n() {
         (8, 30, 3, 38)
     );
     assert!(r.stream && r.include_usage);
-    // max_completion_tokens wins over max_tokens.
+    // max_completion_tokens wins over max_tokens on chat; the other key is to be dropped.
     let r = chat(&a, &serde_json::json!({"model": "m", "messages": msgs, "max_tokens": 10, "max_completion_tokens": 5})).unwrap();
-    assert_eq!(r.completion_tokens, 5);
+    assert_eq!((r.completion_tokens, r.drop_cap), (5, Some("max_tokens")));
+    let r = chat(&a, &serde_json::json!({"model": "m", "messages": msgs, "max_tokens": 10, "max_completion_tokens": null})).unwrap();
+    assert_eq!(
+        (r.completion_tokens, r.drop_cap),
+        (10, Some("max_completion_tokens"))
+    );
+    let r = chat(
+        &a,
+        &serde_json::json!({"model": "m", "messages": msgs, "max_completion_tokens": 7}),
+    )
+    .unwrap();
+    assert_eq!((r.completion_tokens, r.drop_cap), (7, None));
+    // on the legacy completions route max_tokens is the field
+    let r = a
+        .analyze(
+            "/v1/completions",
+            br#"{"model": "m", "prompt": "ab", "max_tokens": 10, "max_completion_tokens": 5}"#,
+        )
+        .unwrap();
+    assert_eq!(
+        (r.completion_tokens, r.drop_cap),
+        (10, Some("max_completion_tokens"))
+    );
     // null means absent.
     let r = chat(
         &a,
@@ -411,6 +433,27 @@ fn bad_field_types_name_the_param() {
         ),
         (serde_json::json!(0), "n", "integer_below_min_value"),
         (serde_json::json!(129), "n", "integer_above_max_value"),
+        (serde_json::json!(1e30), "n", "integer_above_max_value"),
+        (
+            serde_json::json!(1e30),
+            "max_tokens",
+            "integer_above_max_value",
+        ),
+        (
+            serde_json::json!(1e30),
+            "max_completion_tokens",
+            "integer_above_max_value",
+        ),
+        (
+            serde_json::json!(-1e30),
+            "max_tokens",
+            "integer_below_min_value",
+        ),
+        (
+            serde_json::json!(crate::error::MAX_AMOUNT + 1),
+            "max_tokens",
+            "integer_above_max_value",
+        ),
         (serde_json::json!("yes"), "stream", "invalid_type"),
     ];
     for (value, field, code) in cases {
@@ -718,7 +761,6 @@ fn malformed_bodies_are_400_invalid_json() {
         b"",
         b"{",
         b"not json",
-        b"{\"model\": \"m\", \"messages\": [{\"role\": \"user\", \"content\": \"\\ud800\"}]}",
         b"{\"model\": \"m\", \"messages\": [{\"role\": \"user\", \"content\": \"\xff\xfe\"}]}",
         deep_array.as_bytes(),
         deep_object.as_bytes(),
@@ -921,4 +963,180 @@ fn limits_past_what_the_core_accounts_are_refused() {
     )
     .unwrap();
     assert_eq!(ok.completion_tokens, 10);
+}
+
+#[test]
+fn integers_too_large_for_64_bits_say_the_bound() {
+    let a = exact(1000);
+    for field in ["max_tokens", "max_completion_tokens", "n", "best_of"] {
+        let body =
+            format!(r#"{{"model": "m", "prompt": "x", "{field}": 99999999999999999999999}}"#);
+        let e = err_of(a.analyze("/v1/completions", body.as_bytes()));
+        assert_eq!(
+            (e.status, e.param.as_deref(), e.code),
+            (400, Some(field), Some("integer_above_max_value")),
+            "{}",
+            e.message
+        );
+        let max = if field.starts_with("max") {
+            crate::error::MAX_AMOUNT
+        } else {
+            MAX_N
+        };
+        assert!(
+            e.message.contains(&format!("Expected a value <= {max}")),
+            "{}",
+            e.message
+        );
+        assert!(!e.message.contains("decimal"), "{}", e.message);
+    }
+    // a decimal in range is still a type error, as OpenAI answers
+    let e = err_of(a.analyze(
+        "/v1/completions",
+        br#"{"model": "m", "prompt": "x", "max_tokens": 10.5}"#,
+    ));
+    assert_eq!(e.code, Some("invalid_type"));
+}
+
+#[test]
+fn lone_surrogate_escapes_are_read_as_the_replacement_character() {
+    let a = exact(1000);
+    // U+FFFD is 3 UTF-8 bytes: 3 tokens with the byte tokenizer, + 4 overhead
+    for (content, tokens) in [
+        (r"\ud800", 3),
+        (r"\udc00x", 4),
+        (r"a\uD83Db", 5),
+        (r"\ud83d\ud83d\ude00", 3 + 4),
+        (r"\\ud800", 6),
+        (r"\\\ud800", 1 + 3),
+    ] {
+        let body =
+            format!(r#"{{"model":"m","messages":[{{"role":"user","content":"{content}"}}]}}"#);
+        let r = a.analyze("/v1/chat/completions", body.as_bytes()).unwrap();
+        assert_eq!(r.prompt_tokens, tokens + 4, "{content}");
+        assert_eq!(peek_model(body.as_bytes()).unwrap(), "m");
+    }
+    assert_eq!(
+        body::replace_lone_surrogates(br#"["\ud800", "\\ud800", "\ud83d\ude00", "\udfff"]"#)
+            .unwrap(),
+        br#"["\ufffd", "\\ud800", "\ud83d\ude00", "\ufffd"]"#.to_vec()
+    );
+    assert!(body::replace_lone_surrogates(br#"{"a": "\u00e9\n"}"#).is_none());
+    // a body broken otherwise keeps its own error
+    let e = err_of(a.analyze("/v1/chat/completions", br#"{"model": "m", "x": "\ud800"#));
+    assert_eq!(e.code, Some("invalid_json"));
+}
+
+#[test]
+fn chat_template_kwargs_and_generation_flags_reach_the_template() {
+    let tpl = "{% for m in messages %}{{ m['content'] }}|{% endfor %}\
+        {% if enable_thinking is defined and not enable_thinking %}<no_think>{% endif %}\
+        {% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}{{ bos_token }}";
+    let a = templated(1000, tpl);
+    let msgs = serde_json::json!([{"role": "user", "content": "ab"}]);
+    let count = |extra: Value| {
+        let mut body = serde_json::json!({"model": "m", "messages": msgs});
+        for (k, v) in extra.as_object().unwrap() {
+            body[k] = v.clone();
+        }
+        chat(&a, &body)
+    };
+    let base = count(serde_json::json!({})).unwrap().prompt_tokens;
+    assert_eq!(base, 3 + 1 + 10 + 1); // "ab|" + im_start + "assistant\n" + <s>
+    let off = count(serde_json::json!({"chat_template_kwargs": {"enable_thinking": false}}))
+        .unwrap()
+        .prompt_tokens;
+    assert_eq!(off, base + "<no_think>".len() as u64);
+    let no_gen = count(serde_json::json!({"add_generation_prompt": false}))
+        .unwrap()
+        .prompt_tokens;
+    assert_eq!(no_gen, 3 + 1);
+    // kwargs may replace bos_token (as transformers lets them), never messages
+    let r =
+        count(serde_json::json!({"chat_template_kwargs": {"bos_token": "xyz", "messages": []}}))
+            .unwrap();
+    assert_eq!(r.prompt_tokens, base - 1 + 3);
+    let e = err_of(count(serde_json::json!({"chat_template_kwargs": [1]})));
+    assert_eq!(
+        (e.param.as_deref(), e.code),
+        (Some("chat_template_kwargs"), Some("invalid_type"))
+    );
+    let e = err_of(count(serde_json::json!({"add_generation_prompt": "no"})));
+    assert_eq!(e.param.as_deref(), Some("add_generation_prompt"));
+    let e = err_of(count(
+        serde_json::json!({"continue_final_message": true, "add_generation_prompt": true}),
+    ));
+    assert_eq!(
+        (e.param.as_deref(), e.code),
+        (Some("continue_final_message"), Some("invalid_value"))
+    );
+}
+
+#[test]
+fn continue_final_message_ends_the_prompt_after_the_last_message() {
+    let a = templated(1000, CHATML);
+    let body = serde_json::json!({"model": "m", "continue_final_message": true, "messages": [
+        {"role": "user", "content": "c"}, {"role": "assistant", "content": " Once upon "}]});
+    let r = chat(&a, &body).unwrap();
+    // <|im_start|>user\nc<|im_end|>\n = 1+5+1+1+1 ; <|im_start|>assistant\n + "Once upon"
+    assert_eq!(r.prompt_tokens, 9 + 1 + 10 + 1 + 9);
+    // a template that drops the message's text cannot be continued
+    let a = templated(1000, "{% for m in messages %}{{ m['role'] }}{% endfor %}");
+    let e = err_of(chat(&a, &body));
+    assert_eq!(
+        (e.param.as_deref(), e.code),
+        (Some("continue_final_message"), Some("chat_template_error"))
+    );
+}
+
+#[test]
+fn template_check_names_the_file_and_line() {
+    let good = ChatTemplate::named("/t/chatml.jinja", CHATML, None, None, None).unwrap();
+    assert!(good.check().is_ok());
+    // refuses system messages on purpose: accepted (one user message renders)
+    let picky = "{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}{{ m['content'] }}{% endfor %}";
+    assert!(ChatTemplate::new(picky, None, None, None)
+        .unwrap()
+        .check()
+        .is_ok());
+    // refuses everything: refused, with the template's words
+    let never = ChatTemplate::named(
+        "/t/never.jinja",
+        "{{ raise_exception('no') }}",
+        None,
+        None,
+        None,
+    )
+    .unwrap();
+    let e = never.check().unwrap_err();
+    assert!(e.contains("/t/never.jinja") && e.contains("no"), "{e}");
+    // an unknown method in the tool-call branch only: refused with file and line
+    let broken = "{% for m in messages %}\n{% if m.tool_calls %}\n{{ m['content'].casefold() }}\n{% endif %}{% endfor %}";
+    let e = ChatTemplate::named("/t/broken.jinja", broken, None, None, None)
+        .unwrap()
+        .check()
+        .unwrap_err();
+    assert!(e.contains("/t/broken.jinja:3"), "{e}");
+    let e = ChatTemplate::named("/t/syntax.jinja", "a\n{% for %}", None, None, None)
+        .err()
+        .unwrap();
+    assert!(e.contains("/t/syntax.jinja:2"), "{e}");
+}
+
+#[test]
+fn long_texts_are_counted_in_segments_cut_between_words() {
+    let text = "alpha beta, gamma 12 delta ".repeat(3000);
+    let pieces = count::segments(&text, 1000);
+    assert_eq!(pieces.concat(), text);
+    for p in &pieces[1..] {
+        assert!(p.len() <= 1000 && p.starts_with(' '), "{p:.20}");
+    }
+    // one unbroken run: cut at character boundaries
+    let run = "é".repeat(5000);
+    let pieces = count::segments(&run, 1001);
+    assert_eq!(pieces.concat(), run);
+    assert!(pieces.iter().all(|p| p.len() <= 1001 && !p.is_empty()));
+    let a = exact(u64::MAX >> 2);
+    let body = serde_json::json!({"model": "m", "messages": [{"role": "user", "content": "a".repeat(3_000_000)}]});
+    assert_eq!(chat(&a, &body).unwrap().prompt_tokens, 3_000_000 + 4);
 }
