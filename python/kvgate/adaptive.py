@@ -163,6 +163,7 @@ def poll_targets(gateway: Gateway) -> list[Any]:
     targets = []
     for b in gateway.backends:
         cfg = b.config
+        found = gateway.discovery.get(b.name)
         adaptive = getattr(cfg, "adaptive", None)
         interval = adaptive.poll_interval if adaptive is not None else 1.0
         targets.append(
@@ -172,7 +173,9 @@ def poll_targets(gateway: Gateway) -> list[Any]:
                 engine=b.engine,
                 model=b.models[0] if len(b.models) == 1 else None,
                 health_url=cfg.effective_health_url if cfg is not None else None,
-                slots_url=(b.url + "/slots") if b.engine == "llamacpp" else None,
+                # with `auto`, read only once the metrics name llama.cpp
+                slots_url=(b.url + "/slots") if b.engine in ("llamacpp", "auto") else None,
+                kv_unified=bool(found is not None and found.kv_unified),
                 poll_interval=interval,
                 scrape_timeout=getattr(adaptive, "scrape_timeout", None),
                 stale_after=adaptive.stale_after if adaptive is not None else 5.0,
