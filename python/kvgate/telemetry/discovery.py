@@ -38,7 +38,6 @@ from __future__ import annotations
 import logging
 import urllib.error
 import urllib.request
-from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -353,8 +352,3 @@ def discover_engine(
             info.sources["kv_capacity_tokens"] = f"GET /metrics {where}".strip()
     logger.debug("discovered %s: %s", base, info)
     return info
-
-
-def contexts(info: EngineInfo) -> Mapping[str, int | None]:
-    """``{model: context window or None}``."""
-    return {m.name: m.context_window for m in info.models}
