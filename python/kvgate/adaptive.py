@@ -111,6 +111,19 @@ class AdaptiveSink:
         kv = reading.kv_usage if reading.kv_usage is not None else 0.0
         self._apply(backend, kv, int(reading.waiting or 0))
         self._discover_capacity(b, reading)
+        self._discover_slots(b, reading)
+
+    def _discover_slots(self, b: Any, reading: EngineReading) -> None:
+        """The quick start's slot limit follows the engine's own (llama.cpp ``/slots``), e.g.
+        after the engine restarted with another ``--parallel``; only when the limit in force
+        is the one discovered from the engine, never a configured one."""
+        slots = reading.slots
+        known = self._gw.engine_slots.get(b.name)
+        if not slots or known is None or slots == known:
+            return
+        self._gw.engine_slots[b.name] = slots
+        self._gw.controller.update_backend(b.id, max_concurrency=slots)
+        logger.info("backend %s: slot limit %d (the engine's slots, was %d)", b.name, slots, known)
 
     def _discover_capacity(self, b: Any, reading: EngineReading) -> None:
         cap = reading.kv_capacity_tokens

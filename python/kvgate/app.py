@@ -194,6 +194,8 @@ class Gateway:
     #: backend name → what the engine said about itself at start-up
     #: (:class:`kvgate.telemetry.discovery.EngineInfo`; ``kvgate serve --upstream``)
     discovery: dict[str, Any] = field(default_factory=dict)
+    #: backend name → its slot limit, where that limit is the engine's own (discovered)
+    engine_slots: dict[str, int] = field(init=False, default_factory=dict)
     poller: Any = field(init=False, default=None)
     queue: Any = field(init=False, default=None)
     registry: Any = field(init=False, default=None)

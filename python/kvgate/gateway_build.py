@@ -128,7 +128,8 @@ def build_gateway(
         discovery: backend name → :class:`~kvgate.telemetry.discovery.EngineInfo` (the quick
             start's discovery): its KV capacity × ``capacity_safety_factor`` is the backend's
             in-flight token budget from the start when the configuration sets none (the poller
-            keeps it current), and ``/admin/state`` shows it.
+            keeps it current), a slot limit equal to the engine's slots follows the engine's
+            slot count on later polls, and ``/admin/state`` shows it.
     """
     if controller is None:
         controller = build_controller(config, shm_name=shm_name, create=shm_name is None)
@@ -170,6 +171,8 @@ def build_gateway(
     _set_tenants(gateway, config)
     for b in config.backends:
         found = gateway.discovery.get(b.name)
+        if found is not None and found.slots == b.max_concurrency:
+            gateway.engine_slots[b.name] = b.max_concurrency  # polls keep it the engine's
         cap = getattr(found, "kv_capacity_tokens", None)
         if cap and b.inflight_token_limit is None:
             budget = max(1, int(cap * b.capacity_safety_factor))

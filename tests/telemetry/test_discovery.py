@@ -216,3 +216,42 @@ def test_gateway_uses_what_was_discovered() -> None:
     state = gw.controller.backend_state(gw.backends[0].id)
     assert state["inflight_token_limit"] == int(8192 * 0.9)
     assert gw.discovery["b0"] is info
+
+
+def test_slot_limit_follows_the_engines_slots_on_each_poll() -> None:
+    """A slot limit taken from the engine follows it when a poll sees another slot count
+    (llama.cpp restarted with another --parallel); a configured limit does not."""
+    from kvgate.adaptive import AdaptiveSink
+    from kvgate.config import Config
+    from kvgate.gateway_build import build_gateway
+    from kvgate.telemetry.discovery import EngineInfo
+    from kvgate.telemetry.engine_metrics import parse_llamacpp_slots, read_engine_metrics
+
+    def gateway(max_concurrency: int) -> Any:
+        url = "http://127.0.0.1:9"
+        config = Config.model_validate(
+            {
+                "backends": [
+                    {
+                        "name": "b0",
+                        "url": url,
+                        "models": [{"name": "m", "context_window": 1024}],
+                        "max_concurrency": max_concurrency,
+                    }
+                ]
+            }
+        )
+        info = EngineInfo(url=url, engine="llamacpp", slots=4)
+        return build_gateway(config, poll=False, discovery={"b0": info})
+
+    two_slots = parse_llamacpp_slots(
+        [{"id": i, "n_ctx": 2048, "is_processing": False} for i in range(2)]
+    )
+    reading = read_engine_metrics(
+        (FIXTURES / "llamacpp-mainline-no-kv-metrics.prom").read_text(), slots=two_slots
+    )
+    assert (reading.slots, reading.sources["slots"]) == (2, "GET /slots (entries)")
+    for configured, after in ((4, 2), (8, 8)):
+        gw = gateway(configured)
+        AdaptiveSink(gw).on_reading("b0", reading, 0.0)
+        assert gw.controller.backend_state(gw.backends[0].id)["max_concurrency"] == after

@@ -148,6 +148,8 @@ class EngineReading:
             ``tgi_batch_max_total_tokens``, Triton ``max × tokens_per`` blocks, llama.cpp
             ``GET /slots``: the sum of the slots' ``n_ctx``, or one slot's with a unified KV
             pool).
+        slots: the engine's own concurrency limit when a scrape states it (llama.cpp: the
+            entries of ``GET /slots``).
         sources: field name → the metric name(s) it was read from, e.g.
             ``{"kv_usage": "vllm:kv_cache_usage_perc"}``.
         skipped_lines: exposition lines that could not be parsed and were skipped.
@@ -159,6 +161,7 @@ class EngineReading:
     waiting: int | None = None
     preemptions_total: float | None = None
     kv_capacity_tokens: int | None = None
+    slots: int | None = None
     sources: Mapping[str, str] = field(default_factory=dict, hash=False)
     skipped_lines: int = 0
 
@@ -442,6 +445,7 @@ class _Fields:
     waiting: int | None = None
     preemptions_total: float | None = None
     kv_capacity_tokens: int | None = None
+    slots: int | None = None
     sources: dict[str, str] = field(default_factory=dict)
 
 
@@ -578,6 +582,9 @@ def _read_llamacpp(view: _View, out: _Fields, slots: SlotsSnapshot | None) -> No
         if out.running is None:
             out.running = slots.busy
             out.sources["running"] = "GET /slots (is_processing)"
+        if slots.total:
+            out.slots = slots.total
+            out.sources["slots"] = "GET /slots (entries)"
         if slots.kv_capacity_tokens:
             out.kv_capacity_tokens = slots.kv_capacity_tokens
             out.sources["kv_capacity_tokens"] = (
@@ -804,6 +811,7 @@ def read_engine_metrics(
         waiting=out.waiting,
         preemptions_total=out.preemptions_total,
         kv_capacity_tokens=out.kv_capacity_tokens,
+        slots=out.slots,
         sources=dict(out.sources),
         skipped_lines=skipped,
     )
