@@ -23,7 +23,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -83,8 +83,8 @@ def _metric_sum(text: str, name: str) -> float:
     return total
 
 
-def _stop(proc: subprocess.Popen[Any]) -> str:
-    """SIGTERM, then SIGKILL after a bounded wait; returns what it wrote to its log."""
+def _stop(proc: subprocess.Popen[Any]) -> None:
+    """SIGTERM, then SIGKILL after a bounded wait."""
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
         try:
@@ -92,7 +92,6 @@ def _stop(proc: subprocess.Popen[Any]) -> str:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(timeout=20)
-    return ""
 
 
 @pytest.fixture(scope="session")
@@ -138,7 +137,6 @@ class Engine:
     #: the engine's counter of generated tokens and prompt tokens (Prometheus names)
     generated_metric: str = ""
     prompt_metric: str = ""
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def slots(self) -> list[dict[str, Any]]:
         """``GET /slots``."""
