@@ -29,8 +29,12 @@ build: venv ## build the Rust extension (release) into .venv
 test-rust: ## cargo tests of the pure-Rust core
 	cargo test -p kvgate-core $(CARGO_FEATURES_OFF) -q
 
+.PHONY: llama-server
+llama-server: ## build llama.cpp's llama-server for tests/realengine (cached under ~/.cache/kvgate)
+	bash scripts/build-llama-server.sh
+
 .PHONY: test-py
-test-py: build ## pytest (unit, property, integration over loopback)
+test-py: build llama-server ## pytest (unit, property, integration over loopback, real engine)
 	$(PY) -m pytest tests -q
 
 .PHONY: test

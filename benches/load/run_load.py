@@ -562,7 +562,7 @@ def render(
         "`stream_options.include_usage: true`); the upstream answers a fixed completion with "
         "usage, or 4 SSE chunks + a usage chunk + `[DONE]`.",
         "",
-        "kvgate refusal path: `kvgate serve --upstream U --model fast --no-adaptive --tpm 60` "
+        "kvgate refusal path: `kvgate serve --upstream U --model fast --no-adaptive --tpm 60 --max-wait 0` "
         "(the backend TPM bucket is empty after the first request: every request is read, its "
         "tenant identified, analysed by the Rust analyser and refused by the admission core, "
         "503 `backend-tpm` with a computed `Retry-After` and `x-ratelimit-*` headers). Admit "
@@ -669,8 +669,8 @@ def main(argv: list[str] | None = None) -> int:
         Server(
             "bare-proxy", [py, str(HERE / "bare_proxy.py"), str(portproxy), up.url], portproxy, "/"
         ),
-        kvgate("kvgate-refuse-1w", 1, ["--tpm", "60"]),
-        kvgate("kvgate-refuse-2w", 2, ["--tpm", "60"]),
+        kvgate("kvgate-refuse-1w", 1, ["--tpm", "60", "--max-wait", "0"]),
+        kvgate("kvgate-refuse-2w", 2, ["--tpm", "60", "--max-wait", "0"]),
         kvgate("kvgate-1w", 1, ["--max-concurrency", "100000", "--tpm", str(10**12)]),
         kvgate("kvgate-2w", 2, ["--max-concurrency", "100000", "--tpm", str(10**12)]),
     ]

@@ -111,6 +111,19 @@ class AdaptiveSink:
         kv = reading.kv_usage if reading.kv_usage is not None else 0.0
         self._apply(backend, kv, int(reading.waiting or 0))
         self._discover_capacity(b, reading)
+        self._discover_slots(b, reading)
+
+    def _discover_slots(self, b: Any, reading: EngineReading) -> None:
+        """The quick start's slot limit follows the engine's own (llama.cpp ``/slots``), e.g.
+        after the engine restarted with another ``--parallel``; only when the limit in force
+        is the one discovered from the engine, never a configured one."""
+        slots = reading.slots
+        known = self._gw.engine_slots.get(b.name)
+        if not slots or known is None or slots == known:
+            return
+        self._gw.engine_slots[b.name] = slots
+        self._gw.controller.update_backend(b.id, max_concurrency=slots)
+        logger.info("backend %s: slot limit %d (the engine's slots, was %d)", b.name, slots, known)
 
     def _discover_capacity(self, b: Any, reading: EngineReading) -> None:
         cap = reading.kv_capacity_tokens
@@ -163,6 +176,7 @@ def poll_targets(gateway: Gateway) -> list[Any]:
     targets = []
     for b in gateway.backends:
         cfg = b.config
+        found = gateway.discovery.get(b.name)
         adaptive = getattr(cfg, "adaptive", None)
         interval = adaptive.poll_interval if adaptive is not None else 1.0
         targets.append(
@@ -172,7 +186,9 @@ def poll_targets(gateway: Gateway) -> list[Any]:
                 engine=b.engine,
                 model=b.models[0] if len(b.models) == 1 else None,
                 health_url=cfg.effective_health_url if cfg is not None else None,
-                slots_url=(b.url + "/slots") if b.engine == "llamacpp" else None,
+                # with `auto`, read only once the metrics name llama.cpp
+                slots_url=(b.url + "/slots") if b.engine in ("llamacpp", "auto") else None,
+                kv_unified=bool(found is not None and found.kv_unified),
                 poll_interval=interval,
                 scrape_timeout=getattr(adaptive, "scrape_timeout", None),
                 stale_after=adaptive.stale_after if adaptive is not None else 5.0,

@@ -195,6 +195,11 @@ class Gateway:
     watchdog: Watchdog = field(init=False, default_factory=Watchdog)
     metrics: GatewayMetrics = field(init=False)
     discovered_capacity: dict[str, int] = field(init=False, default_factory=dict)
+    #: backend name → what the engine said about itself at start-up
+    #: (:class:`kvgate.telemetry.discovery.EngineInfo`; ``kvgate serve --upstream``)
+    discovery: dict[str, Any] = field(default_factory=dict)
+    #: backend name → its slot limit, where that limit is the engine's own (discovered)
+    engine_slots: dict[str, int] = field(init=False, default_factory=dict)
     poller: Any = field(init=False, default=None)
     queue: Any = field(init=False, default=None)
     registry: Any = field(init=False, default=None)
@@ -721,7 +726,9 @@ async def handle_readyz(gw: Gateway, request: web.BaseRequest) -> web.Response:
 
 async def handle_admin_state(gw: Gateway, request: web.BaseRequest) -> Reply:
     """``GET /admin/state``: each backend's base and effective limits, scale, in-use, KV usage,
-    waiting and age of the last good scrape; each tenant's usage, quota and queue depth.
+    waiting, age of the last good scrape and (quick start) what its engine said about itself
+    (``discovered``: engine, models and context windows, slots, KV capacity, each with its
+    source); each tenant's usage, quota and queue depth.
     Needs the admin key (``Authorization: Bearer``) when ``admin_key_sha256`` is configured."""
     want = getattr(gw.config, "admin_key_sha256", None)
     if want:
@@ -746,6 +753,9 @@ async def handle_admin_state(gw: Gateway, request: web.BaseRequest) -> Reply:
             waiting=b.waiting,
             last_good_scrape_age=_scrape_age(gw, b),
         )
+        found = gw.discovery.get(b.name)
+        if found is not None:
+            st["discovered"] = found.as_dict()
         backends.append(st)
     tenants = []
     for t in gw.tenants:

@@ -43,8 +43,11 @@ QUICK_START = (
     "tokenizer",
     "context_window",
     "no_adaptive",
+    "max_wait",
 )
-QUICK_DEFAULTS = {"max_concurrency": 64, "tpm": 1_000_000}
+#: Fallbacks when the engine does not state its own batch limit / for the TPM bucket; the quick
+#: start's queue wait (seconds) for a request the limits refuse.
+QUICK_DEFAULTS = {"max_concurrency": 64, "tpm": 1_000_000, "max_wait": 30.0}
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
@@ -115,7 +118,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-concurrency",
         type=amount,
         default=None,
-        help=f"backend concurrency limit in slots (default {QUICK_DEFAULTS['max_concurrency']})",
+        help="backend concurrency limit in slots (default: the engine's own batch limit, e.g. "
+        f"llama.cpp total_slots; else {QUICK_DEFAULTS['max_concurrency']})",
     )
     q(
         "--tpm",
@@ -134,7 +138,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--context-window",
         type=amount,
         default=None,
-        help="model context window in tokens (default: max_model_len from GET /v1/models, else 8192)",
+        help="model context window in tokens (default: what the engine states, e.g. "
+        "max_model_len of GET /v1/models; else 8192)",
+    )
+    q(
+        "--max-wait",
+        type=_seconds,
+        default=None,
+        help="seconds a request the limits refuse may wait in the priority queue "
+        f"(default {QUICK_DEFAULTS['max_wait']:g}; 0 = refuse at once)",
     )
     q("--no-adaptive", action="store_true", default=None, help="do not adapt limits from /metrics")
     a(
@@ -196,11 +208,12 @@ def run(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
             return 2
+    discovery: dict[str, Any] = {}
     try:
         if args.config:
             config = load_config(args.config)
         elif args.upstream:
-            config = _config_from_flags(args)
+            config, discovery = _config_from_flags(args)
         else:
             print("kvgate serve: give --config FILE or --upstream URL", file=sys.stderr)
             return 2
@@ -220,8 +233,12 @@ def run(args: argparse.Namespace) -> int:
         return _apply_overrides(reloaded, args)
 
     if config.workers <= 1:
-        return _serve_single(config, args.grace, config_path=args.config, overrides=overrides)
-    return _serve_workers(config, args.grace, config_path=args.config, overrides=overrides)
+        return _serve_single(
+            config, args.grace, config_path=args.config, overrides=overrides, discovery=discovery
+        )
+    return _serve_workers(
+        config, args.grace, config_path=args.config, overrides=overrides, discovery=discovery
+    )
 
 
 def _apply_overrides(config: Any, args: argparse.Namespace) -> Any:
@@ -251,59 +268,91 @@ def _apply_overrides(config: Any, args: argparse.Namespace) -> Any:
         raise ConfigError(issues_from(exc), "from the command line") from None
 
 
-def _config_from_flags(args: argparse.Namespace) -> Any:
-    """A one-backend configuration from quick-start flags; models discovered from the
-    upstream's ``GET /v1/models`` unless ``--model`` is given."""
+def _config_from_flags(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
+    """A one-backend configuration from quick-start flags, and what the engine said about
+    itself (``{"default": EngineInfo}``, :func:`kvgate.telemetry.discovery.discover_engine`).
+
+    Every value a flag does not give comes from the engine: models (``GET /v1/models``), each
+    model's context window, the concurrency limit (the engine's own batch limit), the engine
+    type, and, with ``--tokenizer``, the chat template the engine renders (llama.cpp). The
+    implicit ``anonymous`` tenant may wait ``--max-wait`` seconds (default 30) in the priority
+    queue, so a burst larger than the engine's slots waits instead of being refused. What was
+    discovered is printed, one line per fact with its source.
+
+    Raises:
+        kvgate.config.ConfigError: the engine lists no models (or cannot be reached and no
+            ``--model`` is given).
+    """
     from kvgate.config import ConfigError, parse_config
+    from kvgate.telemetry.discovery import DiscoveryError, EngineInfo, discover_engine
 
     url = args.upstream.rstrip("/")
-    discovered = {} if args.model else _discover_models(url)
-    names = args.model or list(discovered)
+    try:
+        info = discover_engine(url)
+    except DiscoveryError as exc:
+        if not args.model:
+            raise ConfigError([("", str(exc))]) from None
+        logger.warning("%s; serving --model %s as given", exc, ", ".join(args.model))
+        info = EngineInfo(url=url)
+    found = {m.name: m for m in info.models}
+    names = args.model or list(found)
     if not names:
         raise ConfigError([("", f"upstream {url} lists no models (GET /v1/models); pass --model")])
-    models = [
-        {
+    models = []
+    for name in names:
+        m = found.get(name)
+        model: dict[str, Any] = {
             "name": name,
             "tokenizer": args.tokenizer,
-            "context_window": args.context_window or discovered.get(name) or 8192,
+            "context_window": args.context_window
+            or (m.context_window if m is not None else None)
+            or 8192,
         }
-        for name in names
-    ]
+        if args.tokenizer and info.chat_template:
+            model["chat_template"] = info.chat_template
+        models.append(model)
     backend: dict[str, Any] = {
         "name": "default",
         "url": url,
+        "engine": info.engine or "auto",
         "models": models,
-        "max_concurrency": args.max_concurrency or QUICK_DEFAULTS["max_concurrency"],
+        "max_concurrency": args.max_concurrency or info.slots or QUICK_DEFAULTS["max_concurrency"],
         "tokens_per_minute": args.tpm or QUICK_DEFAULTS["tpm"],
         "adaptive": {"enabled": not args.no_adaptive},
     }
     if args.inflight_tokens is not None:
         backend["inflight_token_limit"] = args.inflight_tokens
-    # no tenants declared: every request runs as one implicit `anonymous` standard tenant
-    return parse_config(
-        {"backends": [backend]}, base_dir=os.getcwd(), source="from the command line"
+    max_wait = QUICK_DEFAULTS["max_wait"] if args.max_wait is None else args.max_wait
+    data: dict[str, Any] = {"backends": [backend]}
+    if max_wait > 0:
+        # one implicit tenant, as without tenants, but allowed to wait in the queue
+        data["tenants"] = [{"name": "anonymous", "max_wait_ms": round(max_wait * 1000)}]
+        data["anonymous_tenant"] = "anonymous"
+    config = parse_config(data, base_dir=os.getcwd(), source="from the command line")
+    _print_discovery(info, config.backends[0], args)
+    return config, {"default": info}
+
+
+def _print_discovery(info: Any, backend: Any, args: argparse.Namespace) -> None:
+    """What the quick start found out and the limits it derived (stdout, one fact a line)."""
+    lines = [f"kvgate: backend {backend.name} at {info.url}"]
+    lines += ["  " + line for line in info.describe().splitlines()]
+    slots_from = (
+        "--max-concurrency"
+        if args.max_concurrency
+        else ("the engine's slots" if info.slots else "default")
     )
-
-
-def _discover_models(url: str) -> dict[str, int | None]:
-    """``{model id: max_model_len or None}`` from ``GET {url}/v1/models`` (5 s timeout)."""
-    import urllib.request
-
-    import orjson
-
-    try:
-        with urllib.request.urlopen(url + "/v1/models", timeout=5) as resp:
-            data = orjson.loads(resp.read())
-    except (OSError, ValueError) as exc:
-        from kvgate.config import ConfigError
-
-        raise ConfigError([("", f"cannot list models at {url}/v1/models: {exc}")]) from None
-    out: dict[str, int | None] = {}
-    for item in data.get("data", []):
-        if isinstance(item, dict) and isinstance(item.get("id"), str):
-            mml = item.get("max_model_len")
-            out[item["id"]] = mml if isinstance(mml, int) and mml > 0 else None
-    return out
+    lines.append(f"  -> max_concurrency {backend.max_concurrency} ({slots_from})")
+    if backend.inflight_token_limit is not None:
+        lines.append(f"  -> in-flight tokens {backend.inflight_token_limit} (--inflight-tokens)")
+    elif info.kv_capacity_tokens:
+        budget = max(1, int(info.kv_capacity_tokens * backend.capacity_safety_factor))
+        lines.append(
+            f"  -> in-flight tokens {budget} (KV capacity × {backend.capacity_safety_factor:g})"
+        )
+    for m in backend.models:
+        lines.append(f"  -> model {m.name}: context window {m.context_window} tokens")
+    print("\n".join(lines), flush=True)
 
 
 _STALE_SHM = re.compile(r"^kvgate-(\d+)-\d+$")
@@ -403,6 +452,7 @@ def _serve_single(
     overrides: Callable[[Any], Any] | None = None,
     shm_name: str | None = None,
     worker: int = 0,
+    discovery: dict[str, Any] | None = None,
 ) -> int:
     from kvgate import CoreError
     from kvgate.gateway_build import build_gateway
@@ -412,7 +462,9 @@ def _serve_single(
     # every worker polls the engines itself: its routing (health) is local, while the scale and
     # shedding it derives land in the shared region (the same readings give the same law output)
     try:
-        gateway = build_gateway(config, shm_name=shm_name, config_path=config_path, poll=True)
+        gateway = build_gateway(
+            config, shm_name=shm_name, config_path=config_path, poll=True, discovery=discovery
+        )
         gateway.config_overrides = overrides
     except (CoreError, ValueError, OSError) as exc:
         print(f"kvgate serve: cannot start: {exc}", file=sys.stderr)
@@ -452,6 +504,7 @@ def _serve_workers(
     *,
     config_path: str | None,
     overrides: Callable[[Any], Any] | None = None,
+    discovery: dict[str, Any] | None = None,
 ) -> int:
     # prometheus_client picks its multiprocess value class when first imported: set the
     # directory before anything imports it, so every worker's counters land in shared files
@@ -498,6 +551,7 @@ def _serve_workers(
                     overrides=overrides,
                     shm_name=shm_name,
                     worker=index,
+                    discovery=discovery,
                 )
             except BaseException:
                 logger.exception("worker %d crashed", index)

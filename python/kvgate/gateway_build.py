@@ -134,6 +134,7 @@ def build_gateway(
     config_path: str | None = None,
     poll: bool = True,
     controller: Any = None,
+    discovery: dict[str, Any] | None = None,
 ) -> Gateway:
     """The gateway state for ``config``.
 
@@ -144,6 +145,11 @@ def build_gateway(
         config_path: the file SIGHUP reloads (``None``: reload disabled).
         poll: start engine metrics pollers (adaptive limits, health checks) with the app.
         controller: use this admission core instead of building one (tests, embedding).
+        discovery: backend name → :class:`~kvgate.telemetry.discovery.EngineInfo` (the quick
+            start's discovery): its KV capacity × ``capacity_safety_factor`` is the backend's
+            in-flight token budget from the start when the configuration sets none (the poller
+            keeps it current), a slot limit equal to the engine's slots follows the engine's
+            slot count on later polls, and ``/admin/state`` shows it.
     """
     if controller is None:
         controller = build_controller(config, shm_name=shm_name, create=shm_name is None)
@@ -180,8 +186,18 @@ def build_gateway(
         config=config,
         config_path=config_path,
         poll=poll,
+        discovery=dict(discovery or {}),
     )
     _set_tenants(gateway, config)
+    for b in config.backends:
+        found = gateway.discovery.get(b.name)
+        if found is not None and found.slots == b.max_concurrency:
+            gateway.engine_slots[b.name] = b.max_concurrency  # polls keep it the engine's
+        cap = getattr(found, "kv_capacity_tokens", None)
+        if cap and b.inflight_token_limit is None:
+            budget = max(1, int(cap * b.capacity_safety_factor))
+            gateway.discovered_capacity[b.name] = budget
+            controller.update_backend(controller.backend_id(b.name), inflight_token_limit=budget)
     return gateway
 
 

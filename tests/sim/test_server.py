@@ -444,6 +444,67 @@ async def test_tokenizer_file_counts_prompt_tokens(tmp_path: Path) -> None:
         create_app(missing)
 
 
+async def test_chat_template_props_and_slots(tmp_path: Path) -> None:
+    """With the model's chat template, a chat prompt is the rendered template counted without
+    added special tokens; ``/props`` states the batch size, the window and the template;
+    ``/slots`` shows each running sequence with the tokens it holds (llama.cpp's shapes)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    corpus = [f"<|user|> the cache block {i} holds tokens" for i in range(300)]
+    tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=300, show_progress=False))
+    path = tmp_path / "tokenizer.json"
+    tok.save(str(path))
+    template = "{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }}\n{% endfor %}"
+    messages = [{"role": "user", "content": "the cache block holds tokens"}]
+    expected = len(tok.encode("<|user|> the cache block holds tokens\n").ids)
+    cfg = SimConfig.from_profile(
+        "tiny", tokenizer=str(path), chat_template=template, max_num_seqs=2, speed=1.0
+    )
+    async with run_sim(cfg) as sim, client(sim) as c, aiohttp.ClientSession() as http:
+        r = await c.chat.completions.create(
+            model="kvgate-sim-tiny", messages=messages, max_tokens=1
+        )
+        assert r.usage.prompt_tokens == expected
+        async with http.get(sim.url + "/props") as resp:
+            props = await resp.json()
+        assert props["total_slots"] == 2
+        assert props["default_generation_settings"]["n_ctx"] == 1024
+        assert props["chat_template"] == template
+        stream = await c.chat.completions.create(
+            model="kvgate-sim-tiny",
+            messages=messages,
+            max_tokens=200,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+        async for _ in stream:
+            break
+
+        async def slots() -> list[dict[str, Any]]:
+            async with http.get(sim.url + "/slots") as resp:
+                return await resp.json()
+
+        async def busy_and_decoding() -> bool:
+            s = await slots()
+            return s[0]["is_processing"] and s[0]["next_token"][0]["n_decoded"] >= 2
+
+        await wait_for(busy_and_decoding, attempts=1000)
+        first, second = await slots()
+        assert second == {"id": 1, "n_ctx": 1024, "is_processing": False}
+        # the tokens it holds: prompt + generated so far
+        decoded = first["next_token"][0]["n_decoded"]
+        assert first["n_prompt_tokens_processed"] == expected
+        assert expected + decoded - 1 <= first["n_prompt_tokens"] <= expected + decoded + 1
+        await stream.close()
+
+        async def idle() -> bool:
+            return not any(s["is_processing"] for s in await slots())
+
+        await wait_for(idle, attempts=1000)
+
+
 # ------------------------------------------------------------------------- bad input
 
 CHAT = "/chat/completions"

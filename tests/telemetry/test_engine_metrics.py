@@ -333,14 +333,24 @@ SLOTS_JSON = json.dumps(
 
 def test_slots_parse() -> None:
     s = parse_llamacpp_slots(SLOTS_JSON)
-    assert s == SlotsSnapshot(total=4, busy=2, n_ctx_total=4 * 4096, tokens_in_use=1324)
+    # n_prompt_tokens is the slot's token cache (generated tokens included) in this shape
+    assert s == SlotsSnapshot(
+        total=4, busy=2, n_ctx_total=4 * 4096, tokens_in_use=1300, n_ctx_max=4096
+    )
     assert s.occupancy == 0.5
+    assert (s.kv_capacity_tokens, s.kv_usage) == (4 * 4096, 1300 / (4 * 4096))
     assert parse_llamacpp_slots(SLOTS_JSON.encode()) == s
+    # one KV pool shared by the slots: each slot's n_ctx is the whole pool
+    u = parse_llamacpp_slots(SLOTS_JSON, unified=True)
+    assert (u.kv_capacity_tokens, u.kv_usage) == (4096, 1300 / 4096)
 
 
 def test_slots_old_shape_and_n_past() -> None:
     old = [{"id": 0, "n_ctx": 512, "is_processing": True, "next_token": {"n_decoded": 5}}]
     assert parse_llamacpp_slots(old).tokens_in_use is None  # no prompt token count in that build
+    assert parse_llamacpp_slots(old).kv_usage is None  # no reading rather than a slot count
+    older = [{**old[0], "n_prompt_tokens": 40}]  # prompt only: add what was decoded
+    assert parse_llamacpp_slots(older).tokens_in_use == 45
     with_past = [{"id": 0, "n_ctx": 512, "is_processing": True, "n_past": 77}]
     assert parse_llamacpp_slots(with_past).tokens_in_use == 77
     assert parse_llamacpp_slots([]).occupancy == 0.0
@@ -366,7 +376,8 @@ def test_slots_bad(body: str, message: str) -> None:
 def test_llamacpp_mainline_with_slots() -> None:
     slots = parse_llamacpp_slots(SLOTS_JSON)
     r = read_engine_metrics(fixture("llamacpp-mainline-no-kv-metrics.prom"), slots=slots)
-    assert r.kv_usage == 0.5
+    # tokens held by the busy slots over the capacity, not busy slots over slots (0.5)
+    assert r.kv_usage == 1300 / (4 * 4096)
     assert r.kv_capacity_tokens == 4 * 4096
     assert r.running == 0  # the metric wins over the slot count
     assert r.sources["kv_usage"].startswith("GET /slots")

@@ -361,7 +361,8 @@ async def test_llamacpp_slots(engine: Engine, session: aiohttp.ClientSession) ->
     async with MetricsPoller(session, sink, [t]):
         await wait_until(sink, lambda: len(sink.of("reading")) >= 1)
         r = sink.of("reading")[0][2]
-        assert (r.kv_usage, r.kv_capacity_tokens, r.waiting) == (0.25, 4 * 2048, 0)
+        # 100 tokens held of 4 × 2,048 (not 1 busy slot of 4)
+        assert (r.kv_usage, r.kv_capacity_tokens, r.waiting) == (100 / (4 * 2048), 4 * 2048, 0)
         # --no-slots: the queue alone still gives a good reading, no failure
         engine.script.slots = 501
         n = len(sink.of("reading"))

@@ -61,6 +61,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     a("--tokenizer", help="tokenizer.json to count prompt tokens (default: UTF-8 bytes / 4)")
     a(
+        "--chat-template",
+        metavar="FILE",
+        help="the model's Jinja chat template (a file): chat prompts are the rendered template, "
+        "stated by GET /props (default: a fixed, model-neutral template)",
+    )
+    a(
         "--metric-names",
         choices=["v1", "v0", "both"],
         default="v1",
@@ -71,6 +77,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--prefill-s-per-token", type=float, help="prefill seconds per prompt token")
     a("--decode-base-s", type=float, help="fixed seconds per decode step")
     a("--decode-per-seq-s", type=float, help="added decode-step seconds per running sequence")
+
+
+def _read_template(path: str | None) -> str | None:
+    if path is None:
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except OSError as exc:
+        raise ValueError(f"cannot read --chat-template {path}: {exc}") from None
 
 
 def config_from_args(args: argparse.Namespace) -> SimConfig:
@@ -92,6 +108,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         seed=args.seed,
         mean_output_tokens=args.mean_output_tokens,
         tokenizer=args.tokenizer,
+        chat_template=_read_template(args.chat_template),
         metric_names=args.metric_names,
         no_usage=args.no_usage,
         prefill_s_per_token=args.prefill_s_per_token,

@@ -40,6 +40,9 @@ class SimConfig:
             0.9.2–0.10.x, where both KV names exist).
         no_usage: never send a usage chunk in streams (engines that send none).
         embedding_dim: length of the vectors ``/v1/embeddings`` returns.
+        chat_template: the model's Jinja chat template (text); chat prompts are then the
+            rendered template, counted without adding special tokens (as vLLM does), and
+            ``GET /props`` states it. ``None``: a fixed, model-neutral template.
         profile: the preset the sizes came from (informational).
 
     Raises (from :meth:`validate`):
@@ -65,6 +68,7 @@ class SimConfig:
     metric_names: MetricNames = "v1"
     no_usage: bool = False
     embedding_dim: int = 16
+    chat_template: str | None = None
     profile: str | None = None
 
     @classmethod

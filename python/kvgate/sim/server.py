@@ -1,8 +1,10 @@
 """The simulator's HTTP face: an OpenAI-compatible aiohttp app in front of :class:`Engine`.
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /v1/responses`` (all
-streaming and not), ``POST /v1/embeddings``, ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus text,
-vLLM names), and ``GET /sim/state`` (JSON snapshot of the engine, for tests).
+streaming and not), ``POST /v1/embeddings``, ``GET /v1/models``, ``GET /health``, ``GET /metrics``
+(Prometheus text, vLLM names), ``GET /props`` and ``GET /slots`` (llama.cpp's shapes: batch
+places, context, chat template, tokens held per running sequence), and ``GET /sim/state`` (JSON
+snapshot of the engine, for tests).
 
 Conventions followed (see ``ENGINES.md``): errors use vLLM ≥ 0.10.1's nested body
 ``{"error": {"message", "type", "param", "code"}}`` with ``type`` an exception-class name and
@@ -372,9 +374,13 @@ def _parse_chat(state: SimState, body: dict[str, Any]) -> _Job:
         max_tokens = _get_int(body, "max_tokens", minimum=1, default=None)
     stream, include_usage = _stream_flags(body)
     text = render_chat(messages)
+    try:
+        templated = state.counter.count_chat(messages)
+    except ValueError as exc:
+        raise BadRequest(str(exc)) from None
     job = _Job(
         kind="chat",
-        prompts=[(max(1, state.counter.count(text)), text.encode())],
+        prompts=[(max(1, templated or state.counter.count(text)), text.encode())],
         n=_get_int(body, "n", minimum=1, default=1) or 1,
         max_tokens=max_tokens,
         stream=stream,
@@ -860,6 +866,51 @@ async def models(request: web.Request) -> web.Response:
     return web.Response(body=orjson.dumps(body), content_type="application/json")
 
 
+async def props(request: web.Request) -> web.Response:
+    """``GET /props`` in llama.cpp's shape: ``total_slots`` (``max_num_seqs``: the most
+    sequences one batch runs), ``default_generation_settings.n_ctx`` (the context window),
+    ``chat_template`` (``""`` without one). The simulator adds no BOS of its own, so
+    ``bos_token`` is ``""``."""
+    cfg = request.app[STATE].config
+    body = {
+        "total_slots": cfg.max_num_seqs,
+        "default_generation_settings": {"n_ctx": cfg.context_window},
+        "model_alias": cfg.model,
+        "chat_template": cfg.chat_template or "",
+        "bos_token": "",
+        "eos_token": "",
+    }
+    return web.Response(body=orjson.dumps(body), content_type="application/json")
+
+
+async def slots(request: web.Request) -> web.Response:
+    """``GET /slots`` in llama.cpp's shape: one entry per batch place (``max_num_seqs``), the
+    running sequences first with ``is_processing`` true, ``n_prompt_tokens`` (the tokens it
+    holds: prompt + generated, as llama.cpp's slot cache) and ``next_token[0].n_decoded``."""
+    state = request.app[STATE]
+    cfg = state.config
+    out: list[dict[str, Any]] = []
+    for i in range(cfg.max_num_seqs):
+        seq = state.engine.running[i] if i < len(state.engine.running) else None
+        entry: dict[str, Any] = {"id": i, "n_ctx": cfg.context_window, "is_processing": False}
+        if seq is not None:
+            entry.update(
+                is_processing=True,
+                id_task=seq.seq_id,
+                n_prompt_tokens=seq.kv_tokens,
+                n_prompt_tokens_processed=seq.prompt_tokens,
+                next_token=[
+                    {
+                        "has_next_token": True,
+                        "n_remain": seq.max_tokens - seq.generated,
+                        "n_decoded": seq.generated,
+                    }
+                ],
+            )
+        out.append(entry)
+    return web.Response(body=orjson.dumps(out), content_type="application/json")
+
+
 async def health(request: web.Request) -> web.Response:
     """``GET /health``: 200 (empty body, as vLLM) or 503 while restarting after an OOM."""
     state = request.app[STATE]
@@ -903,7 +954,7 @@ def create_app(config: SimConfig) -> web.Application:
     state = SimState(
         config=config,
         engine=Engine(config),
-        counter=TokenCounter(config.tokenizer),
+        counter=TokenCounter(config.tokenizer, config.chat_template),
         registry=registry,
     )
     registry.register(_SimCollector(state))
@@ -926,6 +977,8 @@ def create_app(config: SimConfig) -> web.Application:
     app.router.add_post("/v1/responses", responses)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
+    app.router.add_get("/props", props)
+    app.router.add_get("/slots", slots)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/sim/state", sim_state)
     return app

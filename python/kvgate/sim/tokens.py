@@ -19,9 +19,24 @@ class TokenCounter:
         ValueError: the tokenizer file cannot be loaded (or ``tokenizers`` is not installed).
     """
 
-    def __init__(self, tokenizer_path: str | None = None) -> None:
-        """Load ``tokenizer_path`` if given."""
+    def __init__(self, tokenizer_path: str | None = None, chat_template: str | None = None) -> None:
+        """Load ``tokenizer_path`` if given; ``chat_template`` (Jinja text) renders chat
+        prompts (see :meth:`count_chat`)."""
         self._tok: Any = None
+        self._chat: Any = None
+        if chat_template is not None:
+            from kvgate._core import MAX_AMOUNT, RequestAnalyzer
+
+            try:
+                # kvgate's own renderer (minijinja, HuggingFace's apply_chat_template rules)
+                self._chat = RequestAnalyzer(
+                    model="sim",
+                    context_window=MAX_AMOUNT,
+                    tokenizer_path=tokenizer_path,
+                    chat_template=chat_template,
+                )
+            except ValueError as exc:
+                raise ValueError(f"cannot use the chat template: {exc}") from exc
         if tokenizer_path is not None:
             try:
                 from tokenizers import Tokenizer
@@ -36,6 +51,26 @@ class TokenCounter:
     def exact(self) -> bool:
         """True when a tokenizer file is in use."""
         return self._tok is not None
+
+    def count_chat(self, messages: Sequence[dict[str, Any]]) -> int | None:
+        """Prompt tokens of chat ``messages`` through the configured chat template: the
+        rendered text counted without adding special tokens (the template writes them), as
+        vLLM does; ``None`` without a template.
+
+        Raises:
+            ValueError: the template cannot render these messages (the engine's 400).
+        """
+        if self._chat is None:
+            return None
+        import orjson
+
+        from kvgate._core import AnalysisError
+
+        body = orjson.dumps({"model": "sim", "messages": list(messages), "max_tokens": 1})
+        try:
+            return int(self._chat.analyze("/v1/chat/completions", body).prompt_tokens)
+        except AnalysisError as exc:
+            raise ValueError(str(exc)) from exc
 
     def count(self, text: str) -> int:
         """Tokens in ``text`` (0 for the empty string)."""

@@ -145,8 +145,11 @@ class EngineReading:
             use :func:`counter_delta` between scrapes.
         kv_capacity_tokens: KV capacity in tokens when the engine states it (vLLM
             ``num_gpu_blocks × block_size``, SGLang ``max_total_num_tokens``, TGI
-            ``tgi_batch_max_total_tokens``, Triton ``max × tokens_per`` blocks, llama.cpp the
-            sum of the slots' ``n_ctx``).
+            ``tgi_batch_max_total_tokens``, Triton ``max × tokens_per`` blocks, llama.cpp
+            ``GET /slots``: the sum of the slots' ``n_ctx``, or one slot's with a unified KV
+            pool).
+        slots: the engine's own concurrency limit when a scrape states it (llama.cpp: the
+            entries of ``GET /slots``).
         sources: field name → the metric name(s) it was read from, e.g.
             ``{"kv_usage": "vllm:kv_cache_usage_perc"}``.
         skipped_lines: exposition lines that could not be parsed and were skipped.
@@ -158,6 +161,7 @@ class EngineReading:
     waiting: int | None = None
     preemptions_total: float | None = None
     kv_capacity_tokens: int | None = None
+    slots: int | None = None
     sources: Mapping[str, str] = field(default_factory=dict, hash=False)
     skipped_lines: int = 0
 
@@ -170,24 +174,40 @@ class SlotsSnapshot:
     Attributes:
         total: number of slots (``--parallel``).
         busy: slots with ``is_processing`` true.
-        n_ctx_total: sum of the slots' ``n_ctx`` (tokens). With a unified KV cache each slot
-            reports the whole context, so this over-states capacity; configure the in-flight
-            budget by hand in that case.
-        tokens_in_use: prompt + decoded tokens of the busy slots (``n_prompt_tokens`` +
-            ``next_token.n_decoded``, or ``n_past`` where the build reports it); ``None`` when the
-            build reports neither.
+        n_ctx_total: sum of the slots' ``n_ctx`` (tokens).
+        tokens_in_use: tokens held in the KV cache by the busy slots (see
+            :func:`parse_llamacpp_slots`); ``None`` when the build reports no token count.
+        n_ctx_max: the largest slot ``n_ctx`` (tokens).
+        unified: the slots share one KV pool (llama-server ``--kv-unified``): each slot's
+            ``n_ctx`` is then the whole pool, not a share of it.
     """
 
     total: int
     busy: int
     n_ctx_total: int
     tokens_in_use: int | None = None
+    n_ctx_max: int = 0
+    unified: bool = False
 
     @property
     def occupancy(self) -> float:
-        """Busy slots ÷ total slots (ratio 0..1): the KV-pressure signal for llama.cpp builds
-        without ``llamacpp:kv_cache_usage_ratio`` (ENGINES.md §2.5)."""
+        """Busy slots ÷ total slots (ratio 0..1). Not a KV reading: four slots busy with short
+        prompts hold a small part of the cache (see :attr:`kv_usage`)."""
         return self.busy / self.total if self.total else 0.0
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        """KV capacity in tokens: one slot's ``n_ctx`` with a unified pool, else the sum."""
+        return self.n_ctx_max if self.unified else self.n_ctx_total
+
+    @property
+    def kv_usage(self) -> float | None:
+        """Tokens held by busy slots ÷ :attr:`kv_capacity_tokens` (ratio 0..1, capped at 1), or
+        ``None`` when the build reports no token count or the capacity is 0."""
+        cap = self.kv_capacity_tokens
+        if self.tokens_in_use is None or cap <= 0:
+            return None
+        return min(1.0, self.tokens_in_use / cap)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -425,6 +445,7 @@ class _Fields:
     waiting: int | None = None
     preemptions_total: float | None = None
     kv_capacity_tokens: int | None = None
+    slots: int | None = None
     sources: dict[str, str] = field(default_factory=dict)
 
 
@@ -554,15 +575,23 @@ def _read_llamacpp(view: _View, out: _Fields, slots: SlotsSnapshot | None) -> No
         waiting=("llamacpp:requests_deferred",),
     )
     if slots is not None:
-        if out.kv_usage is None and slots.total:
-            out.kv_usage = slots.occupancy
-            out.sources["kv_usage"] = "GET /slots (busy ÷ total slots)"
+        usage = slots.kv_usage
+        if out.kv_usage is None and usage is not None:
+            out.kv_usage = usage
+            out.sources["kv_usage"] = "GET /slots (tokens of busy slots ÷ KV capacity)"
         if out.running is None:
             out.running = slots.busy
             out.sources["running"] = "GET /slots (is_processing)"
-        if slots.n_ctx_total:
-            out.kv_capacity_tokens = slots.n_ctx_total
-            out.sources["kv_capacity_tokens"] = "GET /slots (sum of n_ctx)"
+        if slots.total:
+            out.slots = slots.total
+            out.sources["slots"] = "GET /slots (entries)"
+        if slots.kv_capacity_tokens:
+            out.kv_capacity_tokens = slots.kv_capacity_tokens
+            out.sources["kv_capacity_tokens"] = (
+                "GET /slots (n_ctx of one slot: unified KV)"
+                if slots.unified
+                else "GET /slots (sum of n_ctx)"
+            )
 
 
 def _read_triton(view: _View, out: _Fields, slots: SlotsSnapshot | None) -> None:
@@ -782,16 +811,26 @@ def read_engine_metrics(
         waiting=out.waiting,
         preemptions_total=out.preemptions_total,
         kv_capacity_tokens=out.kv_capacity_tokens,
+        slots=out.slots,
         sources=dict(out.sources),
         skipped_lines=skipped,
     )
 
 
-def parse_llamacpp_slots(body: str | bytes | Sequence[Any]) -> SlotsSnapshot:
+def parse_llamacpp_slots(
+    body: str | bytes | Sequence[Any], *, unified: bool = False
+) -> SlotsSnapshot:
     """Parse llama.cpp's ``GET /slots`` JSON (a list with one object per slot).
+
+    Tokens held by a busy slot: ``n_past`` where the build reports it; else ``n_prompt_tokens``
+    when the build also reports ``n_prompt_tokens_processed`` (there ``n_prompt_tokens`` is the
+    size of the slot's token cache, which grows by each generated token); else (older builds)
+    ``n_prompt_tokens + next_token.n_decoded``.
 
     Args:
         body: the response body, or the already-decoded list.
+        unified: the server runs one KV pool shared by all slots (see
+            :attr:`SlotsSnapshot.unified`).
 
     Returns:
         A :class:`SlotsSnapshot` (slot count, busy slots, context tokens, tokens in use).
@@ -808,7 +847,7 @@ def parse_llamacpp_slots(body: str | bytes | Sequence[Any]) -> SlotsSnapshot:
             raise _slots_error(f"/slots body is not JSON: {exc}") from None
     if not isinstance(data, list):
         raise _slots_error(f"/slots body is a {type(data).__name__}, expected a list of slots")
-    busy = n_ctx_total = 0
+    busy = n_ctx_total = n_ctx_max = 0
     tokens = 0
     tokens_known = True
     for i, slot in enumerate(data):
@@ -820,6 +859,7 @@ def parse_llamacpp_slots(body: str | bytes | Sequence[Any]) -> SlotsSnapshot:
         if not isinstance(processing, bool):
             raise _slots_error(f"/slots[{i}].is_processing is {processing!r}, expected a bool")
         n_ctx_total += n_ctx
+        n_ctx_max = max(n_ctx_max, n_ctx)
         if processing:
             busy += 1
             used = _slot_tokens(slot)
@@ -832,6 +872,8 @@ def parse_llamacpp_slots(body: str | bytes | Sequence[Any]) -> SlotsSnapshot:
         busy=busy,
         n_ctx_total=n_ctx_total,
         tokens_in_use=tokens if tokens_known else None,
+        n_ctx_max=n_ctx_max,
+        unified=unified,
     )
 
 
@@ -840,6 +882,9 @@ def _slot_tokens(slot: Mapping[str, Any]) -> int | None:
     if isinstance(n_past, int) and not isinstance(n_past, bool) and n_past >= 0:
         return n_past
     prompt = slot.get("n_prompt_tokens")
+    if "n_prompt_tokens_processed" in slot:  # prompt = the slot's cache, generated tokens included
+        ok = isinstance(prompt, int) and not isinstance(prompt, bool) and prompt >= 0
+        return prompt if ok else None
     nxt = slot.get("next_token")
     if isinstance(nxt, list):  # newer builds: a one-element list; older: an object
         nxt = nxt[0] if nxt else None

@@ -83,7 +83,10 @@ class PollTarget:
         engine: one of :data:`~kvgate.telemetry.engine_metrics.ENGINES` or ``"auto"``.
         model: served model name to filter series by, or ``None`` for all.
         health_url: health endpoint (2xx = healthy), or ``None`` to skip health checks.
-        slots_url: llama.cpp ``GET /slots``, read when the metrics carry no KV ratio.
+        slots_url: llama.cpp ``GET /slots``, read when the metrics carry no KV ratio (also with
+            ``engine="auto"``, once the metrics name llama.cpp).
+        kv_unified: llama.cpp runs one KV pool shared by all slots (the KV capacity is then
+            one slot's ``n_ctx``, not the sum).
         poll_interval: seconds between scrapes (> 0).
         scrape_timeout: seconds per request (< ``poll_interval``); default 0.8 × interval.
         stale_after: seconds without a good reading before the backend is stale (≥ interval).
@@ -105,6 +108,7 @@ class PollTarget:
     model: str | None = None
     health_url: str | None = None
     slots_url: str | None = None
+    kv_unified: bool = False
     poll_interval: float = 1.0
     scrape_timeout: float | None = None
     stale_after: float = 5.0
@@ -314,7 +318,8 @@ class MetricsPoller:
         reading = read_engine_metrics(body, target.engine, model=target.model)
         if reading.engine == "llamacpp" and reading.kv_usage is None and target.slots_url:
             try:
-                slots = parse_llamacpp_slots(await self._get(target.slots_url, target))
+                body_slots = await self._get(target.slots_url, target)
+                slots = parse_llamacpp_slots(body_slots, unified=target.kv_unified)
             except (_ScrapeFailed, MetricsError) as exc:
                 # /slots is optional (--no-slots): the queue gauge still drives adaptation
                 logger.debug("backend %s: /slots unavailable: %s", target.name, exc)
