@@ -11,6 +11,7 @@ import math
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import aiohttp
@@ -24,6 +25,7 @@ from tests.gateway.helpers import until
 
 from kvgate.config import Config
 from kvgate.proxy.assemble import ChunkAssembler, ResponsesAssembler, SSELines
+from kvgate.proxy.handler import rewrite_body
 from kvgate.sim import SimConfig, run_sim
 
 FIXTURES = Path(__file__).parent.parent / "fixtures" / "responses"
@@ -101,6 +103,18 @@ def test_responses_answer_is_the_terminal_events_response() -> None:
     failed = ResponsesAssembler()
     failed.add({"type": "error", "code": "server_error", "message": "boom", "param": None})
     assert failed.error == {"message": "boom", "param": None, "code": "server_error"}
+
+
+def test_rewrite_body_asks_for_a_stream() -> None:
+    plain = SimpleNamespace(inject_max_tokens=None)
+    body = b'{"model": "m", "seed": 123456789012345678901234567890}'
+    # absent: spliced in, every byte of the client's kept
+    out = rewrite_body(body, plain, add_usage=True, stream_upstream=True)
+    assert out == b'{"stream":true,"stream_options":{"include_usage":true},' + body[1:]
+    # present ("stream": false): changed in a re-encoded copy, the big integer exact
+    body = b'{"model": "m", "stream": false, "seed": 123456789012345678901234567890}'
+    out = rewrite_body(body, plain, add_usage=False, stream_upstream=True)
+    assert out == b'{"model":"m","stream":true,"seed":123456789012345678901234567890}'
 
 
 # ---- through the gateway, against the simulator -------------------------------------------
