@@ -96,6 +96,17 @@ class Assembler:
         raise NotImplementedError
 
 
+class _Pieces(list[str]):
+    """The pieces of a string member being assembled, joined once at the end (adding each
+    piece to a ``str`` would copy the text so far every time)."""
+
+    __slots__ = ()
+
+
+def _joined(value: Any) -> Any:
+    return "".join(value) if isinstance(value, _Pieces) else value
+
+
 class _Choice:
     """One choice being assembled (chat ``message`` or legacy ``text``)."""
 
@@ -217,7 +228,10 @@ class ChunkAssembler(Assembler):
                     message["role"] = value
             elif isinstance(value, str):
                 old = message.get(key)
-                message[key] = old + value if isinstance(old, str) else value
+                if isinstance(old, _Pieces):
+                    old.append(value)
+                else:
+                    message[key] = _Pieces((value,))
             elif value is not None or key not in message:
                 message[key] = value
 
@@ -241,7 +255,10 @@ class ChunkAssembler(Assembler):
         out: dict[str, Any] = {"index": index}
         if self._chat:
             message: dict[str, Any] = {"role": "assistant", "content": None}
-            message.update(choice.message)
+            message.update((k, _joined(v)) for k, v in choice.message.items())
+            fn = message.get("function_call")
+            if isinstance(fn, dict):
+                message["function_call"] = {k: _joined(v) for k, v in fn.items()}
             if choice.tool_calls:
                 message["tool_calls"] = [
                     _finish_tool_call(c) for _, c in sorted(choice.tool_calls.items())
@@ -292,13 +309,18 @@ def _add_function(fn: dict[str, Any], delta: dict[str, Any]) -> None:
     """``name`` taken once, ``arguments`` concatenated."""
     for key, value in delta.items():
         if key == "arguments" and isinstance(value, str):
-            fn["arguments"] = fn.get("arguments", "") + value
+            old = fn.get("arguments")
+            if isinstance(old, _Pieces):
+                old.append(value)
+            else:
+                fn["arguments"] = _Pieces((value,))
         elif value is not None and fn.get(key) is None:
             fn[key] = value
 
 
 def _finish_tool_call(call: dict[str, Any]) -> dict[str, Any]:
-    fn = {"name": None, "arguments": "", **call["function"]}
+    fn = {"name": None, "arguments": ""}
+    fn.update((k, _joined(v)) for k, v in call["function"].items())
     return {**call, "type": call["type"] or "function", "function": fn}
 
 
