@@ -120,6 +120,12 @@ class Backend:
         ``Authorization: Bearer <key>`` by every request kvgate makes to it."""
         return getattr(self.config, "api_key", None)
 
+    @property
+    def stream_upstream(self) -> bool:
+        """Whether requests the client did not stream go to this engine as streams, their
+        answer assembled by kvgate (config ``stream_upstream``, default ``True``)."""
+        return bool(getattr(self.config, "stream_upstream", True))
+
     def upstream_headers(self, content_type: str) -> dict[str, str]:
         """The headers of a request to this engine: ``Content-Type`` and, when the backend has
         an API key, ``Authorization: Bearer <key>``. Nothing of the client's request (its own

@@ -272,7 +272,13 @@ class BackendConfig(_Model):
     without enforcing them. ``api_key_env``: the name of an environment variable holding the
     engine's API key (engines started with ``--api-key`` refuse requests without it, their
     ``/metrics`` included); it must be set and non-empty when the file is loaded, and the key
-    itself never appears in the file (:attr:`api_key`).
+    itself never appears in the file (:attr:`api_key`). ``stream_upstream`` (default on): a
+    chat, completions or Responses request whose client did not ask for a stream goes to the
+    engine as one (``"stream": true``, ``stream_options.include_usage``) and kvgate assembles
+    the JSON answer, so that the engine sees at its next token write that a client went away
+    (llama.cpp's server checks a non-streaming client only after a second without any other
+    result, which metrics polling keeps resetting); turn it off only for an engine that cannot
+    stream.
     """
 
     name: Name
@@ -289,6 +295,7 @@ class BackendConfig(_Model):
     adaptive: AdaptiveConfig = AdaptiveConfig()
     mode: Mode = "enforce"
     api_key_env: str | None = None
+    stream_upstream: bool = True
     _api_key: str | None = PrivateAttr(default=None)
 
     @field_validator("name")

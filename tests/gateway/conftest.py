@@ -34,8 +34,10 @@ def config_for(
     timeouts: dict[str, float] | None = None,
     max_body_bytes: int = 1_000_000,
     adaptive: bool = False,
+    stream_upstream: bool = True,
 ) -> Config:
-    """A one-backend configuration; without ``tenants`` an anonymous standard tenant."""
+    """A one-backend configuration; without ``tenants`` an anonymous standard tenant
+    (``stream_upstream=False``: non-streamed requests go to the engine as they came)."""
     backend: dict[str, Any] = {
         "name": "b0",
         "url": upstream,
@@ -44,6 +46,7 @@ def config_for(
         "tokens_per_minute": tokens_per_minute,
         "inflight_token_limit": inflight_token_limit,
         "adaptive": {"enabled": adaptive, "poll_interval": 0.05, "stale_after": 0.5},
+        "stream_upstream": stream_upstream,
     }
     data: dict[str, Any] = {"backends": [backend], "max_body_bytes": max_body_bytes}
     if tenants is not None:

@@ -54,7 +54,9 @@ def test_the_bomb_is_what_it_claims() -> None:
 @pytest.fixture
 async def served() -> AsyncIterator[tuple[str, object, object]]:
     async with run_upstream() as up:
-        gateway = build_gateway(config_for(up.url, ["replay"], max_body_bytes=CAP), poll=False)
+        # the engine gets the decoded body as it came (not turned into a stream)
+        cfg = config_for(up.url, ["replay"], max_body_bytes=CAP, stream_upstream=False)
+        gateway = build_gateway(cfg, poll=False)
         async with run_gateway(gateway) as url:
             yield url, gateway, up
 
@@ -189,7 +191,9 @@ async def test_the_decoded_cap_applies_to_small_ratios_too() -> None:
     """A body that decodes to just over the cap is refused; just under it gets through."""
     cap = 200_000
     async with run_upstream() as up:
-        gateway = build_gateway(config_for(up.url, ["replay"], max_body_bytes=cap), poll=False)
+        # the engine gets the decoded body as it came (not turned into a stream)
+        cfg = config_for(up.url, ["replay"], max_body_bytes=cap, stream_upstream=False)
+        gateway = build_gateway(cfg, poll=False)
         async with run_gateway(gateway) as url:
             pad = cap - len(CHAT) - 20
             over = CHAT[:-1] + b', "user": "' + b"u" * (pad + 40) + b'"}'

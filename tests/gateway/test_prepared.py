@@ -81,7 +81,8 @@ async def _closed_by_server(reader: asyncio.StreamReader) -> bool:
 async def open_gw(gateway_for):
     """A gateway that admits (TPM plenty) in front of the fake upstream."""
     async with run_upstream() as up:
-        cfg = config_for(up.url, ["replay"])
+        # non-streamed requests get the engine's own answer (not assembled from a stream)
+        cfg = config_for(up.url, ["replay"], stream_upstream=False)
         async with gateway_for(cfg) as running:
             yield running
 

@@ -192,7 +192,10 @@ async def test_responses_non_streamed_settles_from_usage_or_counted_text(gateway
     """A whole Responses answer is settled from its top-level ``usage``
     (``input_tokens``/``output_tokens``), or, without one, from its ``output`` text counted."""
     async with run_routes_engine() as engine:
-        cfg = _with_tenant(config_for(engine.url, ["pause", "nousage"], context_window=4096))
+        # the engine's own non-streamed answers (not assembled from a stream)
+        cfg = _with_tenant(
+            config_for(engine.url, ["pause", "nousage"], context_window=4096, stream_upstream=False)
+        )
         async with gateway_for(cfg) as gw, _client(gw.url) as client:
             answer = await client.responses.create(model="pause", input="hi", max_output_tokens=900)
             assert answer.output_text == "abc"
@@ -359,10 +362,12 @@ async def test_responses_default_limit_is_injected_as_max_output_tokens(gateway_
         data = _with_tenant(config_for(engine.url, ["pause"], context_window=4096)).model_dump()
         data["backends"][0]["models"][0]["default_max_tokens"] = 64
         cfg = Config.model_validate(data)
+        engine.release.set()  # the request goes upstream as a stream: let it end
         async with gateway_for(cfg) as gw, _client(gw.url) as client:
             answer = await client.responses.create(model="pause", input="hi")
             assert answer.output_text == "abc"
             sent = json.loads(engine.seen[-1][2])
+            assert sent["stream"] is True
             assert sent["max_output_tokens"] == 64
             assert "max_tokens" not in sent
             assert sent["input"] == "hi"

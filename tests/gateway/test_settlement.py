@@ -18,7 +18,11 @@ from .helpers import chat, raw_chat_request, until
 
 
 async def test_non_streamed_answer_without_usage_is_charged_from_its_text(gateway_for) -> None:
-    async with run_upstream() as up, gateway_for(config_for(up.url, ["nousage"])) as gw:
+    # the engine's own non-streamed answer (not assembled from a stream: see test_assemble.py)
+    async with (
+        run_upstream() as up,
+        gateway_for(config_for(up.url, ["nousage"], stream_upstream=False)) as gw,
+    ):
         messages = [{"role": "user", "content": "tell me something"}]
         client = openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="unused", max_retries=0)
         async with client:

@@ -60,6 +60,7 @@ def two_backends(url0: str, url1: str, tenants: list[dict[str, Any]]) -> dict[st
             "max_concurrency": 4,
             "tokens_per_minute": 1_000_000,
             "adaptive": {"enabled": False},
+            "stream_upstream": False,  # the engine's own non-streamed answers
         }
 
     return {

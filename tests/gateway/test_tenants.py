@@ -55,6 +55,7 @@ def config_data(
         "max_concurrency": max_concurrency,
         "tokens_per_minute": 1_000_000,
         "adaptive": adaptive or {"enabled": False},
+        "stream_upstream": False,  # the engine's own non-streamed answers
     }
     if inflight is not None:
         backend["inflight_token_limit"] = inflight

@@ -116,8 +116,15 @@ async def workers_stack(tmp_path: Path, *, grace: float = 10.0) -> AsyncIterator
                         [SIM_MODEL],
                         adaptive={"enabled": True, "poll_interval": 0.2, "stale_after": 2.0},
                     ),
-                    backend("fake", up.url, ["error500", "die", "slow"]),
-                    backend("dead", dead, ["gone"], max_concurrency=8),
+                    # health checked on the simulator: these stay in routing for the whole
+                    # run (their own /health would take them out after 3 s, and a request
+                    # queued behind the simulator's past that would get 503, not their error)
+                    backend(
+                        "fake", up.url, ["error500", "die", "slow"], health_url=sim_url + "/health"
+                    ),
+                    backend(
+                        "dead", dead, ["gone"], max_concurrency=8, health_url=sim_url + "/health"
+                    ),
                 ],
                 "tenants": [{"name": "anon", "max_wait_ms": 3000}],
                 "anonymous_tenant": "anon",

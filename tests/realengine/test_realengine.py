@@ -291,21 +291,12 @@ def test_two_hundred_back_to_back_streams(engine: Engine, gateway: Gateway) -> N
     until(lambda: settled(gateway), 10)
 
 
-def test_non_streamed_disconnect_stops_generation(
-    engine: Engine, gateway: Gateway, request: pytest.FixtureRequest
-) -> None:
+def test_non_streamed_disconnect_stops_generation(engine: Engine, gateway: Gateway) -> None:
     """A client that leaves a non-streamed request: the engine stops generating. llama.cpp
     notices a dropped non-streamed request only when no result of any task arrives for 1 s,
-    which kvgate's own 1 s poll of /metrics and /slots prevents; it stops at once only when the
-    request is streamed upstream."""
-    if engine.kind == "llama-server":
-        request.applymarker(
-            pytest.mark.xfail(
-                reason="kvgate forwards a non-streamed request as non-streamed; llama.cpp then "
-                "generates to max_tokens for a client that left",
-                strict=True,
-            )
-        )
+    which kvgate's own 1 s poll of /metrics and /slots prevents; it stops at once because kvgate
+    forwards the request upstream as a stream (``stream_upstream``, on by default) and closes it
+    when the client leaves."""
     max_tokens = 60
     before = engine.metric(engine.generated_metric)
     body = json.dumps(

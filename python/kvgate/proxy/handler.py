@@ -43,6 +43,11 @@ INLINE_ANALYSIS_BYTES = 16_384
 USAGE_OPTION_ROUTES = frozenset({"/v1/chat/completions", "/v1/completions"})
 RESPONSES_ROUTE = "/v1/responses"
 
+#: The routes whose non-streamed requests go upstream as streams (the backend's
+#: ``stream_upstream``), their answer assembled by kvgate (:mod:`kvgate.proxy.assemble`);
+#: embeddings have no stream mode.
+STREAM_UPSTREAM_ROUTES = USAGE_OPTION_ROUTES | {RESPONSES_ROUTE}
+
 #: Tokens a forwarded request (``other_routes: forward``) reserves: what it will use is unknown
 #: before the engine answers, and one token is enough for a tenant whose bucket is empty to be
 #: refused; the usage the engine reports is charged when it ends.
@@ -280,14 +285,17 @@ def _too_large(length: int | None, cap: int) -> GatewayError:
     )
 
 
-def rewrite_body(body: bytes, analysis: Any, add_usage: bool) -> bytes:
+def rewrite_body(
+    body: bytes, analysis: Any, add_usage: bool, stream_upstream: bool = False
+) -> bytes:
     """The body to forward: the client's bytes, or a copy with what kvgate must change:
     ``stream_options.include_usage`` added (streamed requests, so the engine reports usage),
-    the ``default_max_tokens`` it reserved for (``analysis.inject_max_tokens``, written as
-    ``max_output_tokens`` on ``/v1/responses``, as ``max_tokens`` elsewhere), and, when the
-    body has both ``max_tokens`` and ``max_completion_tokens``, the one not reserved removed
-    (``analysis.drop_cap``), so the engine gets exactly the cap kvgate reserved for (engines
-    differ in which key they read).
+    ``"stream": true`` (``stream_upstream``: a request the client did not stream, whose answer
+    kvgate assembles), the ``default_max_tokens`` it reserved for
+    (``analysis.inject_max_tokens``, written as ``max_output_tokens`` on ``/v1/responses``, as
+    ``max_tokens`` elsewhere), and, when the body has both ``max_tokens`` and
+    ``max_completion_tokens``, the one not reserved removed (``analysis.drop_cap``), so the
+    engine gets exactly the cap kvgate reserved for (engines differ in which key they read).
 
     When the keys to add are absent and nothing is removed (the usual case) the members are
     spliced in after the opening ``{`` and every byte the client sent is forwarded as sent.
@@ -298,7 +306,7 @@ def rewrite_body(body: bytes, analysis: Any, add_usage: bool) -> bytes:
     """
     inject = getattr(analysis, "inject_max_tokens", None)
     drop = getattr(analysis, "drop_cap", None)
-    if not add_usage and inject is None and drop is None:
+    if not add_usage and not stream_upstream and inject is None and drop is None:
         return body
     responses = getattr(analysis, "route", None) == RESPONSES_ROUTE
     limit = "max_output_tokens" if responses else "max_tokens"
@@ -308,18 +316,23 @@ def rewrite_body(body: bytes, analysis: Any, add_usage: bool) -> bytes:
         except orjson.JSONDecodeError:  # a lone surrogate escape, which orjson refuses
             data = json.loads(body)
         members = []
+        if stream_upstream and "stream" not in data:
+            members.append(b'"stream":true')
         if add_usage and "stream_options" not in data:
             members.append(b'"stream_options":{"include_usage":true}')
         if inject is not None and limit not in data:
             members.append(b'"%s":%d' % (limit.encode(), inject))
         start = len(body) - len(body.lstrip())
-        if len(members) == add_usage + (inject is not None) and body[start : start + 1] == b"{":
+        wanted = add_usage + stream_upstream + (inject is not None)
+        if len(members) == wanted and body[start : start + 1] == b"{":
             rest = body[start + 1 :]
             sep = b"" if rest.lstrip().startswith(b"}") else b","
             return body[: start + 1] + b",".join(members) + sep + rest
     data = json.loads(body)
     if drop is not None:
         data.pop(drop, None)
+    if stream_upstream:
+        data["stream"] = True
     if add_usage:
         opts = data.get("stream_options")
         data["stream_options"] = {**(opts if isinstance(opts, dict) else {}), "include_usage": True}
@@ -375,7 +388,10 @@ async def handle_inference(gw: Gateway, request: web.BaseRequest, route: str) ->
     gw.metrics.admitted(backend, tenant, tokens, time.perf_counter() - started)
 
     stream = bool(analysis.stream)
-    add_usage = stream and not analysis.include_usage and route in USAGE_OPTION_ROUTES
+    # a request the client did not stream goes upstream as a stream: the engine then notices
+    # at its next token write that the client went away (kvgate.proxy.assemble)
+    assemble = not stream and backend.stream_upstream and route in STREAM_UPSTREAM_ROUTES
+    add_usage = (stream or assemble) and not analysis.include_usage and route in USAGE_OPTION_ROUTES
     result = RelayResult()
     # what holds the slots, for the retry hints of refusals (a shadow admission holds none)
     running = (
@@ -384,7 +400,7 @@ async def handle_inference(gw: Gateway, request: web.BaseRequest, route: str) ->
         else None
     )
     try:
-        forward = rewrite_body(body, analysis, add_usage)
+        forward = rewrite_body(body, analysis, add_usage, assemble)
         return await relay(
             request,
             gw.session,
@@ -399,6 +415,7 @@ async def handle_inference(gw: Gateway, request: web.BaseRequest, route: str) ->
             result=result,
             responses=route == RESPONSES_ROUTE,
             api_key=backend.api_key,
+            assemble=assemble,
         )
     except GatewayError as err:
         return error_response(request, err)

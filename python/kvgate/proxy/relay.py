@@ -19,7 +19,14 @@ import orjson
 from aiohttp import web
 
 from kvgate._core import MAX_AMOUNT, usage_tokens
-from kvgate.errors import error_body, reshape_upstream_error, upstream_failed, upstream_timeout
+from kvgate.errors import (
+    GatewayError,
+    error_body,
+    reshape_upstream_error,
+    upstream_failed,
+    upstream_timeout,
+)
+from kvgate.proxy.assemble import Assembler, ChunkAssembler, ResponsesAssembler, SSELines
 from kvgate.proxy.deadline import Deadline, Watchdog
 from kvgate.proxy.prepared import HeadBuilder, PreparedStream, Reply, relayed, start_stream
 from kvgate.proxy.sse import SSEInspector
@@ -76,6 +83,7 @@ async def relay(
     content_type: str | None = "application/json",
     pass_body: bool = False,
     api_key: str | None = None,
+    assemble: bool = False,
 ) -> Reply:
     """POST ``body`` to ``url`` (or send it with ``method``) and relay the answer to the client.
 
@@ -103,14 +111,18 @@ async def relay(
             end) instead of read whole first.
         api_key: the backend's API key, sent as ``Authorization: Bearer <key>``; no header of
             the client's request (its own key in particular) is forwarded.
+        assemble: the client did not ask for a stream but ``body`` asks the engine for one
+            (the backend's ``stream_upstream``): an SSE answer is read whole and the client
+            gets the JSON body the engine would have sent (:func:`_relay_assembled`).
 
     Returns:
         The response: for streams, already prepared and written; else the whole answer as a
         :class:`~kvgate.proxy.prepared.PreparedResponse` (one write).
 
     Raises:
-        GatewayError: 502 upstream unreachable / broken before headers, 504 upstream timeout
-            before headers.
+        GatewayError: 502 upstream unreachable / broken before headers (an assembled answer:
+            before its end), 504 upstream timeout before headers (an assembled answer: before
+            its end).
         asyncio.CancelledError: the client went away (the handler was cancelled).
     """
     started = time.perf_counter()
@@ -142,6 +154,20 @@ async def relay(
             result.status = upstream.status
             body = reshape_upstream_error(upstream.status, raw)
             return relayed(request, build, upstream.status, _JSON, body)
+        if assemble and upstream.content_type == "text/event-stream":
+            chat = not responses and url.endswith("/chat/completions")
+            return await _relay_assembled(
+                request,
+                upstream,
+                timeouts,
+                deadline,
+                end,
+                build,
+                count_text,
+                result,
+                chat,
+                responses,
+            )
         if stream and upstream.content_type == "text/event-stream":
             return await _relay_stream(
                 request,
@@ -390,6 +416,107 @@ async def _relay_stream(
         if inspector.error is not None and result.outcome == "ok":
             result.outcome = "upstream_error"
     return response
+
+
+#: Headers of an engine's stream that do not belong on the assembled JSON answer (lower case).
+_STREAM_HEADERS = frozenset({b"content-type", b"cache-control", b"x-accel-buffering"})
+
+
+async def _relay_assembled(
+    request: web.BaseRequest,
+    upstream: aiohttp.ClientResponse,
+    timeouts: Timeouts,
+    deadline: Deadline,
+    end: float | None,
+    build: HeadBuilder,
+    count_text: Callable[[str], int] | None,
+    result: RelayResult,
+    chat: bool,
+    responses: bool,
+) -> Reply:
+    """Read the engine's SSE answer to a request the client did not stream and answer with the
+    JSON body the engine would have sent (:mod:`kvgate.proxy.assemble`), with the engine's
+    headers (``Content-Type: application/json`` instead of its stream's, no ``Cache-Control``).
+
+    Nothing reaches the client before the end, so a failure is an error answer: an ``error``
+    event → the engine's message in OpenAI's shape with the event's 4xx/5xx ``code`` (else
+    500); a stream that breaks or ends before ``data: [DONE]`` (a Responses stream: before its
+    terminal event; a chat stream without ``[DONE]`` passes when every choice has its
+    ``finish_reason``) → 502 ``upstream_broken``; ``idle`` between chunks or the request's
+    ``end`` (loop time) passed → 504. ``chat``: a chat completions stream (else legacy
+    completions, or ``responses``: a Responses stream). Settled like a whole body (:func:`_settle_from_body`:
+    the usage chunk's counts, else the assembled text counted), also when cut off.
+
+    Raises:
+        GatewayError: 502 ``upstream_broken``, 504 ``upstream_timeout``.
+    """
+    assembler: Assembler = ResponsesAssembler() if responses else ChunkAssembler(chat)
+    lines = SSELines()
+    content = upstream.content
+    loop = asyncio.get_running_loop()
+    settled = False
+    try:
+        while assembler.error is None:
+            try:
+                data = content.read_nowait()
+                if not data and not content.at_eof():
+                    with deadline.at(_wait_until(loop, timeouts.idle, end)):
+                        data = await content.readany()
+            except TimeoutError:
+                result.outcome = "upstream_timeout"
+                raise upstream_timeout("body") from None
+            except aiohttp.ClientError as exc:
+                result.outcome = "stream_broken"
+                raise upstream_failed(exc, "upstream_broken") from None
+            for payload in lines.feed(data) if data else lines.flush():
+                if payload == b"[DONE]":
+                    assembler.done()
+                    continue
+                try:
+                    assembler.add(orjson.loads(payload))
+                except orjson.JSONDecodeError:
+                    continue
+            if not data or assembler.complete:
+                break
+        answer = assembler.answer()
+        raw = orjson.dumps(answer)
+        _settle_from_body(raw, result, count_text)
+        settled = True
+        if assembler.error is not None:
+            result.outcome = "upstream_error"
+            status = assembler.error.get("code")
+            if type(status) is not int or not 400 <= status <= 599:
+                status = 500
+            result.status = status
+            body = reshape_upstream_error(status, orjson.dumps({"error": assembler.error}))
+            return relayed(request, build, status, _JSON, body)
+        if not (assembler.complete or _all_finished(answer)):
+            result.outcome = "stream_broken"
+            raise GatewayError(
+                502, "upstream stream ended early", "server_error", code="upstream_broken"
+            )
+        result.status = upstream.status
+        headers = [
+            (name, value)
+            for name, value in upstream.raw_headers
+            if name.lower() not in _STREAM_HEADERS
+        ]
+        headers.append((b"Content-Type", b"application/json"))
+        return relayed(request, build, upstream.status, tuple(headers), raw)
+    finally:
+        if not settled:
+            _settle_from_body(orjson.dumps(assembler.answer()), result, count_text)
+
+
+def _all_finished(answer: dict[str, object]) -> bool:
+    """Whether an assembled chat or completions answer has choices, each with its
+    ``finish_reason`` (a stream complete without ``data: [DONE]``)."""
+    choices = answer.get("choices")
+    return (
+        isinstance(choices, list)
+        and bool(choices)
+        and all(isinstance(c, dict) and c.get("finish_reason") is not None for c in choices)
+    )
 
 
 #: The most bytes of a passed-through answer kept to read its ``usage`` at the end (a JSON

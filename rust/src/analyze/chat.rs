@@ -253,9 +253,10 @@ impl ChatTemplate {
     /// call, its tool result, with `tools`), as start-up and `kvgate check-config` do, so a
     /// template that cannot render (an unknown filter or method, a type error) is refused
     /// before the first request. A template may refuse a conversation on purpose with
-    /// `raise_exception` (many refuse a system message or tool roles); then it is tried on
-    /// the conversation without the system message, then on one user message, which it must
-    /// render.
+    /// `raise_exception` (many refuse a system message or tool roles), or fail on its data (a
+    /// type error or an undefined value: plain `ChatML` adds a tool call's null content to a
+    /// string); then it is tried on the conversation without the system message, then on one
+    /// user message, which it must render.
     ///
     /// # Errors
     /// The failure as minijinja words it, with the template's name and line, e.g.
@@ -289,8 +290,16 @@ impl ChatTemplate {
             match self.render_raw(messages, tools.map(to_value), &RenderOptions::default()) {
                 Ok(_) => return Ok(()),
                 Err(e) => {
+                    // a refusal on purpose, or a type error on the sample's data (plain ChatML
+                    // adds a tool call's null content to a string): a simpler conversation
+                    // next; an unknown method, filter or function is a broken template
                     let raised = e.detail().is_some_and(|d| d.starts_with(RAISED));
-                    if !raised || i == last {
+                    let data_dependent = matches!(
+                        e.kind(),
+                        minijinja::ErrorKind::InvalidOperation
+                            | minijinja::ErrorKind::UndefinedError
+                    );
+                    if !(raised || data_dependent) || i == last {
                         let shown = e.to_string().replace(RAISED, "raise_exception: ");
                         return Err(format!(
                             "chat template {} cannot render a sample conversation: {shown}",

@@ -1099,6 +1099,13 @@ fn template_check_names_the_file_and_line() {
         .unwrap()
         .check()
         .is_ok());
+    // adds a tool call's null content to a string (llama.cpp's plain ChatML): a type error on
+    // the sample's data, not a broken template: accepted (one user message renders)
+    let concat = "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endfor %}";
+    assert!(ChatTemplate::new(concat, None, None, None)
+        .unwrap()
+        .check()
+        .is_ok());
     // refuses everything: refused, with the template's words
     let never = ChatTemplate::named(
         "/t/never.jinja",

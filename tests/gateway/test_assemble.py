@@ -1,0 +1,489 @@
+"""Non-streamed requests go upstream as streams and their JSON answer is assembled by kvgate
+(``stream_upstream``, :mod:`kvgate.proxy.assemble`): the same answer as the engine's own
+non-streamed one, and an abandoned request stops at the engine at once."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import copy
+import math
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import aiohttp
+import openai
+import orjson
+import pytest
+from aiohttp import web
+from tests.gateway.conftest import config_for
+from tests.gateway.fake_upstream import run_upstream
+from tests.gateway.helpers import until
+
+from kvgate.config import Config
+from kvgate.proxy.assemble import ChunkAssembler, ResponsesAssembler, SSELines
+from kvgate.proxy.handler import rewrite_body
+from kvgate.sim import SimConfig, run_sim
+
+FIXTURES = Path(__file__).parent.parent / "fixtures" / "responses"
+TOOLS_SSE = (FIXTURES / "openai-chat-stream-n2-tools-include-usage.sse").read_bytes()
+TOOLS_JSON = orjson.loads((FIXTURES / "openai-chat-n2-tools-assembled.json").read_bytes())
+
+
+def _config(url: str, model: str, **backend: Any) -> Config:
+    cfg = config_for(url, [model]).model_dump()
+    cfg["backends"][0].update(backend)
+    return Config.model_validate(cfg)
+
+
+def _without_ids(answer: dict[str, Any]) -> dict[str, Any]:
+    """``answer`` without what differs between two calls: ids and creation times."""
+    out = copy.deepcopy(answer)
+    for key in ("id", "created", "created_at"):
+        out.pop(key, None)
+    for item in out.get("output") or ():
+        item.pop("id", None)
+    return out
+
+
+# ---- the assembler alone ------------------------------------------------------------------
+
+
+def _payloads(sse: bytes, piece: int) -> list[bytes]:
+    lines = SSELines()
+    out: list[bytes] = []
+    for i in range(0, len(sse), piece):
+        out += lines.feed(sse[i : i + piece])
+    return out + lines.flush()
+
+
+def _assemble(sse: bytes, piece: int = 7) -> dict[str, Any]:
+    asm = ChunkAssembler(chat=True)
+    for payload in _payloads(sse, piece):
+        if payload == b"[DONE]":
+            asm.done()
+        else:
+            asm.add(orjson.loads(payload))
+    assert asm.complete
+    assert asm.error is None
+    return asm.answer()
+
+
+def test_recorded_openai_stream_assembles_to_its_non_streamed_answer() -> None:
+    # n=2, interleaved tool-call deltas, include_usage: the answer OpenAI gives without a stream
+    for piece in (1, 7, 97, len(TOOLS_SSE)):
+        assert _assemble(TOOLS_SSE, piece) == TOOLS_JSON
+
+
+def test_sse_lines_accepts_crlf_and_cr_line_ends_and_multiline_data() -> None:
+    sse = b'data: {"a":\r\ndata: 1}\r\n\r\ndata: [DONE]\r\rdata:{"b":2}\n\n'
+    for piece in (1, 2, 5, len(sse)):
+        assert _payloads(sse, piece) == [b'{"a":\n1}', b"[DONE]", b'{"b":2}']
+
+
+def test_chunk_error_event_sets_the_error() -> None:
+    asm = ChunkAssembler(chat=True)
+    asm.add({"id": "x", "choices": [{"index": 0, "delta": {"content": "hi"}}]})
+    asm.add({"error": {"message": "CUDA out of memory", "type": "InternalServerError"}})
+    assert asm.error == {"message": "CUDA out of memory", "type": "InternalServerError"}
+
+
+def test_responses_answer_is_the_terminal_events_response() -> None:
+    asm = ResponsesAssembler()
+    asm.add({"type": "response.created", "response": {"id": "r", "status": "in_progress"}})
+    asm.add({"type": "response.output_text.delta", "delta": "hi"})
+    assert not asm.complete
+    final = {"id": "r", "object": "response", "status": "completed", "usage": {}}
+    asm.add({"type": "response.completed", "response": final})
+    assert asm.complete
+    assert asm.answer() == final
+    failed = ResponsesAssembler()
+    failed.add({"type": "error", "code": "server_error", "message": "boom", "param": None})
+    assert failed.error == {"message": "boom", "param": None, "code": "server_error"}
+
+
+def test_rewrite_body_asks_for_a_stream() -> None:
+    plain = SimpleNamespace(inject_max_tokens=None)
+    body = b'{"model": "m", "seed": 123456789012345678901234567890}'
+    # absent: spliced in, every byte of the client's kept
+    out = rewrite_body(body, plain, add_usage=True, stream_upstream=True)
+    assert out == b'{"stream":true,"stream_options":{"include_usage":true},' + body[1:]
+    # present ("stream": false): changed in a re-encoded copy, the big integer exact
+    body = b'{"model": "m", "stream": false, "seed": 123456789012345678901234567890}'
+    out = rewrite_body(body, plain, add_usage=False, stream_upstream=True)
+    assert out == b'{"model":"m","stream":true,"seed":123456789012345678901234567890}'
+
+
+# ---- through the gateway, against the simulator -------------------------------------------
+
+
+@pytest.fixture
+async def sim():
+    async with run_sim(SimConfig.from_profile("tiny", speed=50, seed=3)) as running:
+        yield running
+
+
+async def _post(url: str, path: str, body: dict[str, Any]) -> tuple[int, Any, Any]:
+    async with aiohttp.ClientSession() as s, s.post(url + path, json=body) as r:
+        return r.status, r.headers, orjson.loads(await r.read())
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "tell me"}], "max_tokens": 12, "n": 2},
+        ),
+        ("/v1/completions", {"prompt": ["once upon", "a time"], "max_tokens": 9}),
+        ("/v1/responses", {"input": "say something", "max_output_tokens": 10}),
+        ("/v1/responses", {"input": "say more", "max_output_tokens": 3, "ignore_eos": True}),
+    ],
+)
+async def test_sim_answer_through_gateway_equals_the_engines_own(
+    sim, gateway_for, path: str, body: dict[str, Any]
+) -> None:
+    model = sim.engine.config.model
+    body = {"model": model, **body}
+    status, _, direct = await _post(sim.url, path, body)
+    assert status == 200
+    async with gateway_for(config_for(sim.url, [model])) as gw:
+        status, headers, assembled = await _post(gw.url, path, body)
+        assert status == 200
+        assert headers["Content-Type"] == "application/json"
+        assert "Cache-Control" not in headers  # the engine's stream header is not relayed
+        assert _without_ids(assembled) == _without_ids(direct)
+        # settled from the usage chunk: everything refunded, no slot held
+        await until(lambda: gw.backend_state()["in_use"] == 0)
+        assert gw.backend_state()["inflight_tokens"] == 0
+
+
+async def test_stream_upstream_false_forwards_the_request_as_sent(gateway_for) -> None:
+    body = {"model": "logprobs", "messages": [{"role": "user", "content": "Hello!"}]}
+    async with (
+        run_engine() as engine,
+        gateway_for(_config(engine.url, "logprobs", stream_upstream=False)) as gw,
+    ):
+        status, _, answer = await _post(gw.url, "/v1/chat/completions", body)
+        assert status == 200
+        assert answer == LOGPROBS_JSON
+        assert engine.bodies[-1] == body  # not turned into a stream
+
+
+# ---- a scripted engine: recorded OpenAI answers, logprobs, a llama.cpp-like disconnect -----
+
+
+#: a chat answer with logprobs as OpenAI streams it (two content tokens, then the usage chunk)
+LOGPROBS_CHUNKS: list[dict[str, Any]] = [
+    {
+        "choices": [
+            {
+                "index": 0,
+                "delta": {"role": "assistant", "content": "", "refusal": None},
+                "logprobs": {"content": [], "refusal": None},
+                "finish_reason": None,
+            }
+        ]
+    },
+    {
+        "choices": [
+            {
+                "index": 0,
+                "delta": {"content": "Hello"},
+                "logprobs": {
+                    "content": [
+                        {
+                            "token": "Hello",
+                            "logprob": -0.31725305,
+                            "bytes": [72, 101, 108, 108, 111],
+                            "top_logprobs": [
+                                {
+                                    "token": "Hello",
+                                    "logprob": -0.31725305,
+                                    "bytes": [72, 101, 108, 108, 111],
+                                },
+                                {"token": "Hi", "logprob": -1.3190403, "bytes": [72, 105]},
+                            ],
+                        }
+                    ],
+                    "refusal": None,
+                },
+                "finish_reason": None,
+            }
+        ]
+    },
+    {
+        "choices": [
+            {
+                "index": 0,
+                "delta": {"content": "!"},
+                "logprobs": {
+                    "content": [
+                        {
+                            "token": "!",
+                            "logprob": -0.02380986,
+                            "bytes": [33],
+                            "top_logprobs": [
+                                {"token": "!", "logprob": -0.02380986, "bytes": [33]},
+                                {"token": " there", "logprob": -3.787621, "bytes": [32, 116]},
+                            ],
+                        }
+                    ],
+                    "refusal": None,
+                },
+                "finish_reason": None,
+            }
+        ]
+    },
+    {"choices": [{"index": 0, "delta": {}, "logprobs": None, "finish_reason": "stop"}]},
+]
+LOGPROBS_HEAD = {
+    "id": "chatcmpl-9",
+    "object": "chat.completion.chunk",
+    "created": 1702685778,
+    "model": "gpt-4o-mini",
+    "system_fingerprint": "fp_44709d6fcb",
+}
+LOGPROBS_USAGE = {"prompt_tokens": 9, "completion_tokens": 2, "total_tokens": 11}
+#: the same answer as OpenAI sends it without a stream
+LOGPROBS_JSON = {
+    **LOGPROBS_HEAD,
+    "object": "chat.completion",
+    "choices": [
+        {
+            "index": 0,
+            "message": {"role": "assistant", "content": "Hello!", "refusal": None},
+            "logprobs": {
+                "content": [
+                    *LOGPROBS_CHUNKS[1]["choices"][0]["logprobs"]["content"],
+                    *LOGPROBS_CHUNKS[2]["choices"][0]["logprobs"]["content"],
+                ],
+                "refusal": None,
+            },
+            "finish_reason": "stop",
+        }
+    ],
+    "usage": LOGPROBS_USAGE,
+}
+
+
+@dataclass
+class Engine:
+    """A scripted engine. ``tools`` / ``logprobs`` answer the recorded answers (streamed or
+    not); ``generate`` answers like llama.cpp's server: one token every 20 ms up to
+    ``max_tokens``; a non-streamed request does not notice that its client went away (its
+    server runs without handler cancellation and nothing is written until the end), a streamed
+    one stops at the first failed write."""
+
+    url: str = ""
+    bodies: list[dict[str, Any]] = field(default_factory=list)
+    generating: int = 0
+    aborted: int = 0
+    completed: int = 0
+
+
+def _engine_app(state: Engine) -> web.Application:
+    async def handle(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        state.bodies.append(body)
+        stream = bool(body.get("stream"))
+        model = body["model"]
+        if model == "generate":
+            return await _generate(request, state, stream, int(body["max_tokens"]))
+        if model == "midfail":
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await resp.prepare(request)
+            chunk = {"choices": [{"index": 0, "delta": {"content": "par"}}]}
+            await resp.write(b"data: " + orjson.dumps(chunk) + b"\n\n")
+            err = {"error": {"message": "engine died", "type": "InternalServerError", "code": 500}}
+            await resp.write(b"data: " + orjson.dumps(err) + b"\n\n")
+            return resp
+        if model == "cut":
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await resp.prepare(request)
+            chunk = {"choices": [{"index": 0, "delta": {"content": "par"}}]}
+            await resp.write(b"data: " + orjson.dumps(chunk) + b"\n\n")
+            return resp
+        if model == "tools":
+            if not stream:
+                return web.json_response(TOOLS_JSON)
+            sse = TOOLS_SSE
+        else:
+            if not stream:
+                return web.json_response(LOGPROBS_JSON)
+            events = [{**LOGPROBS_HEAD, **c, "usage": None} for c in LOGPROBS_CHUNKS]
+            events.append({**LOGPROBS_HEAD, "choices": [], "usage": LOGPROBS_USAGE})
+            sse = b"".join(b"data: " + orjson.dumps(e) + b"\n\n" for e in events)
+            sse += b"data: [DONE]\n\n"
+        resp = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream", "x-engine": "scripted"}
+        )
+        await resp.prepare(request)
+        for i in range(0, len(sse), 61):  # events cut across writes
+            await resp.write(sse[i : i + 61])
+        return resp
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", handle)
+    return app
+
+
+async def _generate(
+    request: web.Request, state: Engine, stream: bool, max_tokens: int
+) -> web.StreamResponse:
+    state.generating += 1
+    resp: web.StreamResponse | None = None
+    try:
+        if stream:
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await resp.prepare(request)
+        for i in range(max_tokens):
+            await asyncio.sleep(0.02)
+            if resp is not None:
+                chunk = {"choices": [{"index": 0, "delta": {"content": f"t{i} "}}]}
+                try:
+                    await resp.write(b"data: " + orjson.dumps(chunk) + b"\n\n")
+                except (ConnectionError, RuntimeError):
+                    state.aborted += 1
+                    return resp
+        state.completed += 1
+        if resp is None:
+            return web.json_response({"choices": [{"index": 0, "text": "done"}]})
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+    finally:
+        state.generating -= 1
+
+
+@contextlib.asynccontextmanager
+async def run_engine() -> AsyncIterator[Engine]:
+    state = Engine()
+    # like llama.cpp's server: a handler is not cancelled when its client goes away
+    runner = web.AppRunner(_engine_app(state), handler_cancellation=False, access_log=None)
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        state.url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+        yield state
+    finally:
+        await runner.cleanup()
+
+
+@pytest.mark.parametrize("model", ["tools", "logprobs"])
+async def test_recorded_answers_through_gateway(gateway_for, model: str) -> None:
+    messages = [{"role": "user", "content": "What is the weather like in San Francisco, CA?"}]
+    async with run_engine() as engine, gateway_for(_config(engine.url, model)) as gw:
+        direct = await _post(engine.url, "/v1/chat/completions", {"model": model})
+        status, headers, answer = await _post(
+            gw.url, "/v1/chat/completions", {"model": model, "messages": messages, "n": 2}
+        )
+        assert status == 200
+        assert answer == direct[2]
+        assert headers["x-engine"] == "scripted"  # the engine's own headers are kept
+        assert headers["Content-Type"] == "application/json"
+        forwarded = engine.bodies[-1]
+        assert forwarded["stream"] is True
+        assert forwarded["stream_options"] == {"include_usage": True}
+        # the official client reads it as it reads OpenAI's answer
+        async with openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="k", max_retries=0) as c:
+            chat = await c.chat.completions.create(model=model, messages=messages)  # type: ignore[arg-type]
+        assert chat.usage is not None
+        assert chat.usage.total_tokens == direct[2]["usage"]["total_tokens"]
+        await until(lambda: gw.backend_state()["in_use"] == 0)
+        state = gw.tenant_state("anonymous")
+        assert state["in_use"] == 0
+
+
+async def test_error_event_mid_stream_becomes_an_error_answer(gateway_for) -> None:
+    async with run_engine() as engine, gateway_for(_config(engine.url, "midfail")) as gw:
+        body = {"model": "midfail", "messages": [{"role": "user", "content": "x"}]}
+        status, _, answer = await _post(gw.url, "/v1/chat/completions", body)
+        assert status == 500
+        assert answer == {
+            "error": {"message": "engine died", "type": "server_error", "param": None, "code": None}
+        }
+        await until(lambda: gw.backend_state()["in_use"] == 0)
+    async with run_engine() as engine, gateway_for(_config(engine.url, "cut")) as gw:
+        body = {"model": "cut", "messages": [{"role": "user", "content": "x"}]}
+        status, _, answer = await _post(gw.url, "/v1/chat/completions", body)
+        assert status == 502
+        assert answer["error"]["code"] == "upstream_broken"
+        await until(lambda: gw.backend_state()["in_use"] == 0)
+
+
+async def _abandon(gw_url: str, body: dict[str, Any]) -> asyncio.StreamWriter:
+    """Send ``body`` as a non-streamed chat request over a raw socket and close it unanswered."""
+    raw = orjson.dumps(body)
+    host, port = gw_url.removeprefix("http://").split(":")
+    _, writer = await asyncio.open_connection(host, int(port))
+    writer.write(
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        + f"Content-Length: {len(raw)}\r\n\r\n".encode()
+        + raw
+    )
+    await writer.drain()
+    return writer
+
+
+async def test_abandoned_request_stops_at_a_llamacpp_like_engine(gateway_for) -> None:
+    # 200 tokens × 20 ms = 4 s of generation; the client leaves after the engine started
+    body = {"model": "generate", "messages": [{"role": "user", "content": "x"}], "max_tokens": 200}
+    async with run_engine() as engine, gateway_for(_config(engine.url, "generate")) as gw:
+        writer = await _abandon(gw.url, body)
+        await until(lambda: engine.generating == 1 and gw.backend_state()["in_use"] == 1)
+        writer.transport.abort()
+        loop = asyncio.get_running_loop()
+        left = loop.time()
+        await until(lambda: engine.aborted == 1, timeout=2.0, interval=0.01)
+        assert loop.time() - left < 1.0  # the next token write failed, not the end of 4 s
+        assert engine.completed == 0
+        await until(lambda: gw.backend_state()["in_use"] == 0)
+        assert gw.backend_state()["inflight_tokens"] == 0
+
+
+async def test_abandoned_request_is_aborted_by_the_simulator(sim, gateway_for) -> None:
+    model = sim.engine.config.model
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": "x"}],
+        "max_tokens": 800,
+        "ignore_eos": True,
+    }
+    async with gateway_for(config_for(sim.url, [model])) as gw:
+        aborted = sim.engine.aborted
+        writer = await _abandon(gw.url, body)
+        await until(lambda: len(sim.engine.running) == 1)
+        writer.transport.abort()
+        loop = asyncio.get_running_loop()
+        left = loop.time()
+        await until(lambda: sim.engine.aborted == aborted + 1, timeout=2.0, interval=0.01)
+        assert loop.time() - left < 0.5
+        assert not sim.engine.running
+        await until(lambda: gw.backend_state()["in_use"] == 0)
+        assert gw.backend_state()["inflight_tokens"] == 0
+
+
+async def test_assembled_answer_without_usage_is_charged_from_its_text(gateway_for) -> None:
+    # the recorded n=2 tool-call stream without its usage chunk (an engine that sends none)
+    async with run_upstream() as up, gateway_for(config_for(up.url, ["nousage"])) as gw:
+        body = {"model": "nousage", "messages": [{"role": "user", "content": "x"}], "n": 2}
+        status, _, answer = await _post(gw.url, "/v1/chat/completions", {**body, "max_tokens": 50})
+        assert status == 200
+        assert "usage" not in answer
+        assert up.requests[-1]["stream"] is True
+        calls = [c["message"]["tool_calls"][0]["function"] for c in answer["choices"]]
+        assert calls == [c["message"]["tool_calls"][0]["function"] for c in TOOLS_JSON["choices"]]
+        text = "".join(f["name"] + f["arguments"] for f in calls)
+        _, analysis = gw.gateway.analyze_now(
+            "/v1/chat/completions", orjson.dumps({**body, "max_tokens": 50})
+        )
+        m = gw.gateway.metrics
+        m.flush()
+        charged = m.tenant_tokens.labels("anonymous")._value.get()
+        assert charged == analysis.prompt_tokens + math.ceil(len(text.encode()) / 4)
+        assert gw.backend_state()["in_use"] == 0
+        assert gw.backend_state()["inflight_tokens"] == 0
