@@ -2,7 +2,7 @@
 
 What: :class:`AdaptiveSink` receives the :class:`~kvgate.telemetry.poller.MetricsPoller`'s
 readings for every backend and feeds each one through that backend's
-:class:`kvgate.AdaptiveLaw` (DESIGN.md: high watermark 0.85 → floor 0.6 × base, low watermark
+:class:`kvgate.AdaptiveLaw` (high watermark 0.85 → floor 0.6 × base, low watermark
 0.70 → back to base, linear in between, decreases at once, recovery at a bounded rate per second,
 engine queue deeper than ``waiting_threshold`` counts as pressure). The resulting scale is written
 to the admission core (``set_scale``: concurrency, TPM and in-flight token limits together) and

@@ -238,7 +238,7 @@ def _existing_file(value: str, info: ValidationInfo) -> str:
 
 
 class AdaptiveConfig(_Model):
-    """Adaptive feedback from the engine's metrics (DESIGN.md, issue 6).
+    """Adaptive feedback from the engine's metrics (README, "Engine metrics").
 
     ``high`` / ``low``: KV-usage watermarks (ratio 0..1): at or above ``high`` the limits are at
     ``floor`` × base and sheddable traffic is shed; below ``low`` they grow back to base at

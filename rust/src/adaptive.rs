@@ -1,5 +1,5 @@
 //! The adaptive control law: from an engine's KV-cache usage ratio and its waiting requests to a
-//! scale factor for the backend's limits (DESIGN.md "Adaptive feedback").
+//! scale factor for the backend's limits.
 //!
 //! * pressure `p` = KV-cache usage ratio (0..1), e.g. vLLM's `vllm:kv_cache_usage_perc`;
 //!   when the engine's waiting requests (`vllm:num_requests_waiting`) exceed

@@ -1,4 +1,4 @@
-//! `OpenAI`'s rate-limit header values (ENGINES.md §5.3), formatted once per response in Rust.
+//! `OpenAI`'s rate-limit header values (docs/engines.md §4), formatted once per response in Rust.
 //!
 //! `OpenAI` sends `x-ratelimit-{limit,remaining,reset}-{requests,tokens}` on every response; the
 //! reset values are Go `time.Duration` strings (`1s`, `12ms`, `6m0s`). kvgate's "requests" limit
@@ -224,9 +224,9 @@ fn wait_text(retry_after: Option<f64>) -> String {
 /// The status (429 for a tenant's quota and for a request that can never fit any limit, 503
 /// for a busy backend) and `OpenAI` error body of a refusal: `{"error": {"message", "type",
 /// "param": null, "code"}}` with `type` `tokens` / `requests` and code `rate_limit_exceeded`
-/// for 429, `server_error` / `server_is_overloaded` for 503 (ENGINES.md §5.1). A request larger
+/// for 429, `server_error` / `server_is_overloaded` for 503 (docs/engines.md §4). A request larger
 /// than a whole limit (TPM burst, in-flight budget) is `OpenAI`'s "Request too large" 429 with
-/// type `tokens`, sent with `x-should-retry: false` (ENGINES.md §5.1, DESIGN.md: a clear 4xx).
+/// type `tokens`, sent with `x-should-retry: false` (docs/engines.md §4: it can never succeed, so it must not look retryable).
 #[must_use]
 pub fn refusal_body(t: &RefusalText<'_>) -> (u16, Vec<u8>) {
     let name = t.model.unwrap_or("this backend");

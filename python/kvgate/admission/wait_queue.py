@@ -2,8 +2,8 @@
 
 What
     A request that a limit refused (no free slot, TPM bucket empty, ...) may wait up to its
-    tenant's ``max_wait_ms`` for capacity instead of being answered at once (issue 7, "Tenants
-    and priority"). :class:`PriorityWaitQueue` holds those waiters and hands capacity out again
+    tenant's ``max_wait_ms`` for capacity instead of being answered at once (README, "How a
+    request is admitted", step 4). :class:`PriorityWaitQueue` holds those waiters and hands capacity out again
     in priority order when the gateway says some was released.
 
 Inputs
@@ -73,7 +73,8 @@ T = TypeVar("T")
 
 _log = logging.getLogger(__name__)
 
-#: Priority classes, highest first (the field's terms, DESIGN.md "Tenants and priorities").
+#: Priority classes, highest first (the field's terms: ``critical`` traffic such as online chat,
+#: ``standard``, and ``sheddable`` offline work, the first shed under KV pressure).
 PRIORITY_CLASSES: Final[tuple[str, ...]] = ("critical", "standard", "sheddable")
 _RANK: Final[dict[str, int]] = {name: rank for rank, name in enumerate(PRIORITY_CLASSES)}
 

@@ -1,7 +1,7 @@
 """Responses serialized ahead and written to the client with one write.
 
 The answers kvgate gives itself — refusals (429/503) above all, which must cost little more than
-a bare 429 (issue 5) — are small and complete before the first byte goes out, so they are built
+a bare 429 (measured side by side in benches/RESULTS.md) — are small and complete before the first byte goes out, so they are built
 as the exact bytes of an HTTP/1.1 message in Rust (:func:`kvgate._core.http_response`,
 :meth:`kvgate._core.AdmissionController.refusal_response`) and handed to aiohttp as a
 :class:`PreparedResponse`. aiohttp's low-level server drives any response through ``prepare`` and

@@ -6,7 +6,7 @@ streaming and not), ``POST /v1/embeddings``, ``GET /v1/models``, ``GET /health``
 places, context, chat template, tokens held per running sequence), and ``GET /sim/state`` (JSON
 snapshot of the engine, for tests).
 
-Conventions followed (see ``ENGINES.md``): errors use vLLM ≥ 0.10.1's nested body
+Conventions followed (see docs/engines.md): errors use vLLM ≥ 0.10.1's nested body
 ``{"error": {"message", "type", "param", "code"}}`` with ``type`` an exception-class name and
 ``code`` the integer status; streams are SSE ``data: <json>`` events ending with
 ``data: [DONE]``; ``stream_options.include_usage`` adds a final ``choices: []`` chunk carrying
@@ -129,7 +129,7 @@ async def _step_loop(state: SimState) -> None:
 
 
 class _SimCollector:
-    """Renders the engine's state in vLLM's metric names at scrape time (ENGINES.md §2.1/§2.2)."""
+    """Renders the engine's state in vLLM's metric names at scrape time (docs/engines.md §1)."""
 
     def __init__(self, state: SimState) -> None:
         self._state = state

@@ -9,7 +9,7 @@ Inputs: Prometheus text exposition (``str`` or ``bytes``), an engine name (or ``
 detect it from the metric names), optionally the served model name (to pick that model's series)
 and, for llama.cpp, a parsed ``GET /slots`` body (:func:`parse_llamacpp_slots`).
 
-Rules (all from ``ENGINES.md`` §1–§3, which cites each engine's source):
+Rules (all from docs/engines.md §1, §2, which cites each engine's source):
 
 - Every KV gauge is a **ratio** even when its name says "perc". A value outside [0, 1] (beyond
   :data:`KV_EPSILON`) or NaN raises :class:`BadValueError`; the unit is never guessed (§3.1).
@@ -80,7 +80,7 @@ ENGINES: Final[tuple[str, ...]] = (
 KV_EPSILON: Final[float] = 1e-6
 
 # Labels that name the served model: vLLM / SGLang / LMDeploy / trtllm-serve use ``model_name``,
-# Triton ``model``, the oldest SGLang builds ``name`` (ENGINES.md §2.1, §2.3, §2.6).
+# Triton ``model``, the oldest SGLang builds ``name`` (docs/engines.md §1).
 _MODEL_LABELS: Final[tuple[str, ...]] = ("model_name", "model", "name")
 
 Series = list[tuple[dict[str, str], float]]
@@ -278,7 +278,7 @@ def parse_samples(
     return _parse_lines(lines)
 
 
-# Metric-name prefixes that identify an engine (ENGINES.md §1).
+# Metric-name prefixes that identify an engine (docs/engines.md §1).
 _DETECT: Final[tuple[tuple[str, str], ...]] = (
     ("vllm:", "vllm"),
     ("sglang:", "sglang"),
@@ -295,7 +295,7 @@ def detect_engine(names: Iterable[str]) -> str:
     """Name the engine from the metric names of one scrape.
 
     ``vllm:`` names with ``vllm:num_requests_swapped`` or ``vllm:cpu_cache_usage_perc`` (V0 only,
-    ENGINES.md §2.2) and no ``vllm:kv_cache_usage_perc`` → ``"vllm-v0"``; other ``vllm:`` →
+    docs/engines.md §1) and no ``vllm:kv_cache_usage_perc`` → ``"vllm-v0"``; other ``vllm:`` →
     ``"vllm"``; ``sglang:``/``sglang_`` → ``"sglang"``; ``llamacpp:``; ``tgi_``; ``nv_trt_llm_``
     → ``"triton-trtllm"``; ``trtllm_`` → ``"trtllm-serve"``; ``lmdeploy:``.
 
@@ -385,13 +385,13 @@ def _group(series: Series, partition: Sequence[str]) -> dict[tuple[str, ...], fl
 
 
 def _usage(name: str, series: Series, partition: Sequence[str]) -> float:
-    """KV ratio: validated per series, max over partitions (ENGINES.md §3.1, §3.2)."""
+    """KV ratio: validated per series, max over partitions (docs/engines.md §2)."""
     for _, value in series:
         _check_finite(name, value)
         if value < -KV_EPSILON or value > 1.0 + KV_EPSILON:
             raise BadValueError(
                 f"{name} = {value!r} is outside 0..1; every engine's KV gauge is a ratio "
-                "(ENGINES.md §3.1), so this reading is refused rather than rescaled",
+                "(docs/engines.md §2), so this reading is refused rather than rescaled",
                 name,
                 value,
             )
@@ -481,7 +481,7 @@ _VLLM_KV = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
 
 
 def _read_vllm(view: _View, out: _Fields, slots: SlotsSnapshot | None) -> None:
-    """vLLM V1 and V0 (ENGINES.md §2.1, §2.2): ``engine`` label = DP engine-core index."""
+    """vLLM V1 and V0 (docs/engines.md §1): ``engine`` label = DP engine-core index."""
     part = ("engine", *_MODEL_LABELS)
     _simple(
         view,
@@ -514,7 +514,7 @@ def _sg(name: str) -> tuple[str, str]:
 
 
 def _read_sglang(view: _View, out: _Fields, slots: SlotsSnapshot | None) -> None:
-    """SGLang (ENGINES.md §2.3): one value per ``dp_rank`` (tp/pp/moe_ep ranks are replicas:
+    """SGLang (docs/engines.md §1): one value per ``dp_rank`` (tp/pp/moe_ep ranks are replicas:
     max), ``priority=""`` is the total, then sum over ranks (usage: max)."""
     base = ("dp_rank", "engine_type", *_MODEL_LABELS)
 
@@ -548,7 +548,7 @@ def _read_sglang(view: _View, out: _Fields, slots: SlotsSnapshot | None) -> None
 
 
 def _read_tgi(view: _View, out: _Fields, slots: SlotsSnapshot | None) -> None:
-    """TGI (ENGINES.md §2.4): no KV gauge; the ratio is derived from the batch token gauges."""
+    """TGI (docs/engines.md §1): no KV gauge; the ratio is derived from the batch token gauges."""
     _simple(view, out, (), running=("tgi_batch_current_size",), waiting=("tgi_queue_size",))
     cur = view.first("tgi_batch_current_max_tokens")
     cap = view.first("tgi_batch_max_total_tokens")
@@ -565,7 +565,7 @@ def _read_tgi(view: _View, out: _Fields, slots: SlotsSnapshot | None) -> None:
 
 
 def _read_llamacpp(view: _View, out: _Fields, slots: SlotsSnapshot | None) -> None:
-    """llama.cpp ``llama-server`` (ENGINES.md §2.5): KV ratio on old builds, else ``/slots``."""
+    """llama.cpp ``llama-server`` (docs/engines.md §1): KV ratio on old builds, else ``/slots``."""
     _simple(
         view,
         out,
@@ -595,7 +595,7 @@ def _read_llamacpp(view: _View, out: _Fields, slots: SlotsSnapshot | None) -> No
 
 
 def _read_triton(view: _View, out: _Fields, slots: SlotsSnapshot | None) -> None:
-    """Triton + TensorRT-LLM backend (ENGINES.md §2.6): typed by ``request_type`` /
+    """Triton + TensorRT-LLM backend (docs/engines.md §1): typed by ``request_type`` /
     ``kv_cache_block_type`` labels; one partition per (``model``, ``version``)."""
     part = ("model", "version")
 
@@ -639,7 +639,7 @@ def _read_triton(view: _View, out: _Fields, slots: SlotsSnapshot | None) -> None
 
 
 def _read_trtllm_serve(view: _View, out: _Fields, slots: SlotsSnapshot | None) -> None:
-    """``trtllm-serve`` ``/prometheus/metrics`` (ENGINES.md §2.6), ``trtllm_`` names."""
+    """``trtllm-serve`` ``/prometheus/metrics`` (docs/engines.md §1), ``trtllm_`` names."""
     _simple(
         view,
         out,
@@ -651,7 +651,7 @@ def _read_trtllm_serve(view: _View, out: _Fields, slots: SlotsSnapshot | None) -
 
 
 def _read_lmdeploy(view: _View, out: _Fields, slots: SlotsSnapshot | None) -> None:
-    """LMDeploy (ENGINES.md §2.7): vLLM-like names under ``lmdeploy:``."""
+    """LMDeploy (docs/engines.md §1): vLLM-like names under ``lmdeploy:``."""
     _simple(
         view,
         out,
@@ -904,7 +904,7 @@ def counter_delta(previous: float | None, current: float) -> float:
     """Increase of a cumulative counter between two scrapes (e.g. ``preemptions_total``).
 
     A counter that went down was reset by an engine restart: the new value is the delta, as
-    Prometheus ``rate()`` treats it (ENGINES.md §3.3). ``previous=None`` (first scrape) → 0.
+    Prometheus ``rate()`` treats it (docs/engines.md §2). ``previous=None`` (first scrape) → 0.
     """
     if previous is None:
         return 0.0

@@ -121,7 +121,7 @@ impl AnalysisError {
     }
 
     /// 400 `context_length_exceeded`, keeping OpenAI's "maximum context length is N tokens"
-    /// phrase (clients search the message for it, see ENGINES.md §5.1).
+    /// phrase (clients search the message for it, see docs/engines.md §4).
     ///
     /// `what` names the prompt field in prose ("messages", "prompt", "input");
     /// `completion` is `None` when the prompt alone is over the window.

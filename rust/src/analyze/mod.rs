@@ -6,7 +6,7 @@
 //! `prompt` / `input` / `instructions`, `max_tokens` / `max_completion_tokens` /
 //! `max_output_tokens`, `n`, `best_of`, `stream`, `stream_options.include_usage`), count the
 //! prompt tokens with the model's tokenizer, and compute the TPM reservation
-//! (prompt + completion tokens reserved up front, DESIGN.md "Tokens per minute").
+//! (prompt + completion tokens reserved up front, reconciled with the real usage later).
 //!
 //! Inputs: the raw body bytes and the route. Config: [`AnalyzerConfig`] per model.
 //!
