@@ -6,7 +6,24 @@
 //! `finish_reason` chunk for llama.cpp), the text delivered so far (for a stream that breaks or
 //! whose engine sends no usage), and `error` events. Only events that may carry a non-null
 //! `usage` or an `error` are parsed as they pass; the others are kept as bytes and parsed for
-//! their text only if it is asked for (most streams end with the engine's usage and never are).
+//! their text only if it is asked for (most streams end with the engine's usage and never are)
+//! or when more than [`RAW_LIMIT`] bytes of them are waiting.
+//!
+//! Memory per stream is bounded whatever its length: unparsed events are kept up to
+//! [`RAW_LIMIT`] bytes, their text up to [`TEXT_LIMIT`] bytes before it is handed to the token
+//! counter piece by piece ([`SseInspector::take_countable`]), and only the last usage and error
+//! objects are kept. Nothing after `data: [DONE]` is handed out or kept.
+
+/// Bytes of unparsed events kept before they are parsed for their text (the text is all a
+/// settlement needs of them).
+pub const RAW_LIMIT: usize = 16 * 1024;
+
+/// Bytes of delivered text kept before a piece of it is handed to the token counter.
+pub const TEXT_LIMIT: usize = 4 * 1024;
+
+/// Bytes of delivered text without a whitespace boundary after which a piece is handed to the
+/// counter anyway, cut at a character boundary (the count is then approximate).
+pub const TEXT_HARD_LIMIT: usize = 4 * TEXT_LIMIT;
 
 use serde_json::Value;
 
@@ -36,8 +53,12 @@ pub struct SseInspector {
     /// A CR was seen: events may end with `\r\n\r\n` or `\r\r` too.
     cr: bool,
     pending: Vec<Pending>,
-    /// Text pieces of the pending events parsed so far.
+    /// Bytes held in `pending`.
+    pending_bytes: usize,
+    /// Text pieces of the pending events parsed so far, not yet handed to the counter.
     text: Vec<String>,
+    /// Bytes of `text`.
+    text_bytes: usize,
     chunks: u64,
     usage: Option<Value>,
     error: Option<Value>,
@@ -55,7 +76,9 @@ impl SseInspector {
             buf: Vec::new(),
             cr: false,
             pending: Vec::new(),
+            pending_bytes: 0,
             text: Vec::new(),
+            text_bytes: 0,
             chunks: 0,
             usage: None,
             error: None,
@@ -67,7 +90,13 @@ impl SseInspector {
     /// event whose end has not arrived yet are held until it does; nothing is re-encoded, so
     /// what comes back is byte for byte what upstream sent (minus, when stripping, the usage
     /// chunk and each chunk's `"usage": null` member).
+    ///
+    /// Once `data: [DONE]` has passed, the stream is over: the events after it (in the same
+    /// bytes or later ones) are neither handed out nor kept.
     pub fn feed(&mut self, data: &[u8]) -> Fed {
+        if self.done {
+            return Fed::Bytes(Vec::new());
+        }
         if !self.cr && memchr::memchr(b'\r', data).is_some() {
             self.cr = true;
         }
@@ -80,7 +109,7 @@ impl SseInspector {
             && !may_carry_usage_or_error(data)
             && !(self.strip && find(data, b"\"usage\"", 0).is_some())
         {
-            self.pending.push(Pending::Raw(data.to_vec()));
+            self.push_raw(data);
             return Fed::Same;
         }
         self.buf.extend_from_slice(data);
@@ -111,6 +140,9 @@ impl SseInspector {
             None => Fed::Bytes(self.buf[..pos].to_vec()),
         };
         self.buf.drain(..pos);
+        if self.done {
+            self.buf = Vec::new(); // a partial event after [DONE]: dropped, not kept
+        }
         kept
     }
 
@@ -118,7 +150,7 @@ impl SseInspector {
     /// without its `"usage": null` / usage chunk when stripping).
     pub fn flush(&mut self) -> Vec<u8> {
         let rest = std::mem::take(&mut self.buf);
-        if rest.trim_ascii().is_empty() {
+        if self.done || rest.trim_ascii().is_empty() {
             return rest;
         }
         match self.inspect(&rest) {
@@ -150,7 +182,8 @@ impl SseInspector {
     }
 
     /// Text pieces (content, reasoning, tool-call name and arguments, legacy `text`) of the
-    /// events handed out so far, in stream order.
+    /// events handed out so far and not yet taken by [`Self::take_countable`], in stream order
+    /// (all of them for a stream shorter than [`RAW_LIMIT`] + [`TEXT_LIMIT`]).
     pub fn delivered_text(&mut self) -> &[String] {
         self.parse_pending();
         &self.text
@@ -162,7 +195,62 @@ impl SseInspector {
         self.chunks
     }
 
+    /// A piece of the delivered text for the token counter, taken out of what is kept: `None`
+    /// while less than [`TEXT_LIMIT`] bytes are kept (unless `all`). The piece ends just before
+    /// the last run of ASCII whitespace that follows a non-whitespace byte; the rest (starting
+    /// with that whitespace) stays. Summing the counts of the pieces is then exact for a
+    /// tokenizer that pre-splits text before whitespace (GPT-2-style byte-level BPE, the
+    /// `Whitespace` and `Metaspace` pre-tokenizers: no token spans such a boundary), and an
+    /// approximation (usually a slight over-count) for one that merges across whitespace, or for
+    /// a text with no such boundary in [`TEXT_HARD_LIMIT`] bytes (cut at a character boundary
+    /// then). `all`: take everything that is left (the end of the stream).
+    pub fn take_countable(&mut self, all: bool) -> Option<String> {
+        if self.pending_bytes > RAW_LIMIT || all {
+            self.parse_pending();
+        }
+        if self.text_bytes == 0 || (!all && self.text_bytes < TEXT_LIMIT) {
+            return None;
+        }
+        let mut text = String::with_capacity(self.text_bytes);
+        for piece in self.text.drain(..) {
+            text.push_str(&piece);
+        }
+        self.text_bytes = 0;
+        if all {
+            return Some(text);
+        }
+        let cut = whitespace_cut(text.as_bytes()).or_else(|| {
+            (text.len() >= TEXT_HARD_LIMIT).then(|| {
+                let mut i = text.len() - TEXT_LIMIT;
+                while !text.is_char_boundary(i) {
+                    i -= 1;
+                }
+                i
+            })
+        });
+        match cut {
+            Some(i) if i > 0 => {
+                let rest = text.split_off(i);
+                self.text_bytes = rest.len();
+                self.text.push(rest);
+                Some(text)
+            }
+            _ => {
+                self.text_bytes = text.len();
+                self.text.push(text);
+                None
+            }
+        }
+    }
+
+    fn push_raw(&mut self, raw: &[u8]) {
+        self.pending_bytes += raw.len();
+        self.pending.push(Pending::Raw(raw.to_vec()));
+    }
+
     fn parse_pending(&mut self) {
+        self.pending_bytes = 0;
+        let before = self.text.len();
         for item in std::mem::take(&mut self.pending) {
             match item {
                 Pending::Text(pieces, found) => {
@@ -187,6 +275,7 @@ impl SseInspector {
                 }
             }
         }
+        self.text_bytes += self.text[before..].iter().map(String::len).sum::<usize>();
     }
 
     /// Earliest event end in the buffer from `start`: (index of the separator, its length).
@@ -204,6 +293,9 @@ impl SseInspector {
     /// Reads one complete event; says whether to forward it as is, drop it (the usage chunk
     /// when stripping) or forward it rewritten (without `"usage": null` when stripping).
     fn inspect(&mut self, event: &[u8]) -> Verdict {
+        if self.done {
+            return Verdict::Drop; // the stream ended at [DONE]
+        }
         let mut null_usage = false;
         for line in lines(event) {
             let Some(payload) = data_payload(line) else {
@@ -215,7 +307,7 @@ impl SseInspector {
             }
             let stripping = self.strip && find(payload, b"\"usage\"", 0).is_some();
             if !stripping && !may_carry_usage_or_error(payload) {
-                self.pending.push(Pending::Raw(line.to_vec()));
+                self.push_raw(line);
                 continue;
             }
             let Ok(Value::Object(mut obj)) = serde_json::from_slice::<Value>(payload) else {
@@ -238,6 +330,7 @@ impl SseInspector {
             if let Some(Value::Array(choices)) = obj.get("choices") {
                 let mut pieces = Vec::new();
                 let found = collect_text(choices, &mut pieces);
+                self.pending_bytes += pieces.iter().map(String::len).sum::<usize>();
                 self.pending.push(Pending::Text(pieces, found));
             }
         }
@@ -397,6 +490,15 @@ fn may_carry_usage_or_error(payload: &[u8]) -> bool {
 fn trim_start(b: &[u8], strip: impl Fn(u8) -> bool) -> &[u8] {
     let start = b.iter().position(|&c| !strip(c)).unwrap_or(b.len());
     &b[start..]
+}
+
+/// Index of the start of the last run of ASCII whitespace in `text` that follows a
+/// non-whitespace byte (a character boundary), or `None` when there is none.
+fn whitespace_cut(text: &[u8]) -> Option<usize> {
+    let ws = |c: u8| matches!(c, b' ' | b'\t' | b'\n' | b'\r' | 0x0b | 0x0c);
+    (1..text.len())
+        .rev()
+        .find(|&i| ws(text[i]) && !ws(text[i - 1]))
 }
 
 /// Appends the generated text of `choices` to `out`; returns whether there was any.
@@ -638,6 +740,57 @@ mod tests {
             proptest::prop_assert_eq!(cut.delivered_text().to_vec(), whole.delivered_text().to_vec());
             proptest::prop_assert_eq!(cut.content_chunks(), whole.content_chunks());
         }
+    }
+
+    #[test]
+    fn nothing_after_done_is_handed_out_or_kept() {
+        let mut insp = SseInspector::new(false);
+        let mut data = chunk("a");
+        data.extend_from_slice(b"data: [DONE]\n\n");
+        let want = data.clone();
+        data.extend(chunk("late"));
+        data.extend_from_slice(b"data: {\"partial");
+        assert_eq!(insp.feed(&data), Fed::Bytes(want));
+        assert!(insp.done());
+        assert_eq!(insp.feed(&chunk("later")), Fed::Bytes(Vec::new()));
+        assert_eq!(insp.flush(), b"");
+        assert_eq!(insp.delivered_text(), ["a"]);
+    }
+
+    #[test]
+    fn delivered_text_is_handed_out_in_bounded_pieces_cut_before_whitespace() {
+        let mut insp = SseInspector::new(false);
+        let mut pieces = Vec::new();
+        let mut whole = String::new();
+        for i in 0..20_000 {
+            let word = format!("w{i} ");
+            whole.push_str(&word);
+            assert_eq!(insp.feed(&chunk(&word)), Fed::Same);
+            while let Some(piece) = insp.take_countable(false) {
+                pieces.push(piece);
+            }
+            assert!(insp.pending_bytes <= RAW_LIMIT + 200);
+            assert!(insp.text_bytes < TEXT_HARD_LIMIT);
+        }
+        pieces.extend(insp.take_countable(true));
+        assert!(pieces.len() > 10);
+        for piece in &pieces[1..] {
+            assert!(piece.starts_with(' '), "{piece:?}");
+        }
+        assert_eq!(pieces.concat(), whole);
+        assert_eq!(insp.content_chunks(), 20_000);
+        // no whitespace at all: cut at a character boundary past the hard limit
+        let mut cjk = SseInspector::new(false);
+        let mut got = String::new();
+        for _ in 0..10_000 {
+            cjk.feed(&chunk("語"));
+            while let Some(piece) = cjk.take_countable(false) {
+                got.push_str(&piece);
+            }
+            assert!(cjk.text_bytes < TEXT_HARD_LIMIT + 200);
+        }
+        got.extend(cjk.take_countable(true));
+        assert_eq!(got, "語".repeat(10_000));
     }
 
     #[test]
