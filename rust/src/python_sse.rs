@@ -70,7 +70,7 @@ impl PySseInspector {
 
     #[getter]
     fn delivered_text(&mut self) -> Vec<String> {
-        self.inner.delivered_text().to_vec()
+        self.inner.delivered_text()
     }
 
     #[getter]

@@ -9,16 +9,19 @@
 //! their text only if it is asked for (most streams end with the engine's usage and never are)
 //! or when more than [`RAW_LIMIT`] bytes of them are waiting.
 //!
-//! Memory per stream is bounded whatever its length: unparsed events are kept up to
-//! [`RAW_LIMIT`] bytes, their text up to [`TEXT_LIMIT`] bytes before it is handed to the token
-//! counter piece by piece ([`SseInspector::take_countable`]), and only the last usage and error
-//! objects are kept. Nothing after `data: [DONE]` is handed out or kept.
+//! Memory per stream is bounded whatever its length: unparsed events are kept in one buffer up
+//! to [`RAW_LIMIT`] bytes, their text in one string up to [`TEXT_LIMIT`] bytes before it is
+//! handed to the token counter piece by piece ([`SseInspector::take_countable`]; the caller
+//! must take them), and only the last usage and error objects are kept. Both buffers are reused
+//! (no allocation per event). Nothing after `data: [DONE]` is handed out or kept.
 
 /// Bytes of unparsed events kept before they are parsed for their text (the text is all a
 /// settlement needs of them).
-pub const RAW_LIMIT: usize = 16 * 1024;
+pub const RAW_LIMIT: usize = 8 * 1024;
 
-/// Bytes of delivered text kept before a piece of it is handed to the token counter.
+/// Bytes of delivered text kept before a piece of it is handed to the token counter (each
+/// piece boundary kept counts 8 bytes more: with one token per event, most pieces are a few
+/// bytes).
 pub const TEXT_LIMIT: usize = 4 * 1024;
 
 /// Bytes of delivered text without a whitespace boundary after which a piece is handed to the
@@ -26,15 +29,6 @@ pub const TEXT_LIMIT: usize = 4 * 1024;
 pub const TEXT_HARD_LIMIT: usize = 4 * TEXT_LIMIT;
 
 use serde_json::Value;
-
-/// One piece of what was handed out, in stream order, kept for its text.
-#[derive(Debug)]
-enum Pending {
-    /// `data:` lines of events without usage or error, not parsed yet.
-    Raw(Vec<u8>),
-    /// Text pieces of an event that was parsed when it passed (`true`: it carried text).
-    Text(Vec<String>, bool),
-}
 
 /// What [`SseInspector::feed`] hands back.
 #[derive(Debug, PartialEq, Eq)]
@@ -52,13 +46,13 @@ pub struct SseInspector {
     buf: Vec<u8>,
     /// A CR was seen: events may end with `\r\n\r\n` or `\r\r` too.
     cr: bool,
-    pending: Vec<Pending>,
-    /// Bytes held in `pending`.
-    pending_bytes: usize,
-    /// Text pieces of the pending events parsed so far, not yet handed to the counter.
-    text: Vec<String>,
-    /// Bytes of `text`.
-    text_bytes: usize,
+    /// `data:` lines (or whole events) handed out without usage or error, not parsed yet, in
+    /// stream order (everything before them is in `text`).
+    raw: Vec<u8>,
+    /// Delivered text not yet handed to the counter, in stream order.
+    text: String,
+    /// End offsets in `text` of its pieces (one per text field of an event).
+    ends: Vec<usize>,
     chunks: u64,
     usage: Option<Value>,
     error: Option<Value>,
@@ -75,10 +69,9 @@ impl SseInspector {
             strip: strip_usage_chunk,
             buf: Vec::new(),
             cr: false,
-            pending: Vec::new(),
-            pending_bytes: 0,
-            text: Vec::new(),
-            text_bytes: 0,
+            raw: Vec::new(),
+            text: String::new(),
+            ends: Vec::new(),
             chunks: 0,
             usage: None,
             error: None,
@@ -109,7 +102,7 @@ impl SseInspector {
             && !may_carry_usage_or_error(data)
             && !(self.strip && find(data, b"\"usage\"", 0).is_some())
         {
-            self.push_raw(data);
+            self.push_raw(data, false);
             return Fed::Same;
         }
         self.buf.extend_from_slice(data);
@@ -142,6 +135,9 @@ impl SseInspector {
         self.buf.drain(..pos);
         if self.done {
             self.buf = Vec::new(); // a partial event after [DONE]: dropped, not kept
+        } else if self.buf.is_empty() && self.buf.capacity() > 4096 {
+            // one large read must not keep its buffer for the rest of the stream
+            self.buf = Vec::new();
         }
         kept
     }
@@ -184,9 +180,17 @@ impl SseInspector {
     /// Text pieces (content, reasoning, tool-call name and arguments, legacy `text`) of the
     /// events handed out so far and not yet taken by [`Self::take_countable`], in stream order
     /// (all of them for a stream shorter than [`RAW_LIMIT`] + [`TEXT_LIMIT`]).
-    pub fn delivered_text(&mut self) -> &[String] {
+    pub fn delivered_text(&mut self) -> Vec<String> {
         self.parse_pending();
-        &self.text
+        let mut start = 0;
+        self.ends
+            .iter()
+            .map(|&end| {
+                let piece = self.text[start..end].to_owned();
+                start = end;
+                piece
+            })
+            .collect()
     }
 
     /// Events handed out so far that carried generated text.
@@ -205,77 +209,87 @@ impl SseInspector {
     /// a text with no such boundary in [`TEXT_HARD_LIMIT`] bytes (cut at a character boundary
     /// then). `all`: take everything that is left (the end of the stream).
     pub fn take_countable(&mut self, all: bool) -> Option<String> {
-        if self.pending_bytes > RAW_LIMIT || all {
+        if self.raw.len() > RAW_LIMIT || all {
             self.parse_pending();
         }
-        if self.text_bytes == 0 || (!all && self.text_bytes < TEXT_LIMIT) {
+        let kept = self.text.len() + 8 * self.ends.len();
+        if self.text.is_empty() || (!all && kept < TEXT_LIMIT) {
             return None;
         }
-        let mut text = String::with_capacity(self.text_bytes);
-        for piece in self.text.drain(..) {
-            text.push_str(&piece);
-        }
-        self.text_bytes = 0;
-        if all {
-            return Some(text);
-        }
-        let cut = whitespace_cut(text.as_bytes()).or_else(|| {
-            (text.len() >= TEXT_HARD_LIMIT).then(|| {
-                let mut i = text.len() - TEXT_LIMIT;
-                while !text.is_char_boundary(i) {
-                    i -= 1;
-                }
-                i
+        let cut = if all {
+            Some(self.text.len())
+        } else {
+            whitespace_cut(self.text.as_bytes()).or_else(|| {
+                (self.text.len() >= TEXT_HARD_LIMIT).then(|| {
+                    let mut i = self.text.len() - TEXT_LIMIT;
+                    while !self.text.is_char_boundary(i) {
+                        i -= 1;
+                    }
+                    i
+                })
             })
-        });
-        match cut {
-            Some(i) if i > 0 => {
-                let rest = text.split_off(i);
-                self.text_bytes = rest.len();
-                self.text.push(rest);
-                Some(text)
-            }
-            _ => {
-                self.text_bytes = text.len();
-                self.text.push(text);
-                None
-            }
+        };
+        let cut = cut.filter(|&i| i > 0)?;
+        let piece = self.text[..cut].to_owned();
+        self.text.drain(..cut);
+        // the rest is one piece now
+        self.ends.clear();
+        if !self.text.is_empty() {
+            self.ends.push(self.text.len());
+        }
+        if self.text.capacity() > 2 * TEXT_HARD_LIMIT {
+            self.text.shrink_to(TEXT_HARD_LIMIT);
+        }
+        Some(piece)
+    }
+
+    /// Keeps `bytes` (whole events, or one `data:` line when `line`) to parse for their text
+    /// later.
+    fn push_raw(&mut self, bytes: &[u8], line: bool) {
+        self.raw.extend_from_slice(bytes);
+        if line {
+            self.raw.push(b'\n');
         }
     }
 
-    fn push_raw(&mut self, raw: &[u8]) {
-        self.pending_bytes += raw.len();
-        self.pending.push(Pending::Raw(raw.to_vec()));
+    /// Appends one event's text pieces to `text` (after the pending raw events' text).
+    fn push_text(&mut self, pieces: Vec<String>, found: bool) {
+        self.parse_pending();
+        for piece in pieces {
+            self.text.push_str(&piece);
+            self.ends.push(self.text.len());
+        }
+        self.chunks += u64::from(found);
     }
 
     fn parse_pending(&mut self) {
-        self.pending_bytes = 0;
-        let before = self.text.len();
-        for item in std::mem::take(&mut self.pending) {
-            match item {
-                Pending::Text(pieces, found) => {
-                    self.text.extend(pieces);
+        if self.raw.is_empty() {
+            return;
+        }
+        let mut raw = std::mem::take(&mut self.raw);
+        let mut pieces = Vec::new();
+        for line in lines(&raw) {
+            let Some(payload) = data_payload(line) else {
+                continue;
+            };
+            if payload == b"[DONE]" {
+                continue;
+            }
+            if let Ok(Value::Object(obj)) = serde_json::from_slice::<Value>(payload) {
+                if let Some(Value::Array(choices)) = obj.get("choices") {
+                    let found = collect_text(choices, &mut pieces);
                     self.chunks += u64::from(found);
-                }
-                Pending::Raw(raw) => {
-                    for line in lines(&raw) {
-                        let Some(payload) = data_payload(line) else {
-                            continue;
-                        };
-                        if payload == b"[DONE]" {
-                            continue;
-                        }
-                        if let Ok(Value::Object(obj)) = serde_json::from_slice::<Value>(payload) {
-                            if let Some(Value::Array(choices)) = obj.get("choices") {
-                                let found = collect_text(choices, &mut self.text);
-                                self.chunks += u64::from(found);
-                            }
-                        }
+                    for piece in pieces.drain(..) {
+                        self.text.push_str(&piece);
+                        self.ends.push(self.text.len());
                     }
                 }
             }
         }
-        self.text_bytes += self.text[before..].iter().map(String::len).sum::<usize>();
+        raw.clear();
+        if raw.capacity() <= 2 * RAW_LIMIT {
+            self.raw = raw; // reused; a larger one (after a large read) is freed
+        }
     }
 
     /// Earliest event end in the buffer from `start`: (index of the separator, its length).
@@ -307,7 +321,7 @@ impl SseInspector {
             }
             let stripping = self.strip && find(payload, b"\"usage\"", 0).is_some();
             if !stripping && !may_carry_usage_or_error(payload) {
-                self.push_raw(line);
+                self.push_raw(line, true);
                 continue;
             }
             let Ok(Value::Object(mut obj)) = serde_json::from_slice::<Value>(payload) else {
@@ -330,8 +344,7 @@ impl SseInspector {
             if let Some(Value::Array(choices)) = obj.get("choices") {
                 let mut pieces = Vec::new();
                 let found = collect_text(choices, &mut pieces);
-                self.pending_bytes += pieces.iter().map(String::len).sum::<usize>();
-                self.pending.push(Pending::Text(pieces, found));
+                self.push_text(pieces, found);
             }
         }
         if null_usage {
@@ -737,7 +750,7 @@ mod tests {
             proptest::prop_assert!(cut.done());
             proptest::prop_assert_eq!(cut.usage(), whole.usage());
             proptest::prop_assert_eq!(cut.error(), whole.error());
-            proptest::prop_assert_eq!(cut.delivered_text().to_vec(), whole.delivered_text().to_vec());
+            proptest::prop_assert_eq!(cut.delivered_text(), whole.delivered_text());
             proptest::prop_assert_eq!(cut.content_chunks(), whole.content_chunks());
         }
     }
@@ -769,8 +782,8 @@ mod tests {
             while let Some(piece) = insp.take_countable(false) {
                 pieces.push(piece);
             }
-            assert!(insp.pending_bytes <= RAW_LIMIT + 200);
-            assert!(insp.text_bytes < TEXT_HARD_LIMIT);
+            assert!(insp.raw.len() <= RAW_LIMIT + 200);
+            assert!(insp.text.len() < TEXT_HARD_LIMIT);
         }
         pieces.extend(insp.take_countable(true));
         assert!(pieces.len() > 10);
@@ -787,7 +800,7 @@ mod tests {
             while let Some(piece) = cjk.take_countable(false) {
                 got.push_str(&piece);
             }
-            assert!(cjk.text_bytes < TEXT_HARD_LIMIT + 200);
+            assert!(cjk.text.len() < TEXT_HARD_LIMIT + 200);
         }
         got.extend(cjk.take_countable(true));
         assert_eq!(got, "語".repeat(10_000));
