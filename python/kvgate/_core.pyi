@@ -533,8 +533,8 @@ class SSEInspector:
     non-null ``usage`` or an ``error`` key are parsed as they pass (a byte test: inside JSON
     strings quotes are escaped, so ``"usage"`` in the bytes is never generated text); the
     others are kept as bytes and parsed for their text only if :attr:`delivered_text`,
-    :attr:`content_chunks` or :attr:`delivered_tokens` is read, or when more than 16 KiB of them
-    wait. Memory per stream is bounded whatever its length: past 4 KiB, the delivered text is
+    :attr:`content_chunks` or :attr:`delivered_tokens` is read, or when more than 4 KiB of them
+    wait. Memory per stream is bounded whatever its length: past 2 KiB, the delivered text is
     handed to ``count_text`` in pieces (during :meth:`feed`) and only the remainder is kept; only
     the last usage and error objects are kept. The stream ends at ``data: [DONE]``: nothing after
     it is handed out or kept. One per streamed response; not for sharing between threads.
@@ -551,7 +551,7 @@ class SSEInspector:
             Each piece ends just before a run of whitespace, so the sum of the counts equals
             the count of the whole text for a tokenizer that pre-splits before whitespace
             (GPT-2-style byte-level BPE, ``Whitespace``, ``Metaspace``); for one that merges
-            across whitespace, or a text without whitespace for 16 KiB, it is an approximation
+            across whitespace, or a text without whitespace for 8 KiB, it is an approximation
             (usually a slight over-count).
     """
 

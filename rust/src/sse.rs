@@ -17,12 +17,12 @@
 
 /// Bytes of unparsed events kept before they are parsed for their text (the text is all a
 /// settlement needs of them).
-pub const RAW_LIMIT: usize = 8 * 1024;
+pub const RAW_LIMIT: usize = 4 * 1024;
 
 /// Bytes of delivered text kept before a piece of it is handed to the token counter (each
 /// piece boundary kept counts 8 bytes more: with one token per event, most pieces are a few
 /// bytes).
-pub const TEXT_LIMIT: usize = 4 * 1024;
+pub const TEXT_LIMIT: usize = 2 * 1024;
 
 /// Bytes of delivered text without a whitespace boundary after which a piece is handed to the
 /// counter anyway, cut at a character boundary (the count is then approximate).
