@@ -8,7 +8,7 @@ path is a value (``False`` or a :class:`Rejection`), never an exception; excepti
 arguments and configuration only.
 """
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from types import TracebackType
 from typing import Any, Final, Literal, Self, final
 
@@ -532,8 +532,12 @@ class SSEInspector:
     and reads, on the way, what settling the token account needs. Only events that may carry a
     non-null ``usage`` or an ``error`` key are parsed as they pass (a byte test: inside JSON
     strings quotes are escaped, so ``"usage"`` in the bytes is never generated text); the
-    others are kept as bytes and parsed for their text only if :attr:`delivered_text` or
-    :attr:`content_chunks` is read. One per streamed response; not for sharing between threads.
+    others are kept as bytes and parsed for their text only if :attr:`delivered_text`,
+    :attr:`content_chunks` or :attr:`delivered_tokens` is read, or when more than 4 KiB of them
+    wait. Memory per stream is bounded whatever its length: past 2 KiB, the delivered text is
+    handed to ``count_text`` in pieces (during :meth:`feed`) and only the remainder is kept; only
+    the last usage and error objects are kept. The stream ends at ``data: [DONE]``: nothing after
+    it is handed out or kept. One per streamed response; not for sharing between threads.
 
     Args:
         strip_usage_chunk: drop the usage-only chunk (``"choices": []`` with a ``usage``
@@ -542,6 +546,13 @@ class SSEInspector:
             event passes as it came; events with ``"usage"`` are then parsed as they pass).
             Set when the gateway added ``stream_options.include_usage`` itself and the client
             did not ask for it, so the client sees what it would have seen.
+        count_text: the tokenizer count (tokens) of a piece of generated text (the model's
+            ``count_text``); ``None``: the text is not counted (:attr:`delivered_tokens` is 0).
+            Each piece ends just before a run of whitespace, so the sum of the counts equals
+            the count of the whole text for a tokenizer that pre-splits before whitespace
+            (GPT-2-style byte-level BPE, ``Whitespace``, ``Metaspace``); for one that merges
+            across whitespace, or a text without whitespace for 8 KiB, it is an approximation
+            (usually a slight over-count).
         responses: read a Responses stream (``POST /v1/responses``) instead: its events are
             named (``event: response.output_text.delta``, a ``type`` in each data); the text is
             the ``delta`` of the text events (output text, refusal, reasoning, tool-call
@@ -552,15 +563,23 @@ class SSEInspector:
             :attr:`error`. ``strip_usage_chunk`` is ignored.
     """
 
-    def __new__(cls, *, strip_usage_chunk: bool, responses: bool = False) -> Self: ...
+    def __new__(
+        cls,
+        *,
+        strip_usage_chunk: bool,
+        count_text: Callable[[str], int] | None = None,
+        responses: bool = False,
+    ) -> Self: ...
     def feed(self, data: bytes) -> bytes:
         """Take the next upstream bytes; return the complete events to write now (maybe
         ``b""``; ``data`` itself when it is exactly that). Bytes of an event whose end has not
         arrived yet are held until it does; nothing is re-encoded (byte for byte what upstream
         sent, minus, when stripping, the usage chunk and the ``"usage": null`` members).
+        After ``data: [DONE]``, returns nothing more.
 
         Raises:
             TypeError: ``data`` is not ``bytes``.
+            Exception: whatever ``count_text`` raises.
         """
     def flush(self) -> bytes:
         """Whatever partial event remains at the end of the stream (to be written as is; it is
@@ -583,8 +602,16 @@ class SSEInspector:
     @property
     def delivered_text(self) -> list[str]:
         """Text pieces (``delta.content``, ``reasoning_content``, ``reasoning``, tool-call
-        ``name`` and ``arguments``, legacy ``text``) of the events handed out so far, in stream
-        order."""
+        ``name`` and ``arguments``, legacy ``text``) of the events handed out so far and not yet
+        handed to ``count_text``, in stream order (all of them for a short stream)."""
+    @property
+    def delivered_tokens(self) -> int:
+        """Tokens of all the text delivered so far by ``count_text`` (the text still kept is
+        counted now), or 0 without ``count_text``.
+
+        Raises:
+            Exception: whatever ``count_text`` raises.
+        """
     @property
     def content_chunks(self) -> int:
         """Events handed out so far that carried generated text."""

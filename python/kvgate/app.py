@@ -411,6 +411,12 @@ class Gateway:
         if self.queue is not None:
             self.queue.notify()
 
+    def retry_hint(self, backend: Backend) -> float:
+        """kvgate's own wait hint (seconds) for a request the engine of ``backend`` refused
+        with 429 or 503: the same estimate a request refused by the wait queue gets
+        (:meth:`_queue_retry`). The relay sends the longer of it and the engine's."""
+        return self._queue_retry(backend)
+
     def _queue_retry(self, backend: Backend) -> float:
         """Seconds until a request refused by the queue (``queued``, ``queue-full``) may get a
         turn, when this worker runs no request on the backend (else :meth:`slot_hint` decides):

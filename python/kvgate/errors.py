@@ -1,13 +1,15 @@
 """OpenAI-shaped errors: the one place where an outcome becomes an HTTP status and body.
 
-Every error kvgate answers uses OpenAI's body shape (openai-openapi ``Error`` schema, ENGINES.md
-§5.1): ``{"error": {"message": str, "type": str, "param": str | None, "code": str | None}}`` —
+Every error kvgate answers uses OpenAI's body shape (openai-openapi ``Error`` schema):
+``{"error": {"message": str, "type": str, "param": str | None, "code": str | None}}`` —
 all four keys present, ``param`` and ``code`` possibly ``null``.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
+from http import HTTPStatus
 from typing import Any
 
 import orjson
@@ -101,16 +103,56 @@ _STATUS_TYPES = {
 }
 
 
+#: Context-overflow messages of the engines, each with the group that holds the context
+#: window (tokens): vLLM and OpenAI ("This model's maximum context length is N tokens. However,
+#: you requested ..."), SGLang ("... exceeds the model's maximum context length of N tokens ...";
+#: "The input (X tokens) is longer than the model's context length (N tokens)."), llama.cpp's
+#: server ("request (X tokens) exceeds the available context size (N tokens), try increasing
+#: it", type ``exceed_context_size_error``), TGI's 422 validation error ("`inputs` tokens +
+#: `max_new_tokens` must be <= N" or "`inputs` must have less than N tokens").
+_CONTEXT_OVERFLOW = (
+    re.compile(r"maximum context length (?:is|of) (\d+) tokens"),
+    re.compile(r"longer than the model's context length \((\d+) tokens\)"),
+    re.compile(r"exceeds the available context size \((\d+) tokens\)"),
+    re.compile(r"`inputs` tokens \+ `max_new_tokens` must be <= (\d+)"),
+    re.compile(r"`inputs` must have less than (\d+) tokens"),
+)
+
+#: Engine error types that mean a context overflow whatever the message says (llama.cpp).
+_OVERFLOW_TYPES = frozenset({"exceed_context_size_error"})
+
+
+def _context_window(message: str, type_: object, data: dict[str, Any] | None) -> int | None:
+    """The context window (tokens) an engine's context-overflow error names, ``-1`` when it is
+    an overflow that names none, ``None`` when ``message`` is not a context overflow."""
+    for pattern in _CONTEXT_OVERFLOW:
+        found = pattern.search(message)
+        if found is not None:
+            return int(found.group(1))
+    if type_ in _OVERFLOW_TYPES:
+        n_ctx = data.get("n_ctx") if data is not None else None
+        return n_ctx if type(n_ctx) is int else -1
+    return None
+
+
 def reshape_upstream_error(status: int, body: bytes) -> bytes:
     """Turn an engine's error body into OpenAI's shape, keeping its message.
 
-    Engines differ (ENGINES.md §5.1): vLLM < 0.10.1 sends a flat ``{"object": "error", "message",
+    Engines differ: vLLM < 0.10.1 sends a flat ``{"object": "error", "message",
     "type": "BadRequestError", "code": 400}``; vLLM ≥ 0.10.1 nests it under ``error`` with an
-    integer ``code``; TGI sends ``{"error": str, "error_type": str}``; llama.cpp ``{"error":
-    {"code": int, "message", "type"}}``. The result always has the four OpenAI keys; an integer
-    ``code`` (an HTTP status) becomes ``null``, and a vLLM context-length message gets OpenAI's
-    ``context_length_exceeded`` code. A body that is already OpenAI-shaped passes unchanged;
-    an unparseable body becomes the message text.
+    integer ``code``; SGLang sends vLLM's flat shape; TGI sends ``{"error": str, "error_type":
+    str}``; llama.cpp's server ``{"error": {"code": int, "message", "type"}}`` (plus
+    ``n_prompt_tokens`` and ``n_ctx`` on a context overflow). The result always has the four
+    OpenAI keys; an integer ``code`` (an HTTP status) becomes ``null``.
+
+    A context overflow in any of these engines' wordings (:data:`_CONTEXT_OVERFLOW`) comes out
+    as OpenAI's: ``type: "invalid_request_error"``, ``code: "context_length_exceeded"``, and a
+    message holding the phrase "maximum context length is N tokens" whenever the engine named
+    the window N (clients search the message for it; it is put in front of the engine's own
+    message when that words it differently). A body that is not JSON (an HTML 502 page of a
+    proxy between kvgate and the engine, say) is not relayed: the message says only which
+    status the engine answered. A body that is already OpenAI-shaped and no context overflow
+    passes unchanged. The status is the caller's to keep.
 
     Args:
         status: the upstream HTTP status (≥ 400).
@@ -121,15 +163,18 @@ def reshape_upstream_error(status: int, body: bytes) -> bytes:
     """
     try:
         data: Any = orjson.loads(body) if body else None
+        parsed = True
     except orjson.JSONDecodeError:
-        data = None
+        data, parsed = None, False
     message: str | None = None
     type_: str | None = None
     param: str | None = None
     code: Any = None
+    holder: dict[str, Any] | None = None
     if isinstance(data, dict):
         inner = data.get("error")
         if isinstance(inner, dict):
+            holder = inner
             message, type_ = inner.get("message"), inner.get("type")
             param, code = inner.get("param"), inner.get("code")
             if (
@@ -137,20 +182,35 @@ def reshape_upstream_error(status: int, body: bytes) -> bytes:
                 and isinstance(type_, str)
                 and (code is None or isinstance(code, str))
                 and set(inner) >= {"message", "type", "param", "code"}
+                and (
+                    code == "context_length_exceeded"
+                    or _context_window(message, type_, inner) is None
+                )
             ):
                 return body
         elif isinstance(inner, str):  # TGI
             message, type_ = inner, data.get("error_type")
-        elif data.get("object") == "error" or "message" in data:  # vLLM < 0.10.1
+        elif data.get("object") == "error" or "message" in data:  # vLLM < 0.10.1, SGLang
+            holder = data
             message, type_ = data.get("message"), data.get("type")
             param, code = data.get("param"), data.get("code")
     if not isinstance(message, str):
-        text = body.decode("utf-8", "replace").strip()
-        message = text[:2000] or f"upstream returned HTTP {status}"
+        if not parsed or data is None:
+            what = "empty body" if not body.strip() else "non-JSON body"
+            message = f"The upstream engine answered {_status_text(status)} ({what})."
+        else:
+            message = body.decode("utf-8", "replace").strip()[:2000]
     if not isinstance(code, str):
         code = None
-    if code is None and "maximum context length" in message:
-        code = "context_length_exceeded"
+    window = _context_window(message, type_, holder)
+    if window is not None or code == "context_length_exceeded":
+        code, type_ = "context_length_exceeded", "invalid_request_error"
+        if (
+            window is not None
+            and window >= 0
+            and f"maximum context length is {window} tokens" not in message
+        ):
+            message = f"This model's maximum context length is {window} tokens. {message}"
     if not isinstance(type_, str) or (type_.endswith("Error") and "_" not in type_):
         # exception-class names (BadRequestError) are not OpenAI types
         type_ = _STATUS_TYPES.get(
@@ -159,3 +219,11 @@ def reshape_upstream_error(status: int, body: bytes) -> bytes:
     if not isinstance(param, str):
         param = None
     return error_body(message, type_, param, code)
+
+
+def _status_text(status: int) -> str:
+    """``502 Bad Gateway``: the status and its reason phrase (just the number when unknown)."""
+    try:
+        return f"{status} {HTTPStatus(status).phrase}"
+    except ValueError:
+        return str(status)

@@ -29,6 +29,7 @@ from kvgate.errors import GatewayError, error_body, method_not_allowed
 from kvgate.metrics import FLUSH_SECONDS
 from kvgate.proxy.handler import error_response, handle_forward, handle_inference
 from kvgate.proxy.prepared import Reply
+from kvgate.proxy.relay import reuse_trace
 from kvgate.proxy.routes import RouteKind, route_of
 
 if TYPE_CHECKING:
@@ -182,13 +183,18 @@ def make_server(gateway: Gateway) -> web.Server:
 @contextlib.asynccontextmanager
 async def gateway_runtime(gateway: Gateway) -> AsyncIterator[None]:
     """The gateway's background parts for the life of a server, in this order (and closed in
-    reverse): the upstream ``ClientSession`` (no pool limit, ``connect`` timeout), the upstream
+    reverse): the upstream ``ClientSession`` (no pool limit, ``connect`` timeout, the relay's
+    connection-reuse trace), the upstream
     timeouts' watchdog (:class:`~kvgate.proxy.deadline.Watchdog`), the metrics flush every :data:`~kvgate.metrics.FLUSH_SECONDS` (and once at the end), the engine metrics
     pollers (when ``gateway.poll``), SIGHUP → :meth:`Gateway.reload` (when
     ``gateway.config_path``)."""
     connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300)
     timeout = aiohttp.ClientTimeout(total=None, connect=gateway.timeouts.connect)
-    gateway.session = aiohttp.ClientSession(connector=connector, timeout=timeout)
+    # the trace lets the relay resend a request that failed on a pooled connection the engine
+    # had closed (kvgate.proxy.relay.reuse_trace)
+    gateway.session = aiohttp.ClientSession(
+        connector=connector, timeout=timeout, trace_configs=[reuse_trace()]
+    )
     loop = asyncio.get_running_loop()
     metrics = gateway.metrics
 

@@ -11,26 +11,42 @@ use crate::sse::{Fed, SseInspector};
 #[pyclass(name = "SSEInspector", module = "kvgate")]
 pub struct PySseInspector {
     inner: SseInspector,
+    /// The tokenizer count of a piece of delivered text (`str` → `int`), if any.
+    count_text: Option<Py<PyAny>>,
+    /// Tokens counted so far by `count_text`.
+    counted: u64,
 }
 
 #[pymethods]
 impl PySseInspector {
     #[new]
-    #[pyo3(signature = (*, strip_usage_chunk, responses = false))]
-    fn new(strip_usage_chunk: bool, responses: bool) -> Self {
+    #[pyo3(signature = (*, strip_usage_chunk, count_text=None, responses = false))]
+    fn new(strip_usage_chunk: bool, count_text: Option<Py<PyAny>>, responses: bool) -> Self {
         let inner = if responses {
             SseInspector::new_responses()
         } else {
             SseInspector::new(strip_usage_chunk)
         };
-        Self { inner }
+        Self {
+            inner,
+            count_text,
+            counted: 0,
+        }
     }
 
-    fn feed<'py>(&mut self, data: &Bound<'py, PyBytes>) -> Bound<'py, PyBytes> {
-        match self.inner.feed(data.as_bytes()) {
+    fn feed<'py>(&mut self, data: &Bound<'py, PyBytes>) -> PyResult<Bound<'py, PyBytes>> {
+        let out = match self.inner.feed(data.as_bytes()) {
             Fed::Same => data.clone(),
             Fed::Bytes(out) => PyBytes::new(data.py(), &out),
-        }
+        };
+        self.count(data.py(), false)?;
+        Ok(out)
+    }
+
+    #[getter]
+    fn delivered_tokens(&mut self, py: Python<'_>) -> PyResult<u64> {
+        self.count(py, true)?;
+        Ok(self.counted)
     }
 
     fn flush<'py>(&mut self, py: Python<'py>) -> Bound<'py, PyBytes> {
@@ -59,12 +75,29 @@ impl PySseInspector {
 
     #[getter]
     fn delivered_text(&mut self) -> Vec<String> {
-        self.inner.delivered_text().to_vec()
+        self.inner.delivered_text()
     }
 
     #[getter]
     fn content_chunks(&mut self) -> u64 {
         self.inner.content_chunks()
+    }
+}
+
+impl PySseInspector {
+    /// Hands the delivered text the inspector holds past its bound (everything, with `all`)
+    /// to `count_text` and adds up the counts; without `count_text` the text is dropped.
+    fn count(&mut self, py: Python<'_>, all: bool) -> PyResult<()> {
+        while let Some(piece) = self.inner.take_countable(all) {
+            if let Some(count) = &self.count_text {
+                let n: u64 = count.bind(py).call1((piece,))?.extract()?;
+                self.counted = self.counted.saturating_add(n);
+            }
+            if all {
+                break;
+            }
+        }
+        Ok(())
     }
 }
 

@@ -6,7 +6,14 @@
 //! `finish_reason` chunk for llama.cpp), the text delivered so far (for a stream that breaks or
 //! whose engine sends no usage), and `error` events. Only events that may carry a non-null
 //! `usage` or an `error` are parsed as they pass; the others are kept as bytes and parsed for
-//! their text only if it is asked for (most streams end with the engine's usage and never are).
+//! their text only if it is asked for (most streams end with the engine's usage and never are)
+//! or when more than [`RAW_LIMIT`] bytes of them are waiting.
+//!
+//! Memory per stream is bounded whatever its length: unparsed events are kept in one buffer up
+//! to [`RAW_LIMIT`] bytes, their text in one string up to [`TEXT_LIMIT`] bytes before it is
+//! handed to the token counter piece by piece ([`SseInspector::take_countable`]; the caller
+//! must take them), and only the last usage and error objects are kept. Both buffers are reused
+//! (no allocation per event). Nothing after `data: [DONE]` is handed out or kept.
 //!
 //! A Responses stream (`POST /v1/responses`, [`SseInspector::new_responses`]) names its events
 //! (`event: response.output_text.delta` and a `type` member in the data): the text is the
@@ -15,18 +22,20 @@
 //! also ends the stream (there is no `[DONE]`), and `response.failed` or an `error` event is an
 //! error.
 
-use serde_json::Map;
+/// Bytes of unparsed events kept before they are parsed for their text (the text is all a
+/// settlement needs of them).
+pub const RAW_LIMIT: usize = 4 * 1024;
 
-use serde_json::Value;
+/// Bytes of delivered text kept before a piece of it is handed to the token counter (each
+/// piece boundary kept counts 8 bytes more: with one token per event, most pieces are a few
+/// bytes).
+pub const TEXT_LIMIT: usize = 2 * 1024;
 
-/// One piece of what was handed out, in stream order, kept for its text.
-#[derive(Debug)]
-enum Pending {
-    /// `data:` lines of events without usage or error, not parsed yet.
-    Raw(Vec<u8>),
-    /// Text pieces of an event that was parsed when it passed (`true`: it carried text).
-    Text(Vec<String>, bool),
-}
+/// Bytes of delivered text without a whitespace boundary after which a piece is handed to the
+/// counter anyway, cut at a character boundary (the count is then approximate).
+pub const TEXT_HARD_LIMIT: usize = 4 * TEXT_LIMIT;
+
+use serde_json::{Map, Value};
 
 /// What [`SseInspector::feed`] hands back.
 #[derive(Debug, PartialEq, Eq)]
@@ -44,9 +53,13 @@ pub struct SseInspector {
     buf: Vec<u8>,
     /// A CR was seen: events may end with `\r\n\r\n` or `\r\r` too.
     cr: bool,
-    pending: Vec<Pending>,
-    /// Text pieces of the pending events parsed so far.
-    text: Vec<String>,
+    /// `data:` lines (or whole events) handed out without usage or error, not parsed yet, in
+    /// stream order (everything before them is in `text`).
+    raw: Vec<u8>,
+    /// Delivered text not yet handed to the counter, in stream order.
+    text: String,
+    /// End offsets in `text` of its pieces (one per text field of an event).
+    ends: Vec<usize>,
     chunks: u64,
     usage: Option<Value>,
     error: Option<Value>,
@@ -74,8 +87,9 @@ impl SseInspector {
             strip: strip_usage_chunk,
             buf: Vec::new(),
             cr: false,
-            pending: Vec::new(),
-            text: Vec::new(),
+            raw: Vec::new(),
+            text: String::new(),
+            ends: Vec::new(),
             chunks: 0,
             usage: None,
             error: None,
@@ -110,7 +124,13 @@ impl SseInspector {
     /// event whose end has not arrived yet are held until it does; nothing is re-encoded, so
     /// what comes back is byte for byte what upstream sent (minus, when stripping, the usage
     /// chunk and each chunk's `"usage": null` member).
+    ///
+    /// Once `data: [DONE]` has passed, the stream is over: the events after it (in the same
+    /// bytes or later ones) are neither handed out nor kept.
     pub fn feed(&mut self, data: &[u8]) -> Fed {
+        if self.done {
+            return Fed::Bytes(Vec::new());
+        }
         if !self.cr && memchr::memchr(b'\r', data).is_some() {
             self.cr = true;
         }
@@ -123,7 +143,7 @@ impl SseInspector {
             && !self.may_settle(data)
             && !(self.strip && find(data, b"\"usage\"", 0).is_some())
         {
-            self.pending.push(Pending::Raw(data.to_vec()));
+            self.push_raw(data, false);
             return Fed::Same;
         }
         self.buf.extend_from_slice(data);
@@ -154,6 +174,12 @@ impl SseInspector {
             None => Fed::Bytes(self.buf[..pos].to_vec()),
         };
         self.buf.drain(..pos);
+        if self.done {
+            self.buf = Vec::new(); // a partial event after [DONE]: dropped, not kept
+        } else if self.buf.is_empty() && self.buf.capacity() > 4096 {
+            // one large read must not keep its buffer for the rest of the stream
+            self.buf = Vec::new();
+        }
         kept
     }
 
@@ -161,7 +187,7 @@ impl SseInspector {
     /// without its `"usage": null` / usage chunk when stripping).
     pub fn flush(&mut self) -> Vec<u8> {
         let rest = std::mem::take(&mut self.buf);
-        if rest.trim_ascii().is_empty() {
+        if self.done || rest.trim_ascii().is_empty() {
             return rest;
         }
         match self.inspect(&rest) {
@@ -193,10 +219,19 @@ impl SseInspector {
     }
 
     /// Text pieces (content, reasoning, tool-call name and arguments, legacy `text`) of the
-    /// events handed out so far, in stream order.
-    pub fn delivered_text(&mut self) -> &[String] {
+    /// events handed out so far and not yet taken by [`Self::take_countable`], in stream order
+    /// (all of them for a stream shorter than [`RAW_LIMIT`] + [`TEXT_LIMIT`]).
+    pub fn delivered_text(&mut self) -> Vec<String> {
         self.parse_pending();
-        &self.text
+        let mut start = 0;
+        self.ends
+            .iter()
+            .map(|&end| {
+                let piece = self.text[start..end].to_owned();
+                start = end;
+                piece
+            })
+            .collect()
     }
 
     /// Events handed out so far that carried generated text.
@@ -205,31 +240,95 @@ impl SseInspector {
         self.chunks
     }
 
+    /// A piece of the delivered text for the token counter, taken out of what is kept: `None`
+    /// while less than [`TEXT_LIMIT`] bytes are kept (unless `all`). The piece ends just before
+    /// the last run of ASCII whitespace that follows a non-whitespace byte; the rest (starting
+    /// with that whitespace) stays. Summing the counts of the pieces is then exact for a
+    /// tokenizer that pre-splits text before whitespace (GPT-2-style byte-level BPE, the
+    /// `Whitespace` and `Metaspace` pre-tokenizers: no token spans such a boundary), and an
+    /// approximation (usually a slight over-count) for one that merges across whitespace, or for
+    /// a text with no such boundary in [`TEXT_HARD_LIMIT`] bytes (cut at a character boundary
+    /// then). `all`: take everything that is left (the end of the stream).
+    pub fn take_countable(&mut self, all: bool) -> Option<String> {
+        if self.raw.len() > RAW_LIMIT || all {
+            self.parse_pending();
+        }
+        let kept = self.text.len() + 8 * self.ends.len();
+        if self.text.is_empty() || (!all && kept < TEXT_LIMIT) {
+            return None;
+        }
+        let cut = if all {
+            Some(self.text.len())
+        } else {
+            whitespace_cut(self.text.as_bytes()).or_else(|| {
+                (self.text.len() >= TEXT_HARD_LIMIT).then(|| {
+                    let mut i = self.text.len() - TEXT_LIMIT;
+                    while !self.text.is_char_boundary(i) {
+                        i -= 1;
+                    }
+                    i
+                })
+            })
+        };
+        let cut = cut.filter(|&i| i > 0)?;
+        let piece = self.text[..cut].to_owned();
+        self.text.drain(..cut);
+        // the rest is one piece now
+        self.ends.clear();
+        if !self.text.is_empty() {
+            self.ends.push(self.text.len());
+        }
+        if self.text.capacity() > 2 * TEXT_HARD_LIMIT {
+            self.text.shrink_to(TEXT_HARD_LIMIT);
+        }
+        Some(piece)
+    }
+
+    /// Keeps `bytes` (whole events, or one `data:` line when `line`) to parse for their text
+    /// later.
+    fn push_raw(&mut self, bytes: &[u8], line: bool) {
+        self.raw.extend_from_slice(bytes);
+        if line {
+            self.raw.push(b'\n');
+        }
+    }
+
+    /// Appends one event's text pieces to `text` (after the pending raw events' text).
+    fn push_text(&mut self, pieces: Vec<String>, found: bool) {
+        self.parse_pending();
+        for piece in pieces {
+            self.text.push_str(&piece);
+            self.ends.push(self.text.len());
+        }
+        self.chunks += u64::from(found);
+    }
+
     fn parse_pending(&mut self) {
-        for item in std::mem::take(&mut self.pending) {
-            match item {
-                Pending::Text(pieces, found) => {
-                    self.text.extend(pieces);
+        if self.raw.is_empty() {
+            return;
+        }
+        let mut raw = std::mem::take(&mut self.raw);
+        let mut pieces = Vec::new();
+        for line in lines(&raw) {
+            let Some(payload) = data_payload(line) else {
+                continue;
+            };
+            if payload == b"[DONE]" {
+                continue;
+            }
+            if let Ok(Value::Object(obj)) = serde_json::from_slice::<Value>(payload) {
+                if let Some(found) = event_text(self.is_responses(), &obj, &mut pieces) {
                     self.chunks += u64::from(found);
-                }
-                Pending::Raw(raw) => {
-                    for line in lines(&raw) {
-                        let Some(payload) = data_payload(line) else {
-                            continue;
-                        };
-                        if payload == b"[DONE]" {
-                            continue;
-                        }
-                        if let Ok(Value::Object(obj)) = serde_json::from_slice::<Value>(payload) {
-                            if let Some(found) =
-                                event_text(self.is_responses(), &obj, &mut self.text)
-                            {
-                                self.chunks += u64::from(found);
-                            }
-                        }
+                    for piece in pieces.drain(..) {
+                        self.text.push_str(&piece);
+                        self.ends.push(self.text.len());
                     }
                 }
             }
+        }
+        raw.clear();
+        if raw.capacity() <= 2 * RAW_LIMIT {
+            self.raw = raw; // reused; a larger one (after a large read) is freed
         }
     }
 
@@ -248,6 +347,9 @@ impl SseInspector {
     /// Reads one complete event; says whether to forward it as is, drop it (the usage chunk
     /// when stripping) or forward it rewritten (without `"usage": null` when stripping).
     fn inspect(&mut self, event: &[u8]) -> Verdict {
+        if self.done {
+            return Verdict::Drop; // the stream ended at [DONE]
+        }
         let mut null_usage = false;
         for line in lines(event) {
             let Some(payload) = data_payload(line) else {
@@ -259,7 +361,7 @@ impl SseInspector {
             }
             let stripping = self.strip && find(payload, b"\"usage\"", 0).is_some();
             if !stripping && !self.may_settle(payload) {
-                self.pending.push(Pending::Raw(line.to_vec()));
+                self.push_raw(line, true);
                 continue;
             }
             let Ok(Value::Object(mut obj)) = serde_json::from_slice::<Value>(payload) else {
@@ -284,7 +386,7 @@ impl SseInspector {
             }
             let mut pieces = Vec::new();
             if let Some(found) = event_text(self.is_responses(), &obj, &mut pieces) {
-                self.pending.push(Pending::Text(pieces, found));
+                self.push_text(pieces, found);
             }
         }
         if null_usage {
@@ -524,6 +626,15 @@ fn trim_start(b: &[u8], strip: impl Fn(u8) -> bool) -> &[u8] {
     &b[start..]
 }
 
+/// Index of the start of the last run of ASCII whitespace in `text` that follows a
+/// non-whitespace byte (a character boundary), or `None` when there is none.
+fn whitespace_cut(text: &[u8]) -> Option<usize> {
+    let ws = |c: u8| matches!(c, b' ' | b'\t' | b'\n' | b'\r' | 0x0b | 0x0c);
+    (1..text.len())
+        .rev()
+        .find(|&i| ws(text[i]) && !ws(text[i - 1]))
+}
+
 /// Appends the generated text of `choices` to `out`; returns whether there was any.
 fn collect_text(choices: &[Value], out: &mut Vec<String>) -> bool {
     let mut found = false;
@@ -760,7 +871,7 @@ mod tests {
             proptest::prop_assert!(cut.done());
             proptest::prop_assert_eq!(cut.usage(), whole.usage());
             proptest::prop_assert_eq!(cut.error(), whole.error());
-            proptest::prop_assert_eq!(cut.delivered_text().to_vec(), whole.delivered_text().to_vec());
+            proptest::prop_assert_eq!(cut.delivered_text(), whole.delivered_text());
             proptest::prop_assert_eq!(cut.content_chunks(), whole.content_chunks());
         }
     }
@@ -855,6 +966,57 @@ mod tests {
         let body = br#"{"id":"resp_1","output":[{"type":"message","content":[{"type":"output_text","text":"hi"}]}],
             "usage":{"input_tokens":12,"input_tokens_details":{"cached_tokens":0},"output_tokens":8,"total_tokens":20}}"#;
         assert_eq!(body_usage_tokens(body), Some((Some(12), Some(8))));
+    }
+
+    #[test]
+    fn nothing_after_done_is_handed_out_or_kept() {
+        let mut insp = SseInspector::new(false);
+        let mut data = chunk("a");
+        data.extend_from_slice(b"data: [DONE]\n\n");
+        let want = data.clone();
+        data.extend(chunk("late"));
+        data.extend_from_slice(b"data: {\"partial");
+        assert_eq!(insp.feed(&data), Fed::Bytes(want));
+        assert!(insp.done());
+        assert_eq!(insp.feed(&chunk("later")), Fed::Bytes(Vec::new()));
+        assert_eq!(insp.flush(), b"");
+        assert_eq!(insp.delivered_text(), ["a"]);
+    }
+
+    #[test]
+    fn delivered_text_is_handed_out_in_bounded_pieces_cut_before_whitespace() {
+        let mut insp = SseInspector::new(false);
+        let mut pieces = Vec::new();
+        let mut whole = String::new();
+        for i in 0..20_000 {
+            let word = format!("w{i} ");
+            whole.push_str(&word);
+            assert_eq!(insp.feed(&chunk(&word)), Fed::Same);
+            while let Some(piece) = insp.take_countable(false) {
+                pieces.push(piece);
+            }
+            assert!(insp.raw.len() <= RAW_LIMIT + 200);
+            assert!(insp.text.len() < TEXT_HARD_LIMIT);
+        }
+        pieces.extend(insp.take_countable(true));
+        assert!(pieces.len() > 10);
+        for piece in &pieces[1..] {
+            assert!(piece.starts_with(' '), "{piece:?}");
+        }
+        assert_eq!(pieces.concat(), whole);
+        assert_eq!(insp.content_chunks(), 20_000);
+        // no whitespace at all: cut at a character boundary past the hard limit
+        let mut cjk = SseInspector::new(false);
+        let mut got = String::new();
+        for _ in 0..10_000 {
+            cjk.feed(&chunk("語"));
+            while let Some(piece) = cjk.take_countable(false) {
+                got.push_str(&piece);
+            }
+            assert!(cjk.text.len() < TEXT_HARD_LIMIT + 200);
+        }
+        got.extend(cjk.take_countable(true));
+        assert_eq!(got, "語".repeat(10_000));
     }
 
     #[test]

@@ -416,6 +416,7 @@ async def handle_inference(gw: Gateway, request: web.BaseRequest, route: str) ->
             responses=route == RESPONSES_ROUTE,
             api_key=backend.api_key,
             assemble=assemble,
+            retry_hint=partial(gw.retry_hint, backend),
         )
     except GatewayError as err:
         return error_response(request, err)
@@ -438,9 +439,17 @@ async def handle_inference(gw: Gateway, request: web.BaseRequest, route: str) ->
 def _actual_tokens(analysis: Any, result: RelayResult) -> int:
     """Tokens to charge: prompt (engine's count if it gave one, else ours) + completion delivered.
 
-    A request that never reached the engine (unreachable upstream) is charged nothing.
+    Charged nothing: a request that never reached the engine (unreachable upstream), one whose
+    engine did not answer before the ``first_byte`` timeout, and one the engine answered with
+    an error before any completion token was delivered (a 4xx/5xx status, or an error event
+    first in a stream). README "What a request is charged" lists every outcome.
     """
-    if result.outcome == "upstream_unreachable":
+    outcome = result.outcome
+    if outcome == "upstream_unreachable":
+        return 0
+    if outcome == "upstream_timeout" and result.ttft is None:
+        return 0
+    if outcome == "upstream_error" and result.completion_tokens == 0:
         return 0
     prompt = result.prompt_tokens if result.prompt_tokens is not None else analysis.prompt_tokens
     # each count is at most MAX_AMOUNT (relay._take_usage); their sum must be too

@@ -3,16 +3,23 @@
 Every path — success, upstream error, timeout, client disconnect (the handler task is cancelled:
 the app runs with ``handler_cancellation=True``), exception — ends in ``finally`` with the
 upstream response *closed* (not released to the keep-alive pool, so the engine sees the
-disconnect and aborts the request, ENGINES.md §4) and the reservation released with the tokens
-actually used.
+disconnect and aborts the request) and the reservation released with the tokens actually used.
+
+A stream ends for the client at ``data: [DONE]``, even when the engine keeps the connection
+open afterwards. An answer that ended cleanly may have returned its connection to aiohttp's pool
+already (at the chunked EOF); an engine may close it right after (llama.cpp's server does after
+every stream, while announcing ``Keep-Alive``), so a request that fails on a reused connection
+before any byte of the answer came is sent again (:func:`reuse_trace`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from email.utils import parsedate_to_datetime
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 import orjson
@@ -36,10 +43,72 @@ if TYPE_CHECKING:
 
     from kvgate.config import TimeoutsConfig as Timeouts
 
-__all__ = ["RelayResult", "relay"]
+__all__ = ["RelayResult", "relay", "reuse_trace"]
 
 #: The headers of an engine error relayed in OpenAI's shape (the body is re-encoded).
 _JSON = ((b"Content-Type", b"application/json"),)
+
+#: Headers every relayed stream carries so that a buffering proxy in front of kvgate passes each
+#: event on at once (``X-Accel-Buffering: no`` is nginx's switch; ``Cache-Control: no-cache``
+#: the usual SSE header), unless the engine sent its own value.
+_STREAM_HEADERS = ((b"Cache-Control", b"no-cache"), (b"X-Accel-Buffering", b"no"))
+
+#: Engine statuses whose ``Retry-After`` / ``retry-after-ms`` reach the client.
+_RETRY_STATUSES = frozenset({429, 503})
+
+#: Attempts of a request whose connection, taken from the pool, turns out closed by the engine.
+_STALE_ATTEMPTS = 4
+
+
+class _Attempt:
+    """One upstream send, told by :func:`reuse_trace` whether its connection came from the
+    pool."""
+
+    __slots__ = ("reused",)
+
+    def __init__(self) -> None:
+        self.reused = False
+
+
+async def _on_reuse(session: aiohttp.ClientSession, ctx: Any, params: Any) -> None:
+    attempt = ctx.trace_request_ctx
+    if isinstance(attempt, _Attempt):
+        attempt.reused = True
+
+
+def reuse_trace() -> aiohttp.TraceConfig:
+    """An aiohttp trace config for the upstream ``ClientSession`` that tells :func:`relay`
+    whether a request went out on a pooled (reused) connection. With it, a request that fails
+    with ``ServerDisconnectedError`` or ``ClientOSError`` on a reused connection before any byte
+    of the answer is sent again (up to 4 attempts): the engine had closed that connection
+    (llama.cpp's server closes it right after a stream), so it never processed the request.
+    Without it such a failure is a 502 ``upstream_unreachable``."""
+    trace = aiohttp.TraceConfig()
+    trace.on_connection_reuseconn.append(_on_reuse)
+    return trace
+
+
+async def _send(
+    session: aiohttp.ClientSession, method: str, url: str, body: bytes, headers: dict[str, str]
+) -> aiohttp.ClientResponse:
+    """Send the request upstream (``method``, usually ``POST``), sent again when it failed on a
+    pooled connection the engine had closed (see :func:`reuse_trace`): the engine never read
+    it, so sending it again cannot run it twice.
+
+    Raises:
+        aiohttp.ClientError: the engine could not be reached, or broke off before the answer.
+    """
+    attempt = _Attempt()
+    for _ in range(_STALE_ATTEMPTS - 1):
+        attempt.reused = False
+        try:
+            return await session.request(
+                method, url, data=body, headers=headers, trace_request_ctx=attempt
+            )
+        except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
+            if not attempt.reused or isinstance(exc, aiohttp.ClientConnectorError):
+                raise
+    return await session.request(method, url, data=body, headers=headers)
 
 
 @dataclass(slots=True)
@@ -84,6 +153,7 @@ async def relay(
     pass_body: bool = False,
     api_key: str | None = None,
     assemble: bool = False,
+    retry_hint: Callable[[], float | None] | None = None,
 ) -> Reply:
     """POST ``body`` to ``url`` (or send it with ``method``) and relay the answer to the client.
 
@@ -114,6 +184,10 @@ async def relay(
         assemble: the client did not ask for a stream but ``body`` asks the engine for one
             (the backend's ``stream_upstream``): an SSE answer is read whole and the client
             gets the JSON body the engine would have sent (:func:`_relay_assembled`).
+        retry_hint: kvgate's own wait hint (seconds) for this request, asked only when the
+            engine answers 429 or 503: the client is sent the longer of it and the engine's
+            ``retry-after-ms`` / ``Retry-After`` (RFC 9110 §10.2.3: seconds or an HTTP-date),
+            as ``Retry-After`` (whole seconds, rounded up) and ``retry-after-ms``.
 
     Returns:
         The response: for streams, already prepared and written; else the whole answer as a
@@ -140,7 +214,7 @@ async def relay(
     try:
         try:
             with deadline.at(first):
-                upstream = await session.request(method, url, data=body, headers=headers)
+                upstream = await _send(session, method, url, body, headers)
         except TimeoutError:
             result.outcome = "upstream_timeout"
             raise upstream_timeout("response") from None
@@ -153,7 +227,10 @@ async def relay(
             raw = await _read_all(upstream, timeouts, deadline, end, result)
             result.status = upstream.status
             body = reshape_upstream_error(upstream.status, raw)
-            return relayed(request, build, upstream.status, _JSON, body)
+            headers_out: tuple[tuple[bytes, bytes], ...] = _JSON
+            if upstream.status in _RETRY_STATUSES:
+                headers_out = _with_retry_after(upstream.headers, retry_hint)
+            return relayed(request, build, upstream.status, headers_out, body)
         if assemble and upstream.content_type == "text/event-stream":
             chat = not responses and url.endswith("/chat/completions")
             return await _relay_assembled(
@@ -234,6 +311,55 @@ async def _read_all(
         result.outcome = "stream_broken"
         raise upstream_failed(exc, "upstream_broken") from None
     return b"".join(parts)
+
+
+def _with_retry_after(
+    upstream_headers: Any, retry_hint: Callable[[], float | None] | None
+) -> tuple[tuple[bytes, bytes], ...]:
+    """The headers of a relayed 429/503: ``Content-Type``, and ``Retry-After`` /
+    ``retry-after-ms`` for the longer of the engine's wait and kvgate's ``retry_hint`` (none
+    when neither has one)."""
+    waits = [w for w in (_engine_wait(upstream_headers), retry_hint and retry_hint()) if w]
+    if not waits:
+        return _JSON
+    seconds = max(waits)
+    return (
+        *_JSON,
+        (b"Retry-After", b"%d" % max(1, math.ceil(seconds))),
+        (b"retry-after-ms", b"%d" % max(1, math.ceil(seconds * 1000))),
+    )
+
+
+def _engine_wait(headers: Any) -> float | None:
+    """Seconds the engine asked to wait: ``retry-after-ms`` (milliseconds, what OpenAI's
+    clients read first), else ``Retry-After`` (seconds, or an HTTP-date, RFC 9110 §10.2.3);
+    ``None`` when neither is there or readable (negative, not finite, unparseable)."""
+    raw = headers.get("retry-after-ms")
+    if raw is not None:
+        try:
+            ms = float(raw)
+        except ValueError:
+            ms = math.nan
+        if math.isfinite(ms) and ms > 0:
+            return ms / 1000
+    raw = headers.get("Retry-After")
+    if raw is None:
+        return None
+    try:
+        seconds = float(raw)
+    except ValueError:
+        try:
+            seconds = parsedate_to_datetime(raw).timestamp() - time.time()
+        except (TypeError, ValueError, IndexError, OverflowError):
+            return None
+    return seconds if math.isfinite(seconds) and seconds > 0 else None
+
+
+def _stream_headers(upstream_headers: Any) -> Any:
+    """The engine's headers plus :data:`_STREAM_HEADERS` it did not send itself."""
+    have = {name.lower() for name, _ in upstream_headers}
+    missing = tuple(h for h in _STREAM_HEADERS if h[0].lower() not in have)
+    return (*upstream_headers, *missing) if missing else upstream_headers
 
 
 def _wait_until(
@@ -345,9 +471,13 @@ async def _relay_stream(
     result: RelayResult,
     responses: bool = False,
 ) -> PreparedStream:
-    inspector = SSEInspector(strip_usage_chunk=strip_usage_chunk, responses=responses)
+    inspector = SSEInspector(
+        strip_usage_chunk=strip_usage_chunk, count_text=count_text, responses=responses
+    )
     try:
-        response = await start_stream(request, build, upstream.status, upstream.raw_headers)
+        response = await start_stream(
+            request, build, upstream.status, _stream_headers(upstream.raw_headers)
+        )
     except ConnectionResetError:
         result.outcome = "client_disconnect"
         raise
@@ -389,8 +519,12 @@ async def _relay_stream(
             out = inspector.feed(data)
             if out:
                 # a client that stops reading must not hold the slot past the request's `total`
+                # (the write waits while the client's buffer is full, and so does the next read)
                 with deadline.at(end):
                     await response.write(out)
+            if inspector.done:
+                # [DONE] ends the stream, whether or not the engine closes its connection
+                break
         if result.outcome == "ok":
             with deadline.at(end):
                 await response.write_eof()
@@ -410,16 +544,15 @@ async def _relay_stream(
         if counts is not None:
             _take_usage(*counts, result)
         if not result.usage_from_engine:
-            text = "".join(inspector.delivered_text)
-            counted = count_text(text) if (count_text is not None and text) else 0
-            result.completion_tokens = max(counted, inspector.content_chunks)
+            # the text was counted piece by piece as it passed (bounded memory per stream)
+            result.completion_tokens = max(inspector.delivered_tokens, inspector.content_chunks)
         if inspector.error is not None and result.outcome == "ok":
             result.outcome = "upstream_error"
     return response
 
 
 #: Headers of an engine's stream that do not belong on the assembled JSON answer (lower case).
-_STREAM_HEADERS = frozenset({b"content-type", b"cache-control", b"x-accel-buffering"})
+_STREAM_ONLY_HEADERS = frozenset({b"content-type", b"cache-control", b"x-accel-buffering"})
 
 
 async def _relay_assembled(
@@ -499,7 +632,7 @@ async def _relay_assembled(
         headers = [
             (name, value)
             for name, value in upstream.raw_headers
-            if name.lower() not in _STREAM_HEADERS
+            if name.lower() not in _STREAM_ONLY_HEADERS
         ]
         headers.append((b"Content-Type", b"application/json"))
         return relayed(request, build, upstream.status, tuple(headers), raw)
