@@ -12,13 +12,14 @@
 # steps (the maturin build, the pip install, the CMD, the HEALTHCHECK) outside Docker.
 
 FROM python:3.11-bookworm AS build
-# the toolchain rust-toolchain.toml names is installed by rustup on the first cargo call
+# rustup itself; `rustup toolchain install` below installs the toolchain rust-toolchain.toml names
 RUN curl --proto '=https' --tlsv1.2 -sSf https://sh.rustup.rs \
     | sh -s -- -y --profile minimal --default-toolchain none
 ENV PATH=/root/.cargo/bin:$PATH
 RUN pip install --no-cache-dir "maturin>=1.9.4,<2"
 WORKDIR /src
 COPY Cargo.toml Cargo.lock rust-toolchain.toml pyproject.toml README.md ./
+RUN rustup toolchain install
 COPY rust ./rust
 COPY python ./python
 RUN maturin build --release --out /wheels
@@ -27,8 +28,9 @@ FROM python:3.11-slim-bookworm
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONUNBUFFERED=1
 COPY --from=build /wheels /wheels
 RUN pip install /wheels/*.whl && rm -rf /wheels
-RUN useradd --system --uid 10001 --no-create-home --shell /usr/sbin/nologin kvgate
-USER 10001
+RUN groupadd --system --gid 10001 kvgate \
+    && useradd --system --uid 10001 --gid 10001 --no-create-home --shell /usr/sbin/nologin kvgate
+USER 10001:10001
 EXPOSE 8080
 # /readyz answers 200 while at least one backend is in routing (503 otherwise); the slim image
 # has no curl, and urlopen raises (exit 1) on a 503 or a refused connection

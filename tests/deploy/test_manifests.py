@@ -90,8 +90,10 @@ def test_deployment_probes_drain_and_config_match_the_image() -> None:
     # Kubernetes counts the preStop hook and the SIGTERM drain against the grace period
     assert pod["terminationGracePeriodSeconds"] > float(pre_stop[1]) + grace
     assert pod["securityContext"]["runAsNonRoot"] is True
-    # the non-root user of the pod is the image's
-    assert str(pod["securityContext"]["runAsUser"]) == final.last("USER")
+    # the non-root user and group of the pod are the image's
+    user, group = final.last("USER").split(":")
+    assert str(pod["securityContext"]["runAsUser"]) == user
+    assert str(pod["securityContext"]["runAsGroup"]) == group
 
     service = manifest("Service")
     assert service["spec"]["selector"] == deployment["spec"]["selector"]["matchLabels"]
@@ -105,8 +107,9 @@ def test_the_dockerfile_is_multi_stage_non_root_and_checks_readyz() -> None:
     assert any("maturin build --release" in run for run in build.all("RUN"))
     assert final.all("COPY") == [f"--from={build.name} /wheels /wheels"]
     assert "slim" in final.image
-    user = final.last("USER")
+    user = final.last("USER").split(":")[0]
     assert user not in ("root", "0")
+    assert any(f"--uid {user}" in run for run in final.all("RUN"))  # the user exists
     _, _, text = config_map_file()
     port = yaml.safe_load(text)["listen"]["port"]
     assert final.last("EXPOSE") == str(port)
