@@ -29,8 +29,10 @@ Cross-field rules (checked once the fields themselves are valid), each with its 
 
 from __future__ import annotations
 
+import difflib
 import os
 import re
+import typing
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -557,11 +559,40 @@ def _path(loc: tuple[int | str, ...]) -> str:
     return out
 
 
+def _model_of(annotation: Any) -> type[BaseModel] | None:
+    """The pydantic model inside a field's annotation (``X``, ``X | None``, ``list[X]``)."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in typing.get_args(annotation):
+        found = _model_of(arg)
+        if found is not None:
+            return found
+    return None
+
+
+def _unknown_field(loc: tuple[int | str, ...]) -> str:
+    """The message for an unknown key at ``loc``: "unknown field", and the closest field name
+    of the model at that level when one is close enough (``difflib.get_close_matches``, its
+    default similarity cutoff 0.6), e.g. ``unknown field; did you mean `max_concurrency`?``."""
+    model: type[BaseModel] | None = Config
+    for part in loc[:-1]:
+        if isinstance(part, int) or model is None:
+            continue  # a list index: the element is the list's model
+        field = model.model_fields.get(part)
+        model = _model_of(field.annotation) if field is not None else None
+    key = loc[-1] if loc else None
+    if model is None or not isinstance(key, str):
+        return "unknown field"
+    close = difflib.get_close_matches(key, list(model.model_fields), n=1)
+    return f"unknown field; did you mean `{close[0]}`?" if close else "unknown field"
+
+
 def _message(err: Any) -> str:
     kind, ctx = err["type"], err.get("ctx") or {}
+    if kind == "extra_forbidden":
+        return _unknown_field(tuple(err["loc"]))
     simple = {
         "missing": "is required",
-        "extra_forbidden": "unknown field",
         "int_type": "must be an integer",
         "int_parsing": "must be an integer",
         "int_from_float": "must be an integer",

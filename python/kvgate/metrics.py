@@ -153,8 +153,8 @@ class GatewayMetrics:
         )
         self.ttft_seconds = Histogram(
             "kvgate_upstream_ttft_seconds",
-            "Upstream time to first byte.",
-            ["backend"],
+            "Upstream time to first byte, by backend and the tenant's priority class.",
+            ["backend", "class"],
             buckets=_TTFT_BUCKETS,
             registry=reg,
         )
@@ -238,8 +238,8 @@ class GatewayMetrics:
         # each request leaves one tuple on the hot path; flush() folds them into the dicts above
         self._rejects: list[tuple[str, str, str, float]] = []  # backend, tenant, reason, seconds
         self._admits: list[tuple[str, int, float]] = []  # backend, reserved, seconds
-        # backend, tenant, outcome, reserved, actual, ttft
-        self._settles: list[tuple[str, str, str, int, int, float | None]] = []
+        # backend, tenant, tenant's class, outcome, reserved, actual, ttft
+        self._settles: list[tuple[str, str, str, str, int, int, float | None]] = []
         self._bounds: dict[Any, tuple[float, ...]] = {
             self.admission_seconds: _LATENCY_BUCKETS,
             self.ttft_seconds: _TTFT_BUCKETS,
@@ -309,7 +309,7 @@ class GatewayMetrics:
         for backend, reserved, seconds in admits:
             count(self.tokens_reserved, (backend,), reserved)
             observe(self.admission_seconds, (), seconds)
-        for backend, tenant, outcome, reserved, actual, ttft in settles:
+        for backend, tenant, cls, outcome, reserved, actual, ttft in settles:
             labels = (backend,)
             if actual <= reserved:
                 count(self.tokens_refunded, labels, reserved - actual)
@@ -319,7 +319,7 @@ class GatewayMetrics:
                 observe(self.usage_ratio, labels, actual / reserved)
             count(self.tenant_tokens, (tenant,), actual)
             if ttft is not None:
-                observe(self.ttft_seconds, labels, ttft)
+                observe(self.ttft_seconds, (backend, cls), ttft)
             count(self.requests, (backend, tenant, outcome))
 
     def request_done(self, backend: Any, tenant: Any, outcome: str) -> None:
@@ -345,9 +345,18 @@ class GatewayMetrics:
     def settled(
         self, backend: Any, tenant: Any, reserved: int, actual: int, result: RelayResult
     ) -> None:
-        """Record a settlement: refund or overrun, ratio, TTFT and the request outcome."""
+        """Record a settlement: refund or overrun, ratio, TTFT (labelled with the tenant's
+        priority class) and the request outcome."""
         self._settles.append(
-            (backend.name, tenant.name, result.outcome, reserved, actual, result.ttft)
+            (
+                backend.name,
+                tenant.name,
+                tenant.priority,
+                result.outcome,
+                reserved,
+                actual,
+                result.ttft,
+            )
         )
 
     def sync_leaks(self) -> None:

@@ -183,7 +183,12 @@ FIELD_RULES: list[tuple[str, Any, list[tuple[str, str]]]] = [
     ("tenants[1].max_concurrency", 0, [("tenants[1].max_concurrency", "must be ≥ 1")]),
     ("tenants", {"t0": {}}, [("tenants", "must be a list")]),
     ("backends[0].models[0]", "m", [("backends[0].models[0]", "must be a mapping")]),
-    ("backends[0].max_concurency", 5, [("backends[0].max_concurency", "unknown field")]),
+    (
+        "backends[0].max_concurency",
+        5,
+        [("backends[0].max_concurency", "unknown field; did you mean `max_concurrency`?")],
+    ),
+    ("backends[0].zzz", 5, [("backends[0].zzz", "unknown field")]),  # nothing close
     ("workers", 0, [("workers", "must be ≥ 1")]),
     ("listen.port", 70000, [("listen.port", "must be ≤ 65535")]),
     ("max_body_bytes", 0, [("max_body_bytes", "must be ≥ 1")]),
@@ -577,6 +582,36 @@ def test_check_config_bad(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
         f"kvgate: invalid configuration {path}:\n"
         "  workers: must be ≥ 1\n"
         "  backends: must have at least 1 entry\n"
+    )
+
+
+def test_check_config_suggests_the_nearest_field_name(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A misspelt key gets the closest field name of the model at its level (top level, a
+    backend, its adaptive block, a tenant) — never a field of another level."""
+    path = write(
+        tmp_path,
+        "max_concurency: 4\n"  # a backend field, not a top-level one: nothing to suggest
+        "worker: 2\n"
+        "backends:\n- name: b\n  url: http://127.0.0.1:9\n  max_concurency: 2\n"
+        "  models: [{name: m, context_windows: 64}]\n"
+        "  adaptive: {hihg: 0.9}\n"
+        "tenants:\n- name: t\n  priorty: critical\n  api_key_sha256s: []\n",
+    )
+    assert main(["check-config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        f"kvgate: invalid configuration {path}:\n"
+        "  backends[0].models[0].context_window: is required\n"
+        "  backends[0].models[0].context_windows: unknown field; did you mean `context_window`?\n"
+        "  backends[0].max_concurrency: is required\n"
+        "  backends[0].adaptive.hihg: unknown field; did you mean `high`?\n"
+        "  backends[0].max_concurency: unknown field; did you mean `max_concurrency`?\n"
+        "  tenants[0].priorty: unknown field; did you mean `priority`?\n"
+        "  tenants[0].api_key_sha256s: unknown field; did you mean `api_key_sha256`?\n"
+        "  max_concurency: unknown field\n"
+        "  worker: unknown field; did you mean `workers`?\n"
     )
 
 

@@ -14,8 +14,8 @@ from kvgate.proxy.relay import RelayResult
 
 B0 = SimpleNamespace(name="b0")
 B1 = SimpleNamespace(name="b1")
-ALICE = SimpleNamespace(name="alice")
-BOB = SimpleNamespace(name="bob")
+ALICE = SimpleNamespace(name="alice", priority="critical")
+BOB = SimpleNamespace(name="bob", priority="standard")
 
 # latency values on, between, below and above the bucket bounds (0.0001 ... 1.0)
 SECONDS = [0.00005, 0.0001, 0.00010001, 0.0003, 0.001, 0.002, 0.7, 1.0, 5.0, 0.0]
@@ -59,7 +59,7 @@ def drive_directly(m: GatewayMetrics) -> None:
             m.tokens_overrun.labels(backend.name).inc(actual - reserved)
         m.usage_ratio.labels(backend.name).observe(actual / reserved)
         m.tenant_tokens.labels(tenant.name).inc(actual)
-        m.ttft_seconds.labels(backend.name).observe(sec * 10)
+        m.ttft_seconds.labels(backend.name, tenant.priority).observe(sec * 10)
         outcome = "ok" if i % 4 else "stream_broken"
         m.requests.labels(backend.name, tenant.name, outcome).inc()
     m.requests.labels("", "", "rejected_400").inc()
