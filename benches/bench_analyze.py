@@ -1,4 +1,4 @@
-"""Request analysis (issue 3): the Rust analyser versus the same work in Python, side by side.
+"""Request analysis: the Rust analyser versus the same work in Python, side by side.
 
 - ``analyze-32k`` group: one ~32k-token chat body (64 messages of English, CJK, emoji and code).
   Rust: ``RequestAnalyzer.analyze`` (JSON parse + field checks + tokenizer count + context

@@ -108,7 +108,7 @@ async def _answer(request: web.BaseRequest, err: GatewayError) -> Reply:
 
 class _RequestHandler(RequestHandler):
     """aiohttp's connection handler, answering the errors aiohttp decides itself in OpenAI's
-    shape (JSON, ENGINES.md §5.1) instead of plain text: a request it cannot parse (bad request
+    shape (JSON, docs/engines.md §4) instead of plain text: a request it cannot parse (bad request
     line, header or chunk size, ``Content-Length`` with ``Transfer-Encoding``, a header over
     8190 bytes, too many headers: 400 ``invalid_http``) and an unexpected exception in a handler
     (500 ``internal_error``, no traceback). The connection is closed after either, as aiohttp

@@ -1,7 +1,7 @@
 //! Server-sent events relay bookkeeping: split, inspect, optionally strip, never re-frame.
 //!
 //! The gateway writes upstream bytes to the client event by event, exactly as the engine framed
-//! them (`data: <json>\n\n`, ENGINES.md §5.4). While doing so it reads what it needs to settle
+//! them (`data: <json>\n\n`, docs/engines.md §4). While doing so it reads what it needs to settle
 //! the token account: the `usage` object (on a `choices: []` chunk for OpenAI/vLLM, on the
 //! `finish_reason` chunk for llama.cpp), the text delivered so far (for a stream that breaks or
 //! whose engine sends no usage), and `error` events. Only events that may carry a non-null

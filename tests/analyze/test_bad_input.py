@@ -1,4 +1,4 @@
-"""Every kind of bad input named in issue 3 gets a clear OpenAI-shaped AnalysisError, never a
+"""Every kind of bad input the analyser meets gets a clear OpenAI-shaped AnalysisError, never a
 crash: invalid JSON, wrong types, empty messages, invalid UTF-8, deep nesting,
 128k characters of whitespace, unknown model, oversized bodies, context overflow."""
 

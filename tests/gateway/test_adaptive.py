@@ -1,6 +1,6 @@
-"""Issue 6 end to end: engine metrics → the control law → the gateway's effective limits and
+"""Adaptive limits end to end: engine metrics → the control law → the gateway's effective limits and
 shedding; stale metrics fail safe; health checks take replicas out of routing; capacity
-discovery; the simulator's preemptions with and without kvgate in front (issue 5: replicas
+discovery; the simulator's preemptions with and without kvgate in front (replicas
 balanced toward headroom)."""
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ async def ask(s: aiohttp.ClientSession, url: str, key: str, **body: Any) -> tupl
 
 
 def target(kv: float, high: float = 0.85, low: float = 0.70, floor: float = 0.6) -> float:
-    """DESIGN.md's law: floor at/above high, 1 at/below low, linear in between."""
+    """The law: floor at/above high, 1 at/below low, linear in between."""
     if kv >= high:
         return floor
     if kv <= low:

@@ -1,4 +1,4 @@
-"""Issue 7 end to end: tenants and keys, priority classes and shedding, the priority wait queue,
+"""Tenants end to end: tenants and keys, priority classes and shedding, the priority wait queue,
 shadow mode, /admin/state and hot reload (in process and by a real SIGHUP)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Issue 5 end to end: `kvgate serve --workers 2` as a subprocess in front of the simulator (also
+"""Several workers end to end: `kvgate serve --workers 2` as a subprocess in front of the simulator (also
 a subprocess) and the fake upstream: a 1,000-request soak with disconnects and upstream errors,
 SIGKILL of a worker mid-flight, graceful SIGTERM; and the non-streaming disconnect path."""
 

@@ -4,7 +4,7 @@
 when the gateway's ``other_routes`` is ``forward`` (the route is decided before either is
 called, by :mod:`kvgate.proxy.routes`).
 
-Order (issue 5, DESIGN.md): the body-size cap is checked from ``Content-Length`` before a byte of
+Order (README, "How a request is admitted"): the body-size cap is checked from ``Content-Length`` before a byte of
 the body is read (413), then the tenant is identified (401), the request analysed by the Rust
 analyser (400 / 404), admitted by the Rust core (429 for a tenant over its quota, 503 when the
 backend is saturated or the class is shed), forwarded, and finally its reservation settled with

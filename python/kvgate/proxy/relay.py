@@ -723,7 +723,7 @@ async def _relay_body(
 async def _write_error_event(
     response: PreparedStream, message: str, code: str, deadline: Deadline, end: float | None
 ) -> None:
-    """End a stream whose upstream failed with an OpenAI error event (ENGINES.md §5.4), within
+    """End a stream whose upstream failed with an OpenAI error event (docs/engines.md §4), within
     the request's ``end`` (loop time): a client that does not read it is not waited for."""
     try:
         with deadline.at(end):
