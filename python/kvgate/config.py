@@ -439,12 +439,16 @@ def _cross_field_issues(cfg: Config) -> Iterator[tuple[str, str]]:
             if key == cfg.admin_key_sha256:
                 yield f"{p}.api_key_sha256[{ki}]", "the same key hash is the admin key"
 
+    # one pass over the tenants with a guarantee (not backends × tenants: thousands of keys)
+    users_of: dict[str, list[tuple[str, int]]] = {b.name: [] for b in cfg.backends}
+    for tn in cfg.tenants:
+        if tn.guaranteed_slots:
+            names = users_of if tn.backends is None else dict.fromkeys(tn.backends)
+            for name in names:
+                if name in users_of:
+                    users_of[name].append((tn.name, tn.guaranteed_slots))
     for bi, b in enumerate(cfg.backends):
-        users = [
-            (tn.name, tn.guaranteed_slots)
-            for tn in cfg.tenants
-            if tn.guaranteed_slots and (tn.backends is None or b.name in tn.backends)
-        ]
+        users = users_of[b.name]
         total = sum(n for _, n in users)
         if total > b.max_concurrency:
             listed = ", ".join(f"{name} {n}" for name, n in users)

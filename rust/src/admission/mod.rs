@@ -29,14 +29,15 @@ mod snapshot;
 #[cfg(test)]
 mod tests;
 
-pub use config::{BackendConfig, TenantConfig, ALL_BACKENDS, MAX_NAME_LEN};
+pub use config::{BackendConfig, GuaranteedBackends, TenantConfig, ALL_BACKENDS};
 pub use region::{
-    BackendState, Header, ProcState, Region, TenantState, MAX_BACKENDS, MAX_PROCS, MAX_TENANTS,
-    REGION_SIZE,
+    BackendState, Capacity, GuarEntry, Header, ProcLedger, TenantState, MAX_NAME_LEN, MAX_PROCS,
 };
 pub use snapshot::{BackendSnapshot, RateLimits, TenantSnapshot};
 
+use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Mutex;
 
 use crate::clock::Clock;
 use crate::error::{check_amount, CoreError};
@@ -44,7 +45,7 @@ use crate::priority::Priority;
 use crate::slots::{add, add_in, sub, sub_in, try_acquire_in, Rmw, UNLIMITED};
 use crate::token_bucket::TokenBucket;
 
-use region::Storage;
+use region::{Layout, Names, Storage};
 
 const SCALE_ONE: u64 = 1_000_000; // scale is stored in parts per million
 /// Retry-after hint (ns) when a refusal depends on the adaptive scale (shed, scaled-down limit).
@@ -133,6 +134,10 @@ pub struct Ticket {
 /// The admission controller over one region.
 pub struct Admission {
     storage: Storage,
+    /// Start of the region (heap block or mapping, owned by `storage`).
+    base: NonNull<u8>,
+    /// Where the arrays of the region are.
+    lay: Layout,
     clock: Clock,
     proc_idx: usize,
     /// Whether admit / release keep this process's ledger: only for a shared region, where
@@ -143,6 +148,10 @@ pub struct Admission {
     /// by [`Admission::new_heap_serialized`].
     rmw: Rmw,
     leaks: AtomicU64,
+    /// Backend name → id, this process's cache.
+    backend_names: Mutex<Names>,
+    /// Tenant name → id, this process's cache.
+    tenant_names: Mutex<Names>,
 }
 
 // SAFETY: the region is made only of atomics and outlives `Admission` (owned by `storage`).
@@ -274,10 +283,22 @@ impl Admission {
         // Backend slot: guaranteed first (not for sheddable), then the burst pool.
         let limit = scaled(b.max_concurrency.load(Ordering::Acquire), ppm);
         let g_total = b.total_guaranteed.load(Ordering::Acquire);
-        let g_t = t.guaranteed[backend as usize].load(Ordering::Acquire);
-        let guar = &t.guar_in_use[backend as usize];
+        // The guarantee table is read only for a tenant with guaranteed slots.
+        let entry =
+            if priority != Priority::Sheddable && t.guaranteed_slots.load(Ordering::Acquire) > 0 {
+                self.find_entry(tenant, backend)
+            } else {
+                None
+            };
+        let (g_t, guar) = match entry {
+            Some(i) => {
+                let e = self.entry_at(i);
+                (e.guaranteed.load(Ordering::Acquire), Some(&e.in_use))
+            }
+            None => (0, None),
+        };
         let mut pool = None;
-        if priority != Priority::Sheddable && g_t > 0 {
+        if let (Some(guar), true) = (guar, g_t > 0) {
             let g_eff = if limit >= g_total {
                 g_t
             } else {
@@ -303,7 +324,11 @@ impl Admission {
             );
         };
         let undo_slot = || match pool {
-            Pool::Guaranteed => sub_in(rmw, guar, 1),
+            Pool::Guaranteed => {
+                if let Some(guar) = guar {
+                    sub_in(rmw, guar, 1);
+                }
+            }
             Pool::Burst => b.burst.release_saturating_in(rmw, 1).into_unit(),
         };
         // In-flight tokens. A request on a guaranteed slot is held to the base budget (the
@@ -342,12 +367,12 @@ impl Admission {
         add_in(rmw, &b.in_use, 1);
         if self.ledger {
             // Ledger of this process (global first, ledger second).
-            let p = &self.region().procs[self.proc_idx];
+            let p = self.proc_at(self.proc_idx);
             let bi = backend as usize;
             add(&p.backend_total[bi], 1);
-            match pool {
-                Pool::Guaranteed => add(&p.guar[tenant as usize][bi], 1),
-                Pool::Burst => add(&p.backend_burst[bi], 1),
+            match (pool, entry) {
+                (Pool::Guaranteed, Some(gi)) => add(&p.guar[gi], 1),
+                _ => add(&p.backend_burst[bi], 1),
             }
             add(&p.backend_inflight[bi], tokens);
             add(&p.tenant_conc[tenant as usize], 1);
@@ -376,20 +401,36 @@ impl Admission {
         let t = self.tenant(ticket.tenant)?;
         let (bi, ti) = (ticket.backend as usize, ticket.tenant as usize);
         let rmw = self.rmw;
+        // A guaranteed slot was counted in the (tenant, backend) entry, which is never removed.
+        let entry = match ticket.pool {
+            Pool::Guaranteed => Some(self.find_entry(ticket.tenant, ticket.backend).ok_or_else(
+                || {
+                    CoreError::SharedState(format!(
+                        "no guarantee entry for tenant {} on backend {}",
+                        ticket.tenant, ticket.backend
+                    ))
+                },
+            )?),
+            Pool::Burst => None,
+        };
         if self.ledger {
             // Ledger first, global second.
-            let p = &self.region().procs[self.proc_idx];
+            let p = self.proc_at(self.proc_idx);
             sub(&p.backend_total[bi], 1);
-            match ticket.pool {
-                Pool::Guaranteed => sub(&p.guar[ti][bi], 1),
-                Pool::Burst => sub(&p.backend_burst[bi], 1),
+            match entry {
+                Some(gi) => sub(&p.guar[gi], 1),
+                None => sub(&p.backend_burst[bi], 1),
             }
             sub(&p.backend_inflight[bi], ticket.tokens);
             sub(&p.tenant_conc[ti], 1);
         }
         sub_in(rmw, &b.in_use, 1);
         match ticket.pool {
-            Pool::Guaranteed => sub_in(rmw, &t.guar_in_use[bi], 1),
+            Pool::Guaranteed => {
+                if let Some(gi) = entry {
+                    sub_in(rmw, &self.entry_at(gi).in_use, 1);
+                }
+            }
             Pool::Burst => b.burst.release_saturating_in(rmw, 1).into_unit(),
         }
         b.inflight

@@ -3,7 +3,7 @@
 
 use std::sync::atomic::Ordering;
 
-use super::config::applies;
+use super::config::GuaranteedBackends;
 use super::region::read_name;
 use super::{scaled, Admission, SCALE_ONE};
 use crate::error::CoreError;
@@ -192,9 +192,10 @@ impl Admission {
             name: read_name(&t.name),
             priority: c.priority,
             guaranteed_slots: c.guaranteed_slots,
-            guaranteed_backends: (0..self.backend_count())
-                .filter(|&bi| applies(c.guaranteed_backends, bi as usize))
-                .collect(),
+            guaranteed_backends: match c.guaranteed_backends {
+                GuaranteedBackends::All => (0..self.backend_count()).collect(),
+                GuaranteedBackends::Only(ids) => ids,
+            },
             max_concurrency: c.max_concurrency,
             in_use,
             tokens_per_minute: c.tokens_per_minute,

@@ -6,6 +6,7 @@ use super::*;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
+use super::region::Capacity;
 use crate::clock::ManualClock;
 use crate::error::MAX_AMOUNT;
 
@@ -326,7 +327,7 @@ fn scoped(p: Priority, g: u64, backends: &[u32]) -> TenantConfig {
         burst_tokens: None,
         max_concurrency: None,
         guaranteed_slots: g,
-        guaranteed_backends: backends.iter().fold(0, |m, &b| m | 1 << b),
+        guaranteed_backends: GuaranteedBackends::Only(backends.to_vec()),
     }
 }
 
@@ -478,7 +479,10 @@ fn moving_a_guarantee_keeps_held_slots() {
     assert!(a
         .update_tenant(gold, &scoped(Priority::Critical, 2, &[b0, b1]))
         .is_err());
-    assert_eq!(a.tenant_config(gold).unwrap().guaranteed_backends, 1 << b1);
+    assert_eq!(
+        a.tenant_config(gold).unwrap().guaranteed_backends,
+        GuaranteedBackends::Only(vec![b1])
+    );
     assert_eq!(a.backend_state(b0).unwrap().guaranteed_slots, 3);
 }
 
@@ -503,7 +507,7 @@ fn shm_shared_and_reclaim() {
     let tk = w.admit(b, t, Priority::Standard, 10).unwrap().unwrap();
     assert_eq!(a.backend_state(b).unwrap().in_use, 1);
     // Pretend the worker died: mark its ledger with a pid that is not alive.
-    let p = &a.region().procs[w.proc_idx];
+    let p = a.proc_at(w.proc_idx);
     p.pid.store(0x3fff_fff0, Ordering::Release);
     assert_eq!(a.reclaim_dead(), 1);
     let s = a.backend_state(b).unwrap();
@@ -728,4 +732,257 @@ fn bench_floor_primitives() {
          clock_gettime(CLOCK_MONOTONIC_COARSE) {clock_ns:.2} ns \
          (CLOCK_MONOTONIC {precise_ns:.2} ns)"
     );
+}
+
+fn big_backend(a: &Admission, name: &str, conc: u64) -> u32 {
+    a.add_backend(
+        name,
+        &BackendConfig {
+            max_concurrency: conc,
+            tokens_per_minute: 1 << 40,
+            burst_tokens: None,
+            inflight_token_limit: None,
+        },
+    )
+    .unwrap()
+}
+
+fn limited(p: Priority, conc: u64, g: u64, backends: GuaranteedBackends) -> TenantConfig {
+    TenantConfig {
+        priority: p,
+        tokens_per_minute: Some(1_000_000),
+        burst_tokens: None,
+        max_concurrency: Some(conc),
+        guaranteed_slots: g,
+        guaranteed_backends: backends,
+    }
+}
+
+/// Registers `n_backends` backends (8 slots each) and `n_tenants` tenants (2 at once each;
+/// every 1,000th one with 1 guaranteed slot on one backend, spread over the backends, and one
+/// more tenant with 1 guaranteed slot on every backend), then checks admission per tenant.
+fn at_scale(a: &Admission, n_backends: u32, n_tenants: u32) {
+    for i in 0..n_backends {
+        assert_eq!(big_backend(a, &format!("backend-{i}"), 8), i);
+    }
+    for i in 0..n_tenants {
+        let c = if i % 1000 == 0 {
+            let on = GuaranteedBackends::Only(vec![(i / 1000 * 7) % n_backends]);
+            limited(Priority::Critical, 2, 1, on)
+        } else {
+            limited(Priority::Standard, 2, 0, ALL_BACKENDS)
+        };
+        assert_eq!(a.add_tenant(&format!("tenant-{i}"), &c).unwrap(), i);
+    }
+    let everywhere = a
+        .add_tenant(
+            "everywhere",
+            &limited(Priority::Critical, 2, 1, ALL_BACKENDS),
+        )
+        .unwrap();
+    assert_eq!(a.tenant_id("tenant-99999"), Some(99_999));
+    assert_eq!(
+        a.tenant_id(&format!("tenant-{}", n_tenants / 2)),
+        Some(n_tenants / 2)
+    );
+    assert_eq!(
+        a.backend_id(&format!("backend-{}", n_backends - 1)),
+        Some(n_backends - 1)
+    );
+    // A guarantee on a backend past id 64 (a u64 mask could not name it).
+    let g = a.tenant_state(99_000).unwrap();
+    assert_eq!(g.guaranteed_backends, vec![(99 * 7) % n_backends]);
+    assert!(g.guaranteed_backends[0] >= 64);
+    let last = n_backends - 1;
+    assert_eq!(a.backend_state(last).unwrap().guaranteed_slots, 1); // `everywhere`
+    let mut held = Vec::new();
+    for i in (0..n_tenants).step_by(997).chain([99_000, n_tenants - 1]) {
+        let p = a.tenant_config(i).unwrap().priority;
+        let bi = if i % 1000 == 0 {
+            a.tenant_state(i).unwrap().guaranteed_backends[0]
+        } else {
+            i % n_backends
+        };
+        let tk = a.admit(bi, i, p, 10).unwrap().unwrap();
+        assert_eq!(
+            tk.pool,
+            if i % 1000 == 0 {
+                Pool::Guaranteed
+            } else {
+                Pool::Burst
+            },
+            "tenant {i}"
+        );
+        held.push(tk);
+        assert_eq!(a.tenant_state(i).unwrap().in_use, 1, "tenant {i}");
+        assert_eq!(a.tenant_state(i + 1).unwrap().in_use, 0, "tenant {}", i + 1);
+    }
+    // the tenant's own limit (2 at once) binds per tenant
+    let t = n_tenants - 1;
+    held.push(a.admit(5, t, Priority::Standard, 10).unwrap().unwrap());
+    let r = a.admit(6, t, Priority::Standard, 10).unwrap().unwrap_err();
+    assert_eq!(r.reason, Reason::TenantConcurrency);
+    let tk = a
+        .admit(last, everywhere, Priority::Critical, 1)
+        .unwrap()
+        .unwrap();
+    assert_eq!(tk.pool, Pool::Guaranteed);
+    held.push(tk);
+    for tk in &held {
+        a.release(tk, Some(5)).unwrap();
+    }
+    for i in (0..n_tenants)
+        .step_by(997)
+        .chain([0, 99_000, n_tenants - 1, everywhere])
+    {
+        assert_eq!(a.tenant_state(i).unwrap().in_use, 0, "tenant {i}");
+    }
+    for bi in 0..n_backends {
+        let s = a.backend_state(bi).unwrap();
+        assert_eq!((s.in_use, s.burst_in_use, s.inflight_tokens), (0, 0, 0));
+    }
+}
+
+#[test]
+fn hundred_thousand_tenants_and_a_thousand_backends_on_the_heap() {
+    let cap = Capacity::for_counts(1_000, 100_001, 1_100, 1);
+    let a = Admission::new_heap_serialized_with(Clock::Monotonic, cap).unwrap();
+    at_scale(&a, 1_000, 100_000);
+    // Memory: proportional to the capacity (200,002 tenants, 2,000 backends, 2,200 guarantee
+    // entries), far below tenants × backends words.
+    assert!(std::mem::size_of::<TenantState>() <= 192);
+    assert!(std::mem::size_of::<BackendState>() <= 320);
+    let bound = 200_002 * (192 + 8) + 2_000 * (320 + 24) + 8_192 * (32 + 8) + 4096;
+    assert!(a.region_bytes() <= bound, "{} > {bound}", a.region_bytes());
+    assert!(a.region_bytes() < 48 << 20, "{}", a.region_bytes());
+}
+
+#[test]
+fn hundred_thousand_tenants_in_shared_memory_and_reclaim() {
+    let name = format!("kvgate-test-scale-{}", std::process::id());
+    let cap = Capacity::for_counts(1_000, 100_001, 1_100, 4);
+    let a = Admission::create_shm_with(&name, Clock::Monotonic, cap).unwrap();
+    let w = Admission::attach_shm(&name, Clock::Monotonic).unwrap();
+    assert_eq!(w.capacity(), cap);
+    at_scale(&w, 1_000, 100_000);
+    // the creator sees the worker's registrations by name, and its admissions
+    assert_eq!(a.tenant_id("tenant-77777"), Some(77_777));
+    let bi = a.tenant_state(99_000).unwrap().guaranteed_backends[0];
+    let tk = w
+        .admit(bi, 99_000, Priority::Critical, 10)
+        .unwrap()
+        .unwrap();
+    assert_eq!(tk.pool, Pool::Guaranteed);
+    assert_eq!(a.tenant_state(99_000).unwrap().in_use, 1);
+    assert_eq!(a.backend_state(bi).unwrap().in_use, 1);
+    // the worker dies: what it held comes back
+    w.proc_at(w.proc_idx)
+        .pid
+        .store(0x3fff_fff0, Ordering::Release);
+    assert_eq!(a.reclaim_dead(), 1);
+    assert_eq!(a.tenant_state(99_000).unwrap().in_use, 0);
+    let s = a.backend_state(bi).unwrap();
+    assert_eq!((s.in_use, s.inflight_tokens), (0, 0));
+    let e = a.find_entry(99_000, bi).unwrap();
+    assert_eq!(a.entry_at(e).in_use.load(Ordering::Acquire), 0);
+}
+
+#[test]
+fn a_removed_tenant_id_is_reused_only_once_it_holds_nothing() {
+    let cap = Capacity {
+        backends: 2,
+        tenants: 2,
+        guarantees: 4,
+        processes: 1,
+    };
+    let a = Admission::new_heap_with(Clock::Monotonic, cap).unwrap();
+    let b = big_backend(&a, "b", 4);
+    let gold = a
+        .add_tenant("gold", &limited(Priority::Critical, 2, 2, ALL_BACKENDS))
+        .unwrap();
+    let other = a
+        .add_tenant("other", &limited(Priority::Standard, 2, 0, ALL_BACKENDS))
+        .unwrap();
+    let tk = a.admit(b, gold, Priority::Critical, 10).unwrap().unwrap();
+    assert_eq!(tk.pool, Pool::Guaranteed);
+    a.remove_tenant(gold).unwrap();
+    assert!(a.remove_tenant(gold).is_err());
+    assert!(a.tenant_removed(gold).unwrap());
+    assert_eq!(a.tenant_id("gold"), None);
+    // its guarantee went back to the burst pool; its held slot is still counted
+    let s = a.backend_state(b).unwrap();
+    assert_eq!((s.guaranteed_slots, s.in_use), (0, 1));
+    let r = a
+        .admit(b, gold, Priority::Critical, 1)
+        .unwrap()
+        .unwrap_err();
+    assert_eq!(r.reason, Reason::TenantConcurrency);
+    // full, and the removed tenant still holds a slot: its id is not given away
+    let err = a
+        .add_tenant("new", &limited(Priority::Standard, 1, 0, ALL_BACKENDS))
+        .unwrap_err();
+    assert!(err.to_string().contains("restart kvgate"), "{err}");
+    assert_eq!(a.free_tenant_ids(), 0);
+    a.release(&tk, None).unwrap();
+    assert_eq!(a.free_tenant_ids(), 1);
+    let new = a
+        .add_tenant("new", &limited(Priority::Standard, 1, 0, ALL_BACKENDS))
+        .unwrap();
+    assert_eq!(new, gold);
+    assert!(!a.tenant_removed(new).unwrap());
+    assert_eq!(a.tenant_id("new"), Some(new));
+    assert_eq!(a.tenant_id("other"), Some(other));
+    let st = a.tenant_state(new).unwrap();
+    assert_eq!(
+        (st.name.as_str(), st.in_use, st.guaranteed_slots),
+        ("new", 0, 0)
+    );
+    assert_eq!(st.max_concurrency, Some(1));
+    let tk = a.admit(b, new, Priority::Standard, 1).unwrap().unwrap();
+    assert_eq!(tk.pool, Pool::Burst); // the old guarantee entry does not carry over
+    a.release(&tk, None).unwrap();
+    // the name of a removed tenant can be registered again (a new id when one is free)
+    a.remove_tenant(other).unwrap();
+    assert_eq!(
+        a.add_tenant("other", &limited(Priority::Standard, 1, 0, ALL_BACKENDS))
+            .unwrap(),
+        other
+    );
+}
+
+#[test]
+fn capacity_limits_say_a_restart_is_needed() {
+    let cap = Capacity {
+        backends: 1,
+        tenants: 8,
+        guarantees: 2,
+        processes: 1,
+    };
+    let a = Admission::new_heap_with(Clock::Monotonic, cap).unwrap();
+    big_backend(&a, "b0", 8);
+    let err = a
+        .add_backend(
+            "b1",
+            &BackendConfig {
+                max_concurrency: 1,
+                tokens_per_minute: 1,
+                burst_tokens: None,
+                inflight_token_limit: None,
+            },
+        )
+        .unwrap_err();
+    assert!(err.to_string().contains("restart kvgate"), "{err}");
+    for i in 0..2 {
+        a.add_tenant(
+            &format!("g{i}"),
+            &limited(Priority::Critical, 1, 1, ALL_BACKENDS),
+        )
+        .unwrap();
+    }
+    let err = a
+        .add_tenant("g2", &limited(Priority::Critical, 1, 1, ALL_BACKENDS))
+        .unwrap_err();
+    assert!(err.to_string().contains("guarantee table is full"), "{err}");
+    assert_eq!(a.tenant_id("g2"), None); // nothing registered
+    assert_eq!(a.backend_state(0).unwrap().guaranteed_slots, 2);
 }
