@@ -58,7 +58,8 @@ async def ask(url: str, key: str, model: str) -> None:
         r = await client.chat.completions.create(
             model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=4
         )
-        assert r.usage is not None and r.usage.completion_tokens > 0
+        assert r.usage is not None
+        assert r.usage.completion_tokens > 0
     finally:
         await client.close()
 
