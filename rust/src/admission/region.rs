@@ -171,22 +171,23 @@ pub struct BackendState {
 
 /// One tenant's quota and counters. Its guarantees live in the guarantee table
 /// ([`GuarEntry`]), looked up only when `guaranteed_slots` is not 0 (or on release of a
-/// guaranteed slot).
-#[repr(C)]
+/// guaranteed slot). What admit and release read comes first, in one cache line (64 bytes),
+/// so a table of many tenants costs one line per admission, not three.
+#[repr(C, align(64))]
 #[derive(Debug)]
 pub struct TenantState {
     /// [`FREE`], [`LIVE`] or [`TOMBSTONE`].
     pub(super) ready: AtomicU64,
-    pub(super) name: [AtomicU64; NAME_WORDS],
-    pub(super) priority: AtomicU64,
+    pub(super) has_tpm: AtomicU64,
     pub(super) guaranteed_slots: AtomicU64,
+    pub(super) conc: SlotCounter,
+    pub(super) tpm: TokenBucket,
+    pub(super) priority: AtomicU64,
     /// 1: the guarantee applies to every backend; 0: to the entries marked `member`.
     pub(super) guar_all: AtomicU64,
     /// 1 once any guarantee entry was made for this id.
     pub(super) has_entries: AtomicU64,
-    pub(super) conc: SlotCounter,
-    pub(super) has_tpm: AtomicU64,
-    pub(super) tpm: TokenBucket,
+    pub(super) name: [AtomicU64; NAME_WORDS],
 }
 
 /// One (tenant, backend) entry of the guarantee table. Entries are never removed (a lowered or
