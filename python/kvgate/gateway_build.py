@@ -82,8 +82,9 @@ def build_controller(config: Config, *, shm_name: str | None = None, create: boo
     """The admission core for ``config``.
 
     The core's region is sized here, once, for twice the configured backends, tenants and
-    guarantee entries (at least 64 backends, 1,024 tenants and 1,024 entries): reloads can add
-    tenants up to that without a restart (see :func:`apply_config`).
+    guarantee entries (at least 64 backends, 1,024 tenants and 1,024 entries), and a shared one
+    for twice the processes of ``workers``: reloads can add tenants up to that without a
+    restart (see :func:`apply_config`).
 
     Args:
         config: the validated configuration.
@@ -98,6 +99,8 @@ def build_controller(config: Config, *, shm_name: str | None = None, create: boo
 
     if shm_name is not None and not create:
         return AdmissionController.attach(shm_name)
+    from kvgate._core import MAX_PROCS
+
     backends, tenants, guarantees = _capacity_counts(config)
     controller = AdmissionController(
         shm_name=shm_name,
@@ -105,6 +108,9 @@ def build_controller(config: Config, *, shm_name: str | None = None, create: boo
         backends=backends,
         tenants=tenants,
         guarantees=guarantees,
+        # the master and its workers, twice over (a dead worker's entry is reclaimed before its
+        # replacement attaches): each entry is a ledger of 8 bytes per tenant
+        processes=min(MAX_PROCS, 2 * (config.workers + 1)),
     )
     for b in config.backends:
         controller.add_backend(b.name, **_backend_limits(b))
