@@ -553,6 +553,8 @@ impl Admission {
         let conc = t.conc.limit();
         let guaranteed_backends = if t.guar_all.load(Ordering::Acquire) == 1 {
             GuaranteedBackends::All
+        } else if t.has_entries.load(Ordering::Acquire) == 0 {
+            GuaranteedBackends::Only(Vec::new())
         } else {
             GuaranteedBackends::Only(
                 (0..self.backend_count())

@@ -1,11 +1,13 @@
 //! The admission controller: one call admits a request for (backend, tenant, priority class,
 //! tokens) against every limit that applies, or says which limit refused and when to retry.
 //!
-//! All state lives in one fixed-capacity `#[repr(C)]` [`Region`] made only of atomics, either
-//! heap-allocated (one process) or mapped from named shared memory (several worker processes
-//! sharing one set of limits). The code path is the same both ways. The hot path (`admit`,
-//! `release`) takes no lock: every limit is a compare-and-swap counter or a one-word GCRA token
-//! bucket. Registration of backends / tenants (rare) takes a small spin lock in the region.
+//! All state lives in one region made only of atomics (`region.rs`), sized when it is created
+//! ([`Capacity`]: no fixed ceiling on tenants or backends), either heap-allocated (one process)
+//! or mapped from named shared memory (several worker processes sharing one set of limits). The
+//! code path is the same both ways. The hot path (`admit`, `release`) takes no lock: every
+//! limit is a compare-and-swap counter or a one-word GCRA token bucket, and its cost does not
+//! depend on the number of tenants or backends. Registration of backends / tenants (rare) takes
+//! a small spin lock in the region.
 //!
 //! Concurrency slots of a backend: the guaranteed slots of each tenant whose guarantee applies
 //! to that backend ([`TenantConfig::guaranteed_backends`]; all backends by default) are carved
