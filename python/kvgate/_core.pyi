@@ -316,8 +316,8 @@ class AdmissionController:
     (tenant, backend) pairs a guarantee names: one per listed backend, or one per backend for a
     tenant with guaranteed slots on every backend), with headroom: ``max(2 × count, 64)``
     backends, ``max(2 × count, 1024)`` tenants and guarantee entries, and ``processes`` process
-    entries (a private region has one). Memory is proportional: about 200 bytes per tenant,
-    300 per backend, 64 per guarantee entry, plus, per process entry of a shared region, 8
+    entries (a private region has one). Memory is proportional: about 200 bytes per tenant
+    and per backend, about 100 per guarantee entry, plus, per process entry of a shared region, 8
     bytes per tenant, guarantee-table slot and (× 3) backend (:attr:`region_bytes`). Past the
     capacity, ``add_backend`` / ``add_tenant`` raise ``InvalidConfigError`` saying a restart
     is needed. Admission cost does not depend on the counts.
