@@ -121,3 +121,39 @@ def test_admit_python_reference(benchmark) -> None:  # type: ignore[no-untyped-d
     benchmark.extra_info["pairs_per_call"] = BATCH
     benchmark(run)
     assert lim.in_use == 0
+
+
+def _admit_release_tenants(benchmark, n_tenants: int) -> None:  # type: ignore[no-untyped-def]
+    """Times ``BATCH`` admit + release(actual) pairs on a private controller holding
+    ``n_tenants`` tenants (each with its own TPM and concurrency limit), going round all of them
+    (each round starts where the last one stopped), so a large table is not read from a few warm
+    cache lines only."""
+    ctl = AdmissionController(tenants=n_tenants, backends=1)
+    b = ctl.add_backend("b", max_concurrency=64, tokens_per_minute=BIG, inflight_token_limit=BIG)
+    for i in range(n_tenants):
+        ctl.add_tenant(f"t{i}", priority="standard", tokens_per_minute=BIG, max_concurrency=64)
+    ids = list(range(n_tenants)) * max(1, -(-BATCH // n_tenants))
+    ids += ids[:BATCH]
+    admit = ctl.admit
+    start = [0]
+
+    def run() -> None:
+        first = start[0]
+        for t in ids[first : first + BATCH]:
+            admit(b, t, "standard", 500).release(400)
+        start[0] = (first + BATCH) % n_tenants
+
+    benchmark.extra_info["pairs_per_call"] = BATCH
+    benchmark.extra_info["tenants"] = n_tenants
+    benchmark(run)
+    assert ctl.backend_state(b)["in_use"] == 0
+
+
+@pytest.mark.benchmark(group="admit+release by tenant count")
+def test_admit_rust_10_tenants(benchmark) -> None:  # type: ignore[no-untyped-def]
+    _admit_release_tenants(benchmark, 10)
+
+
+@pytest.mark.benchmark(group="admit+release by tenant count")
+def test_admit_rust_100k_tenants(benchmark) -> None:  # type: ignore[no-untyped-def]
+    _admit_release_tenants(benchmark, 100_000)

@@ -16,11 +16,8 @@ from typing_extensions import disjoint_base
 
 __all__ = [
     "MAX_AMOUNT",
-    "MAX_BACKENDS",
     "MAX_PROCS",
-    "MAX_TENANTS",
     "REASONS",
-    "REGION_SIZE",
     "AdaptiveLaw",
     "AdmissionController",
     "Analysis",
@@ -51,14 +48,8 @@ __all__ = [
 __version__: str
 MAX_AMOUNT: int
 """Largest accepted amount (2**62 tokens or slots)."""
-MAX_BACKENDS: int
-"""Backends one controller (region) can hold (32)."""
-MAX_TENANTS: int
-"""Tenants one controller (region) can hold (256)."""
 MAX_PROCS: int
-"""Processes that can attach to one shared region at a time (64)."""
-REGION_SIZE: int
-"""Size of the shared-memory region in bytes."""
+"""Default number of processes that can attach to one shared region at a time (64)."""
 REASONS: tuple[str, ...]
 """Every :attr:`Rejection.reason` label."""
 
@@ -320,7 +311,19 @@ class AdmissionController:
     or another type is a ``TypeError``, an int outside that range an ``OverflowError`` (both
     naming the argument), an id never registered an ``InvalidConfigError``.
 
-    Raises: ``SharedStateError`` when the region cannot be created or attached.
+    Capacity: there is no fixed ceiling on tenants or backends. The region is sized when it is
+    created from the expected counts ``backends``, ``tenants`` and ``guarantees`` (the
+    (tenant, backend) pairs a guarantee names: one per listed backend, or one per backend for a
+    tenant with guaranteed slots on every backend), with headroom: ``max(2 × count, 64)``
+    backends, ``max(2 × count, 1024)`` tenants and guarantee entries, and ``processes`` process
+    entries (a private region has one). Memory is proportional: about 200 bytes per tenant
+    and per backend, about 100 per guarantee entry, plus, per process entry of a shared region, 8
+    bytes per tenant, guarantee-table slot and (× 3) backend (:attr:`region_bytes`). Past the
+    capacity, ``add_backend`` / ``add_tenant`` raise ``InvalidConfigError`` saying a restart
+    is needed. Admission cost does not depend on the counts.
+
+    Raises: ``SharedStateError`` when the region cannot be created or attached;
+    ``OverflowError`` for a negative count.
     """
 
     def __new__(
@@ -329,7 +332,30 @@ class AdmissionController:
         clock: ManualClock | None = None,
         shm_name: str | None = None,
         create: bool = True,
+        backends: int = 0,
+        tenants: int = 0,
+        guarantees: int = 0,
+        processes: int = 64,
     ) -> Self: ...
+    @property
+    def capacity(self) -> dict[str, int]:
+        """What the region holds at most: ``backends``, ``tenants``, ``guarantees``,
+        ``processes`` (fixed when it was created)."""
+    @property
+    def region_bytes(self) -> int:
+        """Size of the region in bytes."""
+    @property
+    def free_tenant_ids(self) -> int:
+        """Tenants that can still be added: unused ids plus removed tenants' ids that hold
+        nothing."""
+    def remove_tenant(self, tenant: int) -> None:
+        """Removes a tenant (a reload that drops it). It becomes a tombstone: every admission
+        is refused (``tenant-concurrency``), its guarantees go back to the burst pools, its
+        name is free at once, its held requests release as usual. Its id is given to a new
+        tenant only once it holds nothing, so no request of the removed tenant is counted
+        against the new one. Raises ``InvalidConfigError`` (unknown or already removed id)."""
+    def tenant_removed(self, tenant: int) -> bool:
+        """Whether ``tenant`` was removed and its id not reused yet."""
     @staticmethod
     def attach(shm_name: str, *, clock: ManualClock | None = None) -> AdmissionController:
         """Attaches to an existing shared region (a worker process)."""
@@ -356,8 +382,8 @@ class AdmissionController:
         """Registers a backend; returns its id. ``inflight_token_limit`` (tokens, from the
         engine's KV capacity) ``None`` = unlimited; ``burst_tokens`` defaults to one minute.
         Raises ``InvalidConfigError`` (duplicate name, zero limits, max_concurrency below the
-        guaranteed slots of the tenants whose guarantee applies to every backend, more than
-        ``MAX_BACKENDS``)."""
+        guaranteed slots of the tenants whose guarantee applies to every backend, the region's
+        backend capacity reached: restart to grow it)."""
     def update_backend(
         self,
         backend: int,
@@ -388,8 +414,10 @@ class AdmissionController:
 
         Raises:
             InvalidConfigError: duplicate name, a sheddable tenant with guaranteed slots, an
-                unknown backend id, or guarantees that would sum above a backend's
-                ``max_concurrency`` (the message names the backend).
+                unknown backend id, guarantees that would sum above a backend's
+                ``max_concurrency`` (the message names the backend), or the region's tenant or
+                guarantee capacity reached (the message says a restart is needed). A removed
+                tenant's id is reused only once it holds nothing.
             TypeError: ``guaranteed_backends`` is not an iterable of ints, ``"all"`` or
                 ``None``.
         """

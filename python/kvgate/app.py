@@ -466,8 +466,11 @@ class Gateway:
         """The tenant of a request and its priority class.
 
         The key comes from ``Authorization: Bearer <key>`` (or, without a Bearer authorization,
-        ``api-key``); it is hashed with SHA-256 and compared in constant time against every
-        declared hash. Only a request with no key runs as the anonymous tenant; when no tenant
+        ``api-key``); it is hashed with SHA-256 and the digest is looked up in a dict of the
+        declared digests: one lookup whatever the number of tenants and keys. A lookup's timing
+        can only tell an attacker about the digest of the key they sent, never about a declared
+        key (finding a key from its SHA-256 digest is a preimage attack), so no constant-time
+        comparison against every digest is needed. Only a request with no key runs as the anonymous tenant; when no tenant
         has a key, keys are not read and every request is the anonymous tenant's. A request may
         lower its priority with ``x-kvgate-priority``; a higher value is ignored.
 
@@ -480,10 +483,8 @@ class Gateway:
         key = _api_key(request) if self._by_hash else None
         if key:
             digest = hashlib.sha256(key.encode("utf-8", "surrogatepass")).digest()
-            for known, candidate in self._by_hash.items():
-                if hmac.compare_digest(known, digest):
-                    tenant = candidate
-            if tenant is None and self._by_hash:
+            tenant = self._by_hash.get(digest)
+            if tenant is None:
                 raise GatewayError(
                     401,
                     "Incorrect API key provided.",

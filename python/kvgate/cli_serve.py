@@ -371,8 +371,8 @@ def _alive(pid: int) -> bool:
 
 def remove_stale_state(shm_dir: str = "/dev/shm", tmp_dir: str | None = None) -> list[str]:
     """Removes what masters of ``--workers N`` that died without cleaning up (SIGKILL, the OOM
-    killer) left behind: their shared-memory regions (``/dev/shm/kvgate-<pid>-<time>``, 4.5 MB
-    each) and metric folders (``<tmp>/kvgate-prom-<pid>-*``), chosen by name and only when that
+    killer) left behind: their shared-memory regions (``/dev/shm/kvgate-<pid>-<time>``, sized
+    from the configuration: under 1 MB for a few tenants, 45 MB for 100,000) and metric folders (``<tmp>/kvgate-prom-<pid>-*``), chosen by name and only when that
     pid is not alive. Returns the paths removed; errors (a race with another master, no
     permission) are skipped."""
     removed = []

@@ -524,12 +524,16 @@ def _cross_field_issues(cfg: Config) -> Iterator[tuple[str, str]]:
             if key == cfg.admin_key_sha256:
                 yield f"{p}.api_key_sha256[{ki}]", "the same key hash is the admin key"
 
+    # one pass over the tenants with a guarantee (not backends × tenants: thousands of keys)
+    users_of: dict[str, list[tuple[str, int]]] = {b.name: [] for b in cfg.backends}
+    for tn in cfg.tenants:
+        if tn.guaranteed_slots:
+            names = users_of if tn.backends is None else dict.fromkeys(tn.backends)
+            for name in names:
+                if name in users_of:
+                    users_of[name].append((tn.name, tn.guaranteed_slots))
     for bi, b in enumerate(cfg.backends):
-        users = [
-            (tn.name, tn.guaranteed_slots)
-            for tn in cfg.tenants
-            if tn.guaranteed_slots and (tn.backends is None or b.name in tn.backends)
-        ]
+        users = users_of[b.name]
         total = sum(n for _, n in users)
         if total > b.max_concurrency:
             listed = ", ".join(f"{name} {n}" for name, n in users)
@@ -689,6 +693,16 @@ class _UniqueKeyLoader(yaml.SafeLoader):
     """SafeLoader that refuses duplicate mapping keys (PyYAML keeps the last one silently)."""
 
 
+# libyaml's parser when PyYAML was built with it: the pure-Python one takes seconds on a file with
+# thousands of tenants and keys. Its error messages differ, so a file it refuses is parsed again
+# by the pure-Python loader for the message.
+_FastSafeLoader: type[yaml.SafeLoader] = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+
+class _FastUniqueKeyLoader(_FastSafeLoader):  # type: ignore[valid-type,misc]
+    """:class:`_UniqueKeyLoader` on libyaml's parser."""
+
+
 def _construct_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode) -> dict[Any, Any]:
     loader.flatten_mapping(node)
     out: dict[Any, Any] = {}
@@ -701,10 +715,11 @@ def _construct_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode) -> dict
     return out
 
 
-_UniqueKeyLoader.add_constructor(
-    yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG,
-    _construct_mapping,  # type: ignore[arg-type]
-)
+for _loader in (_UniqueKeyLoader, _FastUniqueKeyLoader):
+    _loader.add_constructor(
+        yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG,
+        _construct_mapping,  # type: ignore[arg-type]
+    )
 
 
 def parse_config(
@@ -763,7 +778,10 @@ def load_config(path: str | Path, *, env: Mapping[str, str] | None = None) -> Co
         reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
         raise ConfigError([("", f"cannot read the file: {reason}")], source) from None
     try:
-        data = yaml.load(text, Loader=_UniqueKeyLoader)  # a SafeLoader subclass: no objects
+        try:
+            data = yaml.load(text, Loader=_FastUniqueKeyLoader)  # SafeLoader kin: no objects
+        except yaml.YAMLError:
+            data = yaml.load(text, Loader=_UniqueKeyLoader)  # for the pure-Python message
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""

@@ -64,8 +64,28 @@ def _tenants_of(config: Config) -> list[Any]:
     return [TenantConfig(name="anonymous")]
 
 
+def _capacity_counts(config: Config) -> tuple[int, int, int]:
+    """The counts the core's region is sized from (it adds the headroom): backends, tenants, and
+    (tenant, backend) guarantee entries: one per backend a tenant's ``backends`` lists, or one
+    per backend for a tenant with guaranteed slots on every backend."""
+    tenants = _tenants_of(config)
+    n_backends = len(config.backends)
+    guarantees = sum(
+        len(set(t.backends))
+        if t.backends is not None
+        else (n_backends if t.guaranteed_slots else 0)
+        for t in tenants
+    )
+    return n_backends, len(tenants), guarantees
+
+
 def build_controller(config: Config, *, shm_name: str | None = None, create: bool = True) -> Any:
     """The admission core for ``config``.
+
+    The core's region is sized here, once, for twice the configured backends, tenants and
+    guarantee entries (at least 64 backends, 1,024 tenants and 1,024 entries), and a shared one
+    for twice the processes of ``workers``: reloads can add tenants up to that without a
+    restart (see :func:`apply_config`).
 
     Args:
         config: the validated configuration.
@@ -80,7 +100,19 @@ def build_controller(config: Config, *, shm_name: str | None = None, create: boo
 
     if shm_name is not None and not create:
         return AdmissionController.attach(shm_name)
-    controller = AdmissionController(shm_name=shm_name, create=True)
+    from kvgate._core import MAX_PROCS
+
+    backends, tenants, guarantees = _capacity_counts(config)
+    controller = AdmissionController(
+        shm_name=shm_name,
+        create=True,
+        backends=backends,
+        tenants=tenants,
+        guarantees=guarantees,
+        # the master and its workers, twice over (a dead worker's entry is reclaimed before its
+        # replacement attaches): each entry is a ledger of 8 bytes per tenant
+        processes=min(MAX_PROCS, 2 * (config.workers + 1)),
+    )
     for b in config.backends:
         controller.add_backend(b.name, **_backend_limits(b))
     for t in _tenants_of(config):
@@ -243,12 +275,16 @@ def apply_config(gateway: Gateway, new: Config) -> None:
     """Hot reload: apply ``new`` to a running gateway (SIGHUP).
 
     Base limits of existing backends and tenants change in the core (held slots and in-flight
-    streams are untouched); new tenants are added; keys, priority classes and wait times are
-    replaced at once. Backends and models cannot be added or removed by a reload (restart for
-    that).
+    streams are untouched); new tenants are added; tenants no longer in the file are removed
+    (their keys stop working at once; their requests in flight finish and release as usual,
+    and their id in the core is reused only once they hold nothing); keys, priority classes
+    and wait times are replaced at once. Backends and models cannot be added or removed by a
+    reload (restart for that).
 
     Raises:
-        kvgate.config.ConfigError: the backends or models differ from the running set.
+        kvgate.config.ConfigError: the backends or models differ from the running set, or the
+            new tenants do not fit in the core's region, which was sized at start-up (a
+            restart is needed; nothing is changed).
         kvgate.InvalidConfigError: the core refuses a limit (tried on a scratch core first:
             nothing is changed).
     """
@@ -282,12 +318,34 @@ def apply_config(gateway: Gateway, new: Config) -> None:
                 old.workers,
             )
     ctl = gateway.controller
+    new_tenants = _tenants_of(new)
+    kept = {t.name for t in new_tenants}
+    removed = [] if old is None else [t.name for t in _tenants_of(old) if t.name not in kept]
+    removed_ids = [tid for tid in map(ctl.tenant_id, removed) if tid is not None]
+    adding = sum(1 for t in new_tenants if ctl.tenant_id(t.name) is None)
+    # a removed tenant's id can be reused at once only if it holds nothing now
+    room = ctl.free_tenant_ids + sum(
+        1 for tid in removed_ids if ctl.tenant_state(tid)["in_use"] == 0
+    )
+    if adding > room:
+        raise ConfigError(
+            [
+                (
+                    "tenants",
+                    f"{adding} new tenants do not fit: the admission core was sized at start-up "
+                    f"for {ctl.capacity['tenants']} tenants and has room for {room} more; "
+                    "restart kvgate to apply this configuration",
+                )
+            ]
+        )
     for b in new.backends:
         limits = _backend_limits(b)
         if limits["inflight_token_limit"] is None and gateway.discovered_capacity.get(b.name):
             limits["inflight_token_limit"] = gateway.discovered_capacity[b.name]
         ctl.update_backend(ctl.backend_id(b.name), **limits)
-    for t in _tenants_of(new):
+    for tid in removed_ids:
+        ctl.remove_tenant(tid)
+    for t in new_tenants:
         tid = ctl.tenant_id(t.name)
         if tid is None:
             ctl.add_tenant(t.name, **_tenant_limits(t, ctl))

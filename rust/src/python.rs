@@ -16,8 +16,8 @@ use pyo3::IntoPyObjectExt;
 
 use crate::adaptive::{AdaptiveLaw as RustLaw, LawParams};
 use crate::admission::{
-    Admission, BackendConfig, Pool, Reason, Refusal, TenantConfig, Ticket, ALL_BACKENDS,
-    MAX_BACKENDS, MAX_PROCS, MAX_TENANTS, REGION_SIZE,
+    Admission, BackendConfig, Capacity, GuaranteedBackends, Pool, Reason, Refusal, TenantConfig,
+    Ticket, ALL_BACKENDS, MAX_PROCS,
 };
 use crate::clock::{Clock, ManualClock as RustManualClock};
 use crate::error::{CoreError, MAX_AMOUNT};
@@ -202,8 +202,8 @@ pub(crate) fn opt_amount(
 }
 
 /// `guaranteed_backends`: `None` (absent), `"all"` ([`ALL_BACKENDS`]) or an iterable of
-/// backend ids (bit mask; ids past the registered backends are refused by the core).
-fn backend_mask(obj: Option<&Bound<'_, PyAny>>) -> PyResult<Option<u64>> {
+/// backend ids (ids past the registered backends are refused by the core).
+fn backend_mask(obj: Option<&Bound<'_, PyAny>>) -> PyResult<Option<GuaranteedBackends>> {
     let Some(obj) = obj.filter(|o| !o.is_none()) else {
         return Ok(None);
     };
@@ -215,7 +215,7 @@ fn backend_mask(obj: Option<&Bound<'_, PyAny>>) -> PyResult<Option<u64>> {
             "guaranteed_backends must be a list of backend ids, 'all' or None",
         ));
     }
-    let mut mask = 0u64;
+    let mut ids = Vec::new();
     for item in obj.try_iter().map_err(|_| {
         PyTypeError::new_err("guaranteed_backends must be a list of backend ids, 'all' or None")
     })? {
@@ -229,15 +229,15 @@ fn backend_mask(obj: Option<&Bound<'_, PyAny>>) -> PyResult<Option<u64>> {
             )));
         }
         let id: i128 = item.extract().unwrap_or(i128::MAX);
-        if !(0..MAX_BACKENDS as i128).contains(&id) {
+        let Ok(id) = u32::try_from(id) else {
             return Err(CoreError::InvalidConfig(format!(
-                "guaranteed_backends: no backend id {id} (ids are 0..{MAX_BACKENDS})"
+                "guaranteed_backends: no backend id {id} (ids are 0..2**32)"
             ))
             .into());
-        }
-        mask |= 1 << id;
+        };
+        ids.push(id);
     }
-    Ok(Some(mask))
+    Ok(Some(GuaranteedBackends::Only(ids)))
 }
 
 /// A backend or tenant id (as returned by `add_backend` / `add_tenant`): an `int` in `0..2**32`.
@@ -641,14 +641,14 @@ fn mark_released(flag: &AtomicBool) -> bool {
 /// ([`Admission::new_heap_serialized`]), which saves a locked instruction per limit per call. A
 /// free-threaded build, and every shared-memory controller (several processes), uses
 /// compare-and-swap.
-fn private_controller(clock: Clock) -> Result<Arc<Admission>, CoreError> {
+fn private_controller(clock: Clock, cap: Capacity) -> Result<Arc<Admission>, CoreError> {
     #[cfg(not(Py_GIL_DISABLED))]
     {
-        Admission::new_heap_serialized(clock)
+        Admission::new_heap_serialized_with(clock, cap)
     }
     #[cfg(Py_GIL_DISABLED)]
     {
-        Admission::new_heap(clock)
+        Admission::new_heap_with(clock, cap)
     }
 }
 
@@ -854,16 +854,21 @@ impl AdmissionController {
 #[pymethods]
 impl AdmissionController {
     #[new]
-    #[pyo3(signature = (*, clock=None, shm_name=None, create=true))]
+    #[pyo3(signature = (*, clock=None, shm_name=None, create=true, backends=0, tenants=0, guarantees=0, processes=64))]
     fn new(
         clock: Option<&Bound<'_, ManualClock>>,
         shm_name: Option<&str>,
         create: bool,
+        backends: u32,
+        tenants: u32,
+        guarantees: u32,
+        processes: u32,
     ) -> PyResult<Self> {
         let clock = clock_of(clock);
+        let cap = Capacity::for_counts(backends, tenants, guarantees, processes);
         let core = match (shm_name, create) {
-            (None, _) => private_controller(clock)?,
-            (Some(name), true) => Admission::create_shm(name, clock)?,
+            (None, _) => private_controller(clock, cap)?,
+            (Some(name), true) => Admission::create_shm_with(name, clock, cap)?,
             (Some(name), false) => Admission::attach_shm(name, clock)?,
         };
         Ok(Self { core })
@@ -885,6 +890,35 @@ impl AdmissionController {
     #[getter]
     fn leaks(&self) -> u64 {
         self.core.leaks()
+    }
+
+    #[getter]
+    fn capacity<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let c = self.core.capacity();
+        let d = PyDict::new(py);
+        d.set_item("backends", c.backends)?;
+        d.set_item("tenants", c.tenants)?;
+        d.set_item("guarantees", c.guarantees)?;
+        d.set_item("processes", c.processes)?;
+        Ok(d)
+    }
+
+    #[getter]
+    fn region_bytes(&self) -> usize {
+        self.core.region_bytes()
+    }
+
+    #[getter]
+    fn free_tenant_ids(&self) -> u32 {
+        self.core.free_tenant_ids()
+    }
+
+    fn remove_tenant(&self, #[pyo3(from_py_with = tenant_id_arg)] tenant: u32) -> PyResult<()> {
+        Ok(self.core.remove_tenant(tenant)?)
+    }
+
+    fn tenant_removed(&self, #[pyo3(from_py_with = tenant_id_arg)] tenant: u32) -> PyResult<bool> {
+        Ok(self.core.tenant_removed(tenant)?)
     }
 
     #[getter]
@@ -1316,10 +1350,7 @@ pub fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("InvalidConfigError", err_type(py, &INVALID_CONFIG))?;
     m.add("SharedStateError", err_type(py, &SHARED_STATE))?;
     m.add("MAX_AMOUNT", MAX_AMOUNT)?;
-    m.add("MAX_BACKENDS", MAX_BACKENDS)?;
-    m.add("MAX_TENANTS", MAX_TENANTS)?;
     m.add("MAX_PROCS", MAX_PROCS)?;
-    m.add("REGION_SIZE", REGION_SIZE)?;
     m.add("REASONS", {
         let all = [
             Reason::TenantTpm,

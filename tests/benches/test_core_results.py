@@ -55,14 +55,34 @@ def test_bad_bodies_and_duplicate_headings_raise() -> None:
         cr.replace_section(twice, "## Admission core (issue 2)", "## Admission core (issue 2)\n")
 
 
-def _stats(rust_s: float, ref_s: float) -> dict[str, object]:
+def _stats(
+    rust_s: float, ref_s: float, tenants: tuple[float, float] = (100e-6, 104e-6)
+) -> dict[str, object]:
     out: dict[str, object] = {}
     for _, rust, ref, _, _ in cr.CORE_GROUPS:
         out[rust] = cr.Stat(
             min=rust_s, median=rust_s * 1.1, rounds=10, extra={"pairs_per_call": 1000}
         )
         out[ref] = cr.Stat(min=ref_s, median=ref_s * 1.1, rounds=10, extra={})
+    for name, t in zip(cr.TENANT_BENCHES, tenants, strict=True):
+        out[name] = cr.Stat(min=t, median=t * 1.1, rounds=10, extra={"pairs_per_call": 1000})
     return out
+
+
+def test_tenant_count_row_and_its_verdict() -> None:
+    run = cr.parse_rust(
+        "rust admit+release: 5000000 pairs in 1.259 s = 3972832 pairs/s (251.7 ns/pair)\n"
+        "rust floor: atomic read-modify-write 5.50 ns, "
+        "clock_gettime(CLOCK_MONOTONIC_COARSE) 6.00 ns (CLOCK_MONOTONIC 20.00 ns)\n"
+    )
+    met = cr.core_section(_stats(250e-6, 3e-3), [run], "CMD", "MACHINE", "now")
+    assert "| 10 | 100 ns / 110 ns | 10.00 M / 9.09 M |" in met
+    assert "| 100,000 | 104 ns / 114 ns |" in met
+    assert "1.04× / 1.04× (min / median) what 10 cost: within 10%: **met**" in " ".join(met.split())
+    missed = cr.core_section(_stats(250e-6, 3e-3, (100e-6, 120e-6)), [run], "CMD", "M", "now")
+    assert "1.20× / 1.20× (min / median) what 10 cost: within 10%: **not met**" in " ".join(
+        missed.split()
+    )
 
 
 def test_core_section_figures_and_verdicts() -> None:

@@ -1,0 +1,178 @@
+"""Thousands of tenants with keys in one gateway: requests with several tenants' keys, a hot
+reload that adds and removes tenants without a restart, a reload beyond the core's capacity
+(refused, a restart is needed), and the same tenants in a shared-memory region."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+
+from kvgate.config import load_config
+from kvgate.gateway_build import build_controller, build_gateway
+from kvgate.server import run_gateway
+from kvgate.sim import SimConfig, run_sim
+
+from .conftest import sha
+from .helpers import until
+
+TPM = 120  # about 15 tokens a request: a charge stays visible for seconds
+
+
+def scale_config(url: str, model: str, names: list[str]) -> dict[str, Any]:
+    """One backend; a tenant per name with key ``sk-<name>``, its own TPM and 2 at once; the
+    last one critical with 2 guaranteed slots."""
+    tenants: list[dict[str, Any]] = [
+        {
+            "name": n,
+            "api_key_sha256": [sha(f"sk-{n}")],
+            "tokens_per_minute": TPM,
+            "max_concurrency": 2,
+        }
+        for n in names
+    ]
+    tenants[-1].update(priority="critical", guaranteed_slots=2)
+    return {
+        "backends": [
+            {
+                "name": "b0",
+                "url": url,
+                "models": [{"name": model, "context_window": 1024}],
+                "max_concurrency": 8,
+                "tokens_per_minute": 10_000_000,
+                "adaptive": {"enabled": False},
+            }
+        ],
+        "tenants": tenants,
+    }
+
+
+async def ask(url: str, key: str, model: str) -> None:
+    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=30)
+    try:
+        r = await client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=4
+        )
+        assert r.usage is not None
+        assert r.usage.completion_tokens > 0
+    finally:
+        await client.close()
+
+
+def charged(ctl: Any, name: str) -> bool:
+    """Whether tenant ``name``'s bucket was charged (and its slot is back)."""
+    st = ctl.tenant_state(ctl.tenant_id(name))
+    return bool(st["in_use"] == 0 and st["available_tokens"] < TPM)
+
+
+async def test_ten_thousand_tenants_and_a_reload_that_adds_and_removes_some(
+    tmp_path: Path,
+) -> None:
+    sim_cfg = SimConfig.from_profile("tiny", speed=5, seed=4)
+    model = sim_cfg.model
+    names = [f"t{i}" for i in range(10_000)]
+    path = tmp_path / "kvgate.json"
+    async with run_sim(sim_cfg) as sim:
+        path.write_text(json.dumps(scale_config(sim.url, model, names)))
+        gateway = build_gateway(load_config(path), config_path=str(path), poll=False)
+        ctl = gateway.controller
+        assert ctl.capacity["tenants"] == 20_000  # twice the configured tenants
+        assert ctl.tenant_count == 10_000
+        async with run_gateway(gateway) as url:
+            for n in ("t0", "t1234", "t5000", "t9999"):
+                await ask(url, f"sk-{n}", model)
+                await until(lambda n=n: charged(ctl, n))
+            assert ctl.tenant_state(ctl.tenant_id("t42"))["available_tokens"] == TPM
+            with pytest.raises(openai.AuthenticationError):
+                await ask(url, "sk-nobody", model)
+            await until(lambda: ctl.backend_state(0)["in_use"] == 0)
+
+            # reload: t0..t99 removed, n0..n199 added; no restart
+            old_t0 = ctl.tenant_id("t0")
+            new_names = names[100:] + [f"n{i}" for i in range(200)]
+            path.write_text(json.dumps(scale_config(sim.url, model, new_names)))
+            assert gateway.reload() is True
+            assert ctl.tenant_id("t0") is None
+            assert ctl.tenant_removed(old_t0)
+            assert ctl.tenant_count == 10_200  # never-used ids first; t0..t99 are tombstones
+            with pytest.raises(openai.AuthenticationError):
+                await ask(url, "sk-t0", model)
+            await ask(url, "sk-n150", model)
+            await until(lambda: charged(ctl, "n150"))
+            await ask(url, "sk-t5000", model)  # kept tenants keep working
+            st = ctl.tenant_state(ctl.tenant_id("t9999"))  # the guarantee moved to n199
+            assert st["guaranteed_slots"] == 0
+            assert ctl.tenant_state(ctl.tenant_id("n199"))["guaranteed_slots"] == 2
+            assert ctl.backend_state(0)["guaranteed_slots"] == 2
+            await until(lambda: ctl.backend_state(0)["in_use"] == 0)
+            assert ctl.backend_state(0)["inflight_tokens"] == 0
+
+
+async def test_a_reload_beyond_the_capacity_is_refused_and_says_to_restart(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    sim_cfg = SimConfig.from_profile("tiny", speed=5, seed=4)
+    model = sim_cfg.model
+    path = tmp_path / "kvgate.json"
+    names = [f"t{i}" for i in range(400)]
+    async with run_sim(sim_cfg) as sim:
+        path.write_text(json.dumps(scale_config(sim.url, model, names)))
+        gateway = build_gateway(load_config(path), config_path=str(path), poll=False)
+        ctl = gateway.controller
+        assert ctl.capacity["tenants"] == 1024  # the minimum
+        # 400 + 625 tenants do not fit in 1,024
+        path.write_text(
+            json.dumps(scale_config(sim.url, model, names + [f"n{i}" for i in range(625)]))
+        )
+        assert gateway.reload() is False
+        assert "restart kvgate" in caplog.text
+        assert ctl.tenant_count == 400  # nothing changed
+        assert ctl.tenant_id("n0") is None
+        assert ctl.tenant_state(ctl.tenant_id("t399"))["guaranteed_slots"] == 2
+        # what fits is applied: removing 100 tenants that hold nothing makes room for 100 more
+        # (their ids are reused once the 624 never-used ones are taken)
+        path.write_text(
+            json.dumps(scale_config(sim.url, model, names[100:] + [f"n{i}" for i in range(724)]))
+        )
+        assert gateway.reload() is True
+        assert ctl.tenant_count == 1024
+        assert ctl.free_tenant_ids == 0
+        assert ctl.tenant_id("n723") is not None
+        assert ctl.tenant_id("n723") < 100  # a removed tenant's id
+        async with run_gateway(gateway) as url:
+            await ask(url, "sk-n723", model)
+            await until(lambda: charged(ctl, "n723"))
+            with pytest.raises(openai.AuthenticationError):
+                await ask(url, "sk-t0", model)
+
+
+async def test_ten_thousand_tenants_in_a_shared_memory_region() -> None:
+    sim_cfg = SimConfig.from_profile("tiny", speed=5, seed=4)
+    model = sim_cfg.model
+    names = [f"t{i}" for i in range(10_000)]
+    shm_name = f"kvgate-test-scale-{os.getpid()}"
+    async with run_sim(sim_cfg) as sim:
+        from kvgate.config import Config
+
+        config = Config.model_validate(scale_config(sim.url, model, names))
+        master = build_controller(config, shm_name=shm_name, create=True)
+        # a worker attaches: its gateway reads the layout from the region
+        gateway = build_gateway(config, shm_name=shm_name, poll=False)
+        ctl = gateway.controller
+        assert ctl.capacity == master.capacity
+        assert ctl.capacity["tenants"] == 20_000
+        assert ctl.tenant_id("t7777") == master.tenant_id("t7777") == 7777
+        async with run_gateway(gateway) as url:
+            for n in ("t1", "t7777", "t9999"):
+                await ask(url, f"sk-{n}", model)
+                # the master sees what the worker charged
+                await until(lambda n=n: charged(master, n))
+        assert master.tenant_state(master.tenant_id("t2"))["available_tokens"] == TPM
+        await until(lambda: master.backend_state(0)["in_use"] == 0)
+        del gateway, ctl
+        logging.getLogger(__name__).debug("region of %d bytes", master.region_bytes)
