@@ -82,7 +82,7 @@ wrk: ## install wrk (Debian package) when it is missing
 	@command -v wrk >/dev/null || (apt-get update -qq && apt-get install -y -qq wrk >/dev/null)
 
 .PHONY: bench-protect
-bench-protect: build ## protection scenario (issue 8): engine alone vs kvgate; RESULTS.md + plots
+bench-protect: build ## protection scenario: engine alone vs kvgate; RESULTS.md + plots
 	$(PY) benches/protection/run.py
 
 .PHONY: demo

@@ -1,4 +1,4 @@
-"""Write the "Adaptive limits vs preemptions (issue 6)" section of ``benches/RESULTS.md``.
+"""Write the "Adaptive limits vs preemptions" section of ``benches/RESULTS.md``.
 
 Runs the end-to-end test that sends one burst three ways to the simulator in ``preempt`` mode
 (``tiny`` profile: 2,048 KV tokens; 12 requests of ~190 prompt + 300 generated tokens) — straight
@@ -20,7 +20,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from core_results import RESULTS, replace_section
 
-SECTION = "## Adaptive limits vs preemptions (issue 6)"
+SECTION = "## Adaptive limits vs preemptions"
 CMD = [
     sys.executable,
     "-m",

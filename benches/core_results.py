@@ -12,11 +12,11 @@ The first step of ``make bench``. It runs, one after another:
    thread).
 
 The JSON files go to ``benches/.out/``. From them it computes, per group, the Rust vs reference
-ratios (on min and on median) and pairs/s, checks the targets of issue 2 (Rust >= 10x the Python
-reference; >= 2,000,000 admit+release pairs/s on one core) and issue 3 (Rust >= 1.3x faster on a
+ratios (on min and on median) and pairs/s, checks the core's targets (Rust >= 10x the Python
+reference; >= 2,000,000 admit+release pairs/s on one core) and the analyser's (Rust >= 1.3x faster on a
 ~32k-token chat body; a 128 MiB ``Content-Length`` answered without reading the body), and
-rewrites exactly two sections of ``benches/RESULTS.md``: ``## Admission core (issue 2)`` and
-``## Request analysis (issue 3)``. Every other byte of the file is left as it was. Nothing is
+rewrites exactly two sections of ``benches/RESULTS.md``: ``## Admission core`` and
+``## Request analysis``. Every other byte of the file is left as it was. Nothing is
 written when a step fails (the exit status is then non-zero).
 
 Run: ``.venv/bin/python benches/core_results.py`` (``--no-write`` prints the sections instead).
@@ -45,8 +45,8 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 OUT = HERE / ".out"
 RESULTS = HERE / "RESULTS.md"
-CORE_HEADING = "## Admission core (issue 2)"
-ANALYZE_HEADING = "## Request analysis (issue 3)"
+CORE_HEADING = "## Admission core"
+ANALYZE_HEADING = "## Request analysis"
 
 RUST_CMD = [
     "cargo",
@@ -89,7 +89,7 @@ PYTEST_OPTS = [
 # medians.
 ANALYZE_OPTS = ["--benchmark-min-rounds=40"]
 
-# Issue 2 groups: (pytest-benchmark group, Rust test, reference test, table label, whether the
+# Admission-core groups: (pytest-benchmark group, Rust test, reference test, table label, whether the
 # 10x target applies: the shared-memory row is there for comparison).
 CORE_GROUPS = [
     (
@@ -304,7 +304,7 @@ def core_section(
     machine: str,
     stamp: str,
 ) -> str:
-    """The ``## Admission core (issue 2)`` section from the bench_core JSON and the cargo runs."""
+    """The ``## Admission core`` section from the bench_core JSON and the cargo runs."""
     rows = []
     ratios: dict[str, tuple[float, float]] = {}
     pairs: dict[str, tuple[float, float]] = {}
@@ -448,7 +448,7 @@ def analyze_section(
     machine: str,
     stamp: str,
 ) -> str:
-    """The ``## Request analysis (issue 3)`` section from the two bench_analyze JSON files."""
+    """The ``## Request analysis`` section from the two bench_analyze JSON files."""
 
     def table(stats: dict[str, Stat]) -> tuple[list[str], tuple[float, float], tuple[float, float]]:
         plain, tmpl, py = (

@@ -1,4 +1,4 @@
-"""Gateway load benchmark (issues 5 and 8): kvgate side by side with bare aiohttp baselines and
+"""Gateway load benchmark: kvgate side by side with bare aiohttp baselines and
 LiteLLM's proxy, in one run, on one machine.
 
 Targets (all servers pinned to one core with ``taskset``, the ``wrk`` load generator to another):
@@ -17,7 +17,7 @@ Targets (all servers pinned to one core with ``taskset``, the ``wrk`` load gener
 For each target: requests/s (closed loop, ``--connections`` connections), CPU time per request of
 the server's process tree (utime+stime from ``/proc``, before/after), p50 latency; then p50
 latency with one connection, and the latency added versus ``direct``. The section
-``## Gateway load (issues 5 and 8)`` of ``benches/RESULTS.md`` is rewritten with the figures.
+``## Gateway load`` of ``benches/RESULTS.md`` is rewritten with the figures.
 
 Usage: ``.venv/bin/python benches/load/run_load.py [--rounds 2] [--duration 6] [--no-litellm]``
 """
@@ -44,7 +44,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 OUT = ROOT / "benches" / ".out"
 RESULTS = ROOT / "benches" / "RESULTS.md"
-SECTION = "## Gateway load (issues 5 and 8)"
+SECTION = "## Gateway load"
 LITELLM_VENV = OUT / "litellm-venv"
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 

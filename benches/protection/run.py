@@ -1,4 +1,4 @@
-"""The protection scenario (issue 8): the same seeded traffic with and without kvgate.
+"""The protection scenario: the same seeded traffic with and without kvgate.
 
 Usage::
 
@@ -29,7 +29,7 @@ over time. Times are reported in simulated seconds (wall seconds × speed).
 
 Outputs (under ``benches/protection/``): ``results.json`` (every figure and time series),
 ``protection_timeline.png``, ``protection_bars.png``, ``README.md``, and the section
-``## Protection scenario (issue 8)`` of ``benches/RESULTS.md`` (only that section is replaced).
+``## Protection scenario`` of ``benches/RESULTS.md`` (only that section is replaced).
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ from kvgate.demo import free_port, stop_all, wait_http  # noqa: E402
 from kvgate.loadgen import Burst, ClassStats, Stream, TrafficMix, drive, percentile  # noqa: E402
 from kvgate.sim.profiles import get_profile  # noqa: E402
 
-SECTION = "## Protection scenario (issue 8)"
+SECTION = "## Protection scenario"
 CLASSES = ("critical", "standard", "sheddable")
 GW_SERIES = {
     "kvgate_scale": "scale",
@@ -808,7 +808,7 @@ def render(path: Path) -> int:
 def target_checks(
     rows: list[dict[str, Any]], mode: str, best_fraction: float | None
 ) -> list[dict[str, Any]]:
-    """The three targets of issue 8, judged on the ``mode`` pass: one dict per target whose
+    """The three targets of the protection scenario, judged on the ``mode`` pass: one dict per target whose
     runs are present, with ``line`` (the verdict line), ``met`` (bool) and ``margin`` (how far
     the measured value is from the bar, in words, from the same figures)."""
     by = {(r["run"], r["mode"]): r for r in rows}
@@ -1231,7 +1231,7 @@ keeps its latency, and the batch gives way.
 
 Regenerate with `make bench-protect` (about 6–7 minutes on 2 cores). Definitions, the
 `--on-overflow preempt` pass, what each run shows and the gateway issues this benchmark found:
-[`benches/RESULTS.md`](../RESULTS.md#protection-scenario-issue-8).
+[`benches/RESULTS.md`](../RESULTS.md#protection-scenario).
 """
 
 

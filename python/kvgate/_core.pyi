@@ -174,7 +174,7 @@ class TokenBucket:
 
 @final
 class AdaptiveLaw:
-    """The adaptive control law (DESIGN.md "Adaptive feedback").
+    """The adaptive control law (README, "Engine metrics").
 
     Pressure is the engine's KV-cache usage ratio 0..1 (vLLM ``vllm:kv_cache_usage_perc``,
     SGLang ``sglang:token_usage``); when the waiting requests (``vllm:num_requests_waiting``)
@@ -463,7 +463,7 @@ class AdmissionController:
         effective_inflight_token_limit, hold_time_ewma (s: weight 1/8, fed by the first
         release and then about one in eight, a random draw; every release under a manual clock)."""
     def rate_limit_headers(self, backend: int, tenant: int) -> list[tuple[str, str]]:
-        """OpenAI's six ``x-ratelimit-*`` headers (ENGINES.md §5.3) for ``tenant`` on
+        """OpenAI's six ``x-ratelimit-*`` headers (docs/engines.md §4) for ``tenant`` on
         ``backend``, as ``(name, value)`` pairs in this order: ``limit-requests``,
         ``remaining-requests``, ``reset-requests``, ``limit-tokens``, ``remaining-tokens``,
         ``reset-tokens`` (each prefixed ``x-ratelimit-``).
@@ -511,7 +511,7 @@ class AdmissionController:
         The message is an HTTP/1.1 response (:func:`http_response`): the :meth:`refusal_headers`
         (with ``Retry-After`` for a wait of ``retry_after`` seconds, none when ``never``),
         ``Content-Length``, ``Date`` and, when given, ``Connection: <connection>``, then OpenAI's
-        error body (ENGINES.md §5.1): for 429 ``type`` ``tokens`` (a TPM reason) or
+        error body (docs/engines.md §4): for 429 ``type`` ``tokens`` (a TPM reason) or
         ``requests`` and ``code`` ``rate_limit_exceeded``; for 503 ``type`` ``server_error`` and
         ``code`` ``server_is_overloaded``; the message names ``model`` (``None``: "this
         backend"), ``tenant_name``, the reason, the wait (rounded up to the millisecond) or,
@@ -556,7 +556,7 @@ class SSEInspector:
     """Cuts an upstream SSE byte stream into complete events and inspects each one.
 
     The relay writes upstream bytes to the client exactly as the engine framed them (``data:
-    <json>\n\n``, ENGINES.md §5.4; events may also end with ``\r\n\r\n`` or ``\r\r``)
+    <json>\n\n``, docs/engines.md §4; events may also end with ``\r\n\r\n`` or ``\r\r``)
     and reads, on the way, what settling the token account needs. Only events that may carry a
     non-null ``usage`` or an ``error`` key are parsed as they pass (a byte test: inside JSON
     strings quotes are escaped, so ``"usage"`` in the bytes is never generated text); the
@@ -719,7 +719,7 @@ class Analysis:
             ``max_tokens`` on chat, and ``max_tokens``, else ``max_completion_tokens`` on
             ``/v1/completions`` (the legacy API's own field); when both are absent, ``default_max_tokens`` (capped at the room
             left) if configured, else ``context_window - prompt_tokens`` (what vLLM / SGLang /
-            TGI allow, ENGINES.md §5.5). Always 0 for embeddings. On ``/v1/responses`` the
+            TGI allow, docs/engines.md §4). Always 0 for embeddings. On ``/v1/responses`` the
             limit is ``max_output_tokens`` (absent: as above), and the prompt is the chat
             conversation the body renders as: ``instructions`` as a system message, ``input``
             (a string: one user message; or items: messages whose ``content`` is a string or

@@ -12,17 +12,17 @@ cr = load("core_results", "benches/core_results.py")
 
 DOC = (
     "# Benchmark results\n\n"
-    "## Admission core (issue 2)\n\nold core\n\n| a | b |\n|---|---|\n\n"
-    "## Request analysis (issue 3)\n\nold analysis\n### sub heading stays inside\n\n"
-    "## Gateway load (issues 5 and 8)\n\nload  text with  spaces \r\nand a CRLF line\n\n"
-    "## Protection scenario (issue 8)\n\nlast section, no trailing newline"
+    "## Admission core\n\nold core\n\n| a | b |\n|---|---|\n\n"
+    "## Request analysis\n\nold analysis\n### sub heading stays inside\n\n"
+    "## Gateway load\n\nload  text with  spaces \r\nand a CRLF line\n\n"
+    "## Protection scenario\n\nlast section, no trailing newline"
 )
 
 
 def test_replace_one_section_keeps_the_others_byte_identical() -> None:
-    body = "## Request analysis (issue 3)\n\nnew figures\n"
-    out = cr.replace_section(DOC, "## Request analysis (issue 3)", body)
-    before, after = DOC.split("## Request analysis (issue 3)")[0], DOC.split("old analysis\n")[1]
+    body = "## Request analysis\n\nnew figures\n"
+    out = cr.replace_section(DOC, "## Request analysis", body)
+    before, after = DOC.split("## Request analysis")[0], DOC.split("old analysis\n")[1]
     after = after[after.index("## Gateway load") :]
     assert out == before + body + "\n" + after
     assert "old analysis" not in out
@@ -30,12 +30,10 @@ def test_replace_one_section_keeps_the_others_byte_identical() -> None:
 
 
 def test_replace_last_section_and_append_missing_one() -> None:
-    out = cr.replace_section(
-        DOC, "## Protection scenario (issue 8)", "## Protection scenario (issue 8)\nX\n\n"
-    )
-    assert out == DOC[: DOC.index("## Protection")] + "## Protection scenario (issue 8)\nX\n"
-    added = cr.replace_section(DOC, "## New (issue 9)", "## New (issue 9)\n\nY")
-    assert added == DOC + "\n\n## New (issue 9)\n\nY\n"
+    out = cr.replace_section(DOC, "## Protection scenario", "## Protection scenario\nX\n\n")
+    assert out == DOC[: DOC.index("## Protection")] + "## Protection scenario\nX\n"
+    added = cr.replace_section(DOC, "## New section", "## New section\n\nY")
+    assert added == DOC + "\n\n## New section\n\nY\n"
 
 
 def test_rewriting_the_real_results_file_with_its_own_text_changes_nothing() -> None:
@@ -49,10 +47,10 @@ def test_rewriting_the_real_results_file_with_its_own_text_changes_nothing() -> 
 
 def test_bad_bodies_and_duplicate_headings_raise() -> None:
     with pytest.raises(ValueError, match="must start with"):
-        cr.replace_section(DOC, "## Admission core (issue 2)", "## Something else\n")
-    twice = DOC + "\n## Admission core (issue 2)\n"
+        cr.replace_section(DOC, "## Admission core", "## Something else\n")
+    twice = DOC + "\n## Admission core\n"
     with pytest.raises(ValueError, match="occurs 2 times"):
-        cr.replace_section(twice, "## Admission core (issue 2)", "## Admission core (issue 2)\n")
+        cr.replace_section(twice, "## Admission core", "## Admission core\n")
 
 
 def _stats(
