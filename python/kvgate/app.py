@@ -29,10 +29,7 @@ from kvgate.config import TimeoutsConfig
 from kvgate.errors import GatewayError
 from kvgate.metrics import GatewayMetrics
 from kvgate.proxy.deadline import Watchdog
-from kvgate.proxy.handler import (
-    error_response,
-)
-from kvgate.proxy.prepared import PreparedResponse, Reply, connection_header
+from kvgate.proxy.prepared import PreparedResponse, Reply, connection_header, error_response
 
 __all__ = [
     "PRIORITY_CLASSES",
@@ -196,6 +193,9 @@ class Gateway:
     config_path: str | None = None
     #: applied to every reloaded configuration: the command-line flags that win over the file
     config_overrides: Callable[[Any], Any] | None = None
+    #: applies a new configuration to this gateway (``gateway_build.apply_config``, given by
+    #: the builder so this module does not import it back); ``None``: reload is a no-op
+    apply_config: Callable[[Gateway, Any], None] | None = None
     poll: bool = False
     session: aiohttp.ClientSession = field(init=False)
     watchdog: Watchdog = field(init=False, default_factory=Watchdog)
@@ -237,15 +237,14 @@ class Gateway:
         returns whether it was applied. ``listen`` and ``workers`` need a restart (a warning
         says so when they changed)."""
         from kvgate.config import load_config
-        from kvgate.gateway_build import apply_config
 
-        if self.config_path is None:
+        if self.config_path is None or self.apply_config is None:
             return False
         try:
             new = load_config(self.config_path)
             if self.config_overrides is not None:
                 new = self.config_overrides(new)
-            apply_config(self, new)
+            self.apply_config(self, new)
         except Exception as exc:
             logger.error(
                 "reload of %s refused, keeping the running configuration: %s",

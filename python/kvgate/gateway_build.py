@@ -219,6 +219,7 @@ def build_gateway(
         config_path=config_path,
         poll=poll,
         discovery=dict(discovery or {}),
+        apply_config=apply_config,
     )
     _set_tenants(gateway, config)
     for b in config.backends:

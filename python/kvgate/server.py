@@ -27,8 +27,8 @@ from aiohttp.web_protocol import RequestHandler
 from kvgate.app import GET_ENDPOINTS, handle_model
 from kvgate.errors import GatewayError, error_body, method_not_allowed
 from kvgate.metrics import FLUSH_SECONDS
-from kvgate.proxy.handler import error_response, handle_forward, handle_inference
-from kvgate.proxy.prepared import Reply
+from kvgate.proxy.handler import handle_forward, handle_inference
+from kvgate.proxy.prepared import Reply, error_response
 from kvgate.proxy.relay import reuse_trace
 from kvgate.proxy.routes import RouteKind, route_of
 

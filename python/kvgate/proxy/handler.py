@@ -26,7 +26,7 @@ from aiohttp.web_protocol import RequestPayloadError
 
 from kvgate._core import MAX_AMOUNT, Reservation
 from kvgate.errors import GatewayError
-from kvgate.proxy.prepared import PreparedResponse, Reply, prepared
+from kvgate.proxy.prepared import Reply, error_response
 from kvgate.proxy.relay import RelayResult, relay
 from kvgate.proxy.routes import normalize_path
 
@@ -52,20 +52,6 @@ STREAM_UPSTREAM_ROUTES = USAGE_OPTION_ROUTES | {RESPONSES_ROUTE}
 #: before the engine answers, and one token is enough for a tenant whose bucket is empty to be
 #: refused; the usage the engine reports is charged when it ends.
 FORWARD_RESERVATION = 1
-
-
-def error_response(request: web.BaseRequest, err: GatewayError) -> PreparedResponse:
-    """The client-facing response to ``request`` for a :class:`GatewayError`: its status, its
-    headers (``Connection: close`` closes the connection after it) and the OpenAI error body."""
-    headers = [("Content-Type", "application/json")]
-    close = False
-    if err.headers:
-        for name, value in err.headers.items():
-            if name.lower() == "connection":
-                close = close or value.lower() == "close"
-            else:
-                headers.append((name, value))
-    return prepared(request, err.status, headers, err.body(), close)
 
 
 async def read_body(request: web.BaseRequest, max_body_bytes: int, body_seconds: float) -> bytes:

@@ -22,6 +22,7 @@ from aiohttp import web
 from aiohttp.abc import AbstractStreamWriter
 
 from kvgate._core import http_response
+from kvgate.errors import GatewayError
 
 __all__ = [
     "HeadBuilder",
@@ -29,6 +30,7 @@ __all__ = [
     "PreparedStream",
     "Reply",
     "connection_header",
+    "error_response",
     "prepared",
     "relayed",
     "start_stream",
@@ -189,3 +191,17 @@ def prepared(
     if body and request.method == "HEAD":  # the Content-Length of the body, without it
         raw = raw[: -len(body)]
     return PreparedResponse(status, raw, connection)
+
+
+def error_response(request: web.BaseRequest, err: GatewayError) -> PreparedResponse:
+    """The client-facing response to ``request`` for a :class:`GatewayError`: its status, its
+    headers (``Connection: close`` closes the connection after it) and the OpenAI error body."""
+    headers = [("Content-Type", "application/json")]
+    close = False
+    if err.headers:
+        for name, value in err.headers.items():
+            if name.lower() == "connection":
+                close = close or value.lower() == "close"
+            else:
+                headers.append((name, value))
+    return prepared(request, err.status, headers, err.body(), close)
