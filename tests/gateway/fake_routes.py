@@ -30,6 +30,7 @@ from typing import Any
 
 import orjson
 from aiohttp import web
+from tests.gateway.fake_upstream import serve_app
 
 RESPONSES_USAGE = {"input_tokens": 40, "output_tokens": 3, "total_tokens": 43}
 FORWARD_USAGE = {"prompt_tokens": 30, "total_tokens": 30}
@@ -161,13 +162,8 @@ def _app(state: RoutesEngine) -> web.Application:
 async def run_routes_engine() -> AsyncIterator[RoutesEngine]:
     """Serve a :class:`RoutesEngine` on 127.0.0.1 (ephemeral port) for a block."""
     state = RoutesEngine()
-    runner = web.AppRunner(_app(state), handler_cancellation=True, access_log=None)
-    await runner.setup()
-    try:
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        state.url = f"http://127.0.0.1:{runner.addresses[0][1]}"
-        yield state
-    finally:
-        state.release.set()
-        await runner.cleanup()
+    async with serve_app(_app(state)) as state.url:
+        try:
+            yield state
+        finally:
+            state.release.set()

@@ -183,15 +183,25 @@ async def _behave(request: web.Request, body: dict) -> web.StreamResponse:
 
 
 @contextlib.asynccontextmanager
-async def run_upstream() -> AsyncIterator[Upstream]:
-    """Serve the fake upstream on 127.0.0.1 (ephemeral port) for a block."""
-    state = Upstream()
-    runner = web.AppRunner(_app(state), handler_cancellation=True, access_log=None)
+async def serve_app(
+    app: web.Application, *, handler_cancellation: bool = True
+) -> AsyncIterator[str]:
+    """Serve a scripted engine's aiohttp ``app`` on 127.0.0.1 (ephemeral port) for a block;
+    yields its base URL. ``handler_cancellation=False`` keeps a handler running after its client
+    left, as llama.cpp's server does for a non-streamed request."""
+    runner = web.AppRunner(app, handler_cancellation=handler_cancellation, access_log=None)
     await runner.setup()
     try:
         site = web.TCPSite(runner, "127.0.0.1", 0)
         await site.start()
-        state.url = f"http://127.0.0.1:{runner.addresses[0][1]}"
-        yield state
+        yield f"http://127.0.0.1:{runner.addresses[0][1]}"
     finally:
         await runner.cleanup()
+
+
+@contextlib.asynccontextmanager
+async def run_upstream() -> AsyncIterator[Upstream]:
+    """Serve the fake upstream on 127.0.0.1 (ephemeral port) for a block."""
+    state = Upstream()
+    async with serve_app(_app(state)) as state.url:
+        yield state

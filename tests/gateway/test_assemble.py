@@ -20,7 +20,7 @@ import orjson
 import pytest
 from aiohttp import web
 from tests.gateway.conftest import config_for
-from tests.gateway.fake_upstream import run_upstream
+from tests.gateway.fake_upstream import run_upstream, serve_app
 from tests.gateway.helpers import until
 
 from kvgate.config import Config
@@ -362,15 +362,8 @@ async def _generate(
 async def run_engine() -> AsyncIterator[Engine]:
     state = Engine()
     # like llama.cpp's server: a handler is not cancelled when its client goes away
-    runner = web.AppRunner(_engine_app(state), handler_cancellation=False, access_log=None)
-    await runner.setup()
-    try:
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        state.url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    async with serve_app(_engine_app(state), handler_cancellation=False) as state.url:
         yield state
-    finally:
-        await runner.cleanup()
 
 
 @pytest.mark.parametrize("model", ["tools", "logprobs"])

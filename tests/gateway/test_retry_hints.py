@@ -22,6 +22,7 @@ import pytest
 from aiohttp import web
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tests.gateway.fake_upstream import serve_app
 
 from kvgate import AdmissionController
 from kvgate._core import go_duration
@@ -109,15 +110,8 @@ def _ticker_app(state: Ticker) -> web.Application:
 @contextlib.asynccontextmanager
 async def run_ticker() -> AsyncIterator[Ticker]:
     state = Ticker()
-    runner = web.AppRunner(_ticker_app(state), handler_cancellation=True, access_log=None)
-    await runner.setup()
-    try:
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        state.url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    async with serve_app(_ticker_app(state)) as state.url:
         yield state
-    finally:
-        await runner.cleanup()
 
 
 def _config(url: str) -> Config:

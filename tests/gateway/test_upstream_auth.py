@@ -16,6 +16,7 @@ import aiohttp
 import orjson
 import pytest
 from aiohttp import web
+from tests.gateway.fake_upstream import serve_app
 
 from kvgate.config import Config, ConfigError, parse_config
 from kvgate.gateway_build import build_gateway
@@ -94,15 +95,8 @@ def _engine_app(state: RecordingEngine) -> web.Application:
 @contextlib.asynccontextmanager
 async def run_engine() -> AsyncIterator[RecordingEngine]:
     state = RecordingEngine()
-    runner = web.AppRunner(_engine_app(state), access_log=None)
-    await runner.setup()
-    try:
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        state.url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    async with serve_app(_engine_app(state), handler_cancellation=False) as state.url:
         yield state
-    finally:
-        await runner.cleanup()
 
 
 def _data(url: str, **backend: Any) -> dict[str, Any]:
