@@ -29,12 +29,16 @@ build: venv ## build the Rust extension (release) into .venv
 test-rust: ## cargo tests of the pure-Rust core
 	cargo test -p kvgate-core $(CARGO_FEATURES_OFF) -q
 
+.PHONY: test-packages
+test-packages: ## install the Debian packages the tests need when missing (cmake, ninja, g++, promtool)
+	bash scripts/install-test-packages.sh
+
 .PHONY: llama-server
-llama-server: ## build llama.cpp's llama-server for tests/realengine (cached under ~/.cache/kvgate)
+llama-server: test-packages ## build llama.cpp's llama-server for tests/realengine (cached under ~/.cache/kvgate)
 	bash scripts/build-llama-server.sh
 
 .PHONY: test-py
-test-py: build llama-server ## pytest (unit, property, integration over loopback, real engine)
+test-py: build test-packages llama-server ## pytest (unit, property, integration over loopback, real engine)
 	$(PY) -m pytest tests -q
 
 .PHONY: test
