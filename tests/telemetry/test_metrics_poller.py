@@ -232,6 +232,11 @@ async def test_failure_goes_stale_once_then_recovers(
     sink = Recorder()
     async with MetricsPoller(session, sink, [target(engine)]) as poller:
         await wait_until(sink, lambda: len(sink.of("reading")) >= 1)
+        # a loaded machine can time out the first scrapes and mark the backend stale before the
+        # first reading (which marks it fresh again): the transitions that count come after the
+        # endpoint breaks
+        before = len(sink.of("stale"))
+        assert poller.status("b1").stale is False
         # break the metrics endpoint
         if mode == "refuse":
             await engine.refuse()
@@ -239,10 +244,10 @@ async def test_failure_goes_stale_once_then_recovers(
             engine.script.kv = "NaN" if mode == "nan" else "1.3"
         else:
             engine.script.mode = mode
-        await wait_until(sink, lambda: bool(sink.of("stale")))
+        await wait_until(sink, lambda: len(sink.of("stale")) > before)
         st = poller.status("b1")
         assert st.stale is True
-        assert sink.of("stale") == [("stale", "b1", True)]
+        assert sink.of("stale")[before:] == [("stale", "b1", True)]
         assert st.last_good_at is not None
         age = st.age(asyncio.get_running_loop().time())
         assert age is not None
@@ -260,25 +265,27 @@ async def test_failure_goes_stale_once_then_recovers(
         errors_at_stale = st.errors_by_reason[FAILURES[mode]]
         await wait_until(sink, lambda: st.errors_by_reason[FAILURES[mode]] >= errors_at_stale + 3)
         assert sum(st.errors_by_reason.values()) == st.scrape_errors
-        assert sink.of("stale") == [("stale", "b1", True)]
+        assert sink.of("stale")[before:] == [("stale", "b1", True)]
         # the endpoint comes back
         if mode == "refuse":
             await engine.listen()
         engine.script.mode, engine.script.kv = "ok", "0.4"
         engine.script.release.set()
-        await wait_until(sink, lambda: len(sink.of("stale")) == 2)
-        assert sink.of("stale") == [("stale", "b1", True), ("stale", "b1", False)]
+        await wait_until(sink, lambda: len(sink.of("stale")) == before + 2)
+        assert sink.of("stale")[before:] == [("stale", "b1", True), ("stale", "b1", False)]
         await wait_until(sink, lambda: sink.of("reading")[-1][2].kv_usage == 0.4)
         assert st.stale is False
         assert st.last_error is None
-    # the "fresh again" transition comes before the reading that ends it
-    stale_false = sink.events.index(("stale", "b1", False))
-    assert sink.events[stale_false + 1][0] == "reading"
+    # each "fresh again" transition comes before the reading that ends it
+    for i, event in enumerate(sink.events):
+        if event == ("stale", "b1", False):
+            assert sink.events[i + 1][0] == "reading"
+    # one log line per transition (the break's, and any early one of a loaded machine)
     stale_logs = [r for r in caplog.records if "stale" in r.getMessage()]
     fresh_logs = [r for r in caplog.records if "fresh again" in r.getMessage()]
-    assert len(stale_logs) == 1
-    assert stale_logs[0].levelno == logging.WARNING
-    assert len(fresh_logs) == 1
+    assert len(stale_logs) == sink.of("stale").count(("stale", "b1", True))
+    assert all(r.levelno == logging.WARNING for r in stale_logs)
+    assert len(fresh_logs) == sink.of("stale").count(("stale", "b1", False))
 
 
 async def test_never_answering_goes_stale_from_start(
