@@ -61,13 +61,14 @@ format: venv ## cargo fmt + ruff format
 	$(VENV)/bin/ruff check --fix python tests benches
 
 .PHONY: bench
-bench: build ## every benchmark (~20 min): core + analyser, load, protection, memory; rewrites benches/RESULTS.md and the plots
+bench: build llama-server ## every benchmark (~20 min): core + analyser, load, protection, memory, real engine; rewrites benches/RESULTS.md and the plots
 	$(PY) benches/core_results.py
 	$(PY) benches/adaptive_results.py
 	$(MAKE) --no-print-directory wrk
 	$(PY) benches/load/run_load.py
 	$(PY) benches/protection/run.py
 	$(PY) benches/memory/run_memory.py
+	$(MAKE) --no-print-directory bench-realengine
 
 .PHONY: bench-core
 bench-core: build ## pytest-benchmark suites (core + analyser, ~1 min); rewrites their RESULTS.md sections
@@ -80,6 +81,10 @@ bench-load: build wrk ## load benchmark (wrk): kvgate vs bare aiohttp vs LiteLLM
 .PHONY: bench-memory
 bench-memory: build ## memory per open stream (1,000 streams, 1k and 8k tokens): kvgate vs bare aiohttp; writes benches/RESULTS.md
 	$(PY) benches/memory/run_memory.py
+
+.PHONY: bench-realengine
+bench-realengine: build llama-server ## llama-server alone vs kvgate in front (burst TTFT, queues, disconnects; ~1 min); writes benches/RESULTS.md
+	$(PY) benches/realengine/run.py
 
 .PHONY: wrk
 wrk: ## install wrk (Debian package) when it is missing
