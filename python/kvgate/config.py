@@ -24,7 +24,9 @@ Cross-field rules (checked once the fields themselves are valid), each with its 
   guaranteed slots of the tenants that may use it sum to at most its ``max_concurrency``;
 - backends a tenant names, and ``anonymous_tenant``, exist;
 - an API-key hash belongs to one tenant only and is not the admin key;
-- ``timeouts.first_byte`` and ``timeouts.idle`` are ≤ ``timeouts.total``.
+- ``timeouts.first_byte`` and ``timeouts.idle`` are ≤ ``timeouts.total``;
+- ``listen.tls``: the certificate and key files load together into a server ``ssl.SSLContext``
+  (the message names the file: not PEM, an encrypted key, a key that does not match).
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ from pydantic import (
 )
 
 from kvgate._core import MAX_AMOUNT, MAX_PROCS
+from kvgate.tls import server_context
 
 __all__ = [
     "AdaptiveConfig",
@@ -174,8 +177,6 @@ class TLSConfig(_Model):
 
     @model_validator(mode="after")
     def _loads(self) -> TLSConfig:
-        from kvgate.tls import server_context
-
         server_context(self.certificate, self.key)  # ValueError names the file
         return self
 
