@@ -4,11 +4,12 @@
 # - cmake, ninja, g++: tests/realengine builds llama.cpp's llama-server from source (cached after
 #   the first build, see scripts/build-llama-server.sh);
 # - promtool (Debian's prometheus package): checks the Prometheus alert rules
-#   (tests/deploy/test_alert_rules.py).
+#   (tests/deploy/test_alert_rules.py);
+# - openssl: makes the self-signed certificates of the TLS tests (tests/gateway/tls_certs.py).
 # Needs apt-get and root (or passwordless sudo) only when something is missing.
 set -euo pipefail
 packages=()
-for tool in cmake:cmake ninja:ninja-build g++:g++ promtool:prometheus; do
+for tool in cmake:cmake ninja:ninja-build g++:g++ promtool:prometheus openssl:openssl; do
   command -v "${tool%%:*}" >/dev/null || packages+=("${tool#*:}")
 done
 ((${#packages[@]})) || exit 0

@@ -24,7 +24,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def summary(cfg: Config) -> str:
     """A human-readable digest of a valid configuration (no key hashes)."""
     lines = [
-        f"listen {cfg.listen.host}:{cfg.listen.port}, {cfg.workers} worker(s), "
+        f"listen {cfg.listen.host}:{cfg.listen.port}"
+        f"{' over TLS' if cfg.listen.tls is not None else ''}, {cfg.workers} worker(s), "
         f"mode {cfg.mode}, body cap {cfg.max_body_bytes} bytes, queue {cfg.queue.max_size}",
     ]
     for b in cfg.backends:

@@ -150,6 +150,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     q("--no-adaptive", action="store_true", default=None, help="do not adapt limits from /metrics")
     a(
+        "--tls-certificate",
+        metavar="PATH",
+        help="serve HTTPS with this PEM certificate chain (with --tls-key; overrides the file's "
+        "listen.tls)",
+    )
+    a(
+        "--tls-key",
+        metavar="PATH",
+        help="the certificate's unencrypted PEM private key (with --tls-certificate; overrides "
+        "the file's listen.tls)",
+    )
+    a(
         "--max-body-bytes",
         type=amount,
         default=None,
@@ -242,8 +254,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _apply_overrides(config: Any, args: argparse.Namespace) -> Any:
-    """Command-line flags win over the file: listen address, workers, body cap. The result is
-    validated again like a file.
+    """Command-line flags win over the file: listen address and TLS files (relative to the
+    working directory), workers, body cap. The result is validated again like a file.
 
     Raises:
         kvgate.config.ConfigError: an override the configuration's rules refuse.
@@ -253,7 +265,17 @@ def _apply_overrides(config: Any, args: argparse.Namespace) -> Any:
     from kvgate.config import Config, ConfigError, issues_from
 
     update: dict[str, Any] = {}
-    listen = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
+    listen: dict[str, Any] = {
+        k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None
+    }
+    tls = {
+        k: v
+        for k, v in (("certificate", args.tls_certificate), ("key", args.tls_key))
+        if v is not None
+    }
+    if tls:  # relative paths are relative to the working directory
+        current = config.listen.tls.model_dump() if config.listen.tls is not None else {}
+        listen["tls"] = {**current, **tls}
     if listen:
         update["listen"] = {**config.listen.model_dump(), **listen}
     if args.workers is not None:
@@ -457,6 +479,7 @@ def _serve_single(
     from kvgate import CoreError
     from kvgate.gateway_build import build_gateway
     from kvgate.server import serve_forever
+    from kvgate.tls import server_context
 
     _install_uvloop()
     # every worker polls the engines itself: its routing (health) is local, while the scale and
@@ -466,6 +489,8 @@ def _serve_single(
             config, shm_name=shm_name, config_path=config_path, poll=True, discovery=discovery
         )
         gateway.config_overrides = overrides
+        tls = config.listen.tls
+        ssl_context = None if tls is None else server_context(tls.certificate, tls.key)
     except (CoreError, ValueError, OSError) as exc:
         print(f"kvgate serve: cannot start: {exc}", file=sys.stderr)
         return 2
@@ -487,6 +512,7 @@ def _serve_single(
                 reuse_port=shm_name is not None,
                 shutdown_timeout=grace,
                 on_ready=announce,
+                ssl_context=ssl_context,
             )
         )
     except OSError as exc:  # the listening socket: address in use, no permission
@@ -599,8 +625,10 @@ def _serve_workers(
     signal.signal(signal.SIGHUP, forward_reload)
     for i in range(config.workers):
         spawn(i)
+    scheme = "http" if config.listen.tls is None else "https"
     print(
-        f"kvgate: {config.workers} workers serving on http://{config.listen.host}:{config.listen.port}",
+        f"kvgate: {config.workers} workers serving on "
+        f"{scheme}://{config.listen.host}:{config.listen.port}",
         flush=True,
     )
     code = 0

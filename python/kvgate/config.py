@@ -24,7 +24,9 @@ Cross-field rules (checked once the fields themselves are valid), each with its 
   guaranteed slots of the tenants that may use it sum to at most its ``max_concurrency``;
 - backends a tenant names, and ``anonymous_tenant``, exist;
 - an API-key hash belongs to one tenant only and is not the admin key;
-- ``timeouts.first_byte`` and ``timeouts.idle`` are ≤ ``timeouts.total``.
+- ``timeouts.first_byte`` and ``timeouts.idle`` are ≤ ``timeouts.total``;
+- ``listen.tls``: the certificate and key files load together into a server ``ssl.SSLContext``
+  (the message names the file: not PEM, an encrypted key, a key that does not match).
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ from pydantic import (
 )
 
 from kvgate._core import MAX_AMOUNT, MAX_PROCS
+from kvgate.tls import server_context
 
 __all__ = [
     "AdaptiveConfig",
@@ -62,6 +65,7 @@ __all__ = [
     "ListenConfig",
     "ModelConfig",
     "QueueConfig",
+    "TLSConfig",
     "TenantConfig",
     "TimeoutsConfig",
     "issues_from",
@@ -156,11 +160,34 @@ def _sha256_hex(value: str) -> str:
 Sha256Hex = Annotated[str, AfterValidator(_sha256_hex)]
 
 
+class TLSConfig(_Model):
+    """HTTPS on the listener: ``certificate`` is the PEM certificate chain file (the server's
+    certificate first), ``key`` its unencrypted PEM private key; relative paths are relative to
+    the config file. Checked at load: both files exist and load together into a server
+    ``ssl.SSLContext`` (a key that does not match the certificate is refused). TLS 1.2 and 1.3
+    only (:func:`kvgate.tls.server_context`)."""
+
+    certificate: str
+    key: str
+
+    @field_validator("certificate", "key")
+    @classmethod
+    def _file_exists(cls, value: str, info: ValidationInfo) -> str:
+        return _existing_file(value, info)
+
+    @model_validator(mode="after")
+    def _loads(self) -> TLSConfig:
+        server_context(self.certificate, self.key)  # ValueError names the file
+        return self
+
+
 class ListenConfig(_Model):
-    """Where the gateway listens. ``port`` 0 picks a free port (tests)."""
+    """Where the gateway listens. ``port`` 0 picks a free port (tests). ``tls``: serve HTTPS
+    with this certificate and key (:class:`TLSConfig`); ``None`` = plain HTTP."""
 
     host: str = "127.0.0.1"
     port: Int = Field(8080, ge=0, le=65535)
+    tls: TLSConfig | None = None
 
 
 class TimeoutsConfig(_Model):

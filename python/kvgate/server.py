@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import logging
 import signal
+import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any, cast
 
@@ -250,10 +251,13 @@ async def run_gateway(
     port: int = 0,
     reuse_port: bool = False,
     shutdown_timeout: float = 60.0,
+    ssl_context: ssl.SSLContext | None = None,
 ) -> AsyncIterator[str]:
     """Serve ``gateway`` on ``host:port`` (default an ephemeral loopback port) for a block.
 
-    Yields the base URL (``http://127.0.0.1:PORT``). On exit the listening socket closes first,
+    With ``ssl_context`` (:func:`kvgate.tls.server_context`) the socket serves HTTPS only (a
+    plain-HTTP request on it fails its TLS handshake and the connection is closed).
+    Yields the base URL (``http://127.0.0.1:PORT``, ``https://`` with TLS). On exit the listening socket closes first,
     in-flight requests get up to ``shutdown_timeout`` seconds to finish (then they are
     cancelled, which releases what they hold), and the background parts stop last. Used by
     ``kvgate serve``, the tests, the demo and embedding applications.
@@ -263,10 +267,11 @@ async def run_gateway(
         runner = web.ServerRunner(server, shutdown_timeout=shutdown_timeout)
         await runner.setup()
         try:
-            site = web.TCPSite(runner, host, port, reuse_port=reuse_port)
+            site = web.TCPSite(runner, host, port, reuse_port=reuse_port, ssl_context=ssl_context)
             await site.start()
             bound = runner.addresses[0][1]
-            yield f"http://{host}:{bound}"
+            scheme = "http" if ssl_context is None else "https"
+            yield f"{scheme}://{host}:{bound}"
         finally:
             # aiohttp's drain waits `shutdown_timeout`, then only stops reading request bodies
             # and waits as long again; the deadline is ours: at `shutdown_timeout` every
@@ -293,9 +298,10 @@ async def serve_forever(
     reuse_port: bool,
     shutdown_timeout: float,
     on_ready: Callable[[str], None] | None = None,
+    ssl_context: ssl.SSLContext | None = None,
 ) -> None:
     """``kvgate serve``'s main coroutine: serve until SIGTERM or SIGINT, then drain (see
-    :func:`run_gateway`). A second signal during the drain changes nothing (SIGKILL forces a
+    :func:`run_gateway`; ``ssl_context``: serve HTTPS). A second signal during the drain changes nothing (SIGKILL forces a
     stop). SIGHUP reloads the configuration file, or is logged and ignored without one."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
@@ -310,6 +316,7 @@ async def serve_forever(
             port=port,
             reuse_port=reuse_port,
             shutdown_timeout=shutdown_timeout,
+            ssl_context=ssl_context,
         ) as url:
             if on_ready is not None:
                 on_ready(url)

@@ -457,3 +457,61 @@ async def test_two_workers_export_the_startup_series_for_every_backend(tmp_path:
                     assert [labels for labels, _ in series] == [{"backend": backend, **extra}]
                 # the simulator answers its /metrics: nothing shed, stale or failed
                 assert found["sim"][0][1] == 0, (name, found)
+
+
+async def test_two_workers_serve_https(tmp_path: Path) -> None:
+    """`--workers 2` with ``listen.tls``: every worker's socket serves TLS (fresh connections
+    spread over both with SO_REUSEPORT), the openai client is answered over HTTPS."""
+    import openai
+
+    from .tls_certs import self_signed, wait_https_up
+
+    cert = self_signed(tmp_path)
+    async with run_sim(SimConfig.from_profile("tiny", speed=50, seed=6)) as sim:
+        port = free_port()
+        config = {
+            "listen": {
+                "host": "127.0.0.1",
+                "port": port,
+                "tls": {"certificate": cert.certificate.name, "key": cert.key.name},
+            },
+            "workers": 2,
+            "backends": [
+                {
+                    "name": "sim",
+                    "url": sim.url,
+                    "models": [{"name": SIM_MODEL, "context_window": 1024}],
+                    "max_concurrency": 8,
+                    "adaptive": {"enabled": False},
+                }
+            ],
+        }
+        path = tmp_path / "kvgate.yaml"
+        path.write_text(json.dumps(config))
+        gw = await start_kvgate("serve", "--config", str(path))
+        try:
+            url = f"https://127.0.0.1:{port}"
+            await wait_https_up(url + "/readyz", cert)
+            await until(lambda: len(children(gw.pid)) == 2)
+            ctx = cert.client_context()
+            for _ in range(8):  # a fresh connection each: both workers answer
+                async with aiohttp.ClientSession() as s, s.get(url + "/readyz", ssl=ctx) as r:
+                    assert r.status == 200
+            http = openai.DefaultAsyncHttpxClient(verify=ctx)
+            async with openai.AsyncOpenAI(
+                base_url=url + "/v1", api_key="unused", http_client=http, max_retries=0
+            ) as client:
+                for stream in (False, True):
+                    answer = await client.chat.completions.create(
+                        model=SIM_MODEL,
+                        messages=[{"role": "user", "content": "hi"}],
+                        max_tokens=4,
+                        stream=stream,
+                    )
+                    if stream:
+                        assert [c async for c in answer]  # type: ignore[union-attr]
+                    else:
+                        assert answer.choices[0].message.content  # type: ignore[union-attr]
+        finally:
+            err = await stop_process(gw)
+        assert gw.returncode == 0, err.decode(errors="replace")[-2000:]
