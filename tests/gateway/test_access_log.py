@@ -28,13 +28,20 @@ from kvgate.accesslog import (
     request_id,
     valid_traceparent,
 )
-from kvgate.config import Config
+from kvgate.config import Config, ConfigError, parse_config
 from kvgate.gateway_build import build_gateway
 from kvgate.server import run_gateway
 
 from .conftest import sha
 from .fake_upstream import serve_app
-from .helpers import free_port, start_kvgate, stop_process, until, wait_http_up
+from .helpers import (
+    free_port,
+    start_kvgate,
+    stderr_so_far,
+    stop_process,
+    until,
+    wait_http_up,
+)
 
 SECRET = "sk-alice-secret-4711"
 WORD = "zebrafrogquux"  # a prompt word that must never reach the log
@@ -366,7 +373,6 @@ async def test_serve_logs_json_and_access_lines_to_stderr(
         "serve", "--upstream", url, "--port", str(port), "--log-format", "json"
     )
     gw = f"http://127.0.0.1:{port}"
-    seen_lines: list[bytes] = []
     try:
         await wait_http_up(gw + "/healthz")
         client = openai.AsyncOpenAI(base_url=gw + "/v1", api_key=SECRET, max_retries=0)
@@ -380,15 +386,9 @@ async def test_serve_logs_json_and_access_lines_to_stderr(
         await client.close()
         # without --config, SIGHUP is logged (a warning) and ignored: a line of the other logs
         proc.send_signal(signal.SIGHUP)
-        assert proc.stderr is not None
-        async with asyncio.timeout(20):
-            while b"SIGHUP" not in (line := await proc.stderr.readline()):
-                assert line, "kvgate exited"
-                seen_lines.append(line)
-        seen_lines.append(line)
+        await until(lambda: b"SIGHUP" in stderr_so_far(proc), timeout=20)
     finally:
-        seen_lines.append(await stop_process(proc))
-    err = b"".join(seen_lines).decode()
+        err = (await stop_process(proc)).decode()
     records = [json.loads(x) for x in err.splitlines() if x.strip()]
     access = [r for r in records if r.get("request_id") == "cli-1"]
     assert len(access) == 1
@@ -400,3 +400,27 @@ async def test_serve_logs_json_and_access_lines_to_stderr(
     assert warning[0]["logger"] == "kvgate.serve"
     assert SECRET not in err
     assert WORD not in err
+
+
+def test_access_log_config_is_validated(tmp_path: Path) -> None:
+    base = {
+        "backends": [
+            {
+                "name": "b0",
+                "url": "http://127.0.0.1:9",
+                "models": [{"name": "m", "context_window": 1024}],
+                "max_concurrency": 1,
+            },
+        ]
+    }
+    with pytest.raises(ConfigError, match=r"access_log\.path: .*directory not found"):
+        parse_config({**base, "access_log": {"path": "nowhere/a.log"}}, base_dir=tmp_path)
+    with pytest.raises(ConfigError, match=r"access_log\.path: .*is a directory"):
+        parse_config({**base, "access_log": {"path": str(tmp_path)}}, base_dir=tmp_path)
+    with pytest.raises(ConfigError, match=r"access_log\.enabled"):
+        parse_config({**base, "access_log": {"enabled": "sometimes"}}, base_dir=tmp_path)
+    (tmp_path / "logs").mkdir()
+    cfg = parse_config({**base, "access_log": {"path": "logs/a.log"}}, base_dir=tmp_path)
+    assert cfg.access_log.path == str(tmp_path / "logs" / "a.log")
+    assert cfg.access_log.enabled
+    assert parse_config(base).access_log.path is None
