@@ -90,7 +90,13 @@ def engine_app(seen: list[dict[str, str]]) -> web.Application:
     async def models(request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{"id": "ok", "object": "model"}]})
 
+    async def rerank(request: web.Request) -> web.Response:
+        seen.append({k.lower(): v for k, v in request.headers.items()})
+        usage = {"prompt_tokens": 5, "total_tokens": 5}
+        return web.json_response({"results": [], "usage": usage}, headers={"x-request-id": "e"})
+
     app = web.Application()
+    app.router.add_post("/v1/rerank", rerank)
     app.router.add_post("/v1/chat/completions", handle)
     app.router.add_get("/v1/models", models)
     return app
@@ -134,9 +140,10 @@ async def engine() -> AsyncIterator[tuple[str, list[dict[str, str]]]]:
         yield url, seen
 
 
-def config(url: str) -> Config:
+def config(url: str, **extra: Any) -> Config:
     return Config.model_validate(
         {
+            **extra,
             "backends": [
                 {
                     "name": "b0",
@@ -185,7 +192,8 @@ async def test_ids_trace_context_and_one_line_per_admitted_request(
         raw = await client.chat.completions.with_raw_response.create(
             model="ok", messages=msgs, max_tokens=8, extra_headers=headers
         )
-        assert raw.headers.get("x-request-id") == "client-id-1"
+        # one id, kvgate's: the engine's own x-request-id is not passed on
+        assert raw.headers.get_list("x-request-id") == ["client-id-1"]
         assert raw.parse().choices[0].message.content == "fine"
         got = seen[-1]
         assert got["x-request-id"] == "client-id-1"
@@ -271,6 +279,12 @@ async def test_every_refusal_and_error_has_an_id_and_a_line(
         assert await post("r-429", "sk-tiny", body("ok", max_tokens=500)) == (429, "r-429")
         assert await post("r-500", SECRET, body("boom")) == (500, "r-500")
 
+        # answers of the routing table: an unknown route, a wrong method
+        async with s.post(gw_url + "/v1/unknown", headers={"x-request-id": "r-url"}) as r:
+            assert (r.status, r.headers.get("x-request-id")) == (404, "r-url")
+        async with s.get(gw_url + "/v1/chat/completions", headers={"x-request-id": "r-405"}) as r:
+            assert (r.status, r.headers.get("x-request-id")) == (405, "r-405")
+
         # a client that leaves mid-stream: a line with outcome client_disconnect
         h = {"Authorization": f"Bearer {SECRET}", "x-request-id": "r-gone"}
         async with s.post(
@@ -301,7 +315,11 @@ async def test_every_refusal_and_error_has_an_id_and_a_line(
         gone = by_id["r-gone"]
         assert gone["outcome"] == "client_disconnect"
         assert gone["bytes_sent"] > 0
-        assert len(by_id) == 5 == len(lines(access_file))
+        assert by_id["r-url"]["route"] == "/v1/unknown"
+        assert by_id["r-url"]["reason"] == "unknown_url"
+        assert by_id["r-405"]["status"] == 405
+        assert by_id["r-405"]["method"] == "GET"
+        assert len(by_id) == 7 == len(lines(access_file))
         text_log = log_text(access_file)
         assert SECRET not in text_log
         assert WORD not in text_log
@@ -424,3 +442,26 @@ def test_access_log_config_is_validated(tmp_path: Path) -> None:
     assert cfg.access_log.path == str(tmp_path / "logs" / "a.log")
     assert cfg.access_log.enabled
     assert parse_config(base).access_log.path is None
+
+
+async def test_forwarded_route_has_an_id_trace_context_and_a_line(
+    engine: tuple[str, list[dict[str, str]]], access_file: Path
+) -> None:
+    url, seen = engine
+    gateway = build_gateway(config(url, other_routes="forward"), poll=False)
+    async with run_gateway(gateway) as gw_url, aiohttp.ClientSession() as s:
+        h = {"Authorization": f"Bearer {SECRET}", "traceparent": TRACEPARENT}
+        async with s.post(gw_url + "/v1/rerank", json={"query": WORD}, headers=h) as r:
+            assert r.status == 200
+            rid = r.headers.getall("x-request-id")
+        assert len(rid) == 1
+        assert HEX32.fullmatch(rid[0])
+        assert seen[-1]["x-request-id"] == rid[0]
+        assert seen[-1]["traceparent"] == TRACEPARENT
+        await until(lambda: line_of(access_file, rid[0]) is not None, timeout=10)
+        line = line_of(access_file, rid[0])
+        assert line is not None
+        assert (line["route"], line["status"], line["outcome"]) == ("/v1/rerank", 200, "ok")
+        assert (line["tenant"], line["backend"], line["prompt_tokens"]) == ("alice", "b0", 5)
+        assert WORD not in log_text(access_file)
+        assert SECRET not in log_text(access_file)
