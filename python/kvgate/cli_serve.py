@@ -175,6 +175,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="log lines as text for humans (default) or one JSON object per line (time, level, "
         "logger, message); the access log is JSON either way",
     )
+    a(
+        "--no-access-log",
+        action="store_true",
+        help="no access log line per request (overrides the file's access_log)",
+    )
 
 
 class _BadHttpToDebug(logging.Filter):
@@ -228,7 +233,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvgate serve: {exc}", file=sys.stderr)
         return 2
     try:
-        configure_access_log(config.access_log.enabled, config.access_log.path)
+        enabled = config.access_log.enabled and not args.no_access_log
+        configure_access_log(enabled, config.access_log.path)
     except OSError as exc:
         print(f"kvgate serve: cannot open the access log: {exc}", file=sys.stderr)
         return 2

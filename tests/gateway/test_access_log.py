@@ -465,3 +465,24 @@ async def test_forwarded_route_has_an_id_trace_context_and_a_line(
         assert (line["tenant"], line["backend"], line["prompt_tokens"]) == ("alice", "b0", 5)
         assert WORD not in log_text(access_file)
         assert SECRET not in log_text(access_file)
+
+
+async def test_serve_no_access_log_flag(engine: tuple[str, list[dict[str, str]]]) -> None:
+    """``kvgate serve --no-access-log``: the other log lines stay, no access line."""
+    url, seen = engine
+    port = free_port()
+    proc = await start_kvgate("serve", "--upstream", url, "--port", str(port), "--no-access-log")
+    gw = f"http://127.0.0.1:{port}"
+    try:
+        await wait_http_up(gw + "/healthz")
+        async with aiohttp.ClientSession() as s:
+            body = {"model": "ok", "messages": [{"role": "user", "content": "hi"}]}
+            h = {"x-request-id": "quiet-1"}
+            async with s.post(gw + "/v1/chat/completions", json=body, headers=h) as r:
+                assert r.status == 200
+        assert seen[-1]["x-request-id"] == "quiet-1"
+        proc.send_signal(signal.SIGHUP)
+        await until(lambda: b"SIGHUP" in stderr_so_far(proc), timeout=20)
+    finally:
+        err = (await stop_process(proc)).decode()
+    assert "quiet-1" not in err
