@@ -180,6 +180,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="INFO",
         help="logging level (default INFO)",
     )
+    a(
+        "--log-format",
+        choices=("text", "json"),
+        default="text",
+        help="log lines as text for humans (default) or one JSON object per line (time, level, "
+        "logger, message); the access log is JSON either way",
+    )
+    a(
+        "--no-access-log",
+        action="store_true",
+        help="no access log line per request (overrides the file's access_log)",
+    )
 
 
 class _BadHttpToDebug(logging.Filter):
@@ -202,12 +214,11 @@ class _BadHttpToDebug(logging.Filter):
 
 def run(args: argparse.Namespace) -> int:
     """Load or build the configuration and serve until SIGTERM/SIGINT. Returns the exit code."""
+    from kvgate.accesslog import configure_access_log, configure_logging
     from kvgate.config import ConfigError, load_config
 
     logging.getLogger("aiohttp.server").addFilter(_BadHttpToDebug())
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    configure_logging(args.log_level, args.log_format)
     if args.config and args.upstream:
         print("kvgate serve: give --config FILE or --upstream URL, not both", file=sys.stderr)
         return 2
@@ -232,6 +243,12 @@ def run(args: argparse.Namespace) -> int:
         config = _apply_overrides(config, args)
     except ConfigError as exc:
         print(f"kvgate serve: {exc}", file=sys.stderr)
+        return 2
+    try:
+        enabled = config.access_log.enabled and not args.no_access_log
+        configure_access_log(enabled, config.access_log.path)
+    except OSError as exc:
+        print(f"kvgate serve: cannot open the access log: {exc}", file=sys.stderr)
         return 2
     if config.workers > 1 and config.listen.port == 0:
         print(

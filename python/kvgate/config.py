@@ -435,6 +435,33 @@ class QueueConfig(_Model):
     max_size: Int = Field(1024, ge=0, le=MAX_AMOUNT)
 
 
+class AccessLogConfig(_Model):
+    """The access log: one JSON line per request (README, "Logs and request ids"), on by
+    default, to stderr (``path`` null) or appended to the file ``path`` (relative to the
+    configuration file's directory; its directory must exist). Read at start-up (a reload does
+    not change it)."""
+
+    enabled: bool = True
+    path: str | None = None
+
+    @field_validator("path")
+    @classmethod
+    def _path_ok(cls, value: str | None, info: ValidationInfo) -> str | None:
+        if value is None:
+            return None
+        if not value.strip() or "\x00" in value:
+            raise ValueError("must be a file path (or null for stderr)")
+        base = (info.context or {}).get("base_dir")
+        path = Path(value).expanduser()
+        if not path.is_absolute() and base is not None:
+            path = Path(base) / path
+        if path.is_dir():
+            raise ValueError(f"is a directory: {path}")
+        if not path.parent.is_dir():
+            raise ValueError(f"directory not found: {path.parent}")
+        return str(path.resolve())
+
+
 class Config(_Model):
     """The whole file. See the module docstring for the cross-field rules.
 
@@ -456,6 +483,7 @@ class Config(_Model):
     queue: QueueConfig = QueueConfig()
     mode: Mode = "enforce"
     other_routes: Literal["refuse", "forward"] = "refuse"
+    access_log: AccessLogConfig = AccessLogConfig()
 
     @model_validator(mode="after")
     def _cross_field(self) -> Config:

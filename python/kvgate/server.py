@@ -18,6 +18,7 @@ import contextlib
 import logging
 import signal
 import ssl
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any, cast
 
@@ -25,6 +26,7 @@ import aiohttp
 from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 
+from kvgate.accesslog import log_access, request_id, with_request_id
 from kvgate.app import GET_ENDPOINTS, handle_model
 from kvgate.errors import GatewayError, error_body, method_not_allowed
 from kvgate.metrics import FLUSH_SECONDS
@@ -103,8 +105,18 @@ class Dispatcher:
 
 
 async def _answer(request: web.BaseRequest, err: GatewayError) -> Reply:
-    """The error answer decided by the routing table (nothing read, nothing held)."""
-    return error_response(request, err)
+    """The error answer decided by the routing table (nothing read, nothing held), with the
+    request's id (``x-request-id``) and its access log line."""
+    started = time.perf_counter()
+    rid = request_id(request.headers.get("x-request-id"))
+    reply = error_response(request, err)
+    reply.raw = with_request_id(reply.raw, rid)
+    now = time.perf_counter()
+    log_access(
+        request, rid, started, now, route=request.path, status=err.status, outcome="rejected",
+        reason=err.code, reply=reply,
+    )  # fmt: skip
+    return reply
 
 
 class _RequestHandler(RequestHandler):

@@ -214,9 +214,15 @@ async def run_scripted(port: int = 0) -> AsyncIterator[tuple[ScriptedEngine, web
 # ---- kvgate as a subprocess ----------------------------------------------------------------
 
 
+#: stderr read so far from each child started by :func:`start_kvgate`, and its reader task
+_STDERR: dict[int, tuple[bytearray, asyncio.Task[None]]] = {}
+
+
 async def start_kvgate(*args: str) -> asyncio.subprocess.Process:
-    """``python -m kvgate ARGS`` as a child process (stdout discarded, stderr piped)."""
-    return await asyncio.create_subprocess_exec(
+    """``python -m kvgate ARGS`` as a child process (stdout discarded). Its stderr is read as
+    it comes (:func:`stderr_so_far`), so the access log a busy gateway writes there never fills
+    the pipe and blocks it."""
+    proc = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
         "kvgate",
@@ -225,6 +231,29 @@ async def start_kvgate(*args: str) -> asyncio.subprocess.Process:
         stderr=asyncio.subprocess.PIPE,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
+    stream, proc.stderr = proc.stderr, None  # communicate() only waits for the exit now
+    buf = bytearray()
+
+    async def drain() -> None:
+        assert stream is not None
+        while chunk := await stream.read(65536):
+            buf.extend(chunk)
+
+    _STDERR[proc.pid] = (buf, asyncio.create_task(drain()))
+    return proc
+
+
+def stderr_so_far(proc: asyncio.subprocess.Process) -> bytes:
+    """What a child started by :func:`start_kvgate` wrote to stderr until now."""
+    return bytes(_STDERR[proc.pid][0])
+
+
+async def exited_stderr(proc: asyncio.subprocess.Process, timeout: float = 15.0) -> bytes:
+    """Wait (bounded) for a child started by :func:`start_kvgate` to exit; its whole stderr."""
+    await asyncio.wait_for(proc.wait(), timeout)
+    buf, task = _STDERR.pop(proc.pid)
+    await asyncio.wait_for(task, timeout)
+    return bytes(buf)
 
 
 async def wait_http_up(url: str, timeout: float = 30.0) -> None:
@@ -249,8 +278,11 @@ async def stop_process(
         with contextlib.suppress(ProcessLookupError):
             proc.send_signal(sig)
     try:
-        _, err = await asyncio.wait_for(proc.communicate(), timeout)
+        await asyncio.wait_for(proc.wait(), timeout)
     except TimeoutError:
         proc.kill()
-        _, err = await proc.communicate()
+        await proc.wait()
+    if proc.pid in _STDERR:
+        return await exited_stderr(proc, timeout)
+    _, err = await proc.communicate()
     return err or b""

@@ -27,6 +27,7 @@ from .fake_upstream import run_upstream
 from .helpers import (
     STARTUP_SERIES,
     chat,
+    exited_stderr,
     free_port,
     get_text,
     metric,
@@ -333,7 +334,7 @@ async def test_sigkill_worker_is_restarted_and_its_slots_reclaimed_then_sigterm(
         events = [e for e in raw.split(b"\n\n") if e.strip()]
         assert events[-1] == b"data: [DONE]"
         assert orjson.loads(events[-2][6:])["usage"]["completion_tokens"] == 400
-        _, err = await asyncio.wait_for(proc.communicate(), 15)
+        err = await exited_stderr(proc, 15)
         assert proc.returncode == 0, err.decode(errors="replace")[-2000:]
         async with aiohttp.ClientSession() as c, c.get(st["sim"] + "/sim/state") as r:
             assert (await r.json())["num_running"] == 0

@@ -25,8 +25,15 @@ from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
 
 from kvgate._core import MAX_AMOUNT, Reservation
+from kvgate.accesslog import (
+    id_builder,
+    log_access,
+    request_id,
+    upstream_trace_headers,
+    with_request_id,
+)
 from kvgate.errors import GatewayError
-from kvgate.proxy.prepared import Reply, error_response
+from kvgate.proxy.prepared import PreparedResponse, Reply, error_response
 from kvgate.proxy.relay import RelayResult, relay
 from kvgate.proxy.routes import normalize_path
 
@@ -338,7 +345,9 @@ async def handle_inference(gw: Gateway, request: web.BaseRequest, route: str) ->
             request goes upstream to this path, whatever spelling the client used.
     """
     started = time.perf_counter()
+    rid = request_id(request.headers.get("x-request-id"))
     tenant = None
+    model = None
     try:
         # the common case without a single await: body already here, small enough to analyse
         # on the loop
@@ -353,9 +362,10 @@ async def handle_inference(gw: Gateway, request: web.BaseRequest, route: str) ->
         backend = gw.pick_backend(model, tenant)
     except GatewayError as err:
         gw.metrics.request_done(None, tenant, f"rejected_{err.status}")
-        return error_response(request, err)
+        return _refused(request, rid, started, route, err, tenant, model)
     tokens = analysis.reserved_tokens
     queue = gw.queue
+    admitting = time.perf_counter()
     # fast path: nobody queued, admitted at once; else the priority wait queue decides
     decision = (
         gw.controller.admit(backend.id, tenant.id, priority, tokens)
@@ -369,9 +379,20 @@ async def handle_inference(gw: Gateway, request: web.BaseRequest, route: str) ->
             response, reason = gw.rejection_response(
                 request, decision, backend, tenant, model, tokens
             )
-            gw.metrics.rejected(backend, tenant, reason, time.perf_counter() - started)
-            return response
-    gw.metrics.admitted(backend, tenant, tokens, time.perf_counter() - started)
+            now = time.perf_counter()
+            gw.metrics.rejected(backend, tenant, reason, now - started)
+            return _refusal(
+                request,
+                rid,
+                (started, admitting, now),
+                route,
+                response,
+                reason,
+                tokens,
+                (tenant, backend, model),
+            )
+    admitted = time.perf_counter()
+    gw.metrics.admitted(backend, tenant, tokens, admitted - started)
 
     stream = bool(analysis.stream)
     # a request the client did not stream goes upstream as a stream: the engine then notices
@@ -385,9 +406,11 @@ async def handle_inference(gw: Gateway, request: web.BaseRequest, route: str) ->
         if type(decision) is Reservation
         else None
     )
+    reply: Reply | None = None
+    error_code: str | None = None
     try:
         forward = rewrite_body(body, analysis, add_usage, assemble)
-        return await relay(
+        reply = await relay(
             request,
             gw.session,
             backend.url + route,
@@ -396,16 +419,20 @@ async def handle_inference(gw: Gateway, request: web.BaseRequest, route: str) ->
             strip_usage_chunk=add_usage,
             timeouts=gw.timeouts,
             watchdog=gw.watchdog,
-            build=partial(gw.controller.relay_http, backend.id, tenant.id),
+            build=id_builder(partial(gw.controller.relay_http, backend.id, tenant.id), rid),
             count_text=model.count_text,
             result=result,
             responses=route == RESPONSES_ROUTE,
             api_key=backend.api_key,
             assemble=assemble,
             retry_hint=partial(gw.retry_hint, backend),
+            extra_headers=upstream_trace_headers(request.headers, rid),
         )
+        return reply
     except GatewayError as err:
-        return error_response(request, err)
+        error_code = err.code
+        reply = _tagged(error_response(request, err), rid)
+        return reply
     finally:
         actual = _actual_tokens(analysis, result)
         decision.release(actual)
@@ -420,6 +447,100 @@ async def handle_inference(gw: Gateway, request: web.BaseRequest, route: str) ->
         if queue is not None and queue.waiting:
             queue.notify()
         gw.metrics.settled(backend, tenant, tokens, actual, result)
+        prompt = result.prompt_tokens
+        log_access(
+            request,
+            rid,
+            started,
+            time.perf_counter(),
+            route=route,
+            status=reply.status if reply is not None else result.status,
+            outcome=result.outcome,
+            tenant=tenant,
+            backend=backend,
+            model=model,
+            reason=error_code,
+            reserved=tokens,
+            prompt=prompt if prompt is not None else analysis.prompt_tokens,
+            completion=result.completion_tokens,
+            queue_wait=admitted - admitting,
+            ttft=result.ttft,
+            reply=reply,
+        )
+
+
+def _tagged(response: PreparedResponse, rid: str) -> PreparedResponse:
+    """``response`` with the request id header (``x-request-id``) added."""
+    response.raw = with_request_id(response.raw, rid)
+    return response
+
+
+def _refused(
+    request: web.BaseRequest,
+    rid: str,
+    started: float,
+    route: str,
+    err: GatewayError,
+    tenant: Any,
+    model: Any,
+) -> PreparedResponse:
+    """The answer to a request refused before admission (``err``: 4xx), with its request id,
+    and its access log line (outcome ``rejected``, reason the error's code)."""
+    reply = _tagged(error_response(request, err), rid)
+    log_access(
+        request,
+        rid,
+        started,
+        time.perf_counter(),
+        route=route,
+        status=err.status,
+        outcome="rejected",
+        tenant=tenant,
+        model=model,
+        reason=err.code,
+        reply=reply,
+    )
+    return reply
+
+
+def _refusal(
+    request: web.BaseRequest,
+    rid: str,
+    times: tuple[float, float, float],
+    route: str,
+    response: PreparedResponse,
+    reason: str,
+    tokens: int,
+    who: tuple[Any, Any, Any],
+) -> PreparedResponse:
+    """An admission refusal (429/503, :meth:`kvgate.app.Gateway.rejection_response`) with its
+    request id, and its access log line (outcome ``rejected``, the refusal's reason, the tokens
+    it asked for, the time it spent in admission).
+
+    Args:
+        times: ``time.perf_counter()`` when the request arrived, when admission began, now.
+        who: the request's tenant, backend and model route.
+    """
+    _tagged(response, rid)
+    started, admitting, now = times
+    tenant, backend, model = who
+    log_access(
+        request,
+        rid,
+        started,
+        now,
+        route=route,
+        status=response.status,
+        outcome="rejected",
+        tenant=tenant,
+        backend=backend,
+        model=model,
+        reason=reason,
+        reserved=tokens,
+        queue_wait=now - admitting,
+        reply=response,
+    )
+    return response
 
 
 def _actual_tokens(analysis: Any, result: RelayResult) -> int:
@@ -462,7 +583,10 @@ async def handle_forward(gw: Gateway, request: web.BaseRequest) -> Reply:
             the raw, percent-encoded path, so what the engine receives is encoded as sent).
     """
     started = time.perf_counter()
+    rid = request_id(request.headers.get("x-request-id"))
+    route = request.path
     tenant = None
+    model = None
     try:
         body = body_if_complete(request, gw.max_body_bytes)
         if body is None:
@@ -472,9 +596,10 @@ async def handle_forward(gw: Gateway, request: web.BaseRequest) -> Reply:
         backend = gw.pick_backend(model, tenant) if model else gw.pick_any_backend(tenant)
     except GatewayError as err:
         gw.metrics.request_done(None, tenant, f"rejected_{err.status}")
-        return error_response(request, err)
+        return _refused(request, rid, started, route, err, tenant, model)
     tokens = FORWARD_RESERVATION
     queue = gw.queue
+    admitting = time.perf_counter()
     decision = (
         gw.controller.admit(backend.id, tenant.id, priority, tokens)
         if queue is None or not queue.waiting
@@ -487,15 +612,28 @@ async def handle_forward(gw: Gateway, request: web.BaseRequest) -> Reply:
             response, reason = gw.rejection_response(
                 request, decision, backend, tenant, model, tokens
             )
-            gw.metrics.rejected(backend, tenant, reason, time.perf_counter() - started)
-            return response
-    gw.metrics.admitted(backend, tenant, tokens, time.perf_counter() - started)
+            now = time.perf_counter()
+            gw.metrics.rejected(backend, tenant, reason, now - started)
+            return _refusal(
+                request,
+                rid,
+                (started, admitting, now),
+                route,
+                response,
+                reason,
+                tokens,
+                (tenant, backend, model),
+            )
+    admitted = time.perf_counter()
+    gw.metrics.admitted(backend, tenant, tokens, admitted - started)
     raw_path, sep, query = request.raw_path.partition("?")
     result = RelayResult()
     # holds a slot (a shadow admission holds none): counted for the retry hints of refusals
     running = gw.running.start(backend.id, tenant.id, 0) if type(decision) is Reservation else None
+    reply: Reply | None = None
+    error_code: str | None = None
     try:
-        return await relay(
+        reply = await relay(
             request,
             gw.session,
             backend.url + normalize_path(raw_path) + sep + query,
@@ -504,16 +642,20 @@ async def handle_forward(gw: Gateway, request: web.BaseRequest) -> Reply:
             strip_usage_chunk=False,
             timeouts=gw.timeouts,
             watchdog=gw.watchdog,
-            build=partial(gw.controller.relay_http, backend.id, tenant.id),
+            build=id_builder(partial(gw.controller.relay_http, backend.id, tenant.id), rid),
             count_text=None,
             result=result,
             method=request.method,
             content_type=request.headers.get("Content-Type"),
             pass_body=True,
             api_key=backend.api_key,
+            extra_headers=upstream_trace_headers(request.headers, rid),
         )
+        return reply
     except GatewayError as err:
-        return error_response(request, err)
+        error_code = err.code
+        reply = _tagged(error_response(request, err), rid)
+        return reply
     finally:
         actual = 0
         if result.outcome != "upstream_unreachable":
@@ -526,3 +668,22 @@ async def handle_forward(gw: Gateway, request: web.BaseRequest) -> Reply:
         if queue is not None and queue.waiting:
             queue.notify()
         gw.metrics.settled(backend, tenant, tokens, actual, result)
+        log_access(
+            request,
+            rid,
+            started,
+            time.perf_counter(),
+            route=route,
+            status=reply.status if reply is not None else result.status,
+            outcome=result.outcome,
+            tenant=tenant,
+            backend=backend,
+            model=model,
+            reason=error_code,
+            reserved=tokens,
+            prompt=result.prompt_tokens,
+            completion=result.completion_tokens,
+            queue_wait=admitted - admitting,
+            ttft=result.ttft,
+            reply=reply,
+        )

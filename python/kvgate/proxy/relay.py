@@ -154,6 +154,7 @@ async def relay(
     api_key: str | None = None,
     assemble: bool = False,
     retry_hint: Callable[[], float | None] | None = None,
+    extra_headers: dict[str, str] | None = None,
 ) -> Reply:
     """POST ``body`` to ``url`` (or send it with ``method``) and relay the answer to the client.
 
@@ -188,6 +189,8 @@ async def relay(
             engine answers 429 or 503: the client is sent the longer of it and the engine's
             ``retry-after-ms`` / ``Retry-After`` (RFC 9110 §10.2.3: seconds or an HTTP-date),
             as ``Retry-After`` (whole seconds, rounded up) and ``retry-after-ms``.
+        extra_headers: more headers for the upstream request (the request id and trace
+            context, :func:`kvgate.accesslog.upstream_trace_headers`).
 
     Returns:
         The response: for streams, already prepared and written; else the whole answer as a
@@ -211,6 +214,8 @@ async def relay(
     headers = {"Content-Type": content_type} if content_type else {}
     if api_key is not None:
         headers["Authorization"] = f"Bearer {api_key}"
+    if extra_headers:
+        headers.update(extra_headers)
     try:
         try:
             with deadline.at(first):
