@@ -23,7 +23,7 @@ from kvgate.sim import SimConfig, run_sim
 from kvgate.tls import server_context
 
 from .conftest import config_for
-from .helpers import free_port, start_kvgate, stop_process, until
+from .helpers import exited_stderr, free_port, start_kvgate, stop_process, until
 from .tls_certs import self_signed, wait_https_up
 
 
@@ -238,7 +238,7 @@ async def test_serve_tls_flags_serve_https(tmp_path: Path) -> None:
         "serve", "--upstream", "http://127.0.0.1:9", "--model", "m", "--tls-key", str(cert.key)
     )
     try:
-        _, err = await asyncio.wait_for(gw.communicate(), timeout=60)
+        err = await exited_stderr(gw, timeout=60)
     finally:
         await stop_process(gw)
     assert gw.returncode == 2
