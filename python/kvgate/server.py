@@ -52,7 +52,8 @@ class Dispatcher:
     * the gateway's own endpoints → :data:`kvgate.app.GET_ENDPOINTS`; ``/v1/models/{id}`` →
       :func:`kvgate.app.handle_model`;
     * any other route → the gateway's ``other_routes`` policy: ``forward`` →
-      :func:`kvgate.proxy.handler.handle_forward`, ``refuse`` → 404 ``unknown_url``;
+      :func:`kvgate.proxy.handler.handle_forward`, ``refuse`` → 404 ``unknown_url``; a target
+      that is not a path (``OPTIONS *``, ``CONNECT host:port``) → 404 ``unknown_url`` always;
     * a wrong method on a known route → 405; a ``.`` or ``..`` segment → 400 ``invalid_path``
       (``/v1/../x`` would reach any engine URL once the upstream client resolves it).
 
@@ -77,15 +78,19 @@ class Dispatcher:
         if kind is RouteKind.MODEL:
             return handle_model(gateway, request, route.model_id)
         if kind is RouteKind.OTHER:
-            if gateway.other_routes == "forward":
+            # only an origin-form target (a path from `/`) has an engine URL to go to: `OPTIONS *`
+            # and `CONNECT host:port` (RFC 9112 §3.2.3, §3.2.4) are refused whatever the policy
+            origin = route.path.startswith("/")
+            if origin and gateway.other_routes == "forward":
                 return handle_forward(gateway, request)
+            why = "other_routes: refuse" if origin else "only paths that start with '/'"
             return _answer(
                 request,
                 GatewayError(
                     404,
-                    f"Unknown URL: {request.method} {route.path}. This gateway serves "
-                    "/v1/chat/completions, /v1/completions, /v1/embeddings, /v1/responses and "
-                    "/v1/models; it refuses other routes (other_routes: refuse).",
+                    f"Unknown URL: {request.method} {route.path or request.raw_path}. This "
+                    "gateway serves /v1/chat/completions, /v1/completions, /v1/embeddings, "
+                    f"/v1/responses and /v1/models; it refuses other routes ({why}).",
                     "invalid_request_error",
                     code="unknown_url",
                 ),

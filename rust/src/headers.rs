@@ -284,12 +284,17 @@ pub fn refusal_body(t: &RefusalText<'_>) -> (u16, Vec<u8>) {
     (status, body)
 }
 
-/// The reason phrase of an HTTP status code (RFC 9110 §15); `""` for codes kvgate never sends
-/// (the phrase is optional on the wire).
+/// The reason phrase of an HTTP status code (RFC 9110 §15): every code kvgate sends itself and
+/// the common ones an engine's relayed answer carries; `""` for others (the phrase is optional
+/// on the wire).
 #[must_use]
 pub fn reason_phrase(status: u16) -> &'static str {
     match status {
         200 => "OK",
+        201 => "Created",
+        202 => "Accepted",
+        204 => "No Content",
+        304 => "Not Modified",
         400 => "Bad Request",
         401 => "Unauthorized",
         403 => "Forbidden",
@@ -297,9 +302,13 @@ pub fn reason_phrase(status: u16) -> &'static str {
         405 => "Method Not Allowed",
         408 => "Request Timeout",
         413 => "Request Entity Too Large",
+        409 => "Conflict",
+        415 => "Unsupported Media Type",
         417 => "Expectation Failed",
+        422 => "Unprocessable Content",
         429 => "Too Many Requests",
         500 => "Internal Server Error",
+        501 => "Not Implemented",
         502 => "Bad Gateway",
         503 => "Service Unavailable",
         504 => "Gateway Timeout",

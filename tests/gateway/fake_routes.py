@@ -148,6 +148,8 @@ def _app(state: RoutesEngine) -> web.Application:
             await resp.write(b"data: " + orjson.dumps(usage) + b"\n\ndata: [DONE]\n\n")
             await resp.write_eof()
             return resp
+        if request.path == "/v1/nocontent":
+            return web.Response(status=204)
         answer = {"path": request.path, "usage": FORWARD_USAGE}
         return web.Response(body=orjson.dumps(answer), content_type="application/json")
 

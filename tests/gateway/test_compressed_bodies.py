@@ -166,6 +166,18 @@ async def test_unsupported_encodings_are_415(served, encoding: str) -> None:  # 
     assert gateway.controller.backend_state(0)["in_use"] == 0
 
 
+async def test_the_415_status_line_names_its_reason(served) -> None:  # type: ignore[no-untyped-def]
+    """The 415's status line carries its reason phrase (RFC 9110 §15.5.16) like every other
+    status kvgate writes (it went out as ``HTTP/1.1 415 `` with none)."""
+    url, _, _ = served
+    headers = {"Content-Type": "application/json", "Content-Encoding": "br"}
+    async with (
+        aiohttp.ClientSession(auto_decompress=False) as s,
+        s.post(url + "/v1/chat/completions", data=b"x", headers=headers) as r,
+    ):
+        assert (r.status, r.reason) == (415, "Unsupported Media Type")
+
+
 @pytest.mark.parametrize(
     ("encoding", "body", "why"),
     [

@@ -338,6 +338,61 @@ async def test_other_routes_forward_admits_streams_and_charges(gateway_for) -> N
             assert gw.backend_state()["inflight_tokens"] == 0
 
 
+async def _exchange(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, head: str) -> bytes:
+    """Send one request head on a kept-alive connection and read up to the end of the answer's
+    head (any bytes after it stay in ``reader``, where the next answer is read from)."""
+    writer.write(head.encode())
+    await writer.drain()
+    return await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 30)
+
+
+async def test_forward_bodiless_answers_and_non_path_targets(gateway_for) -> None:
+    """Under ``other_routes: forward``, the answer to ``HEAD`` and a ``204`` end at their head
+    (no chunked framing, whose last chunk the client would read as the start of the next
+    answer), so the next answer on the same kept-alive connection starts where it should; and
+    ``OPTIONS *`` / ``CONNECT host:port``, which name no path on an engine, are 404
+    ``unknown_url`` (never a 502), nothing sent upstream, nothing held."""
+    async with run_routes_engine() as engine:
+        cfg = _forwarding(_with_tenant(config_for(engine.url, ["m"])))
+        async with gateway_for(cfg) as gw:
+            host, port = gw.url.removeprefix("http://").rsplit(":", 1)
+            reader, writer = await asyncio.open_connection(host, int(port))
+            auth = f"Host: x\r\nAuthorization: Bearer {KEY}\r\n"
+            try:
+                head = await _exchange(reader, writer, f"HEAD /v1/files HTTP/1.1\r\n{auth}\r\n")
+                assert head.startswith(b"HTTP/1.1 200 "), head
+                head = await _exchange(
+                    reader, writer, f"DELETE /v1/nocontent HTTP/1.1\r\n{auth}\r\n"
+                )
+                assert head.startswith(b"HTTP/1.1 204 "), head
+                assert b"transfer-encoding" not in head.lower()
+                head = await _exchange(
+                    reader, writer, f"GET /v1/files HTTP/1.1\r\n{auth}Connection: close\r\n\r\n"
+                )
+                assert head.startswith(b"HTTP/1.1 200 "), head
+                rest = await asyncio.wait_for(reader.read(), 30)
+                assert b'"path":"/v1/files"' in rest
+            finally:
+                writer.close()
+            assert [m for m, _, _ in engine.seen] == ["HEAD", "DELETE", "GET"]
+            for target in ("OPTIONS *", f"CONNECT {host}:{port}"):
+                reader, writer = await asyncio.open_connection(host, int(port))
+                try:
+                    head = await _exchange(
+                        reader, writer, f"{target} HTTP/1.1\r\n{auth}Connection: close\r\n\r\n"
+                    )
+                    assert head.startswith(b"HTTP/1.1 404 "), (target, head)
+                    err = json.loads(await asyncio.wait_for(reader.read(), 30))["error"]
+                    assert err["code"] == "unknown_url"
+                    assert target in err["message"]
+                finally:
+                    writer.close()
+            assert len(engine.seen) == 3
+            await until(lambda: gw.backend_state()["in_use"] == 0)
+            assert gw.backend_state()["inflight_tokens"] == 0
+            assert gw.tenant_state("alice")["in_use"] == 0
+
+
 async def test_forward_respects_the_tenants_backends(gateway_for) -> None:
     """A forwarded request without a model goes to a backend the tenant may use, never
     another."""

@@ -616,3 +616,23 @@ async def test_oom_mid_stream_sends_an_error_event_then_done() -> None:
             assert "CUDA out of memory" in err["message"]
             assert err["code"] == 500
         assert all(status in (200, 500) for status, _ in results)
+
+
+async def test_a_lone_surrogate_escape_is_read_as_a_replacement_character() -> None:
+    """A lone UTF-16 surrogate escape (``"\\ud800"``), which vLLM accepts as Python's ``json``
+    does, is read as U+FFFD (the gateway reads it the same way): the request is served (it was
+    a 400) and its prompt counted as the same text with U+FFFD; bad JSON is still a 400."""
+    async with run_sim(SimConfig.from_profile("tiny", **FAST)) as sim, aiohttp.ClientSession() as h:
+        url = sim.base_url + "/chat/completions"
+        usage = []
+        for text in (b"a\\ud800b \\udc00", "a\ufffdb \ufffd".encode()):
+            body = (
+                b'{"model":"kvgate-sim-tiny","max_tokens":3,"messages":[{"role":"user","content":"'
+            )
+            async with h.post(url, data=body + text + b'"}]}') as r:
+                assert r.status == 200, await r.text()
+                usage.append((await r.json())["usage"]["prompt_tokens"])
+        assert usage[0] == usage[1]
+        async with h.post(url, data=b'{"model":"kvgate-sim-tiny","messages":"\\ud800') as r:
+            assert r.status == 400
+            assert "Invalid JSON body" in (await r.json())["error"]["message"]

@@ -140,14 +140,18 @@ async def start_stream(
     request: web.BaseRequest, build: HeadBuilder, status: int, upstream_headers: Any
 ) -> PreparedStream:
     """Write the head of a relayed stream to ``request`` (see :func:`relayed`) and return the
-    stream: chunked for an HTTP/1.1 client, delimited by the connection's close for HTTP/1.0.
+    stream: chunked for an HTTP/1.1 client, delimited by the connection's close for HTTP/1.0;
+    the answer to ``HEAD`` and a ``204`` / ``304`` have no body, so no framing at all.
 
     Raises:
         ConnectionResetError: the client is gone.
     """
-    chunked = request.version >= (1, 1)
+    # the answer to HEAD and a 204 / 304 end at their head (RFC 9110 §9.3.2, §15.3.5, §15.4.5):
+    # no framing, or the last chunk would be read as the start of the next response
+    bodiless = request.method == "HEAD" or status in (204, 304)
+    chunked = request.version >= (1, 1) and not bodiless
     # an HTTP/1.0 client reads the body until the connection closes
-    connection = connection_header(request, close=not chunked)
+    connection = connection_header(request, close=request.version < (1, 1) and not bodiless)
     head = build(status, upstream_headers, None, connection, chunked)
     writer = request.writer
     await writer.write(head)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import json
 import math
 import random
 import time
@@ -267,12 +268,29 @@ def _get_bool(body: dict[str, Any], key: str) -> bool:
     return value
 
 
+def _without_lone_surrogates(value: Any) -> Any:
+    """``value`` (parsed JSON) with every lone UTF-16 surrogate in its strings made U+FFFD."""
+    if isinstance(value, str):
+        return value.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+    if isinstance(value, list):
+        return [_without_lone_surrogates(v) for v in value]
+    if isinstance(value, dict):
+        return {_without_lone_surrogates(k): _without_lone_surrogates(v) for k, v in value.items()}
+    return value
+
+
 async def _read_json(request: web.Request) -> dict[str, Any]:
     raw = await request.read()
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
-        raise BadRequest(f"Invalid JSON body: {exc}") from None
+        # orjson refuses a lone surrogate escape ("\ud800"), which vLLM (Python's json) accepts
+        if "surrogate" not in str(exc):
+            raise BadRequest(f"Invalid JSON body: {exc}") from None
+        try:
+            body = _without_lone_surrogates(json.loads(raw))
+        except (ValueError, RecursionError):
+            raise BadRequest(f"Invalid JSON body: {exc}") from None
     if not isinstance(body, dict):
         raise BadRequest("The request body must be a JSON object")
     return body
