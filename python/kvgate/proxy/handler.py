@@ -376,18 +376,13 @@ async def handle_inference(gw: Gateway, request: web.BaseRequest, route: str) ->
         if decision is None or not gw.refusal_stands(request, backend, tenant, decision):
             decision = await gw.admit_slow(request, backend, tenant, priority, tokens, decision)
         if not decision.admitted:
-            response, reason = gw.rejection_response(
-                request, decision, backend, tenant, model, tokens
-            )
-            now = time.perf_counter()
-            gw.metrics.rejected(backend, tenant, reason, now - started)
             return _refusal(
+                gw,
                 request,
+                decision,
                 rid,
-                (started, admitting, now),
+                (started, admitting),
                 route,
-                response,
-                reason,
                 tokens,
                 (tenant, backend, model),
             )
@@ -504,26 +499,31 @@ def _refused(
 
 
 def _refusal(
+    gw: Gateway,
     request: web.BaseRequest,
+    decision: Any,
     rid: str,
-    times: tuple[float, float, float],
+    times: tuple[float, float],
     route: str,
-    response: PreparedResponse,
-    reason: str,
     tokens: int,
     who: tuple[Any, Any, Any],
 ) -> PreparedResponse:
-    """An admission refusal (429/503, :meth:`kvgate.app.Gateway.rejection_response`) with its
-    request id, and its access log line (outcome ``rejected``, the refusal's reason, the tokens
-    it asked for, the time it spent in admission).
+    """The answer to an admission refusal (429/503, :meth:`kvgate.app.Gateway.rejection_response`)
+    with its request id; counts it in the metrics and writes its access log line (outcome
+    ``rejected``, the refusal's reason, the tokens it asked for, the time it spent in admission).
 
     Args:
-        times: ``time.perf_counter()`` when the request arrived, when admission began, now.
+        decision: the refusal (the core's ``Rejection`` or the gateway's ``Refusal``).
+        times: ``time.perf_counter()`` when the request arrived and when admission began.
+        tokens: the tokens the request asked to reserve.
         who: the request's tenant, backend and model route.
     """
-    _tagged(response, rid)
-    started, admitting, now = times
+    started, admitting = times
     tenant, backend, model = who
+    response, reason = gw.rejection_response(request, decision, backend, tenant, model, tokens)
+    now = time.perf_counter()
+    gw.metrics.rejected(backend, tenant, reason, now - started)
+    _tagged(response, rid)
     log_access(
         request,
         rid,
@@ -609,18 +609,13 @@ async def handle_forward(gw: Gateway, request: web.BaseRequest) -> Reply:
         if decision is None or not gw.refusal_stands(request, backend, tenant, decision):
             decision = await gw.admit_slow(request, backend, tenant, priority, tokens, decision)
         if not decision.admitted:
-            response, reason = gw.rejection_response(
-                request, decision, backend, tenant, model, tokens
-            )
-            now = time.perf_counter()
-            gw.metrics.rejected(backend, tenant, reason, now - started)
             return _refusal(
+                gw,
                 request,
+                decision,
                 rid,
-                (started, admitting, now),
+                (started, admitting),
                 route,
-                response,
-                reason,
                 tokens,
                 (tenant, backend, model),
             )
