@@ -295,19 +295,13 @@ async def _read_all(
     content = upstream.content
     if content.is_eof():  # the whole body is already here: nothing to wait for
         return await upstream.read()
-    loop = asyncio.get_running_loop()
     idle = timeouts.idle
     parts: list[bytes] = []
     try:
         while True:
-            chunk = content.read_nowait()
+            chunk = content.read_nowait() or await _await_bytes(content, deadline, idle, end)
             if not chunk:
-                if content.is_eof():
-                    break
-                with deadline.at(_wait_until(loop, idle, end)):
-                    chunk = await content.readany()
-                if not chunk:
-                    break
+                break
             parts.append(chunk)
     except TimeoutError:
         result.outcome = "upstream_timeout"
@@ -376,6 +370,27 @@ def _wait_until(
     if end is not None and (when is None or end < when):
         return end
     return when
+
+
+async def _await_bytes(
+    content: aiohttp.StreamReader,
+    deadline: Deadline,
+    idle: float | None,
+    end: float | None,
+) -> bytes:
+    """The next upstream bytes once nothing is buffered (call it as
+    ``content.read_nowait() or await _await_bytes(...)``, so bytes already buffered cost no
+    await): ``b""`` at the end of the body, else a wait of at most ``idle`` and never past the
+    request's ``end`` (loop time).
+
+    Raises:
+        TimeoutError: nothing arrived in time (the caller decides what that ends).
+        aiohttp.ClientError: the upstream connection broke.
+    """
+    if content.at_eof():
+        return b""
+    with deadline.at(_wait_until(asyncio.get_running_loop(), idle, end)):
+        return await content.readany()
 
 
 def _settle_from_body(
@@ -488,16 +503,12 @@ async def _relay_stream(
         raise
     result.status = upstream.status
     content = upstream.content
-    loop = asyncio.get_running_loop()
     idle = timeouts.idle
     try:
         while True:
             try:
                 # bytes already buffered need no deadline
-                data = content.read_nowait()
-                if not data and not content.at_eof():
-                    with deadline.at(_wait_until(loop, idle, end)):
-                        data = await content.readany()
+                data = content.read_nowait() or await _await_bytes(content, deadline, idle, end)
             except TimeoutError:
                 result.outcome = "upstream_timeout"
                 await _write_error_event(
@@ -591,15 +602,13 @@ async def _relay_assembled(
     assembler: Assembler = ResponsesAssembler() if responses else ChunkAssembler(chat)
     lines = SSELines()
     content = upstream.content
-    loop = asyncio.get_running_loop()
     settled = False
     try:
         while assembler.error is None:
             try:
-                data = content.read_nowait()
-                if not data and not content.at_eof():
-                    with deadline.at(_wait_until(loop, timeouts.idle, end)):
-                        data = await content.readany()
+                data = content.read_nowait() or await _await_bytes(
+                    content, deadline, timeouts.idle, end
+                )
             except TimeoutError:
                 result.outcome = "upstream_timeout"
                 raise upstream_timeout("body") from None
@@ -684,14 +693,12 @@ async def _relay_body(
     result.status = upstream.status
     keep: bytearray | None = bytearray() if "json" in upstream.content_type else None
     content = upstream.content
-    loop = asyncio.get_running_loop()
     try:
         while True:
             try:
-                data = content.read_nowait()
-                if not data and not content.at_eof():
-                    with deadline.at(_wait_until(loop, timeouts.idle, end)):
-                        data = await content.readany()
+                data = content.read_nowait() or await _await_bytes(
+                    content, deadline, timeouts.idle, end
+                )
             except TimeoutError:
                 result.outcome = "upstream_timeout"
                 break
