@@ -429,8 +429,6 @@ async def handle_inference(gw: Gateway, request: web.BaseRequest, route: str) ->
         reply = _tagged(error_response(request, err), rid)
         return reply
     finally:
-        actual = _actual_tokens(analysis, result)
-        decision.release(actual)
         if running is not None:
             gw.running.finish(
                 running,
@@ -439,29 +437,72 @@ async def handle_inference(gw: Gateway, request: web.BaseRequest, route: str) ->
                 first_byte=result.ttft,
                 completion_tokens=result.completion_tokens,
             )
-        if queue is not None and queue.waiting:
-            queue.notify()
-        gw.metrics.settled(backend, tenant, tokens, actual, result)
         prompt = result.prompt_tokens
-        log_access(
+        _settle(
+            gw,
             request,
-            rid,
-            started,
-            time.perf_counter(),
-            route=route,
-            status=reply.status if reply is not None else result.status,
-            outcome=result.outcome,
-            tenant=tenant,
-            backend=backend,
-            model=model,
-            reason=error_code,
-            reserved=tokens,
-            prompt=prompt if prompt is not None else analysis.prompt_tokens,
-            completion=result.completion_tokens,
-            queue_wait=admitted - admitting,
-            ttft=result.ttft,
-            reply=reply,
+            decision,
+            _actual_tokens(analysis, result),
+            (rid, route, started, admitting, admitted),
+            (tenant, backend, model),
+            tokens,
+            prompt if prompt is not None else analysis.prompt_tokens,
+            result,
+            reply,
+            error_code,
         )
+
+
+def _settle(
+    gw: Gateway,
+    request: web.BaseRequest,
+    decision: Any,
+    actual: int,
+    where: tuple[str, str, float, float, float],
+    who: tuple[Any, Any, Any],
+    reserved: int,
+    prompt: int | None,
+    result: RelayResult,
+    reply: Reply | None,
+    error_code: str | None,
+) -> None:
+    """End an admitted request: its reservation released with the ``actual`` tokens it is
+    charged (unused ones refunded, an overrun charged), the next queued waiter woken, the
+    metrics counted and its access log line written.
+
+    Args:
+        where: its request id, route, and ``time.perf_counter()`` when it arrived, when
+            admission began and when it was admitted.
+        who: its tenant, backend and model route.
+        reserved: the tokens it reserved at admission.
+        prompt: its prompt tokens (the engine's count when it gave one).
+    """
+    rid, route, started, admitting, admitted = where
+    tenant, backend, model = who
+    decision.release(actual)
+    queue = gw.queue
+    if queue is not None and queue.waiting:
+        queue.notify()
+    gw.metrics.settled(backend, tenant, reserved, actual, result)
+    log_access(
+        request,
+        rid,
+        started,
+        time.perf_counter(),
+        route=route,
+        status=reply.status if reply is not None else result.status,
+        outcome=result.outcome,
+        tenant=tenant,
+        backend=backend,
+        model=model,
+        reason=error_code,
+        reserved=reserved,
+        prompt=prompt,
+        completion=result.completion_tokens,
+        queue_wait=admitted - admitting,
+        ttft=result.ttft,
+        reply=reply,
+    )
 
 
 def _tagged(response: PreparedResponse, rid: str) -> PreparedResponse:
@@ -655,30 +696,20 @@ async def handle_forward(gw: Gateway, request: web.BaseRequest) -> Reply:
         actual = 0
         if result.outcome != "upstream_unreachable":
             actual = min(int(result.prompt_tokens or 0) + int(result.completion_tokens), MAX_AMOUNT)
-        decision.release(actual)
         if running is not None:  # held a slot; its time says nothing about generation
             gw.running.finish(
                 running, completed=False, stream=False, first_byte=None, completion_tokens=0
             )
-        if queue is not None and queue.waiting:
-            queue.notify()
-        gw.metrics.settled(backend, tenant, tokens, actual, result)
-        log_access(
+        _settle(
+            gw,
             request,
-            rid,
-            started,
-            time.perf_counter(),
-            route=route,
-            status=reply.status if reply is not None else result.status,
-            outcome=result.outcome,
-            tenant=tenant,
-            backend=backend,
-            model=model,
-            reason=error_code,
-            reserved=tokens,
-            prompt=result.prompt_tokens,
-            completion=result.completion_tokens,
-            queue_wait=admitted - admitting,
-            ttft=result.ttft,
-            reply=reply,
+            decision,
+            actual,
+            (rid, route, started, admitting, admitted),
+            (tenant, backend, model),
+            tokens,
+            result.prompt_tokens,
+            result,
+            reply,
+            error_code,
         )
