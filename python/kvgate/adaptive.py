@@ -82,11 +82,16 @@ class AdaptiveSink:
         before = law.scale
         scale = law.update(kv_usage, waiting)
         ctl = self._gw.controller
+        store = self._gw.store
+        shed_in_force = bool(law.shedding)
+        if store.mode != "local":
+            # several replicas: the most conservative live proposal is in force
+            scale, shed_in_force = store.propose(name, scale, shed_in_force)
         ctl.set_scale(backend.id, scale)
         if scale > before and self._gw.queue:
             self._gw.queue.notify()  # limits grew: waiters may fit now
+        ctl.set_shedding(backend.id, shed_in_force)
         if bool(law.shedding) != was_shedding:
-            ctl.set_shedding(backend.id, bool(law.shedding))
             self._gw.metrics.shedding.labels(name, "sheddable").set(1 if law.shedding else 0)
             logger.warning(
                 "backend %s: %s sheddable traffic (kv_usage=%s, waiting=%d)",
@@ -123,6 +128,7 @@ class AdaptiveSink:
             return
         self._gw.engine_slots[b.name] = slots
         self._gw.controller.update_backend(b.id, max_concurrency=slots)
+        self._gw.store.reload()
         logger.info("backend %s: slot limit %d (the engine's slots, was %d)", b.name, slots, known)
 
     def _discover_capacity(self, b: Any, reading: EngineReading) -> None:
@@ -134,6 +140,7 @@ class AdaptiveSink:
             return
         self._gw.discovered_capacity[b.name] = budget
         self._gw.controller.update_backend(b.id, inflight_token_limit=budget)
+        self._gw.store.reload()
         logger.info(
             "backend %s: in-flight token budget %d (engine KV capacity %d × %.2f)",
             b.name,

@@ -30,6 +30,7 @@ from kvgate.errors import GatewayError
 from kvgate.metrics import GatewayMetrics
 from kvgate.proxy.deadline import Watchdog
 from kvgate.proxy.prepared import PreparedResponse, Reply, connection_header, error_response
+from kvgate.store import LocalStore
 
 __all__ = [
     "PRIORITY_CLASSES",
@@ -211,6 +212,9 @@ class Gateway:
     registry: Any = field(init=False, default=None)
     #: this worker's admitted, unsettled requests: the retry hints of slot refusals
     running: RunningRequests = field(init=False, default_factory=RunningRequests)
+    #: where the limits live across replicas: :class:`kvgate.store.LocalStore` (this host
+    #: only) or :class:`kvgate.store.redis_store.RedisStore` (config ``store``)
+    store: Any = field(default_factory=LocalStore)
     #: the pending timed ``queue.notify()`` (a token bucket refills with time, not on releases)
     _queue_wakeup: asyncio.TimerHandle | None = field(init=False, default=None)
     _by_hash: dict[bytes, Tenant] = field(init=False, default_factory=dict)
@@ -740,7 +744,9 @@ async def handle_admin_state(gw: Gateway, request: web.BaseRequest) -> Reply:
     """``GET /admin/state``: each backend's base and effective limits, scale, in-use, KV usage,
     waiting, age of the last good scrape and (quick start) what its engine said about itself
     (``discovered``: engine, models and context windows, slots, KV capacity, each with its
-    source); each tenant's usage, quota and queue depth.
+    source); each tenant's usage, quota and queue depth; the store (``mode`` ``local``, or
+    with Redis: this replica's id, breaker, counters and each active scope's mode, live
+    replicas and quotas).
     Needs the admin key (``Authorization: Bearer``) when ``admin_key_sha256`` is configured."""
     want = getattr(gw.config, "admin_key_sha256", None)
     if want:
@@ -780,7 +786,8 @@ async def handle_admin_state(gw: Gateway, request: web.BaseRequest) -> Reply:
         tenants.append(st)
     return web.Response(
         body=orjson.dumps(
-            {"backends": backends, "tenants": tenants}, option=orjson.OPT_NON_STR_KEYS
+            {"backends": backends, "tenants": tenants, "store": gw.store.state()},
+            option=orjson.OPT_NON_STR_KEYS,
         ),
         content_type="application/json",
     )

@@ -462,6 +462,100 @@ class AccessLogConfig(_Model):
         return str(path.resolve())
 
 
+#: What a replica does with a limit while Redis cannot be reached (``store.on_failure``).
+StorePolicy = Literal["share", "strict", "open", "closed"]
+#: The limits a fallback policy can be set for (the refusal reasons of the admission core).
+STORE_LIMITS = (
+    "tenant-concurrency",
+    "tenant-tpm",
+    "backend-slots",
+    "inflight-tokens",
+    "backend-tpm",
+)
+
+
+class StoreConfig(_Model):
+    """Where the limits live when several gateway replicas share them (README, "Several
+    replicas"): a Redis (or Valkey) server, version 7.0 or later (Redis Functions).
+
+    Without a ``store`` section the limits are this host's (one process, or ``--workers N``
+    sharing memory). With one, every gateway process is a replica to Redis: it holds leased
+    quotas of each limit and goes to Redis only to grow or give back a quota, to heartbeat, and
+    — near a limit — for each decision.
+
+    Attributes:
+        url: ``redis://[:password@]host:port/db``, ``rediss://`` (TLS) or
+            ``unix:///path/to.sock``; a password may be given as ``${ENV}`` in the URL.
+        cluster: the URL names one node of a Redis Cluster.
+        key_prefix: the prefix of every key kvgate writes (inside the hash tag).
+        deadline_ms: the longest a request waits on Redis (milliseconds): a decision taken in
+            Redis near a limit; past it the request is decided by ``on_failure``.
+        background_deadline_ms: the deadline of heartbeats, grants and returns (milliseconds).
+        heartbeat_s: how often a replica renews its lease (seconds, 0.05..5).
+        lease_ttl_s: how long a silent replica keeps its quotas before the others reap them
+            (seconds; default 3 × ``heartbeat_s``). A replica admits nothing on a lease older
+            than this (a frozen process that wakes up) until Redis has heard from it again.
+        chunk_fraction: the largest quota a replica holds beyond what it uses, as a fraction
+            (0..1) of a limit divided among the live replicas.
+        near_fraction: below this fraction (0..1) of a limit left free, every admission is
+            decided in Redis (exact at the boundary) and replicas give back what they hold
+            beyond their use.
+        on_failure: the fallback while Redis cannot be reached: ``share`` (each replica keeps
+            at most its share, limit ÷ live replicas, or what it held), ``strict`` (only what
+            it held), ``open`` (no limit), ``closed`` (refuse, 503).
+        policies: a different fallback for some limits: ``{limit: policy}`` with a limit among
+            ``tenant-concurrency``, ``tenant-tpm``, ``backend-slots``, ``inflight-tokens``,
+            ``backend-tpm``.
+        max_degraded_s: after this long without Redis (seconds), ``share`` becomes
+            ``after_degraded``.
+        after_degraded: ``closed`` (default) or ``open``.
+        breaker_failures: consecutive failed calls that open the circuit breaker.
+    """
+
+    url: str = Field(min_length=1)
+    cluster: bool = False
+    key_prefix: Name = "kvg"
+    deadline_ms: Float = Field(25.0, gt=0, le=10_000)
+    background_deadline_ms: Float = Field(250.0, gt=0, le=60_000)
+    heartbeat_s: Float = Field(1.0, ge=0.05, le=5)
+    lease_ttl_s: Float | None = Field(None, gt=0, le=60)
+    chunk_fraction: Float = Field(0.1, gt=0, le=1)
+    near_fraction: Float = Field(0.1, ge=0, lt=1)
+    on_failure: StorePolicy = "share"
+    policies: dict[str, StorePolicy] = Field(default_factory=dict)
+    max_degraded_s: Float = Field(60.0, gt=0)
+    after_degraded: Literal["closed", "open"] = "closed"
+    breaker_failures: Int = Field(3, ge=1, le=1000)
+
+    @field_validator("url")
+    @classmethod
+    def _url_ok(cls, value: str) -> str:
+        scheme = value.split("://", 1)[0] if "://" in value else ""
+        if scheme not in ("redis", "rediss", "unix", "valkey", "valkeys"):
+            raise ValueError(
+                "must be a redis://host:port/db, rediss://… or unix:///path URL (got "
+                f"{value.split('@')[-1]!r})"
+            )
+        return value
+
+    @field_validator("policies")
+    @classmethod
+    def _limits_ok(cls, value: dict[str, str]) -> dict[str, str]:
+        for limit in value:
+            if limit not in STORE_LIMITS:
+                raise ValueError(f"unknown limit {limit!r}; one of {', '.join(STORE_LIMITS)}")
+        return value
+
+    @property
+    def ttl_s(self) -> float:
+        """The lease TTL in force (seconds): ``lease_ttl_s`` or 3 × ``heartbeat_s``."""
+        return self.lease_ttl_s if self.lease_ttl_s is not None else 3 * self.heartbeat_s
+
+    def policy(self, limit: str) -> str:
+        """The fallback policy of ``limit`` (a name of :data:`STORE_LIMITS`)."""
+        return self.policies.get(limit, self.on_failure)
+
+
 class Config(_Model):
     """The whole file. See the module docstring for the cross-field rules.
 
@@ -484,6 +578,7 @@ class Config(_Model):
     mode: Mode = "enforce"
     other_routes: Literal["refuse", "forward"] = "refuse"
     access_log: AccessLogConfig = AccessLogConfig()
+    store: StoreConfig | None = None
 
     @model_validator(mode="after")
     def _cross_field(self) -> Config:

@@ -222,6 +222,8 @@ def build_gateway(
         apply_config=apply_config,
     )
     _set_tenants(gateway, config)
+    if config.store is not None:
+        gateway.store = _redis_store(gateway, config.store)
     for b in config.backends:
         found = gateway.discovery.get(b.name)
         if found is not None and found.slots == b.max_concurrency:
@@ -232,6 +234,22 @@ def build_gateway(
             gateway.discovered_capacity[b.name] = budget
             controller.update_backend(controller.backend_id(b.name), inflight_token_limit=budget)
     return gateway
+
+
+def _redis_store(gateway: Gateway, store_config: Any) -> Any:
+    """The Redis store of ``gateway``: the scale and shedding in force across the replicas go
+    to the admission core as they change."""
+    from kvgate.store.redis_store import RedisStore
+
+    ctl = gateway.controller
+
+    def on_effective(backend: str, scale: float, shedding: bool) -> None:
+        bid = ctl.backend_id(backend)
+        if bid is not None:
+            ctl.set_scale(bid, scale)
+            ctl.set_shedding(bid, shedding)
+
+    return RedisStore(store_config, ctl, metrics=gateway.metrics, on_effective=on_effective)
 
 
 def check_startup(config: Config) -> str | None:
@@ -358,6 +376,7 @@ def apply_config(gateway: Gateway, new: Config) -> None:
         new = new.model_copy(update={"listen": old.listen, "workers": old.workers})
     gateway.config = new
     gateway.max_body_bytes = new.max_body_bytes
+    gateway.store.reload()
     gateway.timeouts = new.timeouts
     _set_tenants(gateway, new)
     logger.info(

@@ -199,6 +199,39 @@ class GatewayMetrics:
             registry=reg,
             multiprocess_mode="max",
         )
+        self.store_call_seconds = Histogram(
+            "kvgate_store_call_seconds",
+            "Duration of each call to the shared store (Redis), seconds.",
+            buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0),
+            registry=reg,
+        )
+        self.store_failures = Counter(
+            "kvgate_store_failures",
+            "Calls to the shared store that failed, by kind (timeout, error, stale).",
+            ["kind"],
+            registry=reg,
+        )
+        self.store_breaker = Gauge(
+            "kvgate_store_breaker_open",
+            "1 while the shared store is unreachable and limits use their fallback policies.",
+            registry=reg,
+            multiprocess_mode="max",
+        )
+        self.store_amnesia = Counter(
+            "kvgate_store_amnesia",
+            "Scopes found lost by the shared store (restart without persistence, flush).",
+            registry=reg,
+        )
+        self.store_reaped = Counter(
+            "kvgate_store_reaped_replicas",
+            "Replicas whose lease ran out, reaped by this one (their quotas went back).",
+            registry=reg,
+        )
+        self.store_degraded = Counter(
+            "kvgate_store_degraded_admissions",
+            "Admissions decided by a fallback policy while the shared store was unreachable.",
+            registry=reg,
+        )
         self.shadow_rejections = Counter(
             "kvgate_shadow_rejections",
             "Refusals computed in shadow mode (request admitted).",

@@ -226,6 +226,7 @@ async def gateway_runtime(gateway: Gateway) -> AsyncIterator[None]:
     poller = None
     reload_on_hup = bool(gateway.config_path)
     try:
+        await gateway.store.start()
         if gateway.poll:
             poller = await _start_poller(gateway)
         if reload_on_hup:
@@ -240,6 +241,7 @@ async def gateway_runtime(gateway: Gateway) -> AsyncIterator[None]:
         with contextlib.suppress(asyncio.CancelledError):
             await flusher
         await gateway.watchdog.stop()
+        await gateway.store.close()
         metrics.flush()
         await gateway.session.close()
 

@@ -24,7 +24,7 @@ import orjson
 from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
 
-from kvgate._core import MAX_AMOUNT, Reservation
+from kvgate._core import MAX_AMOUNT
 from kvgate.accesslog import (
     id_builder,
     log_access,
@@ -32,6 +32,7 @@ from kvgate.accesslog import (
     upstream_trace_headers,
     with_request_id,
 )
+from kvgate.admission.stage import admit, holds_slot
 from kvgate.errors import GatewayError
 from kvgate.proxy.prepared import PreparedResponse, Reply, error_response
 from kvgate.proxy.relay import RelayResult, relay
@@ -364,28 +365,19 @@ async def handle_inference(gw: Gateway, request: web.BaseRequest, route: str) ->
         gw.metrics.request_done(None, tenant, f"rejected_{err.status}")
         return _refused(request, rid, started, route, err, tenant, model)
     tokens = analysis.reserved_tokens
-    queue = gw.queue
     admitting = time.perf_counter()
-    # fast path: nobody queued, admitted at once; else the priority wait queue decides
-    decision = (
-        gw.controller.admit(backend.id, tenant.id, priority, tokens)
-        if queue is None or not queue.waiting
-        else None
-    )
-    if decision is None or not decision.admitted:
-        if decision is None or not gw.refusal_stands(request, backend, tenant, decision):
-            decision = await gw.admit_slow(request, backend, tenant, priority, tokens, decision)
-        if not decision.admitted:
-            return _refusal(
-                gw,
-                request,
-                decision,
-                rid,
-                (started, admitting),
-                route,
-                tokens,
-                (tenant, backend, model),
-            )
+    decision = await admit(gw, request, backend, tenant, priority, tokens)
+    if not decision.admitted:
+        return _refusal(
+            gw,
+            request,
+            decision,
+            rid,
+            (started, admitting),
+            route,
+            tokens,
+            (tenant, backend, model),
+        )
     admitted = time.perf_counter()
     gw.metrics.admitted(backend, tenant, tokens, admitted - started)
 
@@ -398,7 +390,7 @@ async def handle_inference(gw: Gateway, request: web.BaseRequest, route: str) ->
     # what holds the slots, for the retry hints of refusals (a shadow admission holds none)
     running = (
         gw.running.start(backend.id, tenant.id, analysis.completion_tokens)
-        if type(decision) is Reservation
+        if holds_slot(decision)
         else None
     )
     reply: Reply | None = None
@@ -639,33 +631,25 @@ async def handle_forward(gw: Gateway, request: web.BaseRequest) -> Reply:
         gw.metrics.request_done(None, tenant, f"rejected_{err.status}")
         return _refused(request, rid, started, route, err, tenant, model)
     tokens = FORWARD_RESERVATION
-    queue = gw.queue
     admitting = time.perf_counter()
-    decision = (
-        gw.controller.admit(backend.id, tenant.id, priority, tokens)
-        if queue is None or not queue.waiting
-        else None
-    )
-    if decision is None or not decision.admitted:
-        if decision is None or not gw.refusal_stands(request, backend, tenant, decision):
-            decision = await gw.admit_slow(request, backend, tenant, priority, tokens, decision)
-        if not decision.admitted:
-            return _refusal(
-                gw,
-                request,
-                decision,
-                rid,
-                (started, admitting),
-                route,
-                tokens,
-                (tenant, backend, model),
-            )
+    decision = await admit(gw, request, backend, tenant, priority, tokens)
+    if not decision.admitted:
+        return _refusal(
+            gw,
+            request,
+            decision,
+            rid,
+            (started, admitting),
+            route,
+            tokens,
+            (tenant, backend, model),
+        )
     admitted = time.perf_counter()
     gw.metrics.admitted(backend, tenant, tokens, admitted - started)
     raw_path, sep, query = request.raw_path.partition("?")
     result = RelayResult()
     # holds a slot (a shadow admission holds none): counted for the retry hints of refusals
-    running = gw.running.start(backend.id, tenant.id, 0) if type(decision) is Reservation else None
+    running = gw.running.start(backend.id, tenant.id, 0) if holds_slot(decision) else None
     reply: Reply | None = None
     error_code: str | None = None
     try:

@@ -1,0 +1,134 @@
+"""The admission stage of a request: the admission core, then the priority wait queue, then the
+store (README, "How a request is admitted").
+
+1. The core decides at once (no await) when nobody is queued: this process's (or host's) view of
+   every limit, the never-admissible sizes, shedding.
+2. A refusal that waiting can change goes to the priority wait queue
+   (:meth:`kvgate.app.Gateway.admit_slow`); shadow mode only counts it.
+3. With a store shared by several replicas (``store:``), what the core admitted must also fit
+   in the limits across the replicas: the store's quotas decide locally when they can, Redis
+   otherwise (:mod:`kvgate.store`). A store refusal gives the core reservation back; a tenant
+   that may wait waits for the store's hint (bounded by its wait time) and asks again.
+
+The result is what the request runs with (released once, by settlement) or the refusal to
+answer with. No HTTP here beyond reading the request's wait header.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import TYPE_CHECKING, Any
+
+from kvgate._core import Reservation
+from kvgate.store import StoreRefusal
+
+if TYPE_CHECKING:
+    from aiohttp import web
+
+    from kvgate.app import Backend, Gateway, Tenant
+
+__all__ = ["StoreAdmission", "admit", "holds_slot"]
+
+
+class StoreAdmission:
+    """An admitted request that holds a core reservation and a hold in a shared store.
+
+    :meth:`release` gives both back once (a second call is a no-op).
+    """
+
+    __slots__ = ("hold", "reservation", "store", "tokens")
+    admitted = True
+
+    def __init__(self, reservation: Any, hold: Any, store: Any, tokens: int) -> None:
+        self.reservation = reservation
+        self.hold = hold
+        self.store = store
+        self.tokens = tokens
+
+    def release(self, actual_tokens: int | None = None) -> None:
+        """Releases the core reservation and the store hold with ``actual_tokens`` (prompt +
+        completion tokens charged; ``None`` = as reserved)."""
+        hold = self.hold
+        if hold is None:
+            return
+        self.hold = None
+        self.reservation.release(actual_tokens)
+        actual = self.tokens if actual_tokens is None else actual_tokens
+        self.store.release(hold, self.tokens, actual)
+
+
+def holds_slot(decision: Any) -> bool:
+    """Whether an admitted request holds slots (a shadow admission holds none)."""
+    kind = type(decision)
+    return kind is Reservation or kind is StoreAdmission
+
+
+async def admit(
+    gw: Gateway,
+    request: web.BaseRequest,
+    backend: Backend,
+    tenant: Tenant,
+    priority: str,
+    tokens: int,
+) -> Any:
+    """Admits a request of ``tokens`` (prompt + reserved completion) for ``tenant`` at
+    ``priority`` on ``backend``, through the core, the wait queue and the store.
+
+    Returns:
+        What the request runs with (``.admitted`` true, ``.release(actual_tokens)``), or the
+        refusal (``.admitted`` false; ``reason``, ``scope``, ``retry_after``, ``never``).
+    """
+    queue = gw.queue
+    decision = (
+        gw.controller.admit(backend.id, tenant.id, priority, tokens)
+        if queue is None or not queue.waiting
+        else None
+    )
+    if decision is None or not decision.admitted:
+        if decision is None or not gw.refusal_stands(request, backend, tenant, decision):
+            decision = await gw.admit_slow(request, backend, tenant, priority, tokens, decision)
+        if not decision.admitted:
+            return decision
+    store = gw.store
+    if store.mode == "local" or type(decision) is not Reservation:
+        return decision
+    hold = store.try_admit(backend, tenant, priority, tokens)
+    if hold is None:
+        hold = await _admit_in_store(gw, request, backend, tenant, priority, tokens)
+        if type(hold) is StoreRefusal:
+            decision.release(0)
+            if gw.shadow(backend, tenant):
+                gw.metrics.shadow_rejections.labels(hold.reason).inc()
+                from kvgate.app import SHADOW_ADMISSION
+
+                return SHADOW_ADMISSION
+            return hold
+    return StoreAdmission(decision, hold, store, tokens)
+
+
+async def _admit_in_store(
+    gw: Gateway,
+    request: web.BaseRequest,
+    backend: Backend,
+    tenant: Tenant,
+    priority: str,
+    tokens: int,
+) -> Any:
+    """The store's decision when this replica's quotas are short; a refusal with a retry hint
+    is asked again after the hint while the tenant's wait time lasts."""
+    store = gw.store
+    result = await store.admit(backend, tenant, priority, tokens)
+    if type(result) is not StoreRefusal or result.never:
+        return result
+    wait = gw.max_wait(request, tenant) if tenant.max_wait_ms > 0 else 0.0
+    if wait <= 0:
+        return result
+    give_up = time.monotonic() + wait
+    while type(result) is StoreRefusal and not result.never:
+        left = give_up - time.monotonic()
+        if left <= 0 or result.reason == "store-unavailable":
+            break
+        await asyncio.sleep(min(left, max(0.005, result.retry_after or 0.05)))
+        result = await store.admit(backend, tenant, priority, tokens)
+    return result

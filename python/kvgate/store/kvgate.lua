@@ -1,0 +1,302 @@
+#!lua name=kvgate
+-- kvgate's limits shared by several gateway replicas (Redis / Valkey Functions, Redis >= 7.0).
+--
+-- One scope (a tenant, or a backend) lives under one hash tag, so every key a call touches is in
+-- one Redis Cluster slot:
+--   KEYS[1] = {<prefix>:<t|b>:<name>}          HASH  the scope's state (fields below)
+--   KEYS[2] = {<prefix>:<t|b>:<name>}:live     ZSET  replica id -> lease expiry (server µs)
+--   KEYS[3] = {<prefix>:<t|b>:<name>}:op:<id>  STRING the reply of operation <id> (EX 30)
+-- State fields:
+--   epoch                 random id written when the state is created (a changed epoch tells the
+--                         replicas that Redis lost the scope: restart without persistence, flush)
+--   seq|<pod>             the replica's last applied sequence number for this scope
+--   q|<pool>|<pod>        units (slots or tokens) of <pool> held by the replica: its quota
+--   alloc|<pool>          sum of the replicas' quotas of <pool>
+--   held|<pod>            the pools the replica holds quota in (cjson list; used to reap it)
+--   tat|<bucket>          GCRA theoretical arrival time of a token bucket (server µs, float)
+--   prop|<pod>, shed|<pod>  the replica's proposed adaptive scale (0..1) and shedding flag
+--   reaped                replicas reaped in this scope (a counter)
+--
+-- One function, kvg_sync, carries everything a replica says to a scope (JSON in ARGV[1]):
+--   pod, seq, ttl (µs), epoch (a candidate, used only when the state is created),
+--   scale, shed      (backend scopes: this replica's proposal; absent for tenants)
+--   pools  {name: {l = base limit, k = kind, q = the replica's quota now, gs, g}}
+--          kinds: "p" plain (tenant concurrency), "s" scaled by the effective scale (in-flight
+--          token budget), "t" scaled total slots, "b" burst pool = scaled total - sum of the
+--          guarantees gs, "g" one tenant's guarantee g (shrunk in proportion when the scaled
+--          total is below gs)
+--   buckets {name: {r = tokens/min, b = burst, sc = 1 when scaled, ret = tokens given back,
+--           debt = overrun tokens to charge}}
+--   grants  {name: wanted units}            partial grants allowed (at least 1)
+--   admits  [{p = [[n, pool, pool...], ...], b = {bucket: n}}]  each all-or-nothing, in order;
+--           a pool list is tried in order (a tenant's guarantee, then the burst pool)
+-- and answers (JSON): epoch, stale, live, scale, shed, reaped, pools {name: [q, alloc, limit]},
+-- buckets {name: [available tokens, burst]}, grants {name: taken}, admits [[ok, refusing name,
+-- retry_after µs, chosen pools...]].
+--
+-- Rules: time is the server's (TIME), never a client's. A message whose seq is not above the
+-- stored one is stale (a late delivery of a call that already timed out on the replica) and
+-- changes nothing. Every message re-asserts the replica's quotas: q|<pool>|<pod> := q and alloc
+-- moves by the difference — lowering q is how a replica gives units back, and the same rule
+-- heals what a lost write, a timed-out call or a restart of Redis left behind. Grants and
+-- admits never take alloc above the effective limit; re-assertion may (a replica that was
+-- reaped while frozen and comes back with requests in flight): then nothing grows until it
+-- drains. Dead replicas (lease expired) are reaped, at most 8 per call: their quotas go back.
+
+local function now_us()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000000 + tonumber(t[2])
+end
+
+local function num(v)
+  if v then return tonumber(v) end
+  return 0
+end
+
+local function fmt(x)
+  return string.format('%.3f', x)
+end
+
+local function reap(state, live, now)
+  local dead = redis.call('ZRANGEBYSCORE', live, '-inf', now, 'LIMIT', 0, 8)
+  for _, pod in ipairs(dead) do
+    local held = redis.call('HGET', state, 'held|' .. pod)
+    if held then
+      for _, pool in ipairs(cjson.decode(held)) do
+        local q = num(redis.call('HGET', state, 'q|' .. pool .. '|' .. pod))
+        if q ~= 0 then redis.call('HINCRBY', state, 'alloc|' .. pool, -q) end
+        redis.call('HDEL', state, 'q|' .. pool .. '|' .. pod)
+      end
+    end
+    redis.call('HDEL', state, 'held|' .. pod, 'seq|' .. pod, 'prop|' .. pod, 'shed|' .. pod)
+    redis.call('ZREM', live, pod)
+    redis.call('HINCRBY', state, 'reaped', 1)
+  end
+  return #dead
+end
+
+local function effective_scale(state, live, msg)
+  -- the most conservative live proposal (this replica's included)
+  local s, shed = 1.0, false
+  for _, pod in ipairs(redis.call('ZRANGE', live, 0, -1)) do
+    local p = redis.call('HGET', state, 'prop|' .. pod)
+    if p then s = math.min(s, tonumber(p)) end
+    if redis.call('HGET', state, 'shed|' .. pod) == '1' then shed = true end
+  end
+  return s, shed
+end
+
+local function pool_limit(p, s)
+  local kind = p.k or 'p'
+  local base = p.l
+  if kind == 'p' then return base end
+  local total = base
+  if total > 0 and s < 1 then total = math.max(1, math.floor(total * s + 1e-9)) end
+  if kind == 's' or kind == 't' then return total end
+  local gs = p.gs or 0
+  if kind == 'b' then return math.max(0, total - gs) end
+  if total >= gs or gs == 0 then return p.g or 0 end
+  return math.floor((p.g or 0) * total / gs)
+end
+
+-- a token bucket (GCRA): one float, the theoretical arrival time; `interval` µs per token
+local function bucket_params(b, s)
+  local rate, burst = b.r, b.b
+  if b.sc == 1 and s < 1 then
+    rate = math.max(1, math.floor(rate * s + 1e-9))
+    burst = math.max(1, math.floor(burst * s + 1e-9))
+  end
+  local interval = 60e6 / rate
+  return interval, burst, burst * interval
+end
+
+local function bucket_tat(state, name, now, fill)
+  local tat = tonumber(redis.call('HGET', state, 'tat|' .. name) or '0')
+  return math.max(tat, now - fill)
+end
+
+local function bucket_available(tat, now, interval)
+  return math.floor((now - tat) / interval + 1e-6)
+end
+
+local function kvg_sync(keys, args)
+  local state, live, opkey = keys[1], keys[2], keys[3]
+  local done = redis.call('GET', opkey)
+  if done then return done end
+  local msg = cjson.decode(args[1])
+  local pod = msg.pod
+  local now = now_us()
+  local reply = {}
+  local epoch = redis.call('HGET', state, 'epoch')
+  if not epoch then
+    epoch = msg.epoch
+    redis.call('HSET', state, 'epoch', epoch)
+  end
+  reply.epoch = epoch
+  local last = num(redis.call('HGET', state, 'seq|' .. pod))
+  if msg.seq <= last then
+    reply.stale = true
+    return cjson.encode(reply)
+  end
+  redis.call('HSET', state, 'seq|' .. pod, msg.seq)
+  reply.reaped = reap(state, live, now)
+  redis.call('ZADD', live, now + msg.ttl, pod)
+  -- keep the scope for a while after its last replica left (its buckets' state matters)
+  local keep_ms = math.floor(msg.ttl / 1000) * 4 + 180000
+  redis.call('PEXPIRE', live, keep_ms)
+  redis.call('PEXPIRE', state, keep_ms)
+
+  local s, shed = 1.0, false
+  if msg.scale then
+    redis.call('HSET', state, 'prop|' .. pod, fmt(msg.scale))
+    redis.call('HSET', state, 'shed|' .. pod, msg.shed and '1' or '0')
+    s, shed = effective_scale(state, live, msg)
+  end
+  reply.scale = s
+  reply.shed = shed
+  reply.live = redis.call('ZCARD', live)
+
+  -- re-assert the replica's quotas, then compute the limits
+  local pools, limits, alloc, q = msg.pools or {}, {}, {}, {}
+  local held = {}
+  for name, p in pairs(pools) do
+    local field = 'q|' .. name .. '|' .. pod
+    local rec = num(redis.call('HGET', state, field))
+    local want = p.q or 0
+    alloc[name] = num(redis.call('HGET', state, 'alloc|' .. name))
+    if want ~= rec then
+      alloc[name] = redis.call('HINCRBY', state, 'alloc|' .. name, want - rec)
+    end
+    q[name] = want
+    limits[name] = pool_limit(p, s)
+  end
+
+  local buckets, bstate = msg.buckets or {}, {}
+  for name, b in pairs(buckets) do
+    local interval, burst, fill = bucket_params(b, s)
+    local tat = bucket_tat(state, name, now, fill)
+    if (b.ret or 0) > 0 then tat = math.max(tat - b.ret * interval, now - fill) end
+    if (b.debt or 0) > 0 then tat = math.min(tat + b.debt * interval, now + fill) end
+    bstate[name] = {tat = tat, interval = interval, burst = burst, fill = fill}
+  end
+
+  -- pass-through admissions, in arrival order, each all-or-nothing
+  local admits = {}
+  for i, a in ipairs(msg.admits or {}) do
+    local ok, why, retry, chosen = true, '', 0, {}
+    for _, alt in ipairs(a.p or {}) do
+      local n, pick = alt[1], nil
+      for j = 2, #alt do
+        local name = alt[j]
+        if limits[name] and alloc[name] + n <= limits[name] then pick = name; break end
+      end
+      if not pick then ok, why = false, alt[#alt]; break end
+      chosen[#chosen + 1] = pick
+      alloc[pick] = alloc[pick] + n   -- tentative: undone below if a later check refuses
+    end
+    if ok then
+      for name, n in pairs(a.b or {}) do
+        local st = bstate[name]
+        if n > 0 and st then
+          local avail = bucket_available(st.tat, now, st.interval)
+          if n > avail then
+            ok, why = false, name
+            retry = math.ceil(st.tat + n * st.interval - now)
+            if n > st.burst then retry = -1 end
+            break
+          end
+        end
+      end
+    end
+    -- undo the tentative pool takes, then apply for real when admitted
+    local k = 1
+    for _, alt in ipairs(a.p or {}) do
+      if chosen[k] then alloc[chosen[k]] = alloc[chosen[k]] - alt[1] end
+      k = k + 1
+    end
+    if ok then
+      k = 1
+      for _, alt in ipairs(a.p or {}) do
+        local name = chosen[k]
+        alloc[name] = alloc[name] + alt[1]
+        q[name] = q[name] + alt[1]
+        k = k + 1
+      end
+      for name, n in pairs(a.b or {}) do
+        local st = bstate[name]
+        if st then st.tat = st.tat + n * st.interval end
+      end
+      admits[i] = {1, '', 0, chosen}
+    else
+      admits[i] = {0, why, retry, {}}
+    end
+  end
+  reply.admits = admits
+
+  -- background grants (partial)
+  local grants = {}
+  for name, want in pairs(msg.grants or {}) do
+    local take = 0
+    if limits[name] then
+      take = math.max(0, math.min(want, limits[name] - alloc[name]))
+      alloc[name] = alloc[name] + take
+      q[name] = q[name] + take
+    elseif bstate[name] then
+      local st = bstate[name]
+      take = math.max(0, math.min(want, bucket_available(st.tat, now, st.interval)))
+      st.tat = st.tat + take * st.interval
+    end
+    grants[name] = take
+  end
+  reply.grants = grants
+
+  -- write back
+  local out_pools = {}
+  for name, _ in pairs(pools) do
+    local field = 'q|' .. name .. '|' .. pod
+    if q[name] ~= 0 then
+      redis.call('HSET', state, field, q[name])
+      held[#held + 1] = name
+    else
+      redis.call('HDEL', state, field)
+    end
+    redis.call('HSET', state, 'alloc|' .. name, alloc[name])
+    out_pools[name] = {q[name], alloc[name], limits[name]}
+  end
+  if #held > 0 then
+    redis.call('HSET', state, 'held|' .. pod, cjson.encode(held))
+  else
+    redis.call('HDEL', state, 'held|' .. pod)
+  end
+  local out_buckets = {}
+  for name, st in pairs(bstate) do
+    redis.call('HSET', state, 'tat|' .. name, fmt(st.tat))
+    out_buckets[name] = {bucket_available(st.tat, now, st.interval), st.burst}
+  end
+  reply.pools = out_pools
+  reply.buckets = out_buckets
+  local encoded = cjson.encode(reply)
+  redis.call('SET', opkey, encoded, 'EX', 30)
+  return encoded
+end
+
+-- a replica leaving cleanly (drain finished): its quotas go back at once
+local function kvg_leave(keys, args)
+  local state, live = keys[1], keys[2]
+  local pod = args[1]
+  redis.call('ZADD', live, 0, pod)
+  return reap(state, live, now_us())
+end
+
+-- an operator's view of one scope (read-only)
+local function kvg_peek(keys, args)
+  local state, live = keys[1], keys[2]
+  local now = now_us()
+  local out = {now = now, fields = redis.call('HGETALL', state),
+               live = redis.call('ZRANGE', live, 0, -1, 'WITHSCORES')}
+  return cjson.encode(out)
+end
+
+redis.register_function('kvg_sync', kvg_sync)
+redis.register_function('kvg_leave', kvg_leave)
+redis.register_function{function_name = 'kvg_peek', callback = kvg_peek, flags = {'no-writes'}}

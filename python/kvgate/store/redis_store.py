@@ -1,0 +1,1176 @@
+"""Limits shared by several gateway replicas through Redis (or Valkey), version 7.0 or later.
+
+How it works (README, "Several replicas"):
+
+- Every limit is a *scope* in Redis: a tenant (its concurrency pool and TPM bucket) or a
+  backend (its burst slot pool, one pool per tenant guarantee, its in-flight token budget, its
+  TPM bucket), all of a scope's keys under one hash tag (one Redis Cluster slot). The Redis
+  Function ``kvg_sync`` (``kvgate.lua``, loaded at start and again whenever Redis lost it) is
+  the only writer.
+- Each replica (one gateway process) holds *quotas*: units of each pool and pre-debited tokens
+  of each bucket. An admission that fits in what the replica holds is decided here, without
+  Redis (:meth:`RedisStore.try_admit`); below a low-water mark the replica asks for more in the
+  background. Near a limit (less than ``near_fraction`` of it free) the replica gives back what
+  it holds beyond its use and every admission is decided in Redis, atomically, coalesced with
+  the other requests of the same scope waiting at that moment: the decision at the boundary is
+  exact.
+- Every message re-asserts the replica's quotas (``q := what I hold``) with a sequence number:
+  lowering a quota is how units go back; a lost write, a call that timed out, or a Redis
+  restart without persistence is healed by the next message. A message older than one already
+  applied changes nothing, so a late delivery of a timed-out call cannot undo a newer one; every
+  message carries an operation id (its reply is kept 30 s), and the client never retries.
+- Unknown outcomes are counted the safe way: a grant is used only once its reply arrived;
+  tokens given back are dropped before the reply; an overrun is forgotten only once charged.
+- Heartbeats every ``heartbeat_s`` renew the replica's lease in each scope where it holds
+  anything; a replica silent for ``lease_ttl_s`` is reaped by the others (its quotas return, its
+  unused tokens count as spent). A replica whose own lease has run out (frozen, then woken)
+  admits nothing locally until Redis heard from it again; it re-asserts only what it still runs.
+- Adaptive scale: each replica proposes its backend's scale and shedding in its messages; the
+  effective scale is the lowest live proposal, shedding is on when any live replica sheds.
+- Redis slow or down: no request waits past ``deadline_ms``; after ``breaker_failures``
+  consecutive failures the breaker opens and each limit falls back by its policy (``share``,
+  ``strict``, ``open``, ``closed``); a probe every heartbeat closes it again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import secrets
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from kvgate.store import StoreRefusal
+
+__all__ = ["RedisStore", "StoreHold", "load_library", "scope_key"]
+
+logger = logging.getLogger("kvgate.store")
+
+LIBRARY = Path(__file__).with_name("kvgate.lua").read_text()
+LIBRARY_NAME = "kvgate"
+
+#: the pool kinds of ``kvgate.lua``
+PLAIN, SCALED, BURST, GUARANTEE = "p", "s", "b", "g"
+#: a rate at or above this is "no limit" (the gateway registers unlimited TPM as 2**40)
+UNLIMITED_RATE = 2**40
+
+
+def scope_key(prefix: str, kind: str, name: str) -> str:
+    """The hash-tagged key of a scope: ``{<prefix>:<t|b>:<name>}`` (every key of a scope hashes
+    to the same Redis Cluster slot)."""
+    return "{" + f"{prefix}:{kind}:{name}" + "}"
+
+
+async def load_library(client: Any, cluster: bool = False) -> None:
+    """Loads (or replaces) the ``kvgate`` Functions library on the server (every primary of a
+    cluster). Raises ``redis.exceptions.RedisError`` when it cannot."""
+    if cluster:
+        from redis.asyncio.cluster import RedisCluster
+
+        await client.function_load(LIBRARY, replace=True, target_nodes=RedisCluster.PRIMARIES)
+    else:
+        await client.function_load(LIBRARY, replace=True)
+
+
+class Pool:
+    """This replica's view of one pool of a scope (slots, or in-flight tokens).
+
+    Attributes:
+        scope: the scope it belongs to.
+        name: the pool's name in its scope (``conc``, ``burst``, ``g:<tenant>``, ``inflight``).
+        limit_name: the limit it enforces (a refusal reason).
+        kind: ``p`` plain, ``s`` scaled, ``b`` burst pool, ``g`` a tenant's guarantee.
+        base: the configured limit (slots or tokens); ``g``, ``gs``: a guarantee and the sum of
+            the guarantees on the backend (slots).
+        q: units this replica holds (its quota); ``in_use``: units its requests hold; ``rq``:
+            the quota Redis may record for it (re-asserted until a reply says 0).
+        limit, alloc: the effective limit and the sum of every replica's quota, as Redis last
+            said; ``near``: less than ``near_fraction`` of the limit is free.
+        taken: units taken since the last heartbeat (demand).
+    """
+
+    __slots__ = (
+        "alloc",
+        "base",
+        "g",
+        "gs",
+        "in_use",
+        "kind",
+        "limit",
+        "limit_name",
+        "name",
+        "near",
+        "q",
+        "rq",
+        "scope",
+        "taken",
+        "unit",
+    )
+
+    def __init__(
+        self,
+        scope: Scope,
+        name: str,
+        limit_name: str,
+        kind: str,
+        base: int,
+        g: int = 0,
+        gs: int = 0,
+    ) -> None:
+        self.scope = scope
+        self.name, self.limit_name, self.kind = name, limit_name, kind
+        self.base, self.g, self.gs = base, g, gs
+        self.q = self.in_use = self.alloc = self.taken = self.rq = 0
+        self.unit = 1  # units of the last request (tokens for an in-flight token budget)
+        self.limit = base if kind != GUARANTEE else g
+        self.near = False
+
+    def spec(self) -> dict[str, Any]:
+        """The pool as ``kvg_sync`` reads it."""
+        d: dict[str, Any] = {"l": self.base, "k": self.kind, "q": self.q}
+        if self.kind in (BURST, GUARANTEE):
+            d["gs"] = self.gs
+        if self.kind == GUARANTEE:
+            d["g"] = self.g
+        return d
+
+
+class Bucket:
+    """This replica's view of one token bucket of a scope.
+
+    Attributes:
+        scope: the scope it belongs to.
+        avail: pre-debited tokens this replica holds (negative: an overrun not yet charged).
+        rate, burst: tokens per minute and bucket size (tokens); ``scaled``: follows the
+            backend's adaptive scale.
+        global_avail: tokens the global bucket held at the last reply; ``near``: below
+            ``near_fraction`` of the burst.
+        taken: tokens taken since the last heartbeat (demand); ``chunk``: the grant size.
+        fallback: the replica's own bucket (its share) while Redis is away.
+    """
+
+    __slots__ = (
+        "avail",
+        "burst",
+        "chunk",
+        "fallback",
+        "global_avail",
+        "limit_name",
+        "name",
+        "near",
+        "rate",
+        "scaled",
+        "scope",
+        "taken",
+    )
+
+    def __init__(
+        self, scope: Scope, name: str, limit_name: str, rate: int, burst: int, scaled: bool
+    ) -> None:
+        self.scope = scope
+        self.name, self.limit_name = name, limit_name
+        self.rate, self.burst, self.scaled = rate, burst, scaled
+        self.avail = self.taken = 0
+        self.global_avail = burst
+        self.chunk = 0
+        self.near = False
+        self.fallback: Any = None
+
+    def spec(self, ret: int, debt: int) -> dict[str, Any]:
+        """The bucket as ``kvg_sync`` reads it."""
+        d: dict[str, Any] = {"r": self.rate, "b": self.burst}
+        if self.scaled:
+            d["sc"] = 1
+        if ret:
+            d["ret"] = ret
+        if debt:
+            d["debt"] = debt
+        return d
+
+
+@dataclass(slots=True)
+class _Admit:
+    """A request waiting for a decision in Redis (one scope's part of it)."""
+
+    scope: Scope
+    alts: list[tuple[int, list[Pool]]]
+    buckets: list[tuple[Bucket, int]]
+    future: asyncio.Future[Any]
+    taken: list[tuple[Pool, int]] = field(default_factory=list)
+    admitted: bool = False
+
+
+class Scope:
+    """One tenant's or one backend's limits, as this replica holds them."""
+
+    __slots__ = (
+        "admits",
+        "buckets",
+        "busy",
+        "epoch",
+        "hb_due",
+        "key",
+        "kind",
+        "lease_until",
+        "live",
+        "name",
+        "pools",
+        "scale",
+        "seq",
+        "shed",
+        "wake",
+    )
+
+    def __init__(self, prefix: str, kind: str, name: str) -> None:
+        self.kind, self.name = kind, name
+        self.key = scope_key(prefix, kind, name)
+        self.pools: dict[str, Pool] = {}
+        self.buckets: dict[str, Bucket] = {}
+        self.seq = 0
+        self.epoch: str | None = None
+        self.lease_until = 0.0
+        self.live = 1
+        self.scale = 1.0
+        self.shed = False
+        self.busy = False
+        self.wake = False
+        self.hb_due = False
+        self.admits: list[_Admit] = []
+
+    def holds(self) -> bool:
+        """Whether this replica holds anything in the scope (then it heartbeats there)."""
+        return any(p.q or p.in_use or p.rq for p in self.pools.values()) or any(
+            b.avail for b in self.buckets.values()
+        )
+
+
+@dataclass(slots=True)
+class _Part:
+    """One scope's share of a request: pool alternatives (units, pools tried in order) and
+    buckets (tokens)."""
+
+    scope: Scope
+    alts: list[tuple[bool, list[Pool]]]  # (counts tokens rather than one slot, pools)
+    buckets: list[Bucket]
+
+
+class StoreHold:
+    """What an admitted request holds in the store: units of pools and tokens of buckets."""
+
+    __slots__ = ("buckets", "pools")
+
+    def __init__(self, pools: list[tuple[Pool, int]], buckets: list[Bucket]) -> None:
+        self.pools = pools
+        self.buckets = buckets
+
+
+class _Breaker:
+    """The circuit breaker: open after ``limit`` consecutive failed calls; closed by the first
+    success."""
+
+    __slots__ = ("failures", "limit", "opened_at")
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.failures = 0
+        self.opened_at: float | None = None
+
+    def failed(self, now: float) -> bool:
+        """Counts a failure; whether it opened the breaker."""
+        self.failures += 1
+        if self.failures >= self.limit and self.opened_at is None:
+            self.opened_at = now
+            return True
+        return False
+
+    def succeeded(self) -> bool:
+        """Counts a success; whether it closed the breaker."""
+        was_open = self.opened_at is not None
+        self.failures = 0
+        self.opened_at = None
+        return was_open
+
+
+class RedisStore:
+    """The limits of every replica sharing one Redis (see the module docstring).
+
+    Args:
+        config: the ``store`` section (:class:`kvgate.config.StoreConfig`).
+        controller: the admission core (its base limits: ``backend_state``, ``tenant_state``).
+        client: a ready ``redis.asyncio`` client (tests); ``None``: made from ``config.url``.
+        metrics: the gateway's metrics (:class:`kvgate.metrics.GatewayMetrics`) or ``None``.
+        on_effective: called with ``(backend name, scale, shedding)`` when the scale or
+            shedding in force across the replicas changes.
+    """
+
+    mode = "redis"
+
+    def __init__(
+        self,
+        config: Any,
+        controller: Any,
+        *,
+        client: Any = None,
+        metrics: Any = None,
+        on_effective: Callable[[str, float, bool], None] | None = None,
+    ) -> None:
+        self.config = config
+        self.controller = controller
+        self.prefix = config.key_prefix
+        self.pod = f"{socket.gethostname()[:24]}-{os.getpid()}-{secrets.token_hex(3)}"
+        self._client = client
+        self._metrics = metrics
+        self._on_effective = on_effective
+        self.scopes: dict[str, Scope] = {}
+        self._active: set[Scope] = set()
+        self._parts: dict[tuple[int, int, bool], list[_Part]] = {}
+        self._breaker = _Breaker(config.breaker_failures)
+        self._ttl = config.ttl_s
+        self._deadline = config.deadline_ms / 1000.0
+        self._bg_deadline = config.background_deadline_ms / 1000.0
+        self._heartbeat_task: asyncio.Task[None] | None = None
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._props: dict[str, tuple[float, bool]] = {}
+        self._closed = False
+        self._loaded = False
+        self.calls = 0
+        self.failures: dict[str, int] = {"timeout": 0, "error": 0, "stale": 0}
+        self.amnesia = 0
+        self.reaped = 0
+        self.degraded_admissions = 0
+
+    # ---- set-up -----------------------------------------------------------------------------
+    def _make_client(self) -> Any:
+        from redis.asyncio.retry import Retry
+        from redis.backoff import NoBackoff
+
+        opts: dict[str, Any] = {
+            # no blind retries: a timed-out call may still run on the server
+            "retry": Retry(NoBackoff(), 0),
+            "socket_connect_timeout": max(self._bg_deadline, 0.5),
+        }
+        if self.config.cluster:
+            from redis.asyncio.cluster import RedisCluster
+
+            return RedisCluster.from_url(self.config.url, **opts)
+        import redis.asyncio as aioredis
+
+        return aioredis.Redis.from_url(self.config.url, health_check_interval=0, **opts)
+
+    async def start(self) -> None:
+        """Connects, loads the Functions library and starts the heartbeat. Redis unreachable at
+        start is not fatal: the replica starts degraded (its fallback policy; a replica that
+        never reached Redis holds no share) and keeps trying every heartbeat."""
+        if self._client is None:
+            self._client = self._make_client()
+        try:
+            async with asyncio.timeout(max(2.0, self._bg_deadline)):
+                await load_library(self._client, self.config.cluster)
+            self._loaded = True
+        except Exception as exc:
+            logger.error(
+                "store: cannot reach Redis at start (%s); limits use their fallback "
+                "policies until it answers",
+                exc,
+            )
+            self._breaker.opened_at = time.monotonic()
+            self._breaker.failures = self._breaker.limit
+            if self._metrics is not None:
+                self._metrics.store_breaker.set(1)
+        self._heartbeat_task = asyncio.get_running_loop().create_task(self._heartbeat())
+
+    async def close(self) -> None:
+        """Stops the heartbeat, gives back every quota this replica holds (one call per scope,
+        best effort within the background deadline) and disconnects."""
+        self._closed = True
+        if self._heartbeat_task is not None:
+            self._heartbeat_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._heartbeat_task
+        if self._client is None:
+            return
+        with contextlib.suppress(Exception):
+            async with asyncio.timeout(max(1.0, self._bg_deadline)):
+                for sc in self.scopes.values():
+                    if sc.epoch is not None:
+                        await self._client.fcall("kvg_leave", 2, sc.key, sc.key + ":live", self.pod)
+        with contextlib.suppress(Exception):
+            await self._client.aclose()
+
+    # ---- request plans ----------------------------------------------------------------------
+    def _scope(self, kind: str, name: str) -> Scope:
+        key = kind + name
+        sc = self.scopes.get(key)
+        if sc is None:
+            sc = self.scopes[key] = Scope(self.prefix, kind, name)
+        return sc
+
+    def _plan(self, backend: Any, tenant: Any, priority: str) -> list[_Part]:
+        """The scopes, pools and buckets a request of ``tenant`` on ``backend`` takes from, from
+        the core's base limits (cached until :meth:`reload`)."""
+        sheddable = priority == "sheddable"
+        key = (backend.id, tenant.id, sheddable)
+        parts = self._parts.get(key)
+        if parts is not None:
+            return parts
+        parts = []
+        ctl = self.controller
+        t = ctl.tenant_state(tenant.id)
+        if t["max_concurrency"] is not None or t["tokens_per_minute"] is not None:
+            sc = self._scope("t", tenant.name)
+            alts: list[tuple[bool, list[Pool]]] = []
+            buckets: list[Bucket] = []
+            if t["max_concurrency"] is not None:
+                pool = self._pool(sc, "conc", "tenant-concurrency", PLAIN, t["max_concurrency"])
+                alts.append((False, [pool]))
+            if t["tokens_per_minute"] is not None:
+                buckets.append(
+                    self._bucket(
+                        sc,
+                        "tpm",
+                        "tenant-tpm",
+                        t["tokens_per_minute"],
+                        t["burst_tokens"] or t["tokens_per_minute"],
+                        False,
+                    )
+                )
+            parts.append(_Part(sc, alts, buckets))
+        b = ctl.backend_state(backend.id)
+        sc = self._scope("b", backend.name)
+        base, gsum = b["max_concurrency"], b["guaranteed_slots"]
+        mine = t["guaranteed_slots"] if backend.id in t["guaranteed_backends"] else 0
+        slot_pools: list[Pool] = []
+        if mine and not sheddable:
+            slot_pools.append(
+                self._pool(
+                    sc, "g:" + tenant.name, "backend-slots", GUARANTEE, base, g=mine, gs=gsum
+                )
+            )
+        slot_pools.append(self._pool(sc, "burst", "backend-slots", BURST, base, gs=gsum))
+        alts = [(False, slot_pools)]
+        if b["inflight_token_limit"] is not None:
+            pool = self._pool(sc, "inflight", "inflight-tokens", SCALED, b["inflight_token_limit"])
+            alts.append((True, [pool]))
+        buckets = []
+        if b["tokens_per_minute"] < UNLIMITED_RATE:
+            buckets.append(
+                self._bucket(
+                    sc, "tpm", "backend-tpm", b["tokens_per_minute"], b["burst_tokens"], True
+                )
+            )
+        parts.append(_Part(sc, alts, buckets))
+        self._parts[key] = parts
+        return parts
+
+    def _pool(
+        self, sc: Scope, name: str, limit_name: str, kind: str, base: int, g: int = 0, gs: int = 0
+    ) -> Pool:
+        pool = sc.pools.get(name)
+        if pool is None:
+            pool = sc.pools[name] = Pool(sc, name, limit_name, kind, base, g, gs)
+        else:  # a reload changed the limit: keep what is held
+            pool.base, pool.g, pool.gs = base, g, gs
+        return pool
+
+    def _bucket(
+        self, sc: Scope, name: str, limit_name: str, rate: int, burst: int, scaled: bool
+    ) -> Bucket:
+        b = sc.buckets.get(name)
+        if b is None:
+            b = sc.buckets[name] = Bucket(sc, name, limit_name, rate, burst, scaled)
+        else:
+            b.rate, b.burst, b.scaled = rate, burst, scaled
+        return b
+
+    def reload(self) -> None:
+        """Forgets the request plans (a reload or a discovered engine limit changed the base
+        limits); what is held is kept and re-asserted with the new limits."""
+        self._parts.clear()
+
+    # ---- the local fast path ----------------------------------------------------------------
+    def try_admit(self, backend: Any, tenant: Any, priority: str, tokens: int) -> Any | None:
+        """A :class:`StoreHold` taken from this replica's quotas, without Redis, or ``None``
+        when one of them is short (then :meth:`admit`), the lease ran out, or Redis is away.
+
+        Args:
+            tokens: prompt + reserved completion (tokens).
+        """
+        if self._breaker.opened_at is not None:
+            return None
+        parts = self._plan(backend, tenant, priority)
+        now = time.monotonic()
+        picks: list[tuple[Pool, int]] = []
+        for part in parts:
+            got = self._local_picks(part, tokens, now)
+            if got is None:
+                return None
+            picks.extend(got)
+        return self._take(parts, picks, tokens)
+
+    @staticmethod
+    def _local_picks(part: _Part, tokens: int, now: float) -> list[tuple[Pool, int]] | None:
+        if now >= part.scope.lease_until:
+            return None
+        picks: list[tuple[Pool, int]] = []
+        for counts_tokens, pools in part.alts:
+            n = tokens if counts_tokens else 1
+            for pool in pools:
+                if pool.q - pool.in_use >= n:
+                    picks.append((pool, n))
+                    break
+            else:
+                return None
+        for b in part.buckets:
+            if b.avail < tokens:
+                return None
+        return picks
+
+    def _take(self, parts: list[_Part], picks: list[tuple[Pool, int]], tokens: int) -> StoreHold:
+        """Takes ``picks`` and ``tokens`` from every bucket of ``parts``; asks for more in the
+        background where what is left falls under the low-water mark."""
+        buckets: list[Bucket] = []
+        for pool, n in picks:
+            pool.in_use += n
+            pool.taken += n
+            pool.unit = n
+            if pool.q - pool.in_use < (self._headroom(pool) + 1) // 2:
+                self._kick(pool.scope)
+        for part in parts:
+            self._active.add(part.scope)
+            for b in part.buckets:
+                b.avail -= tokens
+                b.taken += tokens
+                if b.chunk == 0:
+                    b.chunk = self._first_chunk(b, tokens)
+                buckets.append(b)
+                if b.avail <= b.chunk // 3 and not b.near:
+                    self._kick(part.scope)
+        return StoreHold(picks, buckets)
+
+    def _headroom(self, pool: Pool) -> int:
+        """Units this replica keeps beyond its use: ``chunk_fraction`` of the limit ÷ live
+        replicas, at least one; none near the limit."""
+        if pool.near:
+            return 0
+        limit = pool.limit or pool.base
+        live = max(1, pool.scope.live)
+        share = int(self.config.chunk_fraction * limit / live)
+        # room for two requests of the last size, within half of this replica's even share
+        return max(1, min(max(share, 2 * pool.unit), limit // (2 * live)))
+
+    def release(self, hold: Any, reserved: int, actual: int) -> None:
+        """Gives back a :class:`StoreHold`: its slots and in-flight tokens at once (to this
+        replica's quota; what it holds beyond its use goes back to Redis with its next message,
+        at once near a limit) and ``reserved - actual`` tokens to each bucket (an overrun goes
+        below zero and is charged to the global bucket with the next message).
+
+        Args:
+            reserved: the tokens reserved at admission; ``actual``: the tokens charged.
+        """
+        if type(hold) is not StoreHold:
+            return
+        for pool, n in hold.pools:
+            pool.in_use = max(0, pool.in_use - n)
+            if pool.near:
+                self._kick(pool.scope)
+        diff = reserved - actual
+        for b in hold.buckets:
+            b.avail += diff
+            if diff < 0 or b.near:
+                self._kick(b.scope)
+
+    # ---- decisions in Redis -----------------------------------------------------------------
+    async def admit(self, backend: Any, tenant: Any, priority: str, tokens: int) -> Any:
+        """Admission when this replica's quotas are short: each short scope's part is decided
+        in Redis (coalesced with the scope's other waiting requests) within ``deadline_ms``; a
+        part that fits in what this replica holds is taken here. Redis away (breaker open,
+        deadline passed, error): the fallback policy decides.
+
+        Returns:
+            A :class:`StoreHold`, or a :class:`kvgate.store.StoreRefusal`.
+        """
+        parts = self._plan(backend, tenant, priority)
+        if self._breaker.opened_at is not None:
+            return self._fallback(parts, tokens)
+        now = time.monotonic()
+        local_parts: list[_Part] = []
+        local_picks: list[tuple[Pool, int]] = []
+        waits: list[_Admit] = []
+        loop = asyncio.get_running_loop()
+        for part in parts:
+            got = self._local_picks(part, tokens, now)
+            if got is not None:
+                local_parts.append(part)
+                local_picks.extend(got)
+                continue
+            alts = [(tokens if t else 1, pools) for t, pools in part.alts]
+            adm = _Admit(
+                part.scope, alts, [(b, tokens) for b in part.buckets], loop.create_future()
+            )
+            part.scope.admits.append(adm)
+            self._active.add(part.scope)
+            waits.append(adm)
+            self._kick(part.scope)
+        local = self._take(local_parts, local_picks, tokens)
+        answers: list[Any] = []
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(self._deadline):
+                answers = list(await asyncio.gather(*(a.future for a in waits)))
+        if len(answers) != len(waits) or any(a is None for a in answers):
+            # no answer in time, or an unknown outcome: the fallback decides
+            self._give_back(waits, local, tokens)
+            return self._fallback(parts, tokens)
+        for a in answers:
+            if isinstance(a, StoreRefusal):
+                self._give_back(waits, local, tokens)
+                return a
+        for adm in waits:
+            local.pools.extend(adm.taken)
+            for b, _ in adm.buckets:
+                b.taken += tokens
+                if b.chunk == 0:
+                    b.chunk = self._first_chunk(b, tokens)
+                local.buckets.append(b)
+        return local
+
+    def _first_chunk(self, b: Bucket, tokens: int) -> int:
+        """The grant size before a heartbeat measured the demand: eight requests of this size,
+        within ``chunk_fraction`` of the burst ÷ live replicas."""
+        share = int(self.config.chunk_fraction * b.burst / max(1, b.scope.live))
+        return max(1, min(8 * tokens, share))
+
+    def _give_back(self, waits: list[_Admit], local: StoreHold, tokens: int) -> None:
+        """A request that will not run: what it took goes back to this replica's quotas (and to
+        Redis with their next messages); parts still waiting leave their scopes' queues."""
+        self.release(local, tokens, 0)
+        for adm in waits:
+            with contextlib.suppress(ValueError):
+                adm.scope.admits.remove(adm)
+            if not adm.future.done():
+                adm.future.cancel()
+            if adm.admitted:  # admitted in Redis after all: the units become quota
+                self.release(StoreHold(adm.taken, [b for b, _ in adm.buckets]), tokens, 0)
+                adm.admitted = False
+
+    # ---- the fallback ------------------------------------------------------------------------
+    def _policy(self, limit_name: str) -> str:
+        policy = str(self.config.policy(limit_name))
+        opened = self._breaker.opened_at
+        if (
+            policy == "share"
+            and opened is not None
+            and time.monotonic() - opened > self.config.max_degraded_s
+        ):
+            return str(self.config.after_degraded)
+        return policy
+
+    def _fallback(self, parts: list[_Part], tokens: int) -> Any:
+        """The decision without Redis, by each limit's policy: ``open`` admits, ``closed``
+        refuses (``store-unavailable``), ``strict`` uses only what this replica holds,
+        ``share`` what it holds or its share of the limit (limit ÷ live replicas as Redis last
+        said; nothing for a scope Redis never answered for), whichever is more; tokens: what it
+        holds, then (``share``) its own bucket of the rate and burst ÷ live replicas."""
+        picks: list[tuple[Pool, int]] = []
+        shares: list[tuple[_Part, Bucket]] = []
+        for part in parts:
+            sc = part.scope
+            live = max(1, sc.live)
+            for counts_tokens, pools in part.alts:
+                n = tokens if counts_tokens else 1
+                chosen = None
+                for pool in pools:
+                    policy = self._policy(pool.limit_name)
+                    if policy == "closed":
+                        return self._unavailable()
+                    if policy == "open":
+                        chosen = pool
+                        break
+                    ceiling = pool.q
+                    if policy == "share" and sc.epoch is not None:
+                        ceiling = max(pool.q, (pool.limit or pool.base) // live)
+                    if pool.in_use + n <= ceiling:
+                        chosen = pool
+                        break
+                if chosen is None:
+                    if sc.epoch is None and pool.q == 0:
+                        return self._unavailable()
+                    return StoreRefusal(
+                        pools[-1].limit_name,
+                        scope=_scope_of(sc),
+                        retry_after=self.config.heartbeat_s,
+                    )
+                picks.append((chosen, n))
+            for b in part.buckets:
+                policy = self._policy(b.limit_name)
+                if policy == "closed":
+                    return self._unavailable()
+                if policy == "open" or b.avail >= tokens:
+                    continue
+                if policy == "strict" or sc.epoch is None:
+                    return StoreRefusal(
+                        b.limit_name, scope=_scope_of(sc), retry_after=self.config.heartbeat_s
+                    )
+                if b.fallback is None:
+                    from kvgate import TokenBucket
+
+                    b.fallback = TokenBucket(max(1, b.rate // live), max(1, b.burst // live))
+                shares.append((part, b))
+        for part, b in shares:
+            fb = b.fallback
+            if tokens > fb.burst_tokens or not fb.try_reserve(tokens):
+                retry = fb.retry_after(tokens) if tokens <= fb.burst_tokens else None
+                for _, b2 in shares:  # give back the shares already taken
+                    if b2 is b:
+                        break
+                    b2.fallback.reconcile(tokens, 0)
+                return StoreRefusal(
+                    b.limit_name,
+                    scope=_scope_of(part.scope),
+                    retry_after=retry if retry else self.config.heartbeat_s,
+                )
+        for _, b in shares:
+            b.avail += tokens  # the share's tokens, taken below like a grant
+        self.degraded_admissions += 1
+        if self._metrics is not None:
+            self._metrics.store_degraded.inc()
+        return self._take(parts, picks, tokens)
+
+    def _unavailable(self) -> StoreRefusal:
+        return StoreRefusal(
+            "store-unavailable", scope="backend", retry_after=self.config.heartbeat_s
+        )
+
+    def _opened(self) -> None:
+        logger.warning(
+            "store: Redis unreachable (%d failed calls in a row); limits fall back to their "
+            "policies (default %s)",
+            self._breaker.failures,
+            self.config.on_failure,
+        )
+        if self._metrics is not None:
+            self._metrics.store_breaker.set(1)
+
+    def _closed_again(self) -> None:
+        logger.warning("store: Redis reachable again; limits are shared again")
+        if self._metrics is not None:
+            self._metrics.store_breaker.set(0)
+        for sc in self.scopes.values():
+            for b in sc.buckets.values():
+                b.fallback = None
+
+    # ---- the lanes: one message in flight per scope -------------------------------------------
+    def _kick(self, sc: Scope) -> None:
+        """Something to tell Redis about ``sc``: send now, or right after the message in
+        flight (whatever accumulated meanwhile goes in one message: coalescing)."""
+        if sc.busy:
+            sc.wake = True
+            return
+        if self._breaker.opened_at is not None and not sc.hb_due:
+            return
+        sc.busy = True
+        task = asyncio.get_running_loop().create_task(self._lane(sc))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _lane(self, sc: Scope) -> None:
+        try:
+            while True:
+                sc.wake = False
+                built = self._compose(sc)
+                if built is None:
+                    break
+                await self._send(sc, *built)
+                if not (sc.wake or sc.admits) or self._breaker.opened_at is not None:
+                    break
+        except Exception:  # a lane must never die with ``busy`` set
+            logger.exception("store: lane %s failed", sc.key)
+        finally:
+            sc.busy = False
+            for adm in sc.admits if self._breaker.opened_at is not None else ():
+                if not adm.future.done():
+                    adm.future.set_result(None)
+            if self._breaker.opened_at is not None:
+                sc.admits.clear()
+
+    def _compose(self, sc: Scope) -> tuple[dict[str, Any], list[_Admit], dict[str, int]] | None:
+        """The next message of ``sc``: re-asserted quotas (lowered where this replica holds
+        more than its headroom), returned and overrun tokens, background grants, the waiting
+        admissions, the heartbeat; ``None`` when there is nothing to say."""
+        now = time.monotonic()
+        expired = sc.epoch is not None and now >= sc.lease_until
+        admits = sc.admits
+        say = sc.hb_due or bool(admits) or expired
+        pools: dict[str, Any] = {}
+        grants: dict[str, int] = {}
+        for name, pool in sc.pools.items():
+            before = pool.q
+            if expired:  # our lease ran out (frozen?): re-assert only what runs
+                pool.q = pool.in_use
+            pool.q = max(pool.q, pool.in_use)  # degraded admissions are re-asserted
+            busy = pool.taken or pool.in_use or admits
+            h = self._headroom(pool) if busy else 0
+            free = pool.q - pool.in_use
+            if h == 0:
+                pool.q = pool.in_use
+            elif free > 2 * h:
+                pool.q = pool.in_use + h
+            elif free < (h + 1) // 2:
+                grants[name] = h - free
+            if pool.q != before or pool.q != pool.rq or name in grants:
+                say = True
+            if pool.q or pool.in_use or pool.rq or name in grants:
+                pools[name] = pool.spec()
+                pool.rq = max(pool.rq, pool.q)
+        buckets: dict[str, Any] = {}
+        debts: dict[str, int] = {}
+        for name, b in sc.buckets.items():
+            if expired and b.avail > 0:
+                b.avail = 0  # counted as spent by the replicas that reaped us
+            ret = debt = 0
+            c = b.chunk
+            if b.avail < 0:
+                debt = debts[name] = -b.avail
+            elif b.near or c == 0:
+                ret = b.avail
+            elif b.avail > 2 * c:
+                ret = b.avail - c
+            elif b.avail <= c // 3:
+                grants[name] = c - b.avail
+            if ret:
+                b.avail -= ret  # given back before the reply: an unknown outcome loses them
+            if ret or debt or name in grants:
+                say = True
+            buckets[name] = b.spec(ret, debt)
+        if not say:
+            return None
+        sc.admits = []
+        sc.hb_due = False
+        sc.seq += 1
+        msg: dict[str, Any] = {
+            "pod": self.pod,
+            "seq": sc.seq,
+            "ttl": int(self._ttl * 1e6),
+            "epoch": secrets.token_hex(8),
+            "pools": pools,
+            "buckets": buckets,
+        }
+        if grants:
+            msg["grants"] = grants
+        if sc.kind == "b":
+            scale, shed = self._props.get(sc.name, (1.0, False))
+            msg["scale"] = scale
+            msg["shed"] = shed
+        if admits:
+            batch = []
+            for adm in admits:
+                for _, ps in adm.alts:
+                    for p in ps:
+                        if p.name not in pools:
+                            pools[p.name] = p.spec()
+                entry: dict[str, Any] = {"p": [[n, *(p.name for p in ps)] for n, ps in adm.alts]}
+                if adm.buckets:
+                    entry["b"] = {b.name: n for b, n in adm.buckets}
+                batch.append(entry)
+            msg["admits"] = batch
+        return msg, admits, debts
+
+    async def _send(
+        self, sc: Scope, msg: dict[str, Any], admits: list[_Admit], debts: dict[str, int]
+    ) -> None:
+        client = self._client
+        sent = time.monotonic()
+        deadline = self._deadline if admits else self._bg_deadline
+        key = sc.key
+        op = f"{key}:op:{self.pod}:{msg['seq']}"
+        self.calls += 1
+        kind = None
+        raw: Any = None
+        try:
+            async with asyncio.timeout(deadline):
+                raw = await client.fcall("kvg_sync", 3, key, key + ":live", op, orjson.dumps(msg))
+        except TimeoutError:
+            kind = "timeout"
+        except Exception as exc:
+            kind = "error"
+            text = str(exc).lower()
+            if "function" in text and ("not found" in text or "no such" in text):
+                # Redis restarted without its data: load the library for the next message
+                with contextlib.suppress(Exception):
+                    async with asyncio.timeout(self._bg_deadline):
+                        await load_library(client, self.config.cluster)
+            logger.debug("store: call to %s failed: %s", key, exc)
+        if self._metrics is not None:
+            self._metrics.store_call_seconds.observe(time.monotonic() - sent)
+        if kind is None:
+            reply = orjson.loads(raw)
+            if reply.get("stale"):
+                kind = "stale"
+        if kind is not None:
+            self.failures[kind] += 1
+            if self._metrics is not None:
+                self._metrics.store_failures.labels(kind).inc()
+            for adm in admits:
+                if not adm.future.done():
+                    adm.future.set_result(None)  # unknown outcome: the caller falls back
+            if self._breaker.failed(time.monotonic()):
+                self._opened()
+            return
+        if self._breaker.succeeded():
+            self._closed_again()
+        self._apply(sc, reply, sent, admits, debts)
+
+    def _apply(
+        self,
+        sc: Scope,
+        reply: dict[str, Any],
+        sent: float,
+        admits: list[_Admit],
+        debts: dict[str, int],
+    ) -> None:
+        """A reply: the quotas and limits as Redis holds them, grants, the decisions."""
+        epoch = reply.get("epoch")
+        if sc.epoch is not None and epoch != sc.epoch:
+            self.amnesia += 1
+            logger.warning(
+                "store: Redis lost scope %s (restart or flush); this replica's "
+                "holdings were re-asserted",
+                sc.key,
+            )
+            if self._metrics is not None:
+                self._metrics.store_amnesia.inc()
+        sc.epoch = epoch
+        sc.live = max(1, int(reply.get("live") or 1))
+        reaped = int(reply.get("reaped") or 0)
+        if reaped:
+            self.reaped += reaped
+            if self._metrics is not None:
+                self._metrics.store_reaped.inc(reaped)
+        sc.lease_until = sent + self._ttl * 0.9
+        if sc.kind == "b":
+            scale, shed = float(reply.get("scale") or 1.0), bool(reply.get("shed"))
+            if (scale, shed) != (sc.scale, sc.shed):
+                sc.scale, sc.shed = scale, shed
+                if self._on_effective is not None:
+                    self._on_effective(sc.name, *self.effective(sc.name))
+        near_f = self.config.near_fraction
+        for name, (q, alloc, limit) in (reply.get("pools") or {}).items():
+            pool = sc.pools.get(name)
+            if pool is None:
+                continue
+            pool.q = pool.rq = int(q)
+            pool.alloc, pool.limit = int(alloc), int(limit)
+            pool.near = pool.limit - pool.alloc < max(near_f * pool.limit, sc.live)
+        for name, (avail, burst) in (reply.get("buckets") or {}).items():
+            b = sc.buckets.get(name)
+            if b is not None:
+                b.global_avail = int(avail)
+                b.near = b.global_avail < max(near_f * burst, sc.live * b.chunk)
+        for name, debt in debts.items():
+            b = sc.buckets.get(name)
+            if b is not None:
+                b.avail += debt  # charged now
+        for name, n in (reply.get("grants") or {}).items():
+            b = sc.buckets.get(name)
+            if b is not None:
+                b.avail += int(n)
+        results = reply.get("admits") or []
+        if isinstance(results, dict):  # cjson writes an empty list as {}
+            results = []
+        for adm, res in zip(admits, results, strict=False):
+            ok, why, retry_us, chosen = res[0], res[1], res[2], res[3] or []
+            if ok:
+                by_name = {p.name: p for _, ps in adm.alts for p in ps}
+                for (n, _), pname in zip(adm.alts, chosen, strict=False):
+                    pool = by_name[pname]
+                    pool.in_use += n  # taken for this request here: no one can take it first
+                    pool.taken += n
+                    pool.unit = n
+                    adm.taken.append((pool, n))
+                adm.admitted = True
+                if adm.future.done():  # its caller gave up: the units become quota
+                    self.release(
+                        StoreHold(adm.taken, [b for b, _ in adm.buckets]),
+                        adm.buckets[0][1] if adm.buckets else 0,
+                        0,
+                    )
+                    adm.admitted = False
+                else:
+                    adm.future.set_result(True)
+            elif not adm.future.done():
+                adm.future.set_result(self._refusal(sc, adm, why, retry_us))
+        for adm in admits[len(results) :]:
+            if not adm.future.done():
+                adm.future.set_result(None)
+
+    def _refusal(self, sc: Scope, adm: _Admit, why: str, retry_us: float) -> StoreRefusal:
+        limit_name = why
+        for _, ps in adm.alts:
+            for p in ps:
+                if p.name == why:
+                    limit_name = p.limit_name
+        for b, _ in adm.buckets:
+            if b.name == why:
+                limit_name = b.limit_name
+        if retry_us == -1:
+            return StoreRefusal(limit_name, scope=_scope_of(sc), retry_after=None, never=True)
+        retry = retry_us / 1e6 if retry_us > 0 else self.config.heartbeat_s / 2
+        return StoreRefusal(limit_name, scope=_scope_of(sc), retry_after=max(0.001, retry))
+
+    # ---- adaptive scale ------------------------------------------------------------------------
+    def propose(self, backend: str, scale: float, shedding: bool) -> tuple[float, bool]:
+        """Records this replica's adaptive scale (0 < scale <= 1) and shedding flag for
+        ``backend`` (sent with its next message) and returns the ones in force
+        (:meth:`effective`)."""
+        self._props[backend] = (scale, shedding)
+        return self.effective(backend)
+
+    def effective(self, backend: str) -> tuple[float, bool]:
+        """The scale and shedding in force for ``backend``: the lowest scale and any shedding
+        among the live replicas' proposals (as Redis last said) and this replica's own."""
+        own = self._props.get(backend, (1.0, False))
+        sc = self.scopes.get("b" + backend)
+        if sc is None or sc.epoch is None:
+            return own
+        return min(own[0], sc.scale), own[1] or sc.shed
+
+    # ---- heartbeat ------------------------------------------------------------------------------
+    async def _heartbeat(self) -> None:
+        period = self.config.heartbeat_s
+        while not self._closed:
+            await asyncio.sleep(period)
+            try:
+                self.tick()
+            except Exception:
+                logger.exception("store: heartbeat failed")
+
+    def tick(self) -> None:
+        """One heartbeat: each active scope's demand measured, grant sizes set, and a message
+        sent where this replica holds anything (its lease renewed) or proposes a scale."""
+        period = self.config.heartbeat_s
+        for sc in list(self._active):
+            for b in sc.buckets.values():
+                rate = b.taken / period
+                b.taken = 0
+                share = int(self.config.chunk_fraction * b.burst / max(1, sc.live))
+                b.chunk = 0 if rate == 0 else max(1, min(int(rate * period * 2), share))
+            used = False
+            for p in sc.pools.values():
+                used = used or p.taken > 0
+                p.taken = 0
+            if not (used or sc.holds() or sc.admits or (sc.kind == "b" and sc.name in self._props)):
+                self._active.discard(sc)
+                continue
+            sc.hb_due = True
+            self._kick(sc)
+        for name in self._props:  # backends this replica proposes a scale for
+            sc = self._scope("b", name)
+            if sc not in self._active:
+                self._active.add(sc)
+                sc.hb_due = True
+                self._kick(sc)
+        if not self._loaded and self._client is not None:
+            task = asyncio.get_running_loop().create_task(self._load_again())
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _load_again(self) -> None:
+        with contextlib.suppress(Exception):
+            async with asyncio.timeout(self._bg_deadline):
+                await load_library(self._client, self.config.cluster)
+            self._loaded = True
+            if self._breaker.succeeded():
+                self._closed_again()
+
+    # ---- state ---------------------------------------------------------------------------------
+    def stranded(self) -> tuple[int, int]:
+        """(slots, tokens) this replica holds beyond its use: capacity other replicas cannot
+        take until it goes back."""
+        slots = tokens = 0
+        for sc in self._active:
+            for p in sc.pools.values():
+                if p.limit_name == "inflight-tokens":
+                    tokens += max(0, p.q - p.in_use)
+                else:
+                    slots += max(0, p.q - p.in_use)
+            for b in sc.buckets.values():
+                tokens += max(0, b.avail)
+        return slots, tokens
+
+    def scope_mode(self, sc: Scope) -> str:
+        """``local`` (decided from held quotas), ``near-limit`` (decided in Redis),
+        ``degraded`` (Redis away: the fallback policy) or ``learning`` (no reply yet)."""
+        if self._breaker.opened_at is not None:
+            return "degraded"
+        if sc.epoch is None:
+            return "learning"
+        if any(p.near for p in sc.pools.values()) or any(b.near for b in sc.buckets.values()):
+            return "near-limit"
+        return "local"
+
+    def modes(self) -> dict[tuple[str, str], int]:
+        """``{(scope kind, mode): scopes}`` over the active scopes (a metric)."""
+        out: dict[tuple[str, str], int] = {}
+        for sc in self._active:
+            key = ("tenant" if sc.kind == "t" else "backend", self.scope_mode(sc))
+            out[key] = out.get(key, 0) + 1
+        return out
+
+    def state(self) -> dict[str, Any]:
+        """``/admin/state``'s ``store`` entry: this replica's id, the breaker, counters, and
+        each active scope's mode, live replicas, scale and what is held."""
+        now = time.monotonic()
+        scopes = {}
+        for sc in self._active:
+            scopes[sc.key] = {
+                "mode": self.scope_mode(sc),
+                "live_replicas": sc.live,
+                "scale": sc.scale,
+                "shedding": sc.shed,
+                "lease_left_s": round(max(0.0, sc.lease_until - now), 3),
+                "pools": {
+                    n: {
+                        "quota": p.q,
+                        "in_use": p.in_use,
+                        "limit": p.limit,
+                        "allocated": p.alloc,
+                        "near": p.near,
+                    }
+                    for n, p in sc.pools.items()
+                },
+                "buckets": {
+                    n: {
+                        "held_tokens": b.avail,
+                        "global_available": b.global_avail,
+                        "grant": b.chunk,
+                        "near": b.near,
+                    }
+                    for n, b in sc.buckets.items()
+                },
+            }
+        slots, tokens = self.stranded()
+        return {
+            "mode": "redis",
+            "replica": self.pod,
+            "breaker": "open" if self._breaker.opened_at is not None else "closed",
+            "calls": self.calls,
+            "failures": dict(self.failures),
+            "reaped_replicas": self.reaped,
+            "amnesia": self.amnesia,
+            "degraded_admissions": self.degraded_admissions,
+            "stranded_slots": slots,
+            "stranded_tokens": tokens,
+            "scopes": scopes,
+        }
+
+
+def _scope_of(sc: Scope) -> str:
+    """The refusal scope of a limit of ``sc``: ``tenant`` (429) or ``backend`` (503)."""
+    return "tenant" if sc.kind == "t" else "backend"
