@@ -484,8 +484,8 @@ class StoreConfig(_Model):
     — near a limit — for each decision.
 
     Attributes:
-        url: ``redis://[:password@]host:port/db``, ``rediss://`` (TLS) or
-            ``unix:///path/to.sock``; a password may be given as ``${ENV}`` in the URL.
+        url: ``redis://[[user]:password@]host:port/db``, ``rediss://`` (TLS) or
+            ``unix:///path/to.sock`` (Valkey speaks the same protocol).
         cluster: the URL names one node of a Redis Cluster.
         key_prefix: the prefix of every key kvgate writes (inside the hash tag).
         deadline_ms: the longest a request waits on Redis (milliseconds): a decision taken in
@@ -531,7 +531,7 @@ class StoreConfig(_Model):
     @classmethod
     def _url_ok(cls, value: str) -> str:
         scheme = value.split("://", 1)[0] if "://" in value else ""
-        if scheme not in ("redis", "rediss", "unix", "valkey", "valkeys"):
+        if scheme not in ("redis", "rediss", "unix"):
             raise ValueError(
                 "must be a redis://host:port/db, rediss://… or unix:///path URL (got "
                 f"{value.split('@')[-1]!r})"

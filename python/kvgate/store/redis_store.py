@@ -1174,3 +1174,73 @@ class RedisStore:
 def _scope_of(sc: Scope) -> str:
     """The refusal scope of a limit of ``sc``: ``tenant`` (429) or ``backend`` (503)."""
     return "tenant" if sc.kind == "t" else "backend"
+
+
+async def check_server(config: Any, wait_s: float = 5.0) -> tuple[list[str], list[str]]:
+    """What ``kvgate check-config`` says of the ``store`` server: ``(problems, notes)``.
+
+    Problems (the gateway would not share its limits): the server cannot be reached within
+    ``wait_s`` seconds, is older than Redis 7.0 (no Functions), or refuses to load the
+    ``kvgate`` Functions library. Notes: the server's version, and a warning when its
+    ``maxmemory-policy`` is not ``noeviction`` (an evicted key forgets what replicas hold: limits
+    would be exceeded) or cannot be read (managed services often disable ``CONFIG``).
+    """
+    from redis.asyncio.retry import Retry
+    from redis.backoff import NoBackoff
+
+    problems: list[str] = []
+    notes: list[str] = []
+    opts: dict[str, Any] = {"retry": Retry(NoBackoff(), 0), "socket_connect_timeout": wait_s}
+    if config.cluster:
+        from redis.asyncio.cluster import RedisCluster
+
+        client: Any = RedisCluster.from_url(config.url, **opts)
+    else:
+        import redis.asyncio as aioredis
+
+        client = aioredis.Redis.from_url(config.url, **opts)
+    where = config.url.rsplit("@", 1)[-1]
+    try:
+        async with asyncio.timeout(wait_s):
+            info = await client.info("server")
+            if config.cluster:  # one answer per node: any node's is representative
+                info = (
+                    next(iter(info.values()))
+                    if isinstance(info, dict)
+                    and info
+                    and all(isinstance(v, dict) for v in info.values())
+                    else info
+                )
+            version = str(info.get("redis_version", "?"))
+            notes.append(f"store: Redis {version} at {where}")
+            major = int(version.split(".")[0]) if version[:1].isdigit() else 0
+            if major < 7:
+                problems.append(
+                    f"store.url: Redis {version} has no Functions; kvgate needs 7.0 or later"
+                )
+                return problems, notes
+            try:
+                await load_library(client, config.cluster)
+            except Exception as exc:
+                problems.append(f"store.url: cannot load kvgate's Functions library: {exc}")
+            try:
+                policy = await client.config_get("maxmemory-policy")
+                if config.cluster and policy and all(isinstance(v, dict) for v in policy.values()):
+                    policy = next(iter(policy.values()))
+                value = policy.get("maxmemory-policy")
+                if value != "noeviction":
+                    notes.append(
+                        f"warning: store: maxmemory-policy is {value!r}: set it to 'noeviction' "
+                        "(an evicted key forgets what the replicas hold and limits are exceeded)"
+                    )
+            except Exception:
+                notes.append(
+                    "warning: store: cannot read maxmemory-policy (CONFIG disabled?); make sure "
+                    "it is 'noeviction'"
+                )
+    except Exception as exc:
+        problems.append(f"store.url: cannot reach Redis at {where}: {exc or type(exc).__name__}")
+    finally:
+        with contextlib.suppress(Exception):
+            await client.aclose()
+    return problems, notes
