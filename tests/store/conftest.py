@@ -14,6 +14,7 @@ from tests.store.redis_servers import (
     require_redis,
     start_cluster,
     start_redis,
+    start_replica_pair,
 )
 
 
@@ -32,3 +33,12 @@ def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisClu
     require_redis()
     with start_cluster(tmp_path_factory.mktemp("redis-cluster")) as cluster:
         yield cluster
+
+
+@pytest.fixture
+def redis_replica_pair(tmp_path: Path) -> Iterator[tuple[RedisServer, RedisServer]]:
+    """``(primary, replica)`` for one test, the replica past its first sync; both stopped
+    after it (:func:`tests.store.redis_servers.promote` fails over)."""
+    require_redis()
+    with start_replica_pair(tmp_path / "pair") as pair:
+        yield pair

@@ -17,7 +17,6 @@ from tests.store.redis_servers import (
     promote,
     require_redis,
     start_redis,
-    start_replica_pair,
     wait_until,
 )
 
@@ -124,21 +123,22 @@ def test_appendonly_keeps_fsynced_writes_across_a_restart(tmp_path: Path) -> Non
         assert c.get("k") is None
 
 
-def test_replica_pair_replicates_and_promote_makes_it_writable(tmp_path: Path) -> None:
-    require_redis()
-    with start_replica_pair(tmp_path) as (primary, replica):
-        assert info(replica.client(), "replication")["master_link_status"] == "up"
-        p, r = primary.client(), replica.client()
-        p.set("k", "from-primary")
-        p.execute_command("WAIT", 1, 5000)  # acknowledged by the replica
-        assert r.get("k") == "from-primary"
-        with pytest.raises(redis.exceptions.ReadOnlyError):
-            r.set("k", "no")
-        primary.kill()
-        promote(replica)
-        assert r.set("k", "after-failover")
-        assert r.get("k") == "after-failover"
-        assert info(r, "replication")["role"] == "master"
+def test_replica_pair_replicates_and_promote_makes_it_writable(
+    redis_replica_pair: tuple[RedisServer, RedisServer],
+) -> None:
+    primary, replica = redis_replica_pair
+    assert info(replica.client(), "replication")["master_link_status"] == "up"
+    p, r = primary.client(), replica.client()
+    p.set("k", "from-primary")
+    p.execute_command("WAIT", 1, 5000)  # acknowledged by the replica
+    assert r.get("k") == "from-primary"
+    with pytest.raises(redis.exceptions.ReadOnlyError):
+        r.set("k", "no")
+    primary.kill()
+    promote(replica)
+    assert r.set("k", "after-failover")
+    assert r.get("k") == "after-failover"
+    assert info(r, "replication")["role"] == "master"
 
 
 def test_cluster_serves_keys_on_every_node(redis_cluster: RedisClusterServers) -> None:
