@@ -75,7 +75,9 @@ async def load_library(client: Any, cluster: bool = False) -> None:
     if cluster:
         from redis.asyncio.cluster import RedisCluster
 
-        await client.function_load(LIBRARY, replace=True, target_nodes=RedisCluster.PRIMARIES)
+        await client.execute_command(
+            "FUNCTION", "LOAD", "REPLACE", LIBRARY, target_nodes=RedisCluster.PRIMARIES
+        )
     else:
         await client.function_load(LIBRARY, replace=True)
 
@@ -206,6 +208,8 @@ class _Admit:
     future: asyncio.Future[Any]
     taken: list[tuple[Pool, int]] = field(default_factory=list)
     admitted: bool = False
+    #: admitted from this replica's own quota and tokens, not in Redis
+    local: bool = False
 
 
 class Scope:
@@ -675,9 +679,9 @@ class RedisStore:
     def _fallback(self, parts: list[_Part], tokens: int) -> Any:
         """The decision without Redis, by each limit's policy: ``open`` admits, ``closed``
         refuses (``store-unavailable``), ``strict`` uses only what this replica holds,
-        ``share`` what it holds or its share of the limit (limit ÷ live replicas as Redis last
-        said; nothing for a scope Redis never answered for), whichever is more; tokens: what it
-        holds, then (``share``) its own bucket of the rate and burst ÷ live replicas."""
+        ``share`` its share of the limit (limit ÷ live replicas as Redis last said; nothing for
+        a scope Redis never answered for; what it already runs above that continues); tokens:
+        what it holds, then (``share``) its own bucket of the rate and burst ÷ live replicas."""
         picks: list[tuple[Pool, int]] = []
         shares: list[tuple[_Part, Bucket]] = []
         for part in parts:
@@ -694,8 +698,9 @@ class RedisStore:
                         chosen = pool
                         break
                     ceiling = pool.q
-                    if policy == "share" and sc.epoch is not None:
-                        ceiling = max(pool.q, (pool.limit or pool.base) // live)
+                    if policy == "share":
+                        # its share, known only once Redis answered for this scope
+                        ceiling = (pool.limit or pool.base) // live if sc.epoch else 0
                     if pool.in_use + n <= ceiling:
                         chosen = pool
                         break
@@ -806,6 +811,9 @@ class RedisStore:
         admissions, the heartbeat; ``None`` when there is nothing to say."""
         now = time.monotonic()
         expired = sc.epoch is not None and now >= sc.lease_until
+        if sc.admits and not expired:
+            # quota that arrived since they queued (a grant, a release) serves them here
+            sc.admits = [adm for adm in sc.admits if not self._serve_locally(adm)]
         admits = sc.admits
         say = sc.hb_due or bool(admits) or expired
         pools: dict[str, Any] = {}
@@ -881,6 +889,33 @@ class RedisStore:
                 batch.append(entry)
             msg["admits"] = batch
         return msg, admits, debts
+
+    def _serve_locally(self, adm: _Admit) -> bool:
+        """Admits a waiting request from this replica's own quota when it has room now;
+        whether it did (then its waiter is answered)."""
+        if adm.future.done():
+            return True  # its caller gave up: nothing to decide
+        picks: list[tuple[Pool, int]] = []
+        for n, pools in adm.alts:
+            for pool in pools:
+                if pool.q - pool.in_use >= n:
+                    picks.append((pool, n))
+                    break
+            else:
+                return False
+        if any(b.avail < n for b, n in adm.buckets):
+            return False
+        for pool, n in picks:
+            pool.in_use += n
+            pool.taken += n
+            pool.unit = n
+        for b, n in adm.buckets:
+            b.avail -= n  # from the tokens this replica holds, not from the global bucket
+        adm.taken = picks
+        adm.admitted = True
+        adm.local = True
+        adm.future.set_result(True)
+        return True
 
     async def _send(
         self, sc: Scope, msg: dict[str, Any], admits: list[_Admit], debts: dict[str, int]
