@@ -111,14 +111,18 @@ async def test_steady_state_exact_at_the_limit_and_local_below_it(
         a, b = await user(reps, "a"), await user(reps, "b")
         # the engine never ran more than the limit for a, across the three replicas
         assert a["peak_in_flight"] <= 6, a
-        assert loads["a"].counts["200"] > 0 and loads["a"].counts["429"] > 0, loads["a"]
+        assert loads["a"].counts["200"] > 0, loads["a"]
+        assert loads["a"].counts["429"] > 0, loads["a"]
         # b, far below its limit, is never refused
-        assert loads["b"].counts["429"] == 0 and loads["b"].counts["200"] > 0, loads["b"]
+        assert loads["b"].counts["429"] == 0, loads["b"]
+        assert loads["b"].counts["200"] > 0, loads["b"]
         assert b["peak_in_flight"] <= 40
-        assert loads["a"].counts["other"] == 0 and loads["b"].counts["other"] == 0
+        assert loads["a"].counts["other"] == 0
+        assert loads["b"].counts["other"] == 0
         # Redis's books balance: the allocation is the sum of the replicas' quotas
         alloc, quotas = redis_pool(redis_server, "{kvg:t:a}", "conc")
-        assert alloc == quotas and alloc <= 6, (alloc, quotas)
+        assert alloc == quotas, (alloc, quotas)
+        assert alloc <= 6, (alloc, quotas)
         states = [await reps.admin_state(i) for i in range(3)]
         assert all(s["store"]["breaker"] == "closed" for s in states)
         assert sum(s["store"]["failures"]["error"] for s in states) == 0
@@ -151,7 +155,8 @@ async def hold_within(
         while True:
             before = (await user(reps, tenant)).get("in_flight", 0)
             task = asyncio.create_task(post_chat(reps.url(i), key, tenant, 300, reps.model))
-            while not task.done() and (await user(reps, tenant)).get("in_flight", 0) <= before:
+            # the engine is polled (its count is the judge), not notified
+            while not task.done() and (await user(reps, tenant)).get("in_flight", 0) <= before:  # noqa: ASYNC110
                 await asyncio.sleep(0.02)
             if not task.done():
                 tasks.append(task)
@@ -249,7 +254,7 @@ async def test_a_stalled_redis_delays_no_request_and_the_limit_holds(
                 {"a": 12, "b": 3},
                 model=reps.model,
                 max_tokens=24,
-            )  # fmt: skip
+            )
         )
         await asyncio.sleep(0.5)
         stalled = asyncio.get_running_loop().run_in_executor(
@@ -263,7 +268,8 @@ async def test_a_stalled_redis_delays_no_request_and_the_limit_holds(
         # (the deadline is 0.1 s; the rest is this loaded machine and the engine)
         assert max(loads["b"].latencies) < 1.9, max(loads["b"].latencies)
         # b is refused when its replica held too little (strict), never left waiting or failed
-        assert loads["b"].counts["other"] == 0 and loads["b"].counts["200"] > 0, loads["b"]
+        assert loads["b"].counts["other"] == 0, loads["b"]
+        assert loads["b"].counts["200"] > 0, loads["b"]
         states = [await reps.admin_state(i) for i in range(3)]
         assert sum(s["store"]["failures"]["timeout"] for s in states) > 0
 
@@ -386,7 +392,8 @@ async def test_redis_cluster_no_cross_slot_and_exact(redis_cluster: Any) -> None
         )  # fmt: skip
         a = await user(reps, "a")
         assert a["peak_in_flight"] <= 6, a
-        assert loads["a"].counts["200"] > 0 and loads["b"].counts["429"] == 0
+        assert loads["a"].counts["200"] > 0
+        assert loads["b"].counts["429"] == 0
         states = [(await reps.admin_state(i))["store"] for i in range(3)]
         assert sum(s["failures"]["error"] for s in states) == 0, states
         assert sum(s["calls"] for s in states) > 0
