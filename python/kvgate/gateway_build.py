@@ -224,6 +224,7 @@ def build_gateway(
     _set_tenants(gateway, config)
     if config.store is not None:
         gateway.store = _redis_store(gateway, config.store)
+        gateway.metrics.store_gauges.store = gateway.store
     for b in config.backends:
         found = gateway.discovery.get(b.name)
         if found is not None and found.slots == b.max_concurrency:

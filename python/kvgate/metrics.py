@@ -31,6 +31,42 @@ _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 6
 _RATIO_BUCKETS = (0.05, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0, 1.1, 1.5, 2.0)
 
 
+class _StoreCollector(Collector):
+    """Gauges of the shared store computed at scrape time (nothing without one)."""
+
+    def __init__(self) -> None:
+        self.store: Any = None
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        store = self.store
+        if store is None or store.mode == "local":
+            return
+        modes = GaugeMetricFamily(
+            "kvgate_store_mode",
+            "Active tenants and backends by store mode: local (decided from held quotas), "
+            "near-limit (decided in Redis), degraded (Redis unreachable), learning.",
+            labels=["scope", "mode"],
+        )
+        for (scope, mode), n in sorted(store.modes().items()):
+            modes.add_metric([scope, mode], n)
+        yield modes
+        slots, tokens = store.stranded()
+        stranded = GaugeMetricFamily(
+            "kvgate_store_stranded",
+            "Quota this replica holds beyond its use (unit: slots or tokens).",
+            labels=["unit"],
+        )
+        stranded.add_metric(["slots"], slots)
+        stranded.add_metric(["tokens"], tokens)
+        yield stranded
+        ratio = GaugeMetricFamily(
+            "kvgate_store_calls_per_admission",
+            "Calls to the shared store per admission since start (heartbeats included).",
+        )
+        ratio.add_metric([], store.calls / max(1, store.admissions))
+        yield ratio
+
+
 class _StateCollector(Collector):
     """Gauges computed at scrape time from the admission core's (shared) state."""
 
@@ -279,6 +315,9 @@ class GatewayMetrics:
             self.usage_ratio: _RATIO_BUCKETS,
         }
         reg.register(_StateCollector(read_state))
+        #: the shared store the ``kvgate_store_*`` gauges read (set by the gateway's builder)
+        self.store_gauges = _StoreCollector()
+        reg.register(self.store_gauges)
 
     def init_backends(self, names: Iterable[str]) -> None:
         """Give every backend its samples from start-up: ``kvgate_shedding{class="sheddable"}``

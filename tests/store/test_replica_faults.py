@@ -125,6 +125,10 @@ async def test_steady_state_exact_at_the_limit_and_local_below_it(
         assert alloc <= 6, (alloc, quotas)
         states = [await reps.admin_state(i) for i in range(3)]
         assert all(s["store"]["breaker"] == "closed" for s in states)
+        text = await reps.metrics(0)
+        assert "kvgate_store_calls_per_admission " in text
+        assert 'kvgate_store_stranded{unit="slots"}' in text
+        assert "kvgate_store_call_seconds_count " in text
         assert sum(s["store"]["failures"]["error"] for s in states) == 0
 
 

@@ -75,8 +75,10 @@ async def load_library(client: Any, cluster: bool = False) -> None:
     if cluster:
         from redis.asyncio.cluster import RedisCluster
 
+        # "FUNCTION LOAD" as one word: redis-py's cluster client then sends it to the nodes
+        # named, whatever it learnt of the command's keys
         await client.execute_command(
-            "FUNCTION", "LOAD", "REPLACE", LIBRARY, target_nodes=RedisCluster.PRIMARIES
+            "FUNCTION LOAD", "REPLACE", LIBRARY, target_nodes=RedisCluster.PRIMARIES
         )
     else:
         await client.function_load(LIBRARY, replace=True)
@@ -346,6 +348,8 @@ class RedisStore:
         self._closed = False
         self._loaded = False
         self.calls = 0
+        #: admissions this store granted (local or in Redis, fallbacks included)
+        self.admissions = 0
         self.failures: dict[str, int] = {"timeout": 0, "error": 0, "stale": 0}
         self.amnesia = 0
         self.reaped = 0
@@ -383,7 +387,7 @@ class RedisStore:
             logger.error(
                 "store: cannot reach Redis at start (%s); limits use their fallback "
                 "policies until it answers",
-                exc,
+                _short(exc),
             )
             self._breaker.opened_at = time.monotonic()
             self._breaker.failures = self._breaker.limit
@@ -540,6 +544,7 @@ class RedisStore:
     def _take(self, parts: list[_Part], picks: list[tuple[Pool, int]], tokens: int) -> StoreHold:
         """Takes ``picks`` and ``tokens`` from every bucket of ``parts``; asks for more in the
         background where what is left falls under the low-water mark."""
+        self.admissions += 1
         buckets: list[Bucket] = []
         for pool, n in picks:
             pool.in_use += n
@@ -654,6 +659,7 @@ class RedisStore:
     def _give_back(self, waits: list[_Admit], local: StoreHold, tokens: int) -> None:
         """A request that will not run: what it took goes back to this replica's quotas (and to
         Redis with their next messages); parts still waiting leave their scopes' queues."""
+        self.admissions -= 1  # counted by _take, refused after all
         self.release(local, tokens, 0)
         for adm in waits:
             with contextlib.suppress(ValueError):
@@ -941,7 +947,7 @@ class RedisStore:
                 with contextlib.suppress(Exception):
                     async with asyncio.timeout(self._bg_deadline):
                         await load_library(client, self.config.cluster)
-            logger.debug("store: call to %s failed: %s", key, exc)
+            logger.debug("store: call to %s failed: %s", key, _short(exc))
         if self._metrics is not None:
             self._metrics.store_call_seconds.observe(time.monotonic() - sent)
         if kind is None:
@@ -1196,6 +1202,7 @@ class RedisStore:
             "replica": self.pod,
             "breaker": "open" if self._breaker.opened_at is not None else "closed",
             "calls": self.calls,
+            "admissions": self.admissions,
             "failures": dict(self.failures),
             "reaped_replicas": self.reaped,
             "amnesia": self.amnesia,
@@ -1204,6 +1211,13 @@ class RedisStore:
             "stranded_tokens": tokens,
             "scopes": scopes,
         }
+
+
+def _short(exc: BaseException) -> str:
+    """An error's first line, at most 200 characters (a redis-py error may quote a whole
+    command)."""
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return text if len(text) <= 200 else text[:197] + "..."
 
 
 def _scope_of(sc: Scope) -> str:
@@ -1257,7 +1271,7 @@ async def check_server(config: Any, wait_s: float = 5.0) -> tuple[list[str], lis
             try:
                 await load_library(client, config.cluster)
             except Exception as exc:
-                problems.append(f"store.url: cannot load kvgate's Functions library: {exc}")
+                problems.append(f"store.url: cannot load kvgate's Functions library: {_short(exc)}")
             try:
                 policy = await client.config_get("maxmemory-policy")
                 if config.cluster and policy and all(isinstance(v, dict) for v in policy.values()):
@@ -1274,7 +1288,7 @@ async def check_server(config: Any, wait_s: float = 5.0) -> tuple[list[str], lis
                     "it is 'noeviction'"
                 )
     except Exception as exc:
-        problems.append(f"store.url: cannot reach Redis at {where}: {exc or type(exc).__name__}")
+        problems.append(f"store.url: cannot reach Redis at {where}: {_short(exc)}")
     finally:
         with contextlib.suppress(Exception):
             await client.aclose()
