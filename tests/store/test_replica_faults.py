@@ -403,3 +403,23 @@ async def test_redis_cluster_no_cross_slot_and_exact(redis_cluster: Any) -> None
         assert sum(s["calls"] for s in states) > 0
         logs = b"".join(reps.stderr(i) for i in range(3))
         assert b"CROSSSLOT" not in logs
+
+
+async def test_redis_down_at_start_then_up(redis_server: RedisServer) -> None:
+    """A replica that never reached Redis holds no share: it refuses (503
+    ``store-unavailable``) rather than admit a whole limit on its own; once Redis answers it
+    admits without a restart."""
+    redis_server.stop()
+    store = {"url": redis_server.url}
+    async with run_replicas(config(store), n=2) as reps:
+        status = await post_chat(reps.url(0), KEY_B, "b", 2, reps.model)
+        assert status == 503
+        st = (await reps.admin_state(0))["store"]
+        assert st["breaker"] == "open"
+        redis_server.start()
+
+        async def admitted() -> bool:
+            return await post_chat(reps.url(0), KEY_B, "b", 2, reps.model) == 200
+
+        await until(admitted, 20, "admitted once Redis is up")
+        assert (await reps.admin_state(0))["store"]["breaker"] == "closed"
