@@ -139,6 +139,7 @@ class AdaptiveSink:
         if self._gw.discovered_capacity.get(b.name) == budget:
             return
         self._gw.discovered_capacity[b.name] = budget
+        self._gw.set_prefill_capacity(b.name, cap)
         self._gw.controller.update_backend(b.id, inflight_token_limit=budget)
         self._gw.store.reload()
         logger.info(

@@ -24,6 +24,7 @@ from aiohttp import web
 
 from kvgate import AnalysisError, ModelRegistry
 from kvgate._core import peek_model
+from kvgate.admission.refusal import Refusal
 from kvgate.admission.retry_hint import SLOT_REASONS, RunningRequests
 from kvgate.config import TimeoutsConfig
 from kvgate.errors import GatewayError
@@ -47,19 +48,6 @@ PRIORITY_HEADER = "x-kvgate-priority"
 MAX_WAIT_HEADER = "x-kvgate-max-wait-ms"
 #: refusals that time alone lifts (a token bucket refilling), not a release
 _REFILL_REASONS = frozenset({"tenant-tpm", "backend-tpm"})
-
-
-@dataclass(frozen=True, slots=True)
-class Refusal:
-    """A refusal decided in Python (queue full, shed while waiting, wait timed out before the
-    core was asked); mirrors the core's ``Rejection`` (``admitted``, ``reason``, ``scope``,
-    ``retry_after`` seconds or ``None``, ``never``)."""
-
-    reason: str
-    scope: str = "backend"
-    retry_after: float | None = 1.0
-    never: bool = False
-    admitted: bool = False
 
 
 class _ShadowAdmission:
@@ -215,6 +203,10 @@ class Gateway:
     #: where the limits live across replicas: :class:`kvgate.store.LocalStore` (this host
     #: only) or :class:`kvgate.store.redis_store.RedisStore` (config ``store``)
     store: Any = field(default_factory=LocalStore)
+    #: backend name → its prefill budget (:class:`kvgate.admission.prefill.PrefillGate`)
+    prefill: dict[str, Any] = field(default_factory=dict)
+    #: the latency-target controller (:class:`kvgate.admission.slo.SloController`), or ``None``
+    slo: Any = None
     #: the pending timed ``queue.notify()`` (a token bucket refills with time, not on releases)
     _queue_wakeup: asyncio.TimerHandle | None = field(init=False, default=None)
     _by_hash: dict[bytes, Tenant] = field(init=False, default_factory=dict)
@@ -226,6 +218,7 @@ class Gateway:
         # one JSON parse per request: the registry picks the model's analyser itself
         self.registry = ModelRegistry([m.analyzer for m in self.models.values()])
         self.metrics = GatewayMetrics(self.read_state, lambda: int(self.controller.leaks))
+        self.metrics.stage_gauges.gateway = self
         self.metrics.init_backends(b.name for b in self.backends)
         size = self.config.queue.max_size if self.config is not None else 1024
         self.queue = (
@@ -234,6 +227,29 @@ class Gateway:
         self.metrics.queue_depth_of = (
             (lambda cls: self.queue.depth(cls)) if self.queue is not None else (lambda cls: 0)
         )
+
+    def set_prefill_capacity(self, backend: str, kv_capacity_tokens: int | None) -> None:
+        """(Re)makes ``backend``'s prefill budget from its configuration and the engine's KV
+        capacity (tokens; start-up, discovery, reload). Tokens in prefill when it changes are
+        forgotten by the new gate (their tickets leave the old one)."""
+        from kvgate.admission.prefill import gate_for
+
+        b = self.backend_named(backend)
+        configured = getattr(b.config, "prefill_token_budget", None)
+        if kv_capacity_tokens is None and b.config is not None:
+            limit = b.config.inflight_token_limit
+            if limit is not None:  # a configured budget is a share of the KV capacity
+                kv_capacity_tokens = int(limit / b.config.capacity_safety_factor)
+        gate = gate_for(configured, kv_capacity_tokens, self._notify_queue)
+        old = self.prefill.get(backend)
+        if gate is None:
+            self.prefill.pop(backend, None)
+        elif old is None or old.budget != gate.budget:
+            self.prefill[backend] = gate
+
+    def _notify_queue(self) -> None:
+        if self.queue is not None and self.queue.waiting:
+            self.queue.notify()
 
     def reload(self) -> bool:
         """Re-read ``config_path`` and apply it (SIGHUP), with :attr:`config_overrides`. An
@@ -324,6 +340,7 @@ class Gateway:
         priority: str,
         tokens: int,
         refusal: Any,
+        gate: Callable[[], Any] | None = None,
     ) -> Any:
         """Admission when the fast path did not admit: shadow mode, then the priority wait
         queue (critical before standard before sheddable, fair between tenants, bounded).
@@ -331,6 +348,9 @@ class Gateway:
         Args:
             refusal: the core's ``Rejection`` from the fast path, or ``None`` when the fast path
                 was skipped because requests are queued.
+            gate: checks after the core admitted (the prefill budget, latency targets; no
+                await): ``None`` to go on, or a refusal (the core's reservation is then given
+                back and the request waits again).
 
         Returns:
             A ``Reservation``, the shadow admission, or a refusal (``Rejection`` /
@@ -352,7 +372,13 @@ class Gateway:
             return SHADOW_ADMISSION
         queue = self.queue
         if refusal is None and queue is None:  # no queue configured: decide now
-            return self.controller.admit(backend.id, tenant.id, priority, tokens)
+            decision = self.controller.admit(backend.id, tenant.id, priority, tokens)
+            if decision.admitted and gate is not None:
+                extra = gate()
+                if extra is not None:
+                    decision.release(0)
+                    return extra
+            return decision
         if refusal is not None and self._waiting_cannot_help(request, tenant, refusal):
             return refusal
         wait = self.max_wait(request, tenant)
@@ -364,6 +390,12 @@ class Gateway:
         def try_admit() -> Any:
             decision = controller.admit(backend.id, tenant.id, priority, tokens)
             if decision.admitted:
+                if gate is not None:
+                    extra = gate()
+                    if extra is not None:
+                        decision.release(0)
+                        last[0] = extra
+                        return None
                 return decision
             last[0] = decision
             if decision.never:  # limits shrank by a reload: leave the queue, don't block it
@@ -744,7 +776,10 @@ async def handle_admin_state(gw: Gateway, request: web.BaseRequest) -> Reply:
     """``GET /admin/state``: each backend's base and effective limits, scale, in-use, KV usage,
     waiting, age of the last good scrape and (quick start) what its engine said about itself
     (``discovered``: engine, models and context windows, slots, KV capacity, each with its
-    source); each tenant's usage, quota and queue depth; the store (``mode`` ``local``, or
+    source); each tenant's usage, quota and queue depth; each backend's prefill budget
+    (``prefill``: budget, prompt tokens in prefill per lane, refusals); the latency targets
+    (``slo``: per backend and class the cap, what bound it, running, measured p99 TTFT and
+    TPOT); the store (``mode`` ``local``, or
     with Redis: this replica's id, breaker, counters and each active scope's mode, live
     replicas and quotas).
     Needs the admin key (``Authorization: Bearer``) when ``admin_key_sha256`` is configured."""
@@ -786,7 +821,13 @@ async def handle_admin_state(gw: Gateway, request: web.BaseRequest) -> Reply:
         tenants.append(st)
     return web.Response(
         body=orjson.dumps(
-            {"backends": backends, "tenants": tenants, "store": gw.store.state()},
+            {
+                "backends": backends,
+                "tenants": tenants,
+                "store": gw.store.state(),
+                "prefill": {name: gate.state() for name, gate in gw.prefill.items()},
+                "slo": gw.slo.state() if gw.slo is not None else None,
+            },
             option=orjson.OPT_NON_STR_KEYS,
         ),
         content_type="application/json",

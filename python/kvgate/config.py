@@ -307,7 +307,9 @@ class BackendConfig(_Model):
     the JSON answer, so that the engine sees at its next token write that a client went away
     (llama.cpp's server checks a non-streaming client only after a second without any other
     result, which metrics polling keeps resetting); turn it off only for an engine that cannot
-    stream.
+    stream. ``prefill_token_budget``: prompt tokens this backend may be prefilling at once
+    (:mod:`kvgate.admission.prefill`); ``None`` = derived from the engine (twice its prefill
+    chunk where stated, else 3 % of its KV capacity, at least 4,096 tokens), ``0`` = no budget.
     """
 
     name: Name
@@ -325,6 +327,7 @@ class BackendConfig(_Model):
     mode: Mode = "enforce"
     api_key_env: str | None = None
     stream_upstream: bool = True
+    prefill_token_budget: Int | None = Field(None, ge=0, le=MAX_AMOUNT)
     _api_key: str | None = PrivateAttr(default=None)
 
     @field_validator("name")
@@ -462,6 +465,34 @@ class AccessLogConfig(_Model):
         return str(path.resolve())
 
 
+class ClassTargetConfig(_Model):
+    """A priority class's latency targets (seconds; ``None``: no target): the 99th percentile
+    of its time to first token and of its time per output token."""
+
+    ttft_p99_s: Float | None = Field(None, gt=0)
+    tpot_p99_s: Float | None = Field(None, gt=0)
+
+
+class SloConfig(_Model):
+    """Latency targets per priority class (README, "Latency targets"): while a class misses
+    one, the lower classes' concurrency on that backend is capped, and raised back once every
+    target is met with a margin.
+
+    Attributes:
+        critical, standard, sheddable: each class's targets (``None``: none).
+        interval_s: seconds between two control steps.
+        window_s: seconds of finished requests a percentile is taken over.
+        min_samples: the fewest requests a percentile is taken from.
+    """
+
+    critical: ClassTargetConfig | None = None
+    standard: ClassTargetConfig | None = None
+    sheddable: ClassTargetConfig | None = None
+    interval_s: Float = Field(1.0, gt=0, le=60)
+    window_s: Float = Field(10.0, gt=0, le=3600)
+    min_samples: Int = Field(10, ge=1, le=10**6)
+
+
 #: What a replica does with a limit while Redis cannot be reached (``store.on_failure``).
 StorePolicy = Literal["share", "strict", "open", "closed"]
 #: The limits a fallback policy can be set for (the refusal reasons of the admission core).
@@ -579,6 +610,7 @@ class Config(_Model):
     other_routes: Literal["refuse", "forward"] = "refuse"
     access_log: AccessLogConfig = AccessLogConfig()
     store: StoreConfig | None = None
+    slo: SloConfig | None = None
 
     @model_validator(mode="after")
     def _cross_field(self) -> Config:

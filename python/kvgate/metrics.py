@@ -67,6 +67,52 @@ class _StoreCollector(Collector):
         yield ratio
 
 
+class _AdmissionStagesCollector(Collector):
+    """Gauges of the prefill budget and the latency targets, read at scrape time."""
+
+    def __init__(self) -> None:
+        self.gateway: Any = None
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        gw = self.gateway
+        if gw is None:
+            return
+        prefill = GaugeMetricFamily(
+            "kvgate_prefill_tokens",
+            "Prompt tokens of admitted requests whose first bytes have not arrived yet, by lane.",
+            labels=["backend", "lane"],
+        )
+        budget = GaugeMetricFamily(
+            "kvgate_prefill_token_budget", "Prefill budget per lane (tokens).", labels=["backend"]
+        )
+        for name, gate in gw.prefill.items():
+            prefill.add_metric([name, "critical"], gate.critical_in_prefill)
+            prefill.add_metric([name, "other"], gate.in_prefill)
+            budget.add_metric([name], gate.budget)
+        yield prefill
+        yield budget
+        if gw.slo is None:
+            return
+        caps = GaugeMetricFamily(
+            "kvgate_slo_class_limit",
+            "Concurrency cap a latency target put on a class (absent: none).",
+            labels=["backend", "class"],
+        )
+        p99 = GaugeMetricFamily(
+            "kvgate_slo_ttft_p99_seconds",
+            "Measured p99 time to first token per class over the controller's window.",
+            labels=["backend", "class"],
+        )
+        for backend, classes in gw.slo.state().items():
+            for cls, st in classes.items():
+                if st["cap"] is not None:
+                    caps.add_metric([backend, cls], st["cap"])
+                if st["ttft_p99_s"] is not None:
+                    p99.add_metric([backend, cls], st["ttft_p99_s"])
+        yield caps
+        yield p99
+
+
 class _StateCollector(Collector):
     """Gauges computed at scrape time from the admission core's (shared) state."""
 
@@ -318,6 +364,9 @@ class GatewayMetrics:
         #: the shared store the ``kvgate_store_*`` gauges read (set by the gateway's builder)
         self.store_gauges = _StoreCollector()
         reg.register(self.store_gauges)
+        #: the gateway the prefill and latency-target gauges read (set by the gateway)
+        self.stage_gauges = _AdmissionStagesCollector()
+        reg.register(self.stage_gauges)
 
     def init_backends(self, names: Iterable[str]) -> None:
         """Give every backend its samples from start-up: ``kvgate_shedding{class="sheddable"}``

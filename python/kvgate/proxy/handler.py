@@ -366,7 +366,9 @@ async def handle_inference(gw: Gateway, request: web.BaseRequest, route: str) ->
         return _refused(request, rid, started, route, err, tenant, model)
     tokens = analysis.reserved_tokens
     admitting = time.perf_counter()
-    decision = await admit(gw, request, backend, tenant, priority, tokens)
+    decision, extras = await admit(
+        gw, request, backend, tenant, priority, tokens, analysis.prompt_tokens
+    )
     if not decision.admitted:
         return _refusal(
             gw,
@@ -387,6 +389,8 @@ async def handle_inference(gw: Gateway, request: web.BaseRequest, route: str) ->
     assemble = not stream and backend.stream_upstream and route in STREAM_UPSTREAM_ROUTES
     add_usage = (stream or assemble) and not analysis.include_usage and route in USAGE_OPTION_ROUTES
     result = RelayResult()
+    if extras is not None:  # the prompt leaves the prefill budget at the first bytes
+        result.on_first_data = extras.first_data
     # what holds the slots, for the retry hints of refusals (a shadow admission holds none)
     running = (
         gw.running.start(backend.id, tenant.id, analysis.completion_tokens)
@@ -421,6 +425,8 @@ async def handle_inference(gw: Gateway, request: web.BaseRequest, route: str) ->
         reply = _tagged(error_response(request, err), rid)
         return reply
     finally:
+        if extras is not None:
+            extras.finish(result.completion_tokens)
         if running is not None:
             gw.running.finish(
                 running,
@@ -632,7 +638,7 @@ async def handle_forward(gw: Gateway, request: web.BaseRequest) -> Reply:
         return _refused(request, rid, started, route, err, tenant, model)
     tokens = FORWARD_RESERVATION
     admitting = time.perf_counter()
-    decision = await admit(gw, request, backend, tenant, priority, tokens)
+    decision, extras = await admit(gw, request, backend, tenant, priority, tokens)
     if not decision.admitted:
         return _refusal(
             gw,
@@ -648,6 +654,8 @@ async def handle_forward(gw: Gateway, request: web.BaseRequest) -> Reply:
     gw.metrics.admitted(backend, tenant, tokens, admitted - started)
     raw_path, sep, query = request.raw_path.partition("?")
     result = RelayResult()
+    if extras is not None:
+        result.on_first_data = extras.first_data
     # holds a slot (a shadow admission holds none): counted for the retry hints of refusals
     running = gw.running.start(backend.id, tenant.id, 0) if holds_slot(decision) else None
     reply: Reply | None = None
@@ -677,6 +685,8 @@ async def handle_forward(gw: Gateway, request: web.BaseRequest) -> Reply:
         reply = _tagged(error_response(request, err), rid)
         return reply
     finally:
+        if extras is not None:
+            extras.finish(result.completion_tokens)
         actual = 0
         if result.outcome != "upstream_unreachable":
             actual = min(int(result.prompt_tokens or 0) + int(result.completion_tokens), MAX_AMOUNT)
