@@ -203,7 +203,8 @@ async def gateway_runtime(gateway: Gateway) -> AsyncIterator[None]:
     """The gateway's background parts for the life of a server, in this order (and closed in
     reverse): the upstream ``ClientSession`` (no pool limit, ``connect`` timeout, the relay's
     connection-reuse trace), the upstream
-    timeouts' watchdog (:class:`~kvgate.proxy.deadline.Watchdog`), the metrics flush every :data:`~kvgate.metrics.FLUSH_SECONDS` (and once at the end), the engine metrics
+    timeouts' watchdog (:class:`~kvgate.proxy.deadline.Watchdog`), the metrics flush every :data:`~kvgate.metrics.FLUSH_SECONDS` (and once at the end), the latency-target
+    controller's steps (with ``slo``), the shared store (with ``store``), the engine metrics
     pollers (when ``gateway.poll``), SIGHUP → :meth:`Gateway.reload` (when
     ``gateway.config_path``)."""
     connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300)
@@ -222,6 +223,15 @@ async def gateway_runtime(gateway: Gateway) -> AsyncIterator[None]:
             metrics.flush()
 
     flusher = asyncio.create_task(flush_forever())
+    slo = gateway.slo
+
+    async def slo_forever() -> None:
+        # the latency-target controller steps on its own period, traffic or not
+        while True:
+            await asyncio.sleep(slo.interval_s)
+            slo.tick()
+
+    stepper = asyncio.create_task(slo_forever()) if slo is not None else None
     gateway.watchdog.start()
     poller = None
     reload_on_hup = bool(gateway.config_path)
@@ -240,6 +250,10 @@ async def gateway_runtime(gateway: Gateway) -> AsyncIterator[None]:
         flusher.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await flusher
+        if stepper is not None:
+            stepper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await stepper
         await gateway.watchdog.stop()
         await gateway.store.close()
         metrics.flush()

@@ -47,7 +47,11 @@ def test_a_missed_target_caps_the_lower_classes_and_a_met_one_lifts_the_cap() ->
     assert not slo.allow("b", "standard")  # 20 running ≥ 16
     assert slo.allow("b", "critical")
     clock.now += 1.0
-    slo.tick()  # still missing: lowered again
+    slo.tick()  # nothing new finished: the same evidence does not cut twice
+    assert slo.state()["b"]["standard"]["cap"] == 16
+    run(slo, "critical", 2, ttft=3.0)  # new misses: lowered again
+    clock.now += 1.0
+    slo.tick()
     assert slo.state()["b"]["standard"]["cap"] == 12
     # the slow requests age out of the window; fast ones come in: the cap rises step by step
     clock.now += 11.0

@@ -93,3 +93,30 @@ def test_check_config_refuses_an_unreachable_store(
     assert main(["check-config", str(path)]) == 2
     err = capsys.readouterr().err
     assert f"store.url: cannot reach Redis at redis://127.0.0.1:{port}/0" in err
+
+
+def test_prefill_budget_and_latency_targets_are_validated() -> None:
+    cfg = cfg_with({"url": "redis://h/0"})
+    del cfg["store"]
+    cfg["backends"][0]["prefill_token_budget"] = 0
+    cfg["slo"] = {"critical": {"ttft_p99_s": 1.5}, "standard": {"tpot_p99_s": 0.2}}
+    parsed = parse_config(cfg)
+    assert parsed.backends[0].prefill_token_budget == 0
+    assert parsed.slo is not None
+    assert parsed.slo.critical is not None
+    assert parsed.slo.critical.ttft_p99_s == 1.5
+    assert parsed.slo.window_s == 10.0
+    for bad, where in (
+        ({"critical": {"ttft_p99_s": 0}}, "slo.critical.ttft_p99_s"),
+        ({"gold": {"ttft_p99_s": 1}}, "slo.gold"),
+        ({"critical": {"ttft_p99": 1}}, "slo.critical.ttft_p99"),
+    ):
+        cfg["slo"] = bad
+        with pytest.raises(ConfigError) as err:
+            parse_config(cfg)
+        assert where in str(err.value)
+    cfg["slo"] = None
+    cfg["backends"][0]["prefill_token_budget"] = -1
+    with pytest.raises(ConfigError) as err:
+        parse_config(cfg)
+    assert "backends[0].prefill_token_budget" in str(err.value)

@@ -43,14 +43,17 @@ CONFIG: dict[str, Any] = {
 }
 
 
-async def chat(url: str, key: str, words: int) -> tuple[int, str | None, float]:
+async def chat(
+    url: str, key: str, words: int, max_tokens: int = 4
+) -> tuple[int, str | None, float]:
     """A streamed chat with a prompt of about ``words`` tokens: status, refusal reason, and the
     seconds to its first body bytes (or to the refusal)."""
     body = {
         "model": "kvgate-sim-tiny",
         "messages": [{"role": "user", "content": " ".join(["cache"] * words)}],
-        "max_tokens": 4,
+        "max_tokens": max_tokens,
         "stream": True,
+        "ignore_eos": True,
     }
     started = time.monotonic()
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as s:

@@ -14,7 +14,9 @@ What it does, per backend and per gateway process, once per ``interval_s``:
   and takes their 99th percentile (with at least ``min_samples`` requests; fewer say nothing).
 - While a class misses a target, every lower class (critical > standard > sheddable) gets a
   concurrency cap on this backend, lowered multiplicatively (× ``decrease``) from what it runs
-  now, never below 1: lower classes give way, as in gradient and AIMD concurrency limiters.
+  now, never below 1 — again at each step that brings requests finished since the last cut (old
+  evidence does not cut twice): lower classes give way, as in gradient and AIMD concurrency
+  limiters.
 - While every class with a target meets it with a margin (p99 ≤ ``headroom`` × target), the caps
   of the lower classes rise additively (+ ``max(1, 10 %)``) and disappear once above the
   backend's effective concurrency.
@@ -83,6 +85,8 @@ class _Backend:
     caps: dict[str, int | None] = field(default_factory=lambda: dict.fromkeys(CLASSES, None))
     bound_by: dict[str, str] = field(default_factory=lambda: dict.fromkeys(CLASSES, "none"))
     last: dict[str, tuple[float | None, float | None]] = field(default_factory=dict)
+    #: when the caps were last lowered: a miss lowers them again only on newer evidence
+    last_cut: float = float("-inf")
 
 
 class SloController:
@@ -198,7 +202,10 @@ class SloController:
                         all_met = False
                 if miss is not None:
                     missed_by = miss
-                    self._lower_below(b, cls, miss)
+                    samples = b.windows[cls].samples
+                    if samples and samples[-1][0] > b.last_cut:
+                        self._lower_below(b, cls, miss)
+                        b.last_cut = now
                     break  # the highest class that misses decides
             if missed_by is None and all_met:
                 raised |= self._raise(b, self.ceiling(name))
