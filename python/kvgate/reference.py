@@ -150,15 +150,15 @@ def metrics_page() -> str:
     gw = build_gateway(cfg, poll=False)
     reg = gw.metrics.registry
     rows: dict[str, tuple[str, str, str]] = {}
-    collectors = set(reg._collector_to_names)  # noqa: SLF001 - the registry lists its collectors
+    collectors = set(reg._collector_to_names)  # the registry lists its collectors (private)
     for collector in collectors:
         if isinstance(collector, MetricWrapperBase):
-            name = collector._name  # noqa: SLF001
-            kind = collector._type  # noqa: SLF001
+            name = collector._name
+            kind = collector._type
             if kind == "counter":
                 name += "_total"
-            labels = ", ".join(f"`{x}`" for x in collector._labelnames)  # noqa: SLF001
-            rows[name] = (kind, labels, collector._documentation)  # noqa: SLF001
+            labels = ", ".join(f"`{x}`" for x in collector._labelnames)
+            rows[name] = (str(kind), labels, collector._documentation)
             continue
         for family in collector.collect():
             labels_seen: list[str] = []
