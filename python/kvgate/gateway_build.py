@@ -360,6 +360,11 @@ def apply_config(gateway: Gateway, new: Config) -> None:
                 "reload: model settings (tokenizer, chat_template, context_window, "
                 "default_max_tokens) changed in the file; they apply only at the next start"
             )
+        if new.store != old.store:
+            logger.warning(
+                "reload: the store section changed in the file; it applies only at the next "
+                "start (the limits stay shared as they were)"
+            )
         if new.listen != old.listen or new.workers != old.workers:
             logger.warning(
                 "reload: listen address and workers changed in the file; they apply only at "
