@@ -5,11 +5,13 @@
 #   the first build, see scripts/build-llama-server.sh);
 # - promtool (Debian's prometheus package): checks the Prometheus alert rules
 #   (tests/deploy/test_alert_rules.py);
-# - openssl: makes the self-signed certificates of the TLS tests (tests/gateway/tls_certs.py).
+# - openssl: makes the self-signed certificates of the TLS tests (tests/gateway/tls_certs.py);
+# - redis-server (brings redis-cli through redis-tools): the shared-store tests start real Redis
+#   servers, replica pairs and clusters on loopback (tests/store/redis_servers.py).
 # Needs apt-get and root (or passwordless sudo) only when something is missing.
 set -euo pipefail
 packages=()
-for tool in cmake:cmake ninja:ninja-build g++:g++ promtool:prometheus openssl:openssl; do
+for tool in cmake:cmake ninja:ninja-build g++:g++ promtool:prometheus openssl:openssl redis-server:redis-server; do
   command -v "${tool%%:*}" >/dev/null || packages+=("${tool#*:}")
 done
 ((${#packages[@]})) || exit 0

@@ -25,6 +25,13 @@ One step (vLLM V1's scheduler, simplified):
    policy). Admission runs their prefill, which produces their next token.
 3. Duration = ``prefill_s_per_token × prefilled tokens + decode_base_s + decode_per_seq_s ×
    batch size``, divided by ``speed``.
+
+Per-user oracle: every sequence carries the ``user`` of its request (the OpenAI body field), and
+the engine keeps, per user, what it really ran (:class:`UserStats`): sequences in the running set
+now and at their peak, requests accepted and in flight, prompt and completion tokens. Peaks are
+updated at each admission into the running set (and at each request's start for the in-flight
+peak), never sampled, so a test can judge an admission gateway in front of the engine by what
+the engine saw. :meth:`Engine.reset_peaks` starts a new measuring window.
 """
 
 from __future__ import annotations
@@ -73,6 +80,10 @@ class Sequence:
         state: see :class:`SeqState`.
         finish_reason: ``"stop"`` / ``"length"`` once finished, ``"abort"`` once aborted.
         preemptions: how often it was preempted.
+        user: the request's ``user`` field (``""`` without one), the key of its
+            :class:`UserStats`.
+        counts_prompt: True for the first choice of each prompt, whose first prefill adds the
+            prompt to the user's ``prompt_tokens`` (the other choices share that prompt).
     """
 
     seq_id: int
@@ -86,6 +97,8 @@ class Sequence:
     finish_reason: str | None = None
     preemptions: int = 0
     prompt_counted: bool = False
+    user: str = ""
+    counts_prompt: bool = True
 
     @property
     def kv_tokens(self) -> int:
@@ -111,6 +124,33 @@ class FailEvent:
 
 
 Event = TokenEvent | FailEvent
+
+
+@dataclass(slots=True)
+class UserStats:
+    """What the engine ran for one user (the request body's ``user`` field; ``""`` without one).
+
+    Attributes:
+        running: its sequences in the running set now (a request with ``n`` choices has ``n``;
+            a waiting or preempted sequence is not running).
+        peak_running: the most it had in the running set at once, updated at each admission
+            (exact, not sampled) since start or the last :meth:`Engine.reset_peaks`.
+        requests: generation requests accepted into the engine's queue (refused ones are not).
+        in_flight: those requests not ended yet (waiting, running or preempted).
+        peak_in_flight: the most in flight at once, updated at each request's start.
+        prompt_tokens: prompt tokens prefilled, each prompt once when it first enters the batch
+            (the ``n`` choices of one prompt share it, as the answer's ``usage`` counts it; a
+            request aborted before its prefill adds none).
+        completion_tokens: tokens generated, including those of sequences aborted afterwards.
+    """
+
+    running: int = 0
+    peak_running: int = 0
+    requests: int = 0
+    in_flight: int = 0
+    peak_in_flight: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -141,6 +181,10 @@ class Engine:
         preemptions, ooms, failed, aborted, wasted_tokens (tokens generated for sequences that
         were then aborted), prompt_tokens_total (each sequence's prompt once, on its first
         prefill), generation_tokens_total, finished (by finish reason: stop, length, abort).
+
+    Peaks (reset by :meth:`reset_peaks`): peak_running (most sequences in the running set at
+    once), peak_in_flight (most requests in flight at once) and, per user, :class:`UserStats`
+    in ``users``.
     """
 
     def __init__(self, config: SimConfig) -> None:
@@ -159,6 +203,10 @@ class Engine:
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.finished: dict[str, int] = {"stop": 0, "length": 0, "abort": 0}
+        self.users: dict[str, UserStats] = {}
+        self.peak_running = 0
+        self.in_flight = 0
+        self.peak_in_flight = 0
         self._next_id = 0
         self._by_id: dict[int, Sequence] = {}
 
@@ -173,6 +221,7 @@ class Engine:
         index: int = 0,
         ignore_eos: bool = False,
         min_tokens: int = 0,
+        user: str = "",
     ) -> Sequence:
         """Create (not queue) a sequence with its output length drawn from the seed.
 
@@ -184,6 +233,7 @@ class Engine:
             index: choice index within the request.
             ignore_eos: generate exactly the cap (vLLM's ``ignore_eos``).
             min_tokens: lower bound on the drawn length (vLLM's ``min_tokens``).
+            user: the request's ``user`` field, the key of its :class:`UserStats`.
 
         Raises:
             ValueError: prompt + max_tokens over the context window, or a bad size.
@@ -208,6 +258,8 @@ class Engine:
             max_tokens=cap,
             target_tokens=target,
             rng=rng,
+            user=user,
+            counts_prompt=index == 0,
         )
         self._next_id += 1
         return seq
@@ -234,7 +286,7 @@ class Engine:
         if seq is None:
             return False
         if seq.state is SeqState.RUNNING:
-            self.running.remove(seq)
+            self._leave_running(seq)
             self._free(seq)
         elif seq.state is SeqState.WAITING:
             self.waiting.remove(seq)
@@ -244,6 +296,38 @@ class Engine:
         self.wasted_tokens += seq.generated
         self.finished["abort"] += 1
         return True
+
+    def begin_request(self, user: str) -> None:
+        """Count a request of ``user`` accepted into the queue (its sequences already added):
+        ``requests`` and ``in_flight`` go up, and the in-flight peaks with them."""
+        stats = self.user_stats(user)
+        stats.requests += 1
+        stats.in_flight += 1
+        stats.peak_in_flight = max(stats.peak_in_flight, stats.in_flight)
+        self.in_flight += 1
+        self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
+
+    def end_request(self, user: str) -> None:
+        """A request of ``user`` counted by :meth:`begin_request` ended (answered, failed or
+        aborted): ``in_flight`` goes down."""
+        self.user_stats(user).in_flight -= 1
+        self.in_flight -= 1
+
+    def user_stats(self, user: str) -> UserStats:
+        """The :class:`UserStats` of ``user`` (created empty on first use)."""
+        stats = self.users.get(user)
+        if stats is None:
+            stats = self.users[user] = UserStats()
+        return stats
+
+    def reset_peaks(self) -> None:
+        """Start a new measuring window: every peak (running, in flight; overall and per user)
+        becomes its current value."""
+        self.peak_running = len(self.running)
+        self.peak_in_flight = self.in_flight
+        for stats in self.users.values():
+            stats.peak_running = stats.running
+            stats.peak_in_flight = stats.in_flight
 
     # ------------------------------------------------------------------------ state
 
@@ -288,6 +372,21 @@ class Engine:
             "prompt_tokens_total": self.prompt_tokens_total,
             "generation_tokens_total": self.generation_tokens_total,
             "finished": dict(self.finished),
+            "peak_running": self.peak_running,
+            "in_flight": self.in_flight,
+            "peak_in_flight": self.peak_in_flight,
+            "by_user": {
+                user: {
+                    "running": u.running,
+                    "peak_running": u.peak_running,
+                    "requests": u.requests,
+                    "in_flight": u.in_flight,
+                    "peak_in_flight": u.peak_in_flight,
+                    "prompt_tokens": u.prompt_tokens,
+                    "completion_tokens": u.completion_tokens,
+                }
+                for user, u in self.users.items()
+            },
             "running": [
                 {
                     "seq_id": s.seq_id,
@@ -334,11 +433,17 @@ class Engine:
             self.waiting.popleft()
             seq.state = SeqState.RUNNING
             self.running.append(seq)
+            self.peak_running = max(self.peak_running, len(self.running))
+            stats = self.user_stats(seq.user)
+            stats.running += 1
+            stats.peak_running = max(stats.peak_running, stats.running)
             self._take(seq, need)
             result.prefill_tokens += seq.kv_tokens
             if not seq.prompt_counted:
                 seq.prompt_counted = True
                 self.prompt_tokens_total += seq.prompt_tokens
+                if seq.counts_prompt:
+                    stats.prompt_tokens += seq.prompt_tokens
             self._emit(seq, result)
         if result.batch_size:
             cfg = self.config
@@ -361,6 +466,11 @@ class Engine:
         seq.blocks += blocks
         self.peak_used_blocks = max(self.peak_used_blocks, self.used_blocks)
 
+    def _leave_running(self, seq: Sequence) -> None:
+        """Take ``seq`` out of the running set (its user's ``running`` with it)."""
+        self.running.remove(seq)
+        self.user_stats(seq.user).running -= 1
+
     def _free(self, seq: Sequence) -> None:
         self.free_blocks += seq.blocks
         seq.blocks = 0
@@ -371,6 +481,7 @@ class Engine:
         text = word if seq.generated == 0 else " " + word
         seq.generated += 1
         self.generation_tokens_total += 1
+        self.user_stats(seq.user).completion_tokens += 1
         result.batch_size += 1
         finish: str | None = None
         if seq.generated >= seq.max_tokens:
@@ -378,7 +489,7 @@ class Engine:
         elif seq.generated >= seq.target_tokens:
             finish = "stop"
         if finish is not None:
-            self.running.remove(seq)
+            self._leave_running(seq)
             self._free(seq)
             seq.state = SeqState.FINISHED
             seq.finish_reason = finish
@@ -387,7 +498,7 @@ class Engine:
         result.events.append(TokenEvent(seq.seq_id, text, finish))
 
     def _preempt(self, seq: Sequence) -> None:
-        self.running.remove(seq)
+        self._leave_running(seq)
         self._free(seq)
         seq.state = SeqState.WAITING
         seq.preemptions += 1
@@ -406,6 +517,8 @@ class Engine:
         )
         result = StepResult(progressed=True)
         self.peak_used_blocks = cfg.kv_blocks  # it asked for more than all of them
+        for seq in self.running:
+            self.user_stats(seq.user).running -= 1
         for seq in [*self.running, *self.waiting]:
             seq.state = SeqState.FAILED
             seq.blocks = 0

@@ -3,8 +3,18 @@
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /v1/responses`` (all
 streaming and not), ``POST /v1/embeddings``, ``GET /v1/models``, ``GET /health``, ``GET /metrics``
 (Prometheus text, vLLM names), ``GET /props`` and ``GET /slots`` (llama.cpp's shapes: batch
-places, context, chat template, tokens held per running sequence), and ``GET /sim/state`` (JSON
-snapshot of the engine, for tests).
+places, context, chat template, tokens held per running sequence), ``GET /sim/state`` (JSON
+snapshot of the engine, for tests) and ``POST /sim/reset-peaks``.
+
+Per-user oracle, so tests judge a gateway in front by what the engine really ran: a generation
+request's tenant is the body's standard OpenAI ``user`` field (a string; absent or null → ``""``;
+any other type → 400), since a gateway forwards the body but not the client's headers.
+``/sim/state`` gives ``by_user``: ``{user: {"running", "peak_running", "requests", "in_flight",
+"peak_in_flight", "prompt_tokens", "completion_tokens"}}`` (see
+:class:`kvgate.sim.engine.UserStats`) and the overall ``peak_running``, ``in_flight`` and
+``peak_in_flight``; peaks are kept exactly at each admission into the running set (each
+request's start for in flight). ``POST /sim/reset-peaks`` sets every peak to its current value
+and answers the new snapshot.
 
 Conventions followed (see docs/engines.md): errors use vLLM ≥ 0.10.1's nested body
 ``{"error": {"message", "type", "param", "code"}}`` with ``type`` an exception-class name and
@@ -351,10 +361,15 @@ class _Job:
     include_usage: bool
     ignore_eos: bool
     min_tokens: int
+    user: str = ""  # the body's OpenAI ``user`` field, the key of the per-user oracle
 
 
 def _common(state: SimState, body: dict[str, Any], job: _Job, what: str) -> _Job:
-    """Check every prompt against the context window (vLLM's 400)."""
+    """Check every prompt against the context window (vLLM's 400); read ``user``."""
+    user = body.get("user")
+    if user is not None and not isinstance(user, str):
+        raise BadRequest(f"'user' must be a string, got {type(user).__name__}")
+    job.user = user or ""
     ctx = state.config.context_window
     for tokens, _ in job.prompts:
         if tokens >= ctx:
@@ -537,6 +552,7 @@ async def _generate(request: web.Request, job: _Job) -> web.StreamResponse:
                 index=j,
                 ignore_eos=job.ignore_eos,
                 min_tokens=job.min_tokens,
+                user=job.user,
             )
             index[seq.seq_id] = p_i * job.n + j
             seqs.append(seq)
@@ -544,6 +560,7 @@ async def _generate(request: web.Request, job: _Job) -> web.StreamResponse:
     for seq in seqs:
         state.sinks[seq.seq_id] = queue
         engine.add(seq)
+    engine.begin_request(job.user)
     state.wake.set()
     prompt_total = sum(t for t, _ in job.prompts)
     try:
@@ -555,6 +572,7 @@ async def _generate(request: web.Request, job: _Job) -> web.StreamResponse:
             return await _stream(request, state, job, seqs, index, queue, prompt_total)
         return await _collect(state, job, seqs, index, queue, prompt_total)
     finally:
+        engine.end_request(job.user)
         freed = False
         for seq in seqs:
             state.sinks.pop(seq.seq_id, None)
@@ -952,6 +970,14 @@ async def sim_state(request: web.Request) -> web.Response:
     return web.Response(body=orjson.dumps(state.engine.snapshot()), content_type="application/json")
 
 
+async def sim_reset_peaks(request: web.Request) -> web.Response:
+    """``POST /sim/reset-peaks``: every peak (running, in flight; overall and per user) becomes
+    its current value (:meth:`Engine.reset_peaks`); answers the new ``/sim/state`` snapshot."""
+    state = request.app[STATE]
+    state.engine.reset_peaks()
+    return await sim_state(request)
+
+
 # --------------------------------------------------------------------------- factory
 
 
@@ -999,6 +1025,7 @@ def create_app(config: SimConfig) -> web.Application:
     app.router.add_get("/slots", slots)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/sim/state", sim_state)
+    app.router.add_post("/sim/reset-peaks", sim_reset_peaks)
     return app
 
 
