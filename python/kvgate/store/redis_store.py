@@ -828,7 +828,8 @@ class RedisStore:
                 say = True
             if pool.q or pool.in_use or pool.rq or name in grants:
                 pools[name] = pool.spec()
-                pool.rq = max(pool.rq, pool.q)
+                # what Redis records if this message runs and its reply is lost (a timeout)
+                pool.rq = max(pool.rq, pool.q + grants.get(name, 0))
         buckets: dict[str, Any] = {}
         debts: dict[str, int] = {}
         for name, b in sc.buckets.items():
@@ -871,10 +872,13 @@ class RedisStore:
         if admits:
             batch = []
             for adm in admits:
-                for _, ps in adm.alts:
+                for n, ps in adm.alts:
                     for p in ps:
                         if p.name not in pools:
                             pools[p.name] = p.spec()
+                        # an admit that runs after its deadline still adds to the quota Redis
+                        # records: re-asserted (given back) by the next message
+                        p.rq = max(p.rq, p.q + grants.get(p.name, 0)) + n
                 entry: dict[str, Any] = {"p": [[n, *(p.name for p in ps)] for n, ps in adm.alts]}
                 if adm.buckets:
                     entry["b"] = {b.name: n for b, n in adm.buckets}
