@@ -11,6 +11,7 @@ killed or paused (``CLIENT PAUSE``, ``SIGSTOP``).
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -296,3 +297,70 @@ async def test_share_becomes_open_after_max_degraded_s_when_asked(
     await wait_for(lambda: time.monotonic() - opened > 0.25, 5.0, "max_degraded_s over")
     more = [await admit(store, lim) for _ in range(6)]
     assert all(isinstance(h, StoreHold) for h in more)  # open: beyond the limit
+
+
+# --- a call that timed out on the replica but ran on the server ------------------------------
+
+
+async def test_a_timed_out_admit_that_ran_late_is_given_back(
+    stores: Any, redis_server: RedisServer
+) -> None:
+    """An admission decided in Redis whose reply came too late: the caller was refused (its
+    deadline passed) while Redis recorded the slot and a grant as the replica's quota. The
+    replica's next message re-asserts what it really holds, so the units go back; once it left,
+    the scope holds nothing (no slot lost for the other replicas)."""
+    lim = limits(max_concurrency=6, tokens_per_minute=2**40, guaranteed_slots=1)
+    # heartbeats by hand (tick), a short deadline, strict: a late reply means a refusal
+    cfg = config(
+        redis_server.url,
+        on_failure="strict",
+        heartbeat_s=5,
+        deadline_ms=100,
+        background_deadline_ms=100,
+        breaker_failures=1000,
+    )
+    store = await stores(cfg, lim)
+    r = redis_server.client()
+    state = "{kvg:b:gpu}"
+    sc_key = "bgpu"
+    running = await admit(store, lim)  # on the tenant's guarantee (1 slot)
+    assert isinstance(running, StoreHold)
+    sc = store.scopes[sc_key]
+
+    async def beat() -> None:
+        store.tick()
+        await wait_for(lambda: not sc.busy, 5.0, "the lane idle")
+
+    # a few heartbeats: the burst quota this replica took as headroom goes back
+    await wait_for(lambda: not sc.busy, 5.0, "the lane idle")
+    for _ in range(3):
+        await beat()
+    burst = sc.pools["burst"]
+    assert (burst.q, burst.rq, int(r.hget(state, "alloc|burst") or 0)) == (0, 0, 0)
+
+    # Redis busy for 1 s: the next admission (guarantee full: the burst pool, decided in
+    # Redis) is sent on the open connection and runs once Redis wakes, after its deadline
+    sleeper = redis_server.client()
+    busy = threading.Thread(target=lambda: sleeper.execute_command("DEBUG", "SLEEP", "1.0"))
+    busy.start()
+    try:
+        await asyncio.sleep(0.2)  # (ordering only: DEBUG SLEEP first)
+        late = await admit(store, lim)
+    finally:
+        await asyncio.get_running_loop().run_in_executor(None, busy.join)
+    assert isinstance(late, StoreRefusal)
+    assert store.failures["timeout"] == 1
+    await wait_for(
+        lambda: int(r.hget(state, f"q|burst|{store.pod}") or 0) > 0, 5.0, "the late admit ran"
+    )
+
+    await beat()  # the replica's next message: its burst quota is 0
+    assert int(r.hget(state, f"q|burst|{store.pod}") or 0) == 0
+    assert int(r.hget(state, "alloc|burst")) == 0
+    store.release(running, 1, 1)
+    for _ in range(3):
+        await beat()
+    await store.close()
+    fields = r.hgetall(state)
+    assert not [k for k in fields if k.startswith("q|")], fields
+    assert all(int(v) == 0 for k, v in fields.items() if k.startswith("alloc|")), fields
