@@ -263,13 +263,18 @@ class _Part:
 
 
 class StoreHold:
-    """What an admitted request holds in the store: units of pools and tokens of buckets."""
+    """What an admitted request holds in the store: units of pools and tokens of buckets
+    (``shared``: the buckets whose tokens came from this replica's own share while Redis was
+    away, not from the shared bucket)."""
 
-    __slots__ = ("buckets", "pools")
+    __slots__ = ("buckets", "pools", "shared")
 
-    def __init__(self, pools: list[tuple[Pool, int]], buckets: list[Bucket]) -> None:
+    def __init__(
+        self, pools: list[tuple[Pool, int]], buckets: list[Bucket], shared: tuple[Bucket, ...] = ()
+    ) -> None:
         self.pools = pools
         self.buckets = buckets
+        self.shared = shared
 
 
 class _Breaker:
@@ -583,6 +588,12 @@ class RedisStore:
                 self._kick(pool.scope)
         diff = reserved - actual
         for b in hold.buckets:
+            if diff > 0 and any(b is s for s in hold.shared):
+                # taken from this replica's own share, never from the shared bucket: the
+                # unused tokens go back to the share (if Redis is still away), not to Redis
+                if b.fallback is not None:
+                    b.fallback.reconcile(reserved, actual)
+                continue
             b.avail += diff
             if diff < 0 or b.near:
                 self._kick(b.scope)
@@ -741,7 +752,9 @@ class RedisStore:
         self.degraded_admissions += 1
         if self._metrics is not None:
             self._metrics.store_degraded.inc()
-        return self._take(parts, picks, tokens)
+        hold = self._take(parts, picks, tokens)
+        hold.shared = tuple(b for _, b in shares)
+        return hold
 
     def _unavailable(self) -> StoreRefusal:
         return StoreRefusal(
