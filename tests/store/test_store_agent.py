@@ -364,3 +364,36 @@ async def test_a_timed_out_admit_that_ran_late_is_given_back(
     fields = r.hgetall(state)
     assert not [k for k in fields if k.startswith("q|")], fields
     assert all(int(v) == 0 for k, v in fields.items() if k.startswith("alloc|")), fields
+
+
+async def test_refunds_of_degraded_admissions_do_not_fill_the_shared_bucket(
+    stores: Any, redis_server: RedisServer
+) -> None:
+    """A request admitted from the replica's own share of a bucket while Redis was away never
+    took tokens from the shared bucket: what it gives back at release must not go to the
+    shared bucket either, or every replica could then take more than the rate allows."""
+    # one token a second, a burst of 100
+    lim = limits(max_concurrency=100, tokens_per_minute=60, burst_tokens=100)
+    cfg = config(redis_server.url, on_failure="share", deadline_ms=100, background_deadline_ms=100)
+    store = await stores(cfg, lim)
+    first = await admit(store, lim, 90)  # through Redis: about 10 tokens left
+    assert isinstance(first, StoreHold)
+    redis_server.pause()  # SIGSTOP: the state survives
+    try:
+        await wait_for(lambda: store.state()["breaker"] == "open", 10.0, "the breaker open")
+        degraded = await admit(store, lim, 80)  # the replica's own bucket (share)
+        assert isinstance(degraded, StoreHold)
+        assert store.degraded_admissions == 1
+    finally:
+        redis_server.resume()
+    await wait_for(lambda: store.state()["breaker"] == "closed", 10.0, "the breaker closed")
+    store.release(degraded, 80, 0)  # it used nothing: 80 tokens unused
+    store.release(first, 90, 90)
+    for _ in range(3):
+        store.tick()
+        await wait_for(lambda: not store.scopes["bgpu"].busy, 5.0, "the lane idle")
+    # another replica asks the shared bucket for 60 tokens: about 10 (+1 a second) are there
+    other = await stores(cfg, lim)
+    refused = await admit(other, lim, 60)
+    assert isinstance(refused, StoreRefusal), "the degraded request's refund filled the bucket"
+    assert refused.reason == "backend-tpm"
