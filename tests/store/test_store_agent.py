@@ -397,3 +397,43 @@ async def test_refunds_of_degraded_admissions_do_not_fill_the_shared_bucket(
     refused = await admit(other, lim, 60)
     assert isinstance(refused, StoreRefusal), "the degraded request's refund filled the bucket"
     assert refused.reason == "backend-tpm"
+
+
+async def test_a_replica_frozen_past_its_lease_admits_nothing_locally(
+    stores: Any, redis_server: RedisServer
+) -> None:
+    """A replica silent past its lease is reaped by the others, who may then take the whole
+    pool; when it wakes up it must not use the quota it held (Redis no longer counts it): it
+    asks Redis, which refuses, and it re-asserts only what it still runs."""
+    lim = limits(max_concurrency=10, tokens_per_minute=2**40)
+    cfg = config(redis_server.url, lease_ttl_s=0.3, chunk_fraction=1.0, on_failure="strict")
+    frozen = await stores(cfg, lim)
+    running = await admit(frozen, lim)
+    assert isinstance(running, StoreHold)
+    pool = frozen.scopes["bgpu"].pools["burst"]
+    await wait_for(lambda: pool.q - pool.in_use >= 1, 5.0, "headroom held")
+    # freeze: no more heartbeats; wait (bounded) until its lease ran out in Redis
+    assert frozen._heartbeat_task is not None
+    frozen._heartbeat_task.cancel()
+    r = redis_server.client()
+
+    def lapsed() -> bool:
+        s, us = r.time()
+        lease = r.zscore("{kvg:b:gpu}:live", frozen.pod)
+        return lease is None or lease < int(s) * 1_000_000 + int(us)
+
+    await wait_for(lapsed, 10.0, "the lease lapsed")
+    assert pool.q - pool.in_use >= 1  # it still believes it holds headroom
+    other = await stores(cfg, lim)
+    taken = []
+    while isinstance(h := await admit(other, lim), StoreHold):
+        taken.append(h)
+        assert len(taken) <= 10
+    assert len(taken) == 10  # the frozen replica was reaped: the whole pool
+    # it wakes up
+    assert frozen.try_admit(lim.backend, lim.tenant, "standard", 1) is None
+    refused = await frozen.admit(lim.backend, lim.tenant, "standard", 1)
+    assert isinstance(refused, StoreRefusal)
+    assert refused.reason == "backend-slots"
+    assert int(r.hget("{kvg:b:gpu}", f"q|burst|{frozen.pod}") or 0) == 1  # what it runs
+    frozen.release(running, 1, 1)

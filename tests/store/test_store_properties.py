@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import os
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -244,13 +245,26 @@ class StoreMachine(RuleBasedStateMachine):
         chunk_fraction=st.sampled_from([0.1, 0.5, 1.0]),
         near_fraction=st.sampled_from([0.0, 0.1, 0.3]),
         token_factor=st.sampled_from([1, 10]),
+        few_slots=st.booleans(),
     )
-    def start(self, n: int, chunk_fraction: float, near_fraction: float, token_factor: int) -> None:
+    def start(
+        self,
+        n: int,
+        chunk_fraction: float,
+        near_fraction: float,
+        token_factor: int,
+        few_slots: bool,
+    ) -> None:
         ctl = self.controller
-        self.backend = Ref(ctl.add_backend("gpu", **scaled(BACKEND, token_factor)), "gpu")
+        backend = scaled(BACKEND, token_factor)
+        tenants = {name: scaled(limits, token_factor) for name, limits in TENANTS.items()}
+        if few_slots:  # every limit within reach of a few bursts
+            backend["max_concurrency"] = 8
+            tenants["gold"].update(max_concurrency=4, guaranteed_slots=2)
+            tenants["silver"].update(guaranteed_slots=1)
+        self.backend = Ref(ctl.add_backend("gpu", **backend), "gpu")
         self.tenants = {
-            name: Ref(ctl.add_tenant(name, **scaled(limits, token_factor)), name)
-            for name, limits in TENANTS.items()
+            name: Ref(ctl.add_tenant(name, **limits), name) for name, limits in tenants.items()
         }
         self.limits = self._limits()
 
@@ -279,7 +293,11 @@ class StoreMachine(RuleBasedStateMachine):
         """A burst of requests (replica, tenant, sheddable, tokens) at once: each from the
         replica's quotas when they suffice, else decided in Redis."""
         alive = self.alive()
-        reps = [alive[i % len(alive)] for i, *_ in asks]
+        self._admit_many([(alive[i % len(alive)], *ask) for i, *ask in asks])
+
+    def _admit_many(self, asks: list[tuple[Replica, str, bool, int]]) -> None:
+        """Admits every ``(replica, tenant, sheddable, tokens)`` at once and records the
+        admitted requests."""
 
         async def one(rep: Replica, tenant: str, sheddable: bool, tokens: int) -> Any:
             t = self.tenants[tenant]
@@ -296,13 +314,11 @@ class StoreMachine(RuleBasedStateMachine):
         survivors: set[int] = set()
 
         async def go() -> list[Any]:
-            holds = await asyncio.gather(
-                *(one(rep, *ask[1:]) for rep, ask in zip(reps, asks, strict=True))
-            )
+            holds = await asyncio.gather(*(one(*ask) for ask in asks))
             await self._settle()
             return holds
 
-        for rep, (_, _, _, tokens), hold in zip(reps, asks, self.run(go()), strict=True):
+        for (rep, _, _, tokens), hold in zip(asks, self.run(go()), strict=True):
             if isinstance(hold, StoreRefusal):
                 note(f"admit: refused ({hold.reason})")
                 reasons = {
@@ -393,10 +409,27 @@ class StoreMachine(RuleBasedStateMachine):
         for rid in [rid for rid, req in self.requests.items() if req.replica is rep]:
             del self.requests[rid]
 
-    @rule(which=st.integers(0, 3))
-    def pause(self, which: int) -> None:
-        """A replica with running requests freezes past its lease (no heartbeat; the others
-        keep theirs and reap it), then resumes: its requests still run."""
+    @rule(
+        which=st.integers(0, 3),
+        meanwhile=st.lists(
+            st.tuples(st.integers(0, 3), st.sampled_from(sorted(TENANTS)), st.booleans(),
+                      st.integers(1, 200)),
+            max_size=8,
+        ),
+        after=st.lists(
+            st.tuples(st.sampled_from(sorted(TENANTS)), st.booleans(), st.integers(1, 200)),
+            max_size=4,
+        ),
+    )  # fmt: skip
+    def pause(
+        self,
+        which: int,
+        meanwhile: list[tuple[int, str, bool, int]],
+        after: list[tuple[str, bool, int]],
+    ) -> None:
+        """A replica with running requests freezes past its lease (no heartbeat); the others
+        keep theirs, reap it and admit ``meanwhile``; it resumes (its requests still run) and
+        at once admits ``after``."""
         running = sorted({req.replica.index for req in self.requests.values()})
         if not running:
             return
@@ -407,7 +440,7 @@ class StoreMachine(RuleBasedStateMachine):
             if req.replica is rep:
                 req.survivor = True
 
-        async def go() -> None:
+        async def freeze() -> None:
             await self._settle([rep])
             assert store._heartbeat_task is not None
             store._heartbeat_task.cancel()
@@ -424,9 +457,17 @@ class StoreMachine(RuleBasedStateMachine):
                 assert time.monotonic() < deadline, "the lease never ran out"
                 await asyncio.sleep(0.02)
             await asyncio.sleep(2 * HEARTBEAT_S)
+
+        self.run(freeze())
+        others = [r for r in self.alive() if r is not rep]
+        if others:
+            self._admit_many([(others[i % len(others)], *ask) for i, *ask in meanwhile])
+
+        async def resume() -> None:
             store._heartbeat_task = asyncio.get_running_loop().create_task(store._heartbeat())
 
-        self.run(go())
+        self.run(resume())
+        self._admit_many([(rep, *ask) for ask in after])
 
     @precondition(lambda self: self.restarts_allowed)
     @rule()
@@ -518,7 +559,8 @@ class StoreMachine(RuleBasedStateMachine):
 #: no shrinking: the replicas race on real time, so a failing sequence rarely fails the same
 #: way twice; the failing example is printed step by step as it ran
 SETTINGS = settings(
-    max_examples=25,
+    # KVGATE_STORE_EXAMPLES: more examples for a longer hunt
+    max_examples=int(os.environ.get("KVGATE_STORE_EXAMPLES", "25")),
     stateful_step_count=25,
     deadline=None,
     phases=[Phase.explicit, Phase.reuse, Phase.generate],
