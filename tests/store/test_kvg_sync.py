@@ -445,3 +445,29 @@ def test_a_scaled_bucket_follows_the_effective_scale(r: redis.Redis) -> None:
     assert rep["buckets"]["tpm"] == [50, 50]
     rep = a.sync(buckets={"tpm": {"r": 600, "b": 100}}, scale=0.5, shed=False)  # not scaled
     assert rep["buckets"]["tpm"][1] == 100
+
+
+def test_at_most_eight_replicas_are_reaped_per_call(r: redis.Redis) -> None:
+    dead = [Pod(r, f"dead{i}", 100_000) for i in range(10)]
+    for pod in dead:
+        pod.sync(pools={"conc": plain(100, 2)})
+    assert alloc(r, "conc") == 20
+    last_lease = max(float(r.zscore(LIVE, p.name) or 0) for p in dead)
+    watcher = Pod(r, "watcher")
+    wait_until(lambda: server_us(r) > last_lease, 10.0, "every lease ran out")
+    first = watcher.sync(pools={"conc": plain(100, 0)})
+    assert (first["reaped"], alloc(r, "conc")) == (8, 4)
+    second = watcher.sync(pools={"conc": plain(100, 0)})
+    assert (second["reaped"], second["live"], alloc(r, "conc")) == (2, 1, 0)
+    assert int(r.hget(STATE, "reaped")) == 10
+
+
+def test_kvg_peek_reads_the_scope_without_writing(r: redis.Redis) -> None:
+    a = Pod(r, "a")
+    a.sync(pools={"conc": plain(10, 3)})
+    before = fields(r)
+    out = json.loads(r.fcall_ro("kvg_peek", 2, STATE, LIVE))
+    assert dict(zip(out["fields"][::2], out["fields"][1::2], strict=True)) == before
+    assert out["live"][0] == "a"
+    assert float(out["live"][1]) > out["now"]  # the lease runs ahead of now
+    assert fields(r) == before

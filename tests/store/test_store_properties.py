@@ -587,6 +587,9 @@ def test_replicas_share_the_limits_across_redis_restarts(redis_server: RedisServ
 
     STATS.clear()
     run_state_machine_as_test(
-        Machine, settings=settings(SETTINGS, max_examples=10, stateful_step_count=20)
+        Machine,
+        settings=settings(
+            SETTINGS, max_examples=max(10, SETTINGS.max_examples // 3), stateful_step_count=20
+        ),
     )
     print(dict(STATS))
