@@ -269,13 +269,18 @@ class _Part:
 
 
 class StoreHold:
-    """What an admitted request holds in the store: units of pools and tokens of buckets."""
+    """What an admitted request holds in the store: units of pools and tokens of buckets
+    (``shared``: the buckets whose tokens came from this replica's own share while Redis was
+    away, not from the shared bucket)."""
 
-    __slots__ = ("buckets", "pools")
+    __slots__ = ("buckets", "pools", "shared")
 
-    def __init__(self, pools: list[tuple[Pool, int]], buckets: list[Bucket]) -> None:
+    def __init__(
+        self, pools: list[tuple[Pool, int]], buckets: list[Bucket], shared: tuple[Bucket, ...] = ()
+    ) -> None:
         self.pools = pools
         self.buckets = buckets
+        self.shared = shared
 
 
 class _Breaker:
@@ -592,6 +597,12 @@ class RedisStore:
                 self._kick(pool.scope)
         diff = reserved - actual
         for b in hold.buckets:
+            if diff > 0 and any(b is s for s in hold.shared):
+                # taken from this replica's own share, never from the shared bucket: the
+                # unused tokens go back to the share (if Redis is still away), not to Redis
+                if b.fallback is not None:
+                    b.fallback.reconcile(reserved, actual)
+                continue
             b.avail += diff
             if diff < 0 or b.near:
                 self._kick(b.scope)
@@ -752,7 +763,9 @@ class RedisStore:
         self.degraded_admissions += 1
         if self._metrics is not None:
             self._metrics.store_degraded.inc()
-        return self._take(parts, picks, tokens)
+        hold = self._take(parts, picks, tokens)
+        hold.shared = tuple(b for _, b in shares)
+        return hold
 
     def _unavailable(self) -> StoreRefusal:
         return StoreRefusal(
@@ -842,7 +855,8 @@ class RedisStore:
                 say = True
             if pool.q or pool.in_use or pool.rq or name in grants:
                 pools[name] = pool.spec()
-                pool.rq = max(pool.rq, pool.q)
+                # what Redis records if this message runs and its reply is lost (a timeout)
+                pool.rq = max(pool.rq, pool.q + grants.get(name, 0))
         buckets: dict[str, Any] = {}
         debts: dict[str, int] = {}
         for name, b in sc.buckets.items():
@@ -885,10 +899,13 @@ class RedisStore:
         if admits:
             batch = []
             for adm in admits:
-                for _, ps in adm.alts:
+                for n, ps in adm.alts:
                     for p in ps:
                         if p.name not in pools:
                             pools[p.name] = p.spec()
+                        # an admit that runs after its deadline still adds to the quota Redis
+                        # records: re-asserted (given back) by the next message
+                        p.rq = max(p.rq, p.q + grants.get(p.name, 0)) + n
                 entry: dict[str, Any] = {"p": [[n, *(p.name for p in ps)] for n, ps in adm.alts]}
                 if adm.buckets:
                     entry["b"] = {b.name: n for b, n in adm.buckets}
