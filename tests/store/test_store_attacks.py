@@ -1,0 +1,137 @@
+"""Adversarial checks of the shared store: clients that give up while a decision is in Redis,
+Redis answering errors or nothing, limits reloaded on some replicas, odd configuration. Each
+runs real gateways (``kvgate serve``) against a real ``redis-server`` and the simulator, whose
+own count of what it ran per tenant is the judge; Redis's books (``alloc`` against the sum of
+the replicas' quotas) and ``/admin/state`` show that nothing stays held once the load ends."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import aiohttp
+import orjson
+import pytest
+from tests.gateway.helpers import metric
+from tests.store.redis_servers import RedisServer
+from tests.store.replicas import run_replicas
+from tests.store.test_replica_faults import (
+    KEY_A,
+    KEY_B,
+    SLOW_SIM,
+    config,
+    hold,
+    hold_within,
+    redis_pool,
+    until,
+    user,
+)
+
+pytestmark = pytest.mark.slow
+
+
+async def give_up_after(url: str, key: str, tenant: str, model: str, after_s: float) -> str:
+    """One streamed request whose client disconnects after ``after_s`` seconds unless it was
+    answered before; ``"gave up"`` or the status."""
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": "impatient"}],
+        "max_tokens": 4,
+        "stream": True,
+        "user": tenant,
+    }
+    timeout = aiohttp.ClientTimeout(total=after_s)
+    try:
+        async with (
+            aiohttp.ClientSession(timeout=timeout) as s,
+            s.post(
+                url + "/v1/chat/completions",
+                data=orjson.dumps(body),
+                headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"},
+            ) as r,
+        ):
+            await r.read()
+            return str(r.status)
+    except TimeoutError:
+        return "gave up"
+
+
+def pools_in_use(state: dict[str, Any]) -> dict[str, int]:
+    """``{scope/pool: units its requests hold}`` from one replica's ``/admin/state``."""
+    out = {}
+    for key, sc in state["store"]["scopes"].items():
+        for name, p in sc["pools"].items():
+            out[f"{key}/{name}"] = p["in_use"]
+    return out
+
+
+async def test_a_client_gone_while_its_admission_waits_in_redis_leaves_nothing_held(
+    redis_server: RedisServer,
+) -> None:
+    """A request whose tenant part is decided in Redis (near the tenant's limit) while its
+    backend part came from the replica's own quota: its client disconnects while Redis has
+    not answered. Everything it took goes back: the backend's four slots all run at the engine
+    afterwards, no reservation is counted as leaked, and Redis holds nothing once idle."""
+    cfg = with_backend(config({"url": redis_server.url, "deadline_ms": 4000}, a_conc=2), 4)
+    async with run_replicas(cfg, n=2, sim_args=SLOW_SIM) as reps:
+        # a runs one request on replica 1; replica 0 has never held any of a (its next
+        # admission of a is decided in Redis) but holds headroom of the backend's slots
+        held = await hold(reps, 1, "a", KEY_A, 1)
+        held += await hold(reps, 0, "b", KEY_B, 1)
+
+        async def backend_quota() -> bool:
+            st = (await reps.admin_state(0))["store"]["scopes"].get("{kvg:b:sim}")
+            pool = st["pools"]["burst"] if st is not None else {"quota": 0, "in_use": 0}
+            return bool(pool["quota"] > pool["in_use"])
+
+        await until(backend_quota, 10, "replica 0 holds backend headroom")
+        # Redis stalls writes: the decision of a's request waits; its client gives up
+        paused = asyncio.get_running_loop().run_in_executor(
+            None, lambda: redis_server.cli("CLIENT", "PAUSE", "2500", "WRITE")
+        )
+        await paused
+        outcomes = await asyncio.gather(
+            *(give_up_after(reps.url(0), KEY_A, "a", reps.model, 0.6) for _ in range(2))
+        )
+        assert "gave up" in outcomes, outcomes
+        for t in held:
+            t.cancel()
+        await asyncio.gather(*held, return_exceptions=True)
+
+        async def idle() -> bool:
+            by_user = (await reps.sim_state())["by_user"]
+            return all(by_user.get(t, {}).get("in_flight", 0) == 0 for t in ("a", "b"))
+
+        await until(idle, 20, "every request ended at the engine")
+        seen: list[dict[str, int]] = []
+
+        async def released() -> bool:
+            seen.append(pools_in_use(await reps.admin_state(0)))
+            return not any(seen[-1].values())
+
+        try:
+            await until(released, 15, "replica 0's store pools hold no request")
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}: {seen[-1]}") from None
+        # the engine is the judge: the backend's four slots all run again through replica 0
+        tasks = await hold_within(reps, 0, "b", KEY_B, 4, within=5)
+        assert (await user(reps, "b"))["in_flight"] == 4
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        text = await reps.metrics(0)
+        assert not metric(text, "kvgate_reservation_leaks_total"), "a reservation leaked"
+
+        async def books_empty() -> bool:
+            alloc, quotas = redis_pool(redis_server, "{kvg:b:sim}", "burst")
+            a_alloc, a_quotas = redis_pool(redis_server, "{kvg:t:a}", "conc")
+            return alloc == quotas == 0 and a_alloc == a_quotas == 0
+
+        await until(books_empty, 15, "Redis's books back to 0 once idle")
+
+
+def with_backend(cfg: dict[str, Any], slots: int) -> dict[str, Any]:
+    """``cfg`` with one backend ``sim`` of ``slots`` concurrent requests serving the
+    simulator's tiny model (the harness points it at the simulator)."""
+    model = {"name": "kvgate-sim-tiny", "context_window": 1024}
+    return {**cfg, "backends": [{"name": "sim", "models": [model], "max_concurrency": slots}]}
