@@ -630,9 +630,15 @@ class RedisStore:
             self._kick(part.scope)
         local = self._take(local_parts, local_picks, tokens)
         answers: list[Any] = []
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(self._deadline):
-                answers = list(await asyncio.gather(*(a.future for a in waits)))
+        try:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self._deadline):
+                    answers = list(await asyncio.gather(*(a.future for a in waits)))
+        except asyncio.CancelledError:
+            # the caller went away (its client disconnected) while Redis decided: what was
+            # taken here goes back now, what Redis admits later becomes quota (_apply)
+            self._give_back(waits, local, tokens)
+            raise
         if len(answers) != len(waits) or any(a is None for a in answers):
             # no answer in time, or an unknown outcome: the fallback decides
             self._give_back(waits, local, tokens)
