@@ -14,7 +14,7 @@ import orjson
 import pytest
 from tests.gateway.helpers import metric
 from tests.store.redis_servers import RedisServer
-from tests.store.replicas import run_replicas
+from tests.store.replicas import drive, run_replicas
 from tests.store.test_replica_faults import (
     KEY_A,
     KEY_B,
@@ -135,3 +135,28 @@ def with_backend(cfg: dict[str, Any], slots: int) -> dict[str, Any]:
     simulator's tiny model (the harness points it at the simulator)."""
     model = {"name": "kvgate-sim-tiny", "context_window": 1024}
     return {**cfg, "backends": [{"name": "sim", "models": [model], "max_concurrency": slots}]}
+
+
+async def test_function_flush_mid_load_keeps_the_limit_exact(redis_server: RedisServer) -> None:
+    """``FUNCTION FLUSH`` (or a Redis restarted without its data) while a tenant hammers its
+    limit through three replicas: a call that finds the library missing did not run, so the
+    replica loads the library and sends the same message again. Nothing falls back to the
+    per-replica share (which would admit above the limit while the other replicas still use
+    their quotas): the engine never runs more than the limit."""
+    store = {"url": redis_server.url}
+    async with run_replicas(config(store)) as reps:
+        load = asyncio.create_task(
+            drive(reps.urls, {"a": KEY_A}, 5.0, 18, model=reps.model, max_tokens=24)
+        )
+        loop = asyncio.get_running_loop()
+        for _ in range(8):
+            await asyncio.sleep(0.4)
+            await loop.run_in_executor(None, lambda: redis_server.cli("FUNCTION", "FLUSH"))
+        loads = await load
+        a = await user(reps, "a")
+        assert a["peak_in_flight"] <= 6, a
+        assert loads["a"].counts["200"] > 0, loads["a"]
+        assert loads["a"].counts["other"] == 0, loads["a"]
+        states = [(await reps.admin_state(i))["store"] for i in range(3)]
+        assert sum(s["degraded_admissions"] for s in states) == 0, states
+        assert all(s["breaker"] == "closed" for s in states), states
