@@ -940,19 +940,22 @@ class RedisStore:
         self.calls += 1
         kind = None
         raw: Any = None
+        payload = orjson.dumps(msg)
         try:
             async with asyncio.timeout(deadline):
-                raw = await client.fcall("kvg_sync", 3, key, key + ":live", op, orjson.dumps(msg))
+                try:
+                    raw = await client.fcall("kvg_sync", 3, key, key + ":live", op, payload)
+                except Exception as exc:
+                    if not _library_missing(exc):
+                        raise
+                    # Redis lost the library (restarted empty, FUNCTION FLUSH): the call did
+                    # not run, so the same message goes again once the library is loaded
+                    await load_library(client, self.config.cluster)
+                    raw = await client.fcall("kvg_sync", 3, key, key + ":live", op, payload)
         except TimeoutError:
             kind = "timeout"
         except Exception as exc:
             kind = "error"
-            text = str(exc).lower()
-            if "function" in text and ("not found" in text or "no such" in text):
-                # Redis restarted without its data: load the library for the next message
-                with contextlib.suppress(Exception):
-                    async with asyncio.timeout(self._bg_deadline):
-                        await load_library(client, self.config.cluster)
             logger.debug("store: call to %s failed: %s", key, _short(exc))
         if self._metrics is not None:
             self._metrics.store_call_seconds.observe(time.monotonic() - sent)
@@ -1224,6 +1227,13 @@ def _short(exc: BaseException) -> str:
     command)."""
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     return text if len(text) <= 200 else text[:197] + "..."
+
+
+def _library_missing(exc: BaseException) -> bool:
+    """Whether Redis answered that the ``kvgate`` Functions library is not loaded (``ERR
+    Function not found``): the call did not run."""
+    text = str(exc).lower()
+    return "function" in text and ("not found" in text or "no such" in text)
 
 
 def _scope_of(sc: Scope) -> str:
