@@ -22,6 +22,7 @@ from tests.store.test_replica_faults import (
     config,
     hold,
     hold_within,
+    post_chat,
     redis_pool,
     until,
     user,
@@ -160,3 +161,49 @@ async def test_function_flush_mid_load_keeps_the_limit_exact(redis_server: Redis
         states = [(await reps.admin_state(i))["store"] for i in range(3)]
         assert sum(s["degraded_admissions"] for s in states) == 0, states
         assert all(s["breaker"] == "closed" for s in states), states
+
+
+async def test_redis_refusing_writes_longer_than_a_lease_reaps_no_live_replica(
+    redis_server: RedisServer,
+) -> None:
+    """Redis answers every write with an OOM error (``maxmemory 1``, ``noeviction``) for
+    longer than a lease while replicas 0 and 1 run the tenant's whole limit (``strict``: each
+    admits only what it held). When Redis accepts writes again, the first replica to reach it
+    must not reap the others for a silence that was Redis's: their requests still run, so the
+    tenant's limit, granted again to a third replica, would run twice at the engine."""
+    store = {"url": redis_server.url, "on_failure": "strict"}
+    cfg = with_backend(config(store, a_conc=4), 64)
+    # no adaptive scale: replica 2, idle, makes no call to Redis before it is asked for a's
+    cfg["backends"][0]["adaptive"] = {"enabled": False}
+    async with run_replicas(cfg, sim_args=SLOW_SIM) as reps:
+        held = await hold_within(reps, 0, "a", KEY_A, 2) + await hold_within(reps, 1, "a", KEY_A, 2)
+        await reps.reset_peaks()
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(
+            None, lambda: redis_server.cli("CONFIG", "SET", "maxmemory", "1")
+        )
+
+        async def breakers_open() -> bool:
+            sts = [(await reps.admin_state(i))["store"] for i in range(3)]
+            return all(s["breaker"] == "open" for s in sts[:2])
+
+        await until(breakers_open, 10, "replicas 0 and 1 see Redis refusing writes")
+        await asyncio.sleep(1.0)  # longer than a lease (0.75 s): every lease ran out in Redis
+        await loop.run_in_executor(
+            None, lambda: redis_server.cli("CONFIG", "SET", "maxmemory", "0")
+        )
+        # replica 2 asks for a's slots, again and again, as Redis comes back
+        extra: list[asyncio.Task[int]] = []
+        give_up = loop.time() + 4.0
+        while loop.time() < give_up:
+            task = asyncio.create_task(post_chat(reps.url(2), KEY_A, "a", 300, reps.model))
+            await asyncio.sleep(0.1)
+            if not task.done():
+                extra.append(task)
+        a = await user(reps, "a")
+        for t in held + extra:
+            t.cancel()
+        await asyncio.gather(*held, *extra, return_exceptions=True)
+        assert a["peak_in_flight"] <= 4, a
+        logs = b"".join(reps.stderr(i) for i in range(3))
+        assert b"OOM" in logs, "the breaker's warning names what Redis answered"
