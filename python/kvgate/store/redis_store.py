@@ -354,6 +354,7 @@ class RedisStore:
         self.amnesia = 0
         self.reaped = 0
         self.degraded_admissions = 0
+        self._last_failure = ""
 
     # ---- set-up -----------------------------------------------------------------------------
     def _make_client(self) -> Any:
@@ -767,9 +768,10 @@ class RedisStore:
 
     def _opened(self) -> None:
         logger.warning(
-            "store: Redis unreachable (%d failed calls in a row); limits fall back to their "
-            "policies (default %s)",
+            "store: Redis unreachable (%d failed calls in a row, the last: %s); limits fall "
+            "back to their policies (default %s)",
             self._breaker.failures,
+            self._last_failure,
             self.config.on_failure,
         )
         if self._metrics is not None:
@@ -954,8 +956,11 @@ class RedisStore:
                     raw = await client.fcall("kvg_sync", 3, key, key + ":live", op, payload)
         except TimeoutError:
             kind = "timeout"
+            self._last_failure = f"no answer within {deadline * 1000:g} ms"
         except Exception as exc:
             kind = "error"
+            # e.g. OutOfMemoryError when Redis refuses writes (maxmemory, noeviction)
+            self._last_failure = f"{type(exc).__name__}: {_short(exc)}"
             logger.debug("store: call to %s failed: %s", key, _short(exc))
         if self._metrics is not None:
             self._metrics.store_call_seconds.observe(time.monotonic() - sent)
@@ -963,6 +968,7 @@ class RedisStore:
             reply = orjson.loads(raw)
             if reply.get("stale"):
                 kind = "stale"
+                self._last_failure = "a stale reply"
         if kind is not None:
             self.failures[kind] += 1
             if self._metrics is not None:
