@@ -207,3 +207,86 @@ async def test_redis_refusing_writes_longer_than_a_lease_reaps_no_live_replica(
         assert a["peak_in_flight"] <= 4, a
         logs = b"".join(reps.stderr(i) for i in range(3))
         assert b"OutOfMemoryError" in logs, logs.decode(errors="replace")
+
+
+async def impatient_load(
+    urls: list[str], key: str, tenant: str, model: str, workers: int, duration_s: float
+) -> dict[str, int]:
+    """``workers`` clients of ``tenant`` sending streamed requests round-robin over ``urls``
+    for ``duration_s`` seconds, each giving up after a random 0.02..0.6 s (while it waits for
+    admission, or mid-stream); outcomes counted (``gave up``, ``"200"``, ``"429"``...)."""
+    import random
+
+    rng = random.Random(7)
+    loop = asyncio.get_running_loop()
+    stop = loop.time() + duration_s
+    counts: dict[str, int] = {}
+    turn = iter(range(10**9))
+
+    async def worker() -> None:
+        while loop.time() < stop:
+            url = urls[next(turn) % len(urls)]
+            out = await give_up_after(url, key, tenant, model, rng.uniform(0.02, 0.6))
+            counts[out] = counts.get(out, 0) + 1
+            if out != "200":
+                await asyncio.sleep(0.01)
+
+    await asyncio.gather(*(worker() for _ in range(workers)))
+    return counts
+
+
+async def test_a_hostile_tenant_with_impatient_clients_leaves_the_books_balanced(
+    redis_server: RedisServer,
+) -> None:
+    """A tenant hammers its concurrency and token limits through three replicas with many
+    clients that disconnect at random (while waiting for a decision, or mid-stream), with a
+    polite tenant beside it. The engine never runs more than the limit; once the load ends
+    every replica's pools hold nothing, Redis's allocation equals the sum of the quotas and
+    drops to 0 within a few heartbeats, and no reservation leaked."""
+    store = {"url": redis_server.url}
+    cfg = config(store)
+    cfg["tenants"][0]["tokens_per_minute"] = 60_000
+    async with run_replicas(cfg) as reps:
+        polite = asyncio.create_task(
+            drive(reps.urls, {"b": KEY_B}, 6.0, 3, model=reps.model, max_tokens=24)
+        )
+        counts = await impatient_load(reps.urls, KEY_A, "a", reps.model, 30, 6.0)
+        loads = await polite
+        assert counts.get("gave up", 0) > 0, counts
+        assert counts.get("200", 0) > 0, counts
+        assert set(counts) <= {"gave up", "200", "429", "503"}, counts
+        assert loads["b"].counts["other"] == 0, loads["b"]
+        a = await user(reps, "a")
+        assert a["peak_in_flight"] <= 6, a
+
+        async def idle() -> bool:
+            by_user = (await reps.sim_state())["by_user"]
+            return all(by_user.get(t, {}).get("in_flight", 0) == 0 for t in ("a", "b"))
+
+        await until(idle, 20, "every request ended at the engine")
+        seen: list[Any] = []
+
+        async def balanced() -> bool:
+            held = [pools_in_use(await reps.admin_state(i)) for i in range(3)]
+            books = {
+                (scope, pool): redis_pool(redis_server, scope, pool)
+                for scope, pool in (
+                    ("{kvg:t:a}", "conc"),
+                    ("{kvg:t:b}", "conc"),
+                    ("{kvg:b:sim}", "burst"),
+                    ("{kvg:b:sim}", "inflight"),
+                )
+            }
+            seen[:] = [held, books]
+            return not any(v for h in held for v in h.values()) and all(
+                alloc == quotas == 0 for alloc, quotas in books.values()
+            )
+
+        try:
+            await until(balanced, 10, "pools and Redis's books back to 0")
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}: {seen}") from None
+        for i in range(3):
+            text = await reps.metrics(i)
+            assert not metric(text, "kvgate_reservation_leaks_total"), f"replica {i} leaked"
+            assert b"Traceback" not in reps.stderr(i), reps.stderr(i).decode(errors="replace")
