@@ -290,3 +290,71 @@ async def test_a_hostile_tenant_with_impatient_clients_leaves_the_books_balanced
             text = await reps.metrics(i)
             assert not metric(text, "kvgate_reservation_leaks_total"), f"replica {i} leaked"
             assert b"Traceback" not in reps.stderr(i), reps.stderr(i).decode(errors="replace")
+
+
+async def reload_with(reps: Any, i: int, tenants: list[dict[str, Any]]) -> None:
+    """Rewrites gateway ``i``'s file with ``tenants`` and reloads it (SIGHUP); waits for its
+    log to say so."""
+    import signal
+
+    import yaml
+
+    path = reps.config_path(i)
+    data = yaml.safe_load(path.read_text())
+    data["tenants"] = tenants
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    before = reps.stderr(i).count(b"configuration reloaded")
+    reps.gateways[i].proc.send_signal(signal.SIGHUP)
+
+    async def reloaded() -> bool:
+        return reps.stderr(i).count(b"configuration reloaded") > before
+
+    await until(reloaded, 10, f"gateway {i} reloaded")
+
+
+async def test_limits_reloaded_on_one_replica_then_all_converge(
+    redis_server: RedisServer,
+) -> None:
+    """SIGHUP with a's concurrency lowered from 6 to 2 below what runs, b removed and c added:
+    first on one replica (the others still admit by the old limit: never above it), then on
+    all (once what ran drains, the engine never runs more than the new limit). No replica
+    fails; b's key stops working, c's works through every replica."""
+    from tests.store.test_replica_faults import sha
+
+    store = {"url": redis_server.url}
+    cfg = config(store)
+    async with run_replicas(cfg) as reps:
+        urls = reps.urls
+        await drive(urls, {"a": KEY_A}, 1.5, 12, model=reps.model, max_tokens=24)
+        lowered = [dict(cfg["tenants"][0], max_concurrency=2)]
+        lowered.append({"name": "c", "api_key_sha256": [sha("key-c")], "max_concurrency": 3})
+        await reload_with(reps, 0, lowered)
+        await reps.reset_peaks()
+        loads = await drive(urls, {"a": KEY_A}, 2.5, 12, model=reps.model, max_tokens=24)
+        assert (await user(reps, "a"))["peak_in_flight"] <= 6
+        assert loads["a"].counts["other"] == 0, loads["a"]
+        for i in (1, 2):
+            await reload_with(reps, i, lowered)
+        await drive(urls, {"a": KEY_A}, 1.0, 12, model=reps.model, max_tokens=24)
+        await reps.reset_peaks()
+        loads = await drive(
+            urls, {"a": KEY_A, "c": "key-c"}, 3.0, {"a": 12, "c": 6},
+            model=reps.model, max_tokens=24,
+        )  # fmt: skip
+        a, c = await user(reps, "a"), await user(reps, "c")
+        assert a["peak_in_flight"] <= 2, a
+        assert c["peak_in_flight"] <= 3, c
+        assert loads["a"].counts["200"] > 0, loads["a"]
+        assert loads["c"].counts["200"] > 0, loads["c"]
+        assert loads["c"].counts["other"] == 0, loads["c"]
+        gone = await drive(urls, {"b": KEY_B}, 0.3, 1, model=reps.model)
+        assert gone["b"].counts["200"] == 0, gone["b"]
+        for i in range(3):
+            assert reps.gateways[i].alive
+            assert b"Traceback" not in reps.stderr(i), reps.stderr(i).decode(errors="replace")
+
+        async def books() -> bool:
+            alloc, quotas = redis_pool(redis_server, "{kvg:t:a}", "conc")
+            return alloc == quotas == 0
+
+        await until(books, 10, "a's books back to 0 once idle")
