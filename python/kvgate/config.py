@@ -524,7 +524,7 @@ class StoreConfig(_Model):
         background_deadline_ms: the deadline of heartbeats, grants and returns (milliseconds).
         heartbeat_s: how often a replica renews its lease (seconds, 0.05..5).
         lease_ttl_s: how long a silent replica keeps its quotas before the others reap them
-            (seconds; default 3 × ``heartbeat_s``). A replica admits nothing on a lease older
+            (seconds; default 3 × ``heartbeat_s``, at least 2 × ``heartbeat_s``). A replica admits nothing on a lease older
             than this (a frozen process that wakes up) until Redis has heard from it again.
         chunk_fraction: the largest quota a replica holds beyond what it uses, as a fraction
             (0..1) of a limit divided among the live replicas.
@@ -562,10 +562,33 @@ class StoreConfig(_Model):
     @classmethod
     def _url_ok(cls, value: str) -> str:
         scheme = value.split("://", 1)[0] if "://" in value else ""
+        shown = value.split("@")[-1]  # never the password
         if scheme not in ("redis", "rediss", "unix"):
             raise ValueError(
-                "must be a redis://host:port/db, rediss://… or unix:///path URL (got "
-                f"{value.split('@')[-1]!r})"
+                f"must be a redis://host:port/db, rediss://… or unix:///path URL (got {shown!r})"
+            )
+        if scheme != "unix":
+            parts = urlsplit(value)
+            try:
+                parts.port  # noqa: B018 (parsing it is the check)
+            except ValueError:
+                raise ValueError(f"the port must be a number 0..65535 (got {shown!r})") from None
+            db = parts.path.strip("/")
+            if db and not db.isdigit():
+                raise ValueError(f"the database after the port must be a number (got {shown!r})")
+        return value
+
+    @field_validator("lease_ttl_s")
+    @classmethod
+    def _lease_ok(cls, value: float | None, info: ValidationInfo) -> float | None:
+        # the others reap a replica once its lease runs out: a lease shorter than two
+        # heartbeats would reap live replicas between their heartbeats, and their quotas
+        # would be granted again while their requests still run
+        heartbeat = info.data.get("heartbeat_s")
+        if value is not None and heartbeat is not None and value < 2 * heartbeat:
+            raise ValueError(
+                f"must be at least 2 × heartbeat_s ({2 * heartbeat:g} s): a shorter lease "
+                "lets the other replicas reap a live one between its heartbeats"
             )
         return value
 

@@ -130,7 +130,7 @@ class _RequestHandler(RequestHandler):
     line, header or chunk size, ``Content-Length`` with ``Transfer-Encoding``, a header over
     8190 bytes, too many headers: 400 ``invalid_http``) and an unexpected exception in a handler
     (500 ``internal_error``, no traceback). The connection is closed after either, as aiohttp
-    does."""
+    does. A client gone while its answer was written (``ConnectionResetError``) is not logged."""
 
     def handle_error(
         self,
@@ -139,6 +139,12 @@ class _RequestHandler(RequestHandler):
         exc: BaseException | None = None,
         message: str | None = None,
     ) -> web.StreamResponse:
+        if isinstance(exc, ConnectionResetError):
+            # the client went away as its answer's head was written (the relay counted a
+            # client disconnect and settlement released everything): no traceback, no answer
+            resp = web.Response(status=status)
+            resp.force_close()
+            return resp
         # aiohttp's version logs the error and refuses to answer when bytes already went out
         super().handle_error(request, status, exc, message)
         if status >= 500:

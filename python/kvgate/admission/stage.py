@@ -164,7 +164,14 @@ async def admit(
         return decision, extras
     hold = store.try_admit(backend, tenant, priority, tokens)
     if hold is None:
-        hold = await _admit_in_store(gw, request, backend, tenant, priority, tokens)
+        try:
+            hold = await _admit_in_store(gw, request, backend, tenant, priority, tokens)
+        except asyncio.CancelledError:
+            # the client went away while the store decided: nothing ran, nothing is charged
+            decision.release(0)
+            if extras is not None:
+                extras.finish(0)
+            raise
         if type(hold) is StoreRefusal:
             decision.release(0)
             if extras is not None:

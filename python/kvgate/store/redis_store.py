@@ -359,6 +359,7 @@ class RedisStore:
         self.amnesia = 0
         self.reaped = 0
         self.degraded_admissions = 0
+        self._last_failure = ""
 
     # ---- set-up -----------------------------------------------------------------------------
     def _make_client(self) -> Any:
@@ -641,9 +642,15 @@ class RedisStore:
             self._kick(part.scope)
         local = self._take(local_parts, local_picks, tokens)
         answers: list[Any] = []
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(self._deadline):
-                answers = list(await asyncio.gather(*(a.future for a in waits)))
+        try:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self._deadline):
+                    answers = list(await asyncio.gather(*(a.future for a in waits)))
+        except asyncio.CancelledError:
+            # the caller went away (its client disconnected) while Redis decided: what was
+            # taken here goes back now, what Redis admits later becomes quota (_apply)
+            self._give_back(waits, local, tokens)
+            raise
         if len(answers) != len(waits) or any(a is None for a in answers):
             # no answer in time, or an unknown outcome: the fallback decides
             self._give_back(waits, local, tokens)
@@ -774,9 +781,10 @@ class RedisStore:
 
     def _opened(self) -> None:
         logger.warning(
-            "store: Redis unreachable (%d failed calls in a row); limits fall back to their "
-            "policies (default %s)",
+            "store: Redis unreachable (%d failed calls in a row, the last: %s); limits fall "
+            "back to their policies (default %s)",
             self._breaker.failures,
+            self._last_failure,
             self.config.on_failure,
         )
         if self._metrics is not None:
@@ -951,19 +959,25 @@ class RedisStore:
         self.calls += 1
         kind = None
         raw: Any = None
+        payload = orjson.dumps(msg)
         try:
             async with asyncio.timeout(deadline):
-                raw = await client.fcall("kvg_sync", 3, key, key + ":live", op, orjson.dumps(msg))
+                try:
+                    raw = await client.fcall("kvg_sync", 3, key, key + ":live", op, payload)
+                except Exception as exc:
+                    if not _library_missing(exc):
+                        raise
+                    # Redis lost the library (restarted empty, FUNCTION FLUSH): the call did
+                    # not run, so the same message goes again once the library is loaded
+                    await load_library(client, self.config.cluster)
+                    raw = await client.fcall("kvg_sync", 3, key, key + ":live", op, payload)
         except TimeoutError:
             kind = "timeout"
+            self._last_failure = f"no answer within {deadline * 1000:g} ms"
         except Exception as exc:
             kind = "error"
-            text = str(exc).lower()
-            if "function" in text and ("not found" in text or "no such" in text):
-                # Redis restarted without its data: load the library for the next message
-                with contextlib.suppress(Exception):
-                    async with asyncio.timeout(self._bg_deadline):
-                        await load_library(client, self.config.cluster)
+            # e.g. OutOfMemoryError when Redis refuses writes (maxmemory, noeviction)
+            self._last_failure = f"{type(exc).__name__}: {_short(exc)}"
             logger.debug("store: call to %s failed: %s", key, _short(exc))
         if self._metrics is not None:
             self._metrics.store_call_seconds.observe(time.monotonic() - sent)
@@ -971,6 +985,7 @@ class RedisStore:
             reply = orjson.loads(raw)
             if reply.get("stale"):
                 kind = "stale"
+                self._last_failure = "a stale reply"
         if kind is not None:
             self.failures[kind] += 1
             if self._metrics is not None:
@@ -1235,6 +1250,13 @@ def _short(exc: BaseException) -> str:
     command)."""
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     return text if len(text) <= 200 else text[:197] + "..."
+
+
+def _library_missing(exc: BaseException) -> bool:
+    """Whether Redis answered that the ``kvgate`` Functions library is not loaded (``ERR
+    Function not found``): the call did not run."""
+    text = str(exc).lower()
+    return "function" in text and ("not found" in text or "no such" in text)
 
 
 def _scope_of(sc: Scope) -> str:
