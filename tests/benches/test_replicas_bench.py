@@ -198,6 +198,13 @@ def test_summary_and_verdicts() -> None:
     assert [r[3] for r in micro[1:]] == ["", ""]  # the controls carry no verdict
 
 
+def test_a_window_with_refusals_invalidates_the_throughput_verdict() -> None:
+    rounds = results()[0]
+    rounds[0][3].non_2xx = 5  # a replica refused: its answers are no throughput
+    rows = rb.target_rows(rb.summarize(rounds, None, None, None))
+    assert [r[3] for r in rows[:2]] == ["**invalid**: 1 windows with errors"] * 2
+
+
 def test_render_and_write_section(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     text = rb.render(args(), *results(), "Machine: test.", 12.0)
     assert text.startswith(rb.SECTION + "\n\n`make bench-replicas` (`benches/replicas/run.py`)")
