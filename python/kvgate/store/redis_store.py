@@ -995,6 +995,9 @@ class RedisStore:
                     adm.future.set_result(None)  # unknown outcome: the caller falls back
             if self._breaker.failed(time.monotonic()):
                 self._opened()
+            # a scope whose call failed stays active: while the breaker is open, its heartbeat
+            # is the probe that closes it (see :meth:`tick`)
+            self._active.add(sc)
             return
         if self._breaker.succeeded():
             self._closed_again()
@@ -1128,6 +1131,10 @@ class RedisStore:
         """One heartbeat: each active scope's demand measured, grant sizes set, and a message
         sent where this replica holds anything (its lease renewed) or proposes a scale."""
         period = self.config.heartbeat_s
+        # while the breaker is open every active scope stays active: its heartbeat is the probe
+        # that closes the breaker (a replica that held nothing when Redis went away would
+        # otherwise never call Redis again)
+        probing = self._breaker.opened_at is not None
         for sc in list(self._active):
             for b in sc.buckets.values():
                 rate = b.taken / period
@@ -1138,7 +1145,13 @@ class RedisStore:
             for p in sc.pools.values():
                 used = used or p.taken > 0
                 p.taken = 0
-            if not (used or sc.holds() or sc.admits or (sc.kind == "b" and sc.name in self._props)):
+            if not (
+                used
+                or probing
+                or sc.holds()
+                or sc.admits
+                or (sc.kind == "b" and sc.name in self._props)
+            ):
                 self._active.discard(sc)
                 continue
             sc.hb_due = True
