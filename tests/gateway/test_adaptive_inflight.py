@@ -6,12 +6,14 @@ gateway."""
 
 from __future__ import annotations
 
+import multiprocessing as mp
+import uuid
 from typing import Any
 
 import aiohttp
 import pytest
 
-from kvgate import InvalidAmountError, InvalidConfigError, ManualClock
+from kvgate import AdmissionController, InvalidAmountError, InvalidConfigError, ManualClock
 from kvgate.adaptive import AdaptiveSink
 from kvgate.app import Gateway
 from kvgate.config import Config
@@ -208,6 +210,33 @@ def test_set_inflight_external_refuses_bad_input_and_changes_nothing() -> None:
     with pytest.raises(InvalidConfigError, match="unknown backend"):
         ctl.set_inflight_external(5, 1)
     assert state(gw) == before
+
+
+def _set_external(shm_name: str, tokens: int) -> None:
+    ctl = AdmissionController.attach(shm_name)
+    backend = ctl.backend_id("b")
+    assert backend is not None
+    ctl.set_inflight_external(backend, tokens)
+
+
+def test_external_occupancy_is_shared_by_the_worker_processes() -> None:
+    """With ``--workers N`` every worker polls the engines; the value one of them sets is in
+    force in all of them, as every other limit of the shared region."""
+    name = f"kvgate-test-ext-{uuid.uuid4().hex[:8]}"
+    ctl = AdmissionController(shm_name=name, create=True)
+    b = ctl.add_backend("b", max_concurrency=4, tokens_per_minute=10**6, inflight_token_limit=1000)
+    t = ctl.add_tenant("t", priority="standard")
+    worker = mp.get_context("spawn").Process(target=_set_external, args=(name, 600))
+    worker.start()
+    worker.join(60)
+    assert worker.exitcode == 0
+    st = ctl.backend_state(b)
+    assert (st["inflight_external_tokens"], st["effective_inflight_token_limit"]) == (600, 400)
+    assert ctl.admit(b, t, "standard", 401).reason == "inflight-tokens"
+    r = ctl.admit(b, t, "standard", 400)
+    assert r.admitted
+    r.release()
+    assert ctl.backend_state(b)["inflight_tokens"] == 0
 
 
 async def test_admin_state_says_what_binds_each_limit_and_metrics_show_external() -> None:
