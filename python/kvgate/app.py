@@ -86,6 +86,8 @@ class Backend:
         healthy: routing flag; a backend whose health check fails is skipped.
         kv_usage: last KV-cache usage ratio (0..1) read from its metrics, or ``None``.
         waiting: last waiting-request count read from its metrics, or ``None``.
+        bound_by: what holds its concurrency and TPM below base now, set by the adaptive
+            sink (one of :data:`kvgate.adaptive.BOUND_BY`; ``none`` at base).
     """
 
     name: str
@@ -99,6 +101,7 @@ class Backend:
     stale: bool = False
     kv_usage: float | None = None
     waiting: int | None = None
+    bound_by: str = "none"
 
     @property
     def api_key(self) -> str | None:
@@ -774,7 +777,8 @@ async def handle_readyz(gw: Gateway, request: web.BaseRequest) -> web.Response:
 
 async def handle_admin_state(gw: Gateway, request: web.BaseRequest) -> Reply:
     """``GET /admin/state``: each backend's base and effective limits, scale, in-use, KV usage,
-    waiting, age of the last good scrape and (quick start) what its engine said about itself
+    waiting, the engine's external KV occupancy, which signal holds each limit below base
+    (``bound_by``), age of the last good scrape and (quick start) what its engine said about itself
     (``discovered``: engine, models and context windows, slots, KV capacity, each with its
     source); each tenant's usage, quota and queue depth; each backend's prefill budget
     (``prefill``: budget, prompt tokens in prefill per lane, refusals); the latency targets
@@ -805,6 +809,7 @@ async def handle_admin_state(gw: Gateway, request: web.BaseRequest) -> Reply:
             kv_usage=b.kv_usage,
             waiting=b.waiting,
             last_good_scrape_age=_scrape_age(gw, b),
+            bound_by=_bound_by(b, st),
         )
         found = gw.discovery.get(b.name)
         if found is not None:
@@ -832,6 +837,21 @@ async def handle_admin_state(gw: Gateway, request: web.BaseRequest) -> Reply:
         ),
         content_type="application/json",
     )
+
+
+def _bound_by(b: Backend, st: dict[str, Any]) -> dict[str, str]:
+    """Which signal holds each of a backend's limits below its base now: ``concurrency`` and
+    ``tokens_per_minute`` (scaled together by the adaptive law: one of
+    :data:`kvgate.adaptive.BOUND_BY`), ``inflight`` (``external-kv``: the engine holds KV
+    beyond kvgate's in-flight tokens, so the budget in force is base less that; else
+    ``none``)."""
+    scaled = b.bound_by if st["scale"] < 1.0 else "none"
+    external = st["inflight_token_limit"] is not None and st["inflight_external_tokens"] > 0
+    return {
+        "concurrency": scaled,
+        "tokens_per_minute": scaled,
+        "inflight": "external-kv" if external else "none",
+    }
 
 
 def _scrape_age(gw: Gateway, b: Backend) -> float | None:

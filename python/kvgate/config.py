@@ -269,11 +269,13 @@ def _existing_file(value: str, info: ValidationInfo) -> str:
 class AdaptiveConfig(_Model):
     """Adaptive feedback from the engine's metrics (README, "Engine metrics").
 
-    ``high`` / ``low``: KV-usage watermarks (ratio 0..1): at or above ``high`` the limits are at
-    ``floor`` × base and sheddable traffic is shed; below ``low`` they grow back to base at
-    ``recovery_per_second`` (fraction of base per second). ``waiting_threshold``: engine queue
-    depth above which the backend counts as under pressure. ``poll_interval``, ``stale_after``
-    and ``scrape_timeout`` are seconds (``scrape_timeout`` default 0.8 × ``poll_interval``).
+    ``high`` / ``low``: KV-usage watermarks (ratio 0..1): at or above ``high`` the concurrency
+    and TPM limits are at ``floor`` × base and sheddable traffic is shed; below ``low`` they grow
+    back to base at ``recovery_per_second`` (fraction of base per second). The in-flight token
+    budget is never scaled: the engine's KV occupancy beyond kvgate's in-flight tokens is taken
+    from it instead (:mod:`kvgate.adaptive`). ``waiting_threshold``: engine queue depth above
+    which the backend counts as under pressure. ``poll_interval``, ``stale_after`` and
+    ``scrape_timeout`` are seconds (``scrape_timeout`` default 0.8 × ``poll_interval``).
     """
 
     enabled: bool = True

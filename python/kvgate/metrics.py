@@ -149,8 +149,13 @@ class _StateCollector(Collector):
             ),
             (
                 "kvgate_inflight_token_limit",
-                "Effective in-flight token budget.",
+                "In-flight token budget in force (base less the engine's external KV occupancy).",
                 "effective_inflight_token_limit",
+            ),
+            (
+                "kvgate_inflight_external_tokens",
+                "Tokens the engine's KV cache holds beyond kvgate's in-flight tokens.",
+                "inflight_external_tokens",
             ),
             (
                 "kvgate_scale",
@@ -179,7 +184,8 @@ class GatewayMetrics:
         read_state: returns ``[(backend_name, state_dict)]`` at scrape time; the dict keys are
             those of ``AdmissionController.backend_state`` (``in_use``,
             ``effective_concurrency``, ``effective_tokens_per_minute``, ``available_tokens``,
-            ``inflight_tokens``, ``effective_inflight_token_limit``, ``scale``).
+            ``inflight_tokens``, ``effective_inflight_token_limit``,
+            ``inflight_external_tokens``, ``scale``).
         leaks: returns the core's leaked-reservation count.
     """
 
