@@ -161,7 +161,9 @@ class AdaptiveSink:
     def _correct_inflight(self, b: Any, reading: EngineReading) -> None:
         """Sets the backend's external KV occupancy from a good reading: ``max(0, round(u ×
         C) − in-flight tokens)`` with ``u`` the KV usage ratio and ``C`` the engine's KV
-        capacity (tokens); 0 when either is unknown. Only for adaptive backends."""
+        capacity (tokens); 0 when either is unknown. With several replicas on a store, the
+        in-flight tokens are every replica's (the budget allocated to all of them in Redis).
+        Only for adaptive backends."""
         if b.name not in self.laws:
             return
         if reading.kv_capacity_tokens:
@@ -174,7 +176,12 @@ class AdaptiveSink:
         st = ctl.backend_state(b.id)
         external = 0
         if reading.kv_usage is not None and cap:
-            external = max(0, round(reading.kv_usage * cap) - int(st["inflight_tokens"]))
+            inflight = int(st["inflight_tokens"])
+            # several replicas: the engine also holds the others' requests
+            everyone = self._gw.store.inflight_allocated(b.name)
+            if everyone is not None:
+                inflight = max(inflight, everyone)
+            external = max(0, round(reading.kv_usage * cap) - inflight)
         old = int(st["inflight_external_tokens"])
         if external == old:
             return

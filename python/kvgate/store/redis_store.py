@@ -471,7 +471,9 @@ class RedisStore:
         slot_pools.append(self._pool(sc, "burst", "backend-slots", BURST, base, gs=gsum))
         alts = [(False, slot_pools)]
         if b["inflight_token_limit"] is not None:
-            pool = self._pool(sc, "inflight", "inflight-tokens", SCALED, b["inflight_token_limit"])
+            # the budget is not scaled by KV pressure (it is KV capacity already); each
+            # replica's core lowers it by the engine's external occupancy
+            pool = self._pool(sc, "inflight", "inflight-tokens", PLAIN, b["inflight_token_limit"])
             alts.append((True, [pool]))
         buckets = []
         if b["tokens_per_minute"] < UNLIMITED_RATE:
@@ -1044,6 +1046,8 @@ class RedisStore:
             pool.q = pool.rq = int(q)
             pool.alloc, pool.limit = int(alloc), int(limit)
             pool.near = pool.limit - pool.alloc < max(near_f * pool.limit, sc.live)
+            if pool.near and pool.q > pool.in_use:
+                sc.wake = True  # near the limit: give the headroom back now, not at a heartbeat
         for name, (avail, burst) in (reply.get("buckets") or {}).items():
             b = sc.buckets.get(name)
             if b is not None:
@@ -1099,6 +1103,15 @@ class RedisStore:
             return StoreRefusal(limit_name, scope=_scope_of(sc), retry_after=None, never=True)
         retry = retry_us / 1e6 if retry_us > 0 else self.config.heartbeat_s / 2
         return StoreRefusal(limit_name, scope=_scope_of(sc), retry_after=max(0.001, retry))
+
+    def inflight_allocated(self, backend: str) -> int | None:
+        """Tokens of ``backend``'s in-flight budget allocated to all replicas together (as
+        Redis last said; at least what they run), or ``None`` when unknown."""
+        sc = self.scopes.get("b" + backend)
+        pool = sc.pools.get("inflight") if sc is not None else None
+        if pool is None or sc is None or sc.epoch is None:
+            return None
+        return pool.alloc
 
     # ---- adaptive scale ------------------------------------------------------------------------
     def propose(self, backend: str, scale: float, shedding: bool) -> tuple[float, bool]:
