@@ -41,7 +41,10 @@ def check_invariants(engine: Engine) -> None:
     bs = engine.config.block_size
     held = 0
     for s in engine.running:
-        assert s.blocks == math.ceil(s.kv_tokens / bs), "blocks must cover prompt + generated"
+        # vLLM allocates for the tokens computed: prompt + generated − 1 once decoding
+        assert s.blocks == math.ceil(s.computed / bs), "blocks must cover the computed tokens"
+        if not s.prefilling:
+            assert s.computed == s.prompt_tokens + s.generated - 1
         held += s.blocks
     for s in engine.waiting:
         assert s.blocks == 0
@@ -58,7 +61,7 @@ def test_single_sequence_holds_blocks_for_prompt_plus_generated() -> None:
     r = e.step(0.0)  # prefill: first token
     assert [type(ev) for ev in r.events] == [TokenEvent]
     assert seq.generated == 1
-    assert seq.blocks == math.ceil(7 / 4)
+    assert seq.blocks == math.ceil(6 / 4)  # the prompt's KV; the new token's comes next step
     assert r.prefill_tokens == 6
     events, _, _ = run_until_idle(e)
     assert len(events) == 8
@@ -90,14 +93,14 @@ def test_overflow_preempts_newest_and_everyone_still_gets_every_token() -> None:
 
 def test_preemption_evicts_the_newest_running_sequence() -> None:
     e = Engine(small(kv_blocks=4, context_window=16))
-    old = e.new_sequence(7, 8, fingerprint=b"old", ignore_eos=True)
-    new = e.new_sequence(7, 8, fingerprint=b"new", ignore_eos=True)
+    old = e.new_sequence(8, 8, fingerprint=b"old", ignore_eos=True)
+    new = e.new_sequence(8, 8, fingerprint=b"new", ignore_eos=True)
     e.add(old)
     e.add(new)
-    e.step(0.0)  # both admitted: 2 blocks each (8 tokens), cache full
+    e.step(0.0)  # both prefilled: 2 blocks each (8 prompt tokens), cache full
     assert e.free_blocks == 0
     assert len(e.running) == 2
-    r = e.step(1.0)  # old needs a 3rd block: new is evicted
+    r = e.step(1.0)  # old computes its 9th token, needs a 3rd block: new is evicted
     assert e.preemptions == 1
     assert new.state is SeqState.WAITING
     assert new.blocks == 0

@@ -7,24 +7,41 @@ it produced. The server (:mod:`kvgate.sim.server`) sleeps that long and then del
 tests drive it with a virtual clock.
 
 Memory model (vLLM's paged attention): the cache has ``kv_blocks`` blocks of ``block_size``
-tokens. A running sequence holds ``ceil((prompt + generated) / block_size)`` blocks: its prompt
-plus every token generated so far. Blocks go back to the pool the moment it finishes, is aborted,
-is preempted or fails. ``kv_cache_usage = 1 − free_blocks / kv_blocks`` (vLLM
-``BlockPool.get_usage``).
+tokens. A running sequence holds ``ceil(computed / block_size)`` blocks, ``computed`` being the
+tokens whose KV it has computed (vLLM's ``num_computed_tokens``): its prompt so far while it is
+prefilled, then prompt + generated − 1 (the newest token's KV is computed by the next step).
+Blocks go back to the pool the moment it finishes, is aborted, is preempted or fails.
+``kv_cache_usage = 1 − free_blocks / kv_blocks`` (vLLM ``BlockPool.get_usage``).
 
-One step (vLLM V1's scheduler, simplified):
+One step follows vLLM V1's ``Scheduler.schedule`` (``vllm/v1/core/sched/scheduler.py``), which
+has no separate prefill and decode phases: every sequence has ``num_tokens`` (prompt + generated)
+and ``computed``, and a step gives each scheduled sequence ``num_tokens − computed`` tokens (one
+for a decoding sequence, the rest of its prompt for one being prefilled), within a per-step
+token budget (``max_num_batched_tokens``):
 
-1. Decode: every running sequence, oldest first, gets one more token, which needs a new block
-   whenever it crosses a block boundary. With no free block, ``on_overflow="preempt"`` evicts the
-   *newest* running sequence (its blocks are freed, it goes to the front of the waiting queue and
-   later recomputes its prompt plus the tokens it already sent, which are not sent again) and
-   counts a preemption; ``"oom"`` crashes: every running and waiting sequence fails, and the
-   engine is unhealthy for ``restart_seconds / speed``, then comes back empty.
-2. Admit: if nothing was preempted in this step, waiting sequences are admitted first come first
-   served while ``max_num_seqs`` and free blocks allow (head-of-line blocking, like vLLM's FCFS
-   policy). Admission runs their prefill, which produces their next token.
-3. Duration = ``prefill_s_per_token × prefilled tokens + decode_base_s + decode_per_seq_s ×
-   batch size``, divided by ``speed``.
+1. Running sequences, in the order they entered the batch, while budget is left: each gets
+   ``min(num_tokens − computed, budget left)`` tokens, so a partly prefilled prompt takes its
+   next chunk. Blocks are allocated for the tokens scheduled (vLLM ``allocate_slots``: enough
+   for ``computed + scheduled`` tokens). With no free block, ``on_overflow="preempt"`` evicts
+   the *newest* running sequence (its blocks are freed, ``computed`` goes back to 0, it goes to
+   the front of the waiting queue and later recomputes its prompt plus the tokens it already
+   sent, which are not sent again) and counts a preemption; ``"oom"`` crashes: every running and
+   waiting sequence fails, and the engine is unhealthy for ``restart_seconds / speed``, then
+   comes back empty.
+2. Waiting sequences, only if nothing was preempted in this step, first come first served
+   (head-of-line blocking, vLLM's FCFS policy) while budget, ``max_num_seqs`` and free blocks
+   allow: each gets ``min(num_tokens, budget left)`` tokens (its first chunk). Without chunked
+   prefill a prompt that does not fit the budget left waits for the next step, and with no
+   budget set every admissible prompt is prefilled whole (the simulator's behaviour before
+   chunked prefill).
+3. After the step (vLLM ``update_from_output``), each scheduled sequence's ``computed`` grows by
+   its tokens; one that has computed all its tokens produces one token (the first one of a
+   prompt whose last chunk ran: its time to first token ends here). Finished sequences free
+   their blocks, for the next step.
+4. Duration = ``prefill_s_per_token × prefill tokens scheduled + decode_base_s +
+   decode_per_seq_s × tokens produced``, divided by ``speed``: a long prompt costs the same
+   prefill time in total, but spread over ``ceil(prompt / budget)`` steps, and decoding
+   sequences get a token at each of them instead of waiting for the whole prefill.
 
 Per-user oracle: every sequence carries the ``user`` of its request (the OpenAI body field), and
 the engine keeps, per user, what it really ran (:class:`UserStats`): sequences in the running set
@@ -40,6 +57,7 @@ import enum
 import hashlib
 import math
 import random
+import sys
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -76,7 +94,10 @@ class Sequence:
             ``max_tokens`` finishes with ``"length"``, fewer with ``"stop"``.
         rng: source of its generated words.
         generated: tokens generated so far (and sent to the client).
-        blocks: KV blocks held now.
+        computed: tokens whose KV is computed (vLLM ``num_computed_tokens``); 0 while waiting.
+        prefill_end: ``computed`` at which its current prefill ends (prompt + tokens generated
+            before a preemption); below it the sequence is being prefilled.
+        blocks: KV blocks held now (``ceil(computed / block_size)`` while running).
         state: see :class:`SeqState`.
         finish_reason: ``"stop"`` / ``"length"`` once finished, ``"abort"`` once aborted.
         preemptions: how often it was preempted.
@@ -84,6 +105,7 @@ class Sequence:
             :class:`UserStats`.
         counts_prompt: True for the first choice of each prompt, whose first prefill adds the
             prompt to the user's ``prompt_tokens`` (the other choices share that prompt).
+        prompt_counted: its prompt was counted (at the end of its first prefill).
     """
 
     seq_id: int
@@ -92,6 +114,8 @@ class Sequence:
     target_tokens: int
     rng: random.Random
     generated: int = 0
+    computed: int = 0
+    prefill_end: int = 0
     blocks: int = 0
     state: SeqState = SeqState.WAITING
     finish_reason: str | None = None
@@ -101,9 +125,19 @@ class Sequence:
     counts_prompt: bool = True
 
     @property
-    def kv_tokens(self) -> int:
-        """Tokens whose KV it holds while running: prompt + generated."""
+    def num_tokens(self) -> int:
+        """Tokens known: prompt + generated (vLLM ``Request.num_tokens``)."""
         return self.prompt_tokens + self.generated
+
+    @property
+    def kv_tokens(self) -> int:
+        """Tokens whose KV it holds: ``computed`` (0 while waiting)."""
+        return self.computed
+
+    @property
+    def prefilling(self) -> bool:
+        """True while running with part of its (re)computed prompt still to prefill."""
+        return self.state is SeqState.RUNNING and self.computed < self.prefill_end
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,9 +172,9 @@ class UserStats:
         requests: generation requests accepted into the engine's queue (refused ones are not).
         in_flight: those requests not ended yet (waiting, running or preempted).
         peak_in_flight: the most in flight at once, updated at each request's start.
-        prompt_tokens: prompt tokens prefilled, each prompt once when it first enters the batch
+        prompt_tokens: prompt tokens prefilled, each prompt once when its first prefill ends
             (the ``n`` choices of one prompt share it, as the answer's ``usage`` counts it; a
-            request aborted before its prefill adds none).
+            request aborted before its prefill ends adds none).
         completion_tokens: tokens generated, including those of sequences aborted afterwards.
     """
 
@@ -161,8 +195,10 @@ class StepResult:
         duration_s: wall seconds the step takes (simulated time / speed).
         events: tokens and failures, to deliver once ``duration_s`` has passed.
         progressed: False when nothing could run (idle, or down after an OOM).
-        prefill_tokens: tokens prefilled in this step.
+        prefill_tokens: prompt tokens prefilled in this step (chunks included).
         batch_size: sequences that got a token in this step.
+        scheduled_tokens: every token scheduled in this step (prefill + decode), never more
+            than the token budget.
     """
 
     duration_s: float = 0.0
@@ -170,6 +206,7 @@ class StepResult:
     progressed: bool = False
     prefill_tokens: int = 0
     batch_size: int = 0
+    scheduled_tokens: int = 0
 
 
 class Engine:
@@ -180,7 +217,7 @@ class Engine:
         here even when the preemption that follows frees blocks before the next scrape),
         preemptions, ooms, failed, aborted, wasted_tokens (tokens generated for sequences that
         were then aborted), prompt_tokens_total (each sequence's prompt once, on its first
-        prefill), generation_tokens_total, finished (by finish reason: stop, length, abort).
+        prefill ends), generation_tokens_total, finished (by finish reason: stop, length, abort).
 
     Peaks (reset by :meth:`reset_peaks`): peak_running (most sequences in the running set at
     once), peak_in_flight (most requests in flight at once) and, per user, :class:`UserStats`
@@ -364,6 +401,9 @@ class Engine:
             "peak_used_blocks": self.peak_used_blocks,
             "num_running": len(self.running),
             "num_waiting": len(self.waiting),
+            "num_prefilling": sum(1 for s in self.running if s.prefilling),
+            "chunked_prefill": self.config.chunked_prefill,
+            "max_num_batched_tokens": self.config.token_budget,
             "preemptions": self.preemptions,
             "ooms": self.ooms,
             "failed": self.failed,
@@ -392,6 +432,8 @@ class Engine:
                     "seq_id": s.seq_id,
                     "prompt_tokens": s.prompt_tokens,
                     "generated": s.generated,
+                    "computed": s.computed,
+                    "prefilling": s.prefilling,
                     "blocks": s.blocks,
                 }
                 for s in self.running
@@ -405,48 +447,72 @@ class Engine:
         result = StepResult()
         if not self.is_healthy(now):
             return result
+        cfg = self.config
+        chunked = cfg.chunked_prefill
+        limit = cfg.token_budget
+        budget = sys.maxsize if limit is None else limit
+        scheduled: list[tuple[Sequence, int]] = []
         preempted = False
-        # 1. decode, oldest first
-        for seq in list(self.running):
-            if seq.state is not SeqState.RUNNING:
-                continue  # preempted earlier in this loop
-            need = self._blocks_for(seq.kv_tokens + 1) - seq.blocks
+        # 1. running sequences, in batch order, while budget is left
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            tokens = min(seq.num_tokens - seq.computed, budget)
+            need = self._blocks_for(seq.computed + tokens) - seq.blocks
             while need > self.free_blocks:
-                if self.config.on_overflow == "oom":
+                if cfg.on_overflow == "oom":
                     return self._crash(now)
-                victim = self.running[-1]
+                victim = self.running[-1]  # the newest; never one scheduled before seq
                 self._preempt(victim)
                 preempted = True
                 if victim is seq:
                     break
             # _preempt() above may have moved seq itself back to WAITING (mypy cannot see that)
             if seq.state is not SeqState.RUNNING:
-                continue  # type: ignore[unreachable]
+                break  # type: ignore[unreachable]
             self._take(seq, need)
-            self._emit(seq, result)
-        # 2. admit, first come first served
-        while not preempted and self.waiting and len(self.running) < self.config.max_num_seqs:
+            scheduled.append((seq, tokens))
+            budget -= tokens
+            i += 1
+        # 2. waiting sequences, first come first served, unless this step preempted
+        while (
+            not preempted and self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs
+        ):
             seq = self.waiting[0]
-            need = self._blocks_for(seq.kv_tokens + 1)
+            tokens = seq.num_tokens
+            if tokens > budget:
+                if not chunked:
+                    break  # a whole prompt waits for a step with room for it
+                tokens = budget
+            need = self._blocks_for(tokens)
             if need > self.free_blocks:
                 break
             self.waiting.popleft()
             seq.state = SeqState.RUNNING
+            seq.prefill_end = seq.num_tokens
             self.running.append(seq)
             self.peak_running = max(self.peak_running, len(self.running))
             stats = self.user_stats(seq.user)
             stats.running += 1
             stats.peak_running = max(stats.peak_running, stats.running)
             self._take(seq, need)
-            result.prefill_tokens += seq.kv_tokens
+            scheduled.append((seq, tokens))
+            budget -= tokens
+        # 3. the step ran: computed tokens advance, complete sequences produce a token
+        for seq, tokens in scheduled:
+            result.scheduled_tokens += tokens
+            if seq.computed < seq.prefill_end:
+                result.prefill_tokens += tokens
+            seq.computed += tokens
+            if seq.computed < seq.num_tokens:
+                continue  # a prefill chunk: no token yet
             if not seq.prompt_counted:
                 seq.prompt_counted = True
                 self.prompt_tokens_total += seq.prompt_tokens
                 if seq.counts_prompt:
-                    stats.prompt_tokens += seq.prompt_tokens
+                    self.user_stats(seq.user).prompt_tokens += seq.prompt_tokens
             self._emit(seq, result)
-        if result.batch_size:
-            cfg = self.config
+        if scheduled:
             simulated = (
                 cfg.prefill_s_per_token * result.prefill_tokens
                 + cfg.decode_base_s
@@ -474,9 +540,10 @@ class Engine:
     def _free(self, seq: Sequence) -> None:
         self.free_blocks += seq.blocks
         seq.blocks = 0
+        seq.computed = 0
 
     def _emit(self, seq: Sequence, result: StepResult) -> None:
-        """Generate one token for a running sequence that already holds the block for it."""
+        """Generate one token for a running sequence that has computed all its tokens."""
         word = seq.rng.choice(_WORDS)
         text = word if seq.generated == 0 else " " + word
         seq.generated += 1
@@ -500,6 +567,7 @@ class Engine:
     def _preempt(self, seq: Sequence) -> None:
         self._leave_running(seq)
         self._free(seq)
+        seq.computed = 0
         seq.state = SeqState.WAITING
         seq.preemptions += 1
         self.waiting.appendleft(seq)
@@ -522,6 +590,7 @@ class Engine:
         for seq in [*self.running, *self.waiting]:
             seq.state = SeqState.FAILED
             seq.blocks = 0
+            seq.computed = 0
             self.failed += 1
             self._by_id.pop(seq.seq_id, None)
             result.events.append(FailEvent(seq.seq_id, message))

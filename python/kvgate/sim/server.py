@@ -921,8 +921,10 @@ async def props(request: web.Request) -> web.Response:
 
 async def slots(request: web.Request) -> web.Response:
     """``GET /slots`` in llama.cpp's shape: one entry per batch place (``max_num_seqs``), the
-    running sequences first with ``is_processing`` true, ``n_prompt_tokens`` (the tokens it
-    holds: prompt + generated, as llama.cpp's slot cache) and ``next_token[0].n_decoded``."""
+    running sequences first with ``is_processing`` true, ``n_prompt_tokens`` (the tokens whose
+    KV it holds, as llama.cpp's slot cache: the prompt so far while it is prefilled, then prompt
+    + generated − 1), ``n_prompt_tokens_processed`` (prompt tokens prefilled so far) and
+    ``next_token[0].n_decoded``."""
     state = request.app[STATE]
     cfg = state.config
     out: list[dict[str, Any]] = []
@@ -934,7 +936,7 @@ async def slots(request: web.Request) -> web.Response:
                 is_processing=True,
                 id_task=seq.seq_id,
                 n_prompt_tokens=seq.kv_tokens,
-                n_prompt_tokens_processed=seq.prompt_tokens,
+                n_prompt_tokens_processed=min(seq.computed, seq.prompt_tokens),
                 next_token=[
                     {
                         "has_next_token": True,
