@@ -108,3 +108,8 @@ def test_a_budget_below_the_window_without_chunking_exits_2(
     argv = ["sim", "--no-chunked-prefill", "--max-num-batched-tokens", "512", "--port", "0"]
     assert main(argv) == 2
     assert "smaller than the context window" in capsys.readouterr().err
+
+
+def test_prefix_caching_flag() -> None:
+    assert cli.config_from_args(parse()).prefix_caching is False
+    assert cli.config_from_args(parse("--prefix-caching")).prefix_caching is True

@@ -39,16 +39,16 @@ def run_until_idle(engine: Engine, now: float = 0.0, max_steps: int = 10_000):
 
 def check_invariants(engine: Engine) -> None:
     bs = engine.config.block_size
-    held = 0
+    held: set[int] = set()  # a block shared by prefix caching counts once
     for s in engine.running:
         # vLLM allocates for the tokens computed: prompt + generated − 1 once decoding
         assert s.blocks == math.ceil(s.computed / bs), "blocks must cover the computed tokens"
         if not s.prefilling:
             assert s.computed == s.prompt_tokens + s.generated - 1
-        held += s.blocks
+        held |= set(s.block_ids)
     for s in engine.waiting:
         assert s.blocks == 0
-    assert held == engine.used_blocks
+    assert len(held) == engine.used_blocks
     assert 0 <= engine.free_blocks <= engine.config.kv_blocks
     assert 0.0 <= engine.kv_cache_usage <= 1.0
     assert len(engine.running) <= engine.config.max_num_seqs

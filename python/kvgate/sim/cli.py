@@ -86,6 +86,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="vLLM metric names: v1 (vllm:kv_cache_usage_perc), v0 (vllm:gpu_cache_usage_perc), "
         "or both as in vLLM 0.9.2-0.10 (default: %(default)s)",
     )
+    a(
+        "--prefix-caching",
+        action="store_true",
+        help="vLLM's automatic prefix caching: full prompt blocks are shared by prompts that "
+        "start alike, whose prefill skips them; vllm:prefix_cache_queries / _hits count tokens "
+        "(default: off)",
+    )
     a("--no-usage", action="store_true", help="never send a usage chunk in streams")
     a("--prefill-s-per-token", type=float, help="prefill seconds per prompt token")
     a("--decode-base-s", type=float, help="fixed seconds per decode step")
@@ -117,6 +124,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         max_num_seqs=args.max_num_seqs,
         chunked_prefill=not args.no_chunked_prefill,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        prefix_caching=args.prefix_caching,
         on_overflow=args.on_overflow,
         restart_seconds=args.restart_seconds,
         speed=args.speed,
@@ -184,7 +192,7 @@ def run(args: argparse.Namespace) -> int:
         f"kvgate sim: {config.model} ({config.profile}) on http://{where} — "
         f"{config.kv_blocks} blocks × {config.block_size} = {config.kv_capacity_tokens} KV tokens, "
         f"context {config.context_window}, max_num_seqs {config.max_num_seqs}, "
-        f"{_prefill_words(config)}, "
+        f"{_prefill_words(config)}{', prefix caching' if config.prefix_caching else ''}, "
         f"on_overflow={config.on_overflow}, speed ×{config.speed:g}",
         flush=True,
     )

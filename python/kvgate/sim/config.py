@@ -58,6 +58,11 @@ class SimConfig:
             chunked prefill). Given without chunked prefill, whole prompts are admitted while
             they fit the budget, which must then hold a whole context window (vLLM refuses to
             start otherwise).
+        prefix_caching: vLLM's automatic prefix caching: full prompt blocks are kept under a
+            hash of the prompt up to them, shared by every sequence whose prompt starts the
+            same way (whose prefill then skips them), and stay cached once unreferenced until
+            evicted (see :mod:`kvgate.sim.engine`). Off by default here (vLLM V1 turns it on;
+            the simulator keeps it opt-in so every request costs its full prefill).
         profile: the preset the sizes came from (informational).
 
     Raises (from :meth:`validate`):
@@ -88,6 +93,7 @@ class SimConfig:
     chat_template: str | None = None
     chunked_prefill: bool = True
     max_num_batched_tokens: int | None = None
+    prefix_caching: bool = False
     profile: str | None = None
 
     @classmethod

@@ -43,6 +43,21 @@ token budget (``max_num_batched_tokens``):
    prefill time in total, but spread over ``ceil(prompt / budget)`` steps, and decoding
    sequences get a token at each of them instead of waiting for the whole prefill.
 
+Prefix caching (``prefix_caching``, vLLM's ``--enable-prefix-caching``; ``BlockPool`` and
+``KVCacheManager`` in ``vllm/v1/core/``): every full block of a prompt has a hash chained over
+the prompt's tokens up to its end (:func:`prefix_block_hashes`). A block whose tokens are
+scheduled is entered in the cache under its hash; a sequence admitted with ``computed = 0``
+first looks up the longest run of its leading block hashes in the cache (at most
+``num_tokens − 1`` tokens, since the last token must be computed to sample the next), takes
+those blocks (reference-counted, shared with whoever else holds them) and starts its prefill
+after them, so only the rest is prefilled and costs time. Each lookup of a request that was
+never preempted adds its ``num_tokens`` to ``prefix_cache_queries`` and the tokens found to
+``prefix_cache_hits`` (vLLM ``PrefixCacheStats``; the simulator counts a lookup once, when the
+request is admitted). A block nobody references any more goes back to the free queue still
+cached: it counts as free in ``kv_cache_usage`` (as in vLLM) and is evicted, least recently
+freed first, when a new block is needed. Only prompt blocks are cached (the simulator's
+generated words have no token ids a later prompt could share).
+
 Per-user oracle: every sequence carries the ``user`` of its request (the OpenAI body field), and
 the engine keeps, per user, what it really ran (:class:`UserStats`): sequences in the running set
 now and at their peak, requests accepted and in flight, prompt and completion tokens. Peaks are
@@ -58,7 +73,8 @@ import hashlib
 import math
 import random
 import sys
-from collections import deque
+from collections import OrderedDict, deque
+from collections.abc import Sequence as Sequence_
 from dataclasses import dataclass, field
 
 from kvgate.sim.config import SimConfig
@@ -70,6 +86,34 @@ _WORDS: tuple[str, ...] = (
     "quiet", "river", "stone", "light", "paper", "garden", "signal", "orbit", "harbor", "lantern",
     "and", "of", "to", "in", "is", "that", "with", "for", "on", "as",
 )  # fmt: skip
+
+
+def prefix_block_hashes(
+    prompt: bytes | Sequence_[int], block_size: int, *, bytes_per_token: int = 4
+) -> list[bytes]:
+    """Hashes of a prompt's full KV blocks, each chained over every token up to its block's end
+    (vLLM ``hash_block_tokens``: parent hash + the block's tokens), so two prompts share block
+    ``i``'s hash exactly when their first ``(i + 1) × block_size`` tokens are equal.
+
+    Args:
+        prompt: token ids, or prompt bytes read as one token per ``bytes_per_token`` bytes (the
+            simulator's estimate when it has no tokenizer).
+        block_size: tokens per block.
+        bytes_per_token: bytes per token when ``prompt`` is bytes.
+
+    Returns:
+        One 16-byte hash per full block (a partial last block has none).
+    """
+    width = bytes_per_token if isinstance(prompt, bytes) else 1
+    span = block_size * width
+    parent = b""
+    out: list[bytes] = []
+    for end in range(span, len(prompt) + 1, span):
+        chunk = prompt[end - span : end]
+        data = chunk if isinstance(chunk, bytes) else ",".join(map(str, chunk)).encode()
+        parent = hashlib.blake2b(parent + data, digest_size=16).digest()
+        out.append(parent)
+    return out
 
 
 class SeqState(enum.Enum):
@@ -97,7 +141,10 @@ class Sequence:
         computed: tokens whose KV is computed (vLLM ``num_computed_tokens``); 0 while waiting.
         prefill_end: ``computed`` at which its current prefill ends (prompt + tokens generated
             before a preemption); below it the sequence is being prefilled.
-        blocks: KV blocks held now (``ceil(computed / block_size)`` while running).
+        block_ids: the KV blocks it holds (``ceil(computed / block_size)`` while running),
+            first to last; with prefix caching its leading ones may be shared.
+        block_hashes: hashes of its prompt's full blocks (:func:`prefix_block_hashes`), empty
+            without prefix caching.
         state: see :class:`SeqState`.
         finish_reason: ``"stop"`` / ``"length"`` once finished, ``"abort"`` once aborted.
         preemptions: how often it was preempted.
@@ -116,13 +163,19 @@ class Sequence:
     generated: int = 0
     computed: int = 0
     prefill_end: int = 0
-    blocks: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)
     state: SeqState = SeqState.WAITING
     finish_reason: str | None = None
     preemptions: int = 0
     prompt_counted: bool = False
     user: str = ""
     counts_prompt: bool = True
+
+    @property
+    def blocks(self) -> int:
+        """KV blocks held now."""
+        return len(self.block_ids)
 
     @property
     def num_tokens(self) -> int:
@@ -227,7 +280,14 @@ class Engine:
     def __init__(self, config: SimConfig) -> None:
         """Build an empty engine for ``config`` (already validated by ``SimConfig``)."""
         self.config = config
-        self.free_blocks: int = config.kv_blocks
+        # the free queue, least recently freed first (vLLM ``FreeKVCacheBlockQueue``); with
+        # prefix caching it also holds cached blocks nobody references (evictable)
+        self._free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(config.kv_blocks))
+        self._ref: list[int] = [0] * config.kv_blocks
+        self._hash_of: dict[int, bytes] = {}
+        self._cached: dict[bytes, int] = {}
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
         self.peak_used_blocks: int = 0
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -259,6 +319,7 @@ class Engine:
         ignore_eos: bool = False,
         min_tokens: int = 0,
         user: str = "",
+        block_hashes: Sequence_[bytes] = (),
     ) -> Sequence:
         """Create (not queue) a sequence with its output length drawn from the seed.
 
@@ -271,6 +332,8 @@ class Engine:
             ignore_eos: generate exactly the cap (vLLM's ``ignore_eos``).
             min_tokens: lower bound on the drawn length (vLLM's ``min_tokens``).
             user: the request's ``user`` field, the key of its :class:`UserStats`.
+            block_hashes: the prompt's full-block hashes (:func:`prefix_block_hashes`), for
+                prefix caching; ignored without it.
 
         Raises:
             ValueError: prompt + max_tokens over the context window, or a bad size.
@@ -298,6 +361,8 @@ class Engine:
             user=user,
             counts_prompt=index == 0,
         )
+        if self.config.prefix_caching:
+            seq.block_hashes = list(block_hashes[: prompt_tokens // self.config.block_size])
         self._next_id += 1
         return seq
 
@@ -380,8 +445,18 @@ class Engine:
         return self.down_until is None and bool(self.waiting or self.running)
 
     @property
+    def free_blocks(self) -> int:
+        """Blocks in the free queue: never used, or cached and referenced by nobody."""
+        return len(self._free_queue)
+
+    @property
+    def cached_blocks(self) -> int:
+        """Blocks in the prefix cache (referenced or not; 0 without prefix caching)."""
+        return len(self._cached)
+
+    @property
     def used_blocks(self) -> int:
-        """Blocks held by running sequences."""
+        """Blocks held by running sequences (a shared block once)."""
         return self.config.kv_blocks - self.free_blocks
 
     @property
@@ -399,6 +474,10 @@ class Engine:
             "free_blocks": self.free_blocks,
             "kv_cache_usage": self.kv_cache_usage,
             "peak_used_blocks": self.peak_used_blocks,
+            "prefix_caching": self.config.prefix_caching,
+            "cached_blocks": self.cached_blocks,
+            "prefix_cache_queries": self.prefix_cache_queries,
+            "prefix_cache_hits": self.prefix_cache_hits,
             "num_running": len(self.running),
             "num_waiting": len(self.waiting),
             "num_prefilling": sum(1 for s in self.running if s.prefilling),
@@ -471,6 +550,7 @@ class Engine:
             if seq.state is not SeqState.RUNNING:
                 break  # type: ignore[unreachable]
             self._take(seq, need)
+            self._cache_blocks(seq, seq.computed + tokens)
             scheduled.append((seq, tokens))
             budget -= tokens
             i += 1
@@ -479,14 +559,20 @@ class Engine:
             not preempted and self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs
         ):
             seq = self.waiting[0]
-            tokens = seq.num_tokens
+            hit = self._lookup(seq)
+            start = len(hit) * cfg.block_size
+            tokens = seq.num_tokens - start
             if tokens > budget:
                 if not chunked:
                     break  # a whole prompt waits for a step with room for it
                 tokens = budget
-            need = self._blocks_for(tokens)
-            if need > self.free_blocks:
+            need = self._blocks_for(start + tokens) - len(hit)
+            evictable = sum(1 for b in hit if self._ref[b] == 0)
+            if need + evictable > self.free_blocks:
                 break
+            if cfg.prefix_caching and not seq.preemptions:
+                self.prefix_cache_queries += seq.num_tokens
+                self.prefix_cache_hits += start
             self.waiting.popleft()
             seq.state = SeqState.RUNNING
             seq.prefill_end = seq.num_tokens
@@ -495,7 +581,14 @@ class Engine:
             stats = self.user_stats(seq.user)
             stats.running += 1
             stats.peak_running = max(stats.peak_running, stats.running)
+            for b in hit:  # the cached blocks: shared, no longer evictable
+                if self._ref[b] == 0:
+                    del self._free_queue[b]
+                self._ref[b] += 1
+                seq.block_ids.append(b)
+            seq.computed = start
             self._take(seq, need)
+            self._cache_blocks(seq, start + tokens)
             scheduled.append((seq, tokens))
             budget -= tokens
         # 3. the step ran: computed tokens advance, complete sequences produce a token
@@ -528,9 +621,40 @@ class Engine:
         return math.ceil(tokens / self.config.block_size)
 
     def _take(self, seq: Sequence, blocks: int) -> None:
-        self.free_blocks -= blocks
-        seq.blocks += blocks
+        """Give ``seq`` ``blocks`` new blocks from the head of the free queue (evicting a cached
+        block from the prefix cache when it is one)."""
+        for _ in range(blocks):
+            b, _ = self._free_queue.popitem(last=False)
+            h = self._hash_of.pop(b, None)
+            if h is not None:
+                del self._cached[h]
+            self._ref[b] = 1
+            seq.block_ids.append(b)
         self.peak_used_blocks = max(self.peak_used_blocks, self.used_blocks)
+
+    def _lookup(self, seq: Sequence) -> list[int]:
+        """The cached blocks a waiting ``seq`` starts with: the longest run of its leading block
+        hashes in the cache, short of its last token (vLLM ``get_computed_blocks``)."""
+        if not self.config.prefix_caching or seq.computed:
+            return []
+        most = (seq.num_tokens - 1) // self.config.block_size
+        hit: list[int] = []
+        for h in seq.block_hashes[:most]:
+            b = self._cached.get(h)
+            if b is None:
+                break
+            hit.append(b)
+        return hit
+
+    def _cache_blocks(self, seq: Sequence, tokens: int) -> None:
+        """Enter in the prefix cache every full prompt block of ``seq`` within its first
+        ``tokens`` tokens (those scheduled so far; vLLM caches them when it schedules them)."""
+        full = min(tokens // self.config.block_size, len(seq.block_hashes))
+        for i in range(full):
+            h, b = seq.block_hashes[i], seq.block_ids[i]
+            if h not in self._cached and b not in self._hash_of:
+                self._cached[h] = b
+                self._hash_of[b] = h
 
     def _leave_running(self, seq: Sequence) -> None:
         """Take ``seq`` out of the running set (its user's ``running`` with it)."""
@@ -538,8 +662,13 @@ class Engine:
         self.user_stats(seq.user).running -= 1
 
     def _free(self, seq: Sequence) -> None:
-        self.free_blocks += seq.blocks
-        seq.blocks = 0
+        """Release ``seq``'s blocks, last first (so a prompt's tail is evicted before its head,
+        as vLLM frees them); a block nobody references joins the free queue, cached or not."""
+        for b in reversed(seq.block_ids):
+            self._ref[b] -= 1
+            if self._ref[b] == 0:
+                self._free_queue[b] = None
+        seq.block_ids.clear()
         seq.computed = 0
 
     def _emit(self, seq: Sequence, result: StepResult) -> None:
@@ -589,14 +718,18 @@ class Engine:
             self.user_stats(seq.user).running -= 1
         for seq in [*self.running, *self.waiting]:
             seq.state = SeqState.FAILED
-            seq.blocks = 0
+            seq.block_ids.clear()
             seq.computed = 0
             self.failed += 1
             self._by_id.pop(seq.seq_id, None)
             result.events.append(FailEvent(seq.seq_id, message))
         self.running.clear()
         self.waiting.clear()
-        self.free_blocks = cfg.kv_blocks
+        # the restarted engine's cache is empty
+        self._free_queue = OrderedDict.fromkeys(range(cfg.kv_blocks))
+        self._ref = [0] * cfg.kv_blocks
+        self._hash_of.clear()
+        self._cached.clear()
         self.ooms += 1
         self.down_until = now + cfg.restart_seconds / cfg.speed
         return result
