@@ -6,11 +6,13 @@ Engine tests step :class:`Engine` with a virtual clock; the server test uses the
 
 from __future__ import annotations
 
+import random
+
 import aiohttp
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from tests.sim.test_engine import run_until_idle
+from tests.sim.test_engine import check_invariants, run_until_idle
 
 from kvgate.sim import SimConfig, run_sim
 from kvgate.sim.engine import Engine, Sequence, prefix_block_hashes
@@ -167,3 +169,32 @@ async def test_server_counts_hits_and_the_adapter_reads_true_occupancy() -> None
         assert state["cached_blocks"] == expected // 16
         reading = read_engine_metrics(text, "vllm")
         assert reading.kv_usage == 0.0  # cached but unreferenced blocks are free
+
+
+def test_shared_prefixes_under_preemption_lose_nothing() -> None:
+    """Many prompts sharing prefixes, a small cache, chunked prefill, preemptions: every token is
+    delivered, the blocks in use are exactly those the running sequences hold, and at the end
+    nothing is in use (only evictable cached blocks remain)."""
+    rng = random.Random(11)
+    e = Engine(cfg(kv_blocks=48, context_window=512, max_num_batched_tokens=96))
+    prefixes = [tokens(rng.randint(16, 200), start=100_000 * k) for k in range(3)]
+    seqs = []
+    for i in range(30):
+        prompt = rng.choice(prefixes) + tokens(rng.randint(1, 60), start=1_000_000 + 1000 * i)
+        seqs.append(add(e, prompt, rng.randint(1, 80), b"%d" % i))
+    now, events = 0.0, []
+    for _ in range(20_000):
+        if not e.has_work:
+            break
+        r = e.step(now)
+        assert r.scheduled_tokens <= 96
+        check_invariants(e)
+        now += r.duration_s
+        events.extend(r.events)
+    assert not e.has_work
+    assert e.preemptions > 0
+    assert e.prefix_cache_hits > 0
+    for s in seqs:
+        assert sum(1 for ev in events if ev.seq_id == s.seq_id) == s.max_tokens
+    assert e.used_blocks == 0
+    assert 0 < e.cached_blocks <= e.free_blocks == e.config.kv_blocks

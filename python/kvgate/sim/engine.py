@@ -145,6 +145,7 @@ class Sequence:
             first to last; with prefix caching its leading ones may be shared.
         block_hashes: hashes of its prompt's full blocks (:func:`prefix_block_hashes`), empty
             without prefix caching.
+        blocks_cached: how many of its leading blocks were entered in the prefix cache.
         state: see :class:`SeqState`.
         finish_reason: ``"stop"`` / ``"length"`` once finished, ``"abort"`` once aborted.
         preemptions: how often it was preempted.
@@ -165,6 +166,7 @@ class Sequence:
     prefill_end: int = 0
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)
+    blocks_cached: int = 0
     state: SeqState = SeqState.WAITING
     finish_reason: str | None = None
     preemptions: int = 0
@@ -650,11 +652,12 @@ class Engine:
         """Enter in the prefix cache every full prompt block of ``seq`` within its first
         ``tokens`` tokens (those scheduled so far; vLLM caches them when it schedules them)."""
         full = min(tokens // self.config.block_size, len(seq.block_hashes))
-        for i in range(full):
+        for i in range(seq.blocks_cached, full):
             h, b = seq.block_hashes[i], seq.block_ids[i]
             if h not in self._cached and b not in self._hash_of:
                 self._cached[h] = b
                 self._hash_of[b] = h
+        seq.blocks_cached = max(seq.blocks_cached, full)
 
     def _leave_running(self, seq: Sequence) -> None:
         """Take ``seq`` out of the running set (its user's ``running`` with it)."""
@@ -669,6 +672,7 @@ class Engine:
             if self._ref[b] == 0:
                 self._free_queue[b] = None
         seq.block_ids.clear()
+        seq.blocks_cached = 0
         seq.computed = 0
 
     def _emit(self, seq: Sequence, result: StepResult) -> None:
