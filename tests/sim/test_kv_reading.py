@@ -5,7 +5,10 @@ that applies (``vllm``, ``vllm-v0``, ``auto``) parses the simulator's ``/metrics
 :func:`kvgate.telemetry.engine_metrics.read_engine_metrics`, and the reading must equal the
 engine's own ``/sim/state`` (used blocks ÷ total blocks, running, waiting, capacity) at several
 load levels: idle, a few decoding requests, a long prompt part-way through its chunked prefill,
-and a cache nearly full.
+and a cache nearly full. The simulator's ``GET /slots`` (llama.cpp's shape) is read with
+:func:`~kvgate.telemetry.engine_metrics.parse_llamacpp_slots` too: its tokens in use must be the
+tokens whose KV the running sequences hold (llama.cpp has no blocks, so that is a token count,
+not the block ratio).
 """
 
 from __future__ import annotations
@@ -21,7 +24,12 @@ import pytest
 
 from kvgate.sim import SimConfig, run_sim
 from kvgate.sim.server import RunningSim
-from kvgate.telemetry.engine_metrics import EngineReading, read_engine_metrics
+from kvgate.telemetry.engine_metrics import (
+    EngineReading,
+    SlotsSnapshot,
+    parse_llamacpp_slots,
+    read_engine_metrics,
+)
 
 ADAPTERS = {
     "v1": {"vllm": "vllm:kv_cache_usage_perc", "auto": "vllm:kv_cache_usage_perc"},
@@ -49,25 +57,34 @@ def config(metric_names: str) -> SimConfig:
 
 async def steady(
     http: aiohttp.ClientSession, sim: RunningSim, adapters: dict[str, str]
-) -> tuple[dict[str, Any], dict[str, EngineReading]]:
-    """A ``/sim/state`` and the adapters' readings of a ``/metrics`` scraped while the state did
-    not change (the state read before and after the scrape is the same); bounded retries."""
+) -> tuple[dict[str, Any], dict[str, EngineReading], SlotsSnapshot]:
+    """A ``/sim/state``, the adapters' readings of a ``/metrics`` and the parsed ``/slots``
+    scraped while the state did not change (the state read before and after the scrapes is the
+    same); bounded retries."""
     for _ in range(500):
         async with http.get(sim.url + "/sim/state") as r:
             before = await r.json()
         async with http.get(sim.url + "/metrics") as r:
             text = await r.text()
+        async with http.get(sim.url + "/slots") as r:
+            slots = parse_llamacpp_slots(await r.read())
         async with http.get(sim.url + "/sim/state") as r:
             after = await r.json()
         if before == after:
-            return before, {name: read_engine_metrics(text, name) for name in adapters}
+            readings = {name: read_engine_metrics(text, name) for name in adapters}
+            return before, readings, slots
         await asyncio.sleep(0.005)
     raise AssertionError("the engine never held still between two scrapes")
 
 
 def check(
-    state: dict[str, Any], readings: dict[str, EngineReading], adapters: dict[str, str]
+    state: dict[str, Any],
+    readings: dict[str, EngineReading],
+    slots: SlotsSnapshot,
+    adapters: dict[str, str],
 ) -> None:
+    assert slots.busy == state["num_running"]
+    assert slots.tokens_in_use == sum(r["computed"] for r in state["running"])
     occupancy = state["used_blocks"] / state["kv_blocks"]
     for name, reading in readings.items():
         assert reading.kv_usage == pytest.approx(occupancy, abs=1e-12), name
@@ -111,15 +128,15 @@ async def test_adapters_read_the_true_occupancy(metric_names: str) -> None:
         stream = streamer(http, sim)
         try:
             # idle
-            state, readings = await steady(http, sim, adapters)
+            state, readings, slots = await steady(http, sim, adapters)
             assert state["used_blocks"] == 0
-            check(state, readings, adapters)
+            check(state, readings, slots, adapters)
             # a few decoding requests
             tasks += [asyncio.create_task(stream(40, 800)) for _ in range(2)]
             await wait_state(http, sim, lambda s: s["num_running"] == 2 and not s["num_prefilling"])
-            state, readings = await steady(http, sim, adapters)
+            state, readings, slots = await steady(http, sim, adapters)
             assert 0 < state["used_blocks"] < state["kv_blocks"] / 4
-            check(state, readings, adapters)
+            check(state, readings, slots, adapters)
             # a long prompt part-way through its chunked prefill
             tasks.append(asyncio.create_task(stream(900, 100)))
             await wait_state(
@@ -127,17 +144,17 @@ async def test_adapters_read_the_true_occupancy(metric_names: str) -> None:
                 sim,
                 lambda s: any(r["prefilling"] and r["computed"] >= 128 for r in s["running"]),
             )
-            state, readings = await steady(http, sim, adapters)
+            state, readings, slots = await steady(http, sim, adapters)
             (mid,) = [r for r in state["running"] if r["prefilling"]]
             # part-way through its prompt, it holds blocks for what it has computed
             assert 128 <= mid["computed"] < 900
             assert mid["blocks"] == math.ceil(mid["computed"] / 16) < math.ceil(900 / 16)
-            check(state, readings, adapters)
+            check(state, readings, slots, adapters)
             # a cache nearly full
             tasks += [asyncio.create_task(stream(200, 400)) for _ in range(6)]
             await wait_state(http, sim, lambda s: s["used_blocks"] >= 0.75 * s["kv_blocks"])
-            state, readings = await steady(http, sim, adapters)
-            check(state, readings, adapters)
+            state, readings, slots = await steady(http, sim, adapters)
+            check(state, readings, slots, adapters)
         finally:
             for t in tasks:
                 t.cancel()
@@ -146,5 +163,5 @@ async def test_adapters_read_the_true_occupancy(metric_names: str) -> None:
                     await t
         # every client went away: the engine holds nothing, and the adapters read 0
         await wait_state(http, sim, lambda s: s["used_blocks"] == 0 and not s["num_waiting"])
-        state, readings = await steady(http, sim, adapters)
-        check(state, readings, adapters)
+        state, readings, slots = await steady(http, sim, adapters)
+        check(state, readings, slots, adapters)
