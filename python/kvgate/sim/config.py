@@ -9,11 +9,11 @@ from typing import Any, Literal
 from kvgate.sim.profiles import DEFAULT_PROFILE, get_profile
 
 OnOverflow = Literal["preempt", "oom"]
+MetricNames = Literal["v1", "v0", "both"]
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS: int = 2048
 """vLLM's generic per-step token budget (``SchedulerConfig``), used with chunked prefill when
 neither a profile nor ``max_num_batched_tokens`` gives one."""
-MetricNames = Literal["v1", "v0", "both"]
 
 
 @dataclass(frozen=True, slots=True)
