@@ -4,18 +4,24 @@ Usage::
 
     .venv/bin/python benches/protection/run.py            # or: make bench-protect
     .venv/bin/python benches/protection/run.py --passes oom --no-write   # a quick look
+    .venv/bin/python benches/protection/run.py --passes oom,oom-nochunk --duration 20 \
+        --drain 20 --only a-direct,d-adaptive --no-write                  # a smoke test
 
-It reads ``mix.yaml`` (next to this file), then for each engine mode (``--on-overflow oom``,
-then ``preempt``) starts a fresh ``kvgate sim`` per run and plays the traffic against it:
+It reads ``mix.yaml`` (next to this file), then for each pass (``passes`` in ``mix.yaml`` or
+``--passes``: an engine mode, ``oom`` (``--on-overflow oom``) or ``preempt``, with vLLM V1's
+chunked prefill, the simulator's default, or with ``-nochunk`` without it
+(``--no-chunked-prefill``: a prompt prefilled whole, stalling every running sequence); default
+``oom``, ``preempt``, ``oom-nochunk``, ``preempt-nochunk``) starts a fresh ``kvgate sim`` per
+run and plays the traffic against it:
 
 * ``a-direct`` — straight to the engine;
 * ``b-count`` — kvgate with a request-count limit only (no TPM, no in-flight budget, no
   adaptation, tenants alike);
 * ``c-static-F`` — kvgate with static joint limits (concurrency + TPM + in-flight token budget
-  F × KV capacity), one run per F of the sweep (the oom pass; the preempt pass reruns only the
-  best F);
+  F × KV capacity), one run per F of the sweep (the first pass; the other passes rerun only
+  the best F);
 * ``d-adaptive`` — kvgate with adaptation and tenants (priority classes, guaranteed slots,
-  per-class waits); in the oom pass also ``d-adaptive-noburst`` (the same traffic without the
+  per-class waits); in the first pass also ``d-adaptive-noburst`` (the same traffic without the
   burst) for the critical TTFT target, and one run per ``adaptive_variants`` entry of
   ``mix.yaml`` (the article's watermarks; the default TPM bucket).
 
@@ -81,6 +87,28 @@ SIM_SERIES = {
 
 
 # --------------------------------------------------------------------------- the mix
+
+PASSES = ("oom", "preempt", "oom-nochunk", "preempt-nochunk")
+"""Every pass label: the engine's ``--on-overflow`` mode, ``-nochunk`` without chunked prefill."""
+
+
+def parse_pass(label: str) -> tuple[str, bool]:
+    """A pass label (one of :data:`PASSES`) → (``--on-overflow`` mode, chunked prefill on).
+
+    Raises:
+        ValueError: an unknown label.
+    """
+    mode, _, rest = label.partition("-")
+    if mode not in ("oom", "preempt") or rest not in ("", "nochunk"):
+        raise ValueError(f"unknown pass {label!r}; expected one of {', '.join(PASSES)}")
+    return mode, rest == ""
+
+
+def sim_flags(label: str) -> list[str]:
+    """The ``kvgate sim`` flags of a pass, e.g. ``["--on-overflow", "oom",
+    "--no-chunked-prefill"]`` for ``oom-nochunk``."""
+    mode, chunked = parse_pass(label)
+    return ["--on-overflow", mode, *([] if chunked else ["--no-chunked-prefill"])]
 
 
 def load_mix(path: Path) -> dict[str, Any]:
@@ -349,8 +377,7 @@ def run_one(
             str(speed),
             "--seed",
             str(mix["seed"]),
-            "--on-overflow",
-            mode,
+            *sim_flags(mode),
             "--restart-seconds",
             str(mix["restart_seconds"]),
         ]
@@ -655,7 +682,7 @@ def plot_timeline(a: RunResult, d: RunResult, mix: dict[str, Any], path: Path) -
 
 
 def plot_bars(rows: list[dict[str, Any]], path: Path) -> None:
-    """Goodput and critical / standard p99 TTFT per run, oom and preempt passes side by side."""
+    """Goodput and critical / standard p99 TTFT per run, the passes side by side."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -678,7 +705,7 @@ def plot_bars(rows: list[dict[str, Any]], path: Path) -> None:
                 if r is not None and r.get(key) is not None:
                     xs.append(j + i * width)
                     ys.append(r[key])
-            ax.bar(xs, ys, width, label=f"engine --on-overflow {mode}")
+            ax.bar(xs, ys, width, label=f"engine {' '.join(sim_flags(mode))}")
         ax.set_xticks([j + width * (len(modes) - 1) / 2 for j in range(len(names))])
         ax.set_xticklabels(names, rotation=35, ha="right", fontsize=8)
         ax.set_title(label, fontsize=10)
@@ -696,8 +723,19 @@ def main(argv: list[str] | None = None) -> int:
     """Run the scenario; returns 0 when every run completed (whatever the targets)."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--mix", type=Path, default=HERE / "mix.yaml")
-    ap.add_argument("--passes", default="oom,preempt", help="engine modes, comma-separated")
+    ap.add_argument(
+        "--passes",
+        help=f"passes, comma-separated, from {', '.join(PASSES)} (-nochunk: the engine without "
+        "chunked prefill); default: the mix's `passes`",
+    )
     ap.add_argument("--speed", type=float, help="override the mix's simulator speed")
+    ap.add_argument(
+        "--duration", type=float, help="override the mix's traffic duration (simulated s)"
+    )
+    ap.add_argument("--drain", type=float, help="override the mix's drain (simulated s)")
+    ap.add_argument(
+        "--only", help="run only these runs (names, comma-separated, e.g. a-direct,d-adaptive)"
+    )
     ap.add_argument("--no-write", action="store_true", help="print only; write no files")
     ap.add_argument(
         "--render",
@@ -711,11 +749,19 @@ def main(argv: list[str] | None = None) -> int:
     mix = load_mix(args.mix)
     if args.speed:
         mix["speed"] = args.speed
+    if args.duration:
+        mix["duration"] = args.duration
+    if args.drain:
+        mix["drain"] = args.drain
+    only = {n.strip() for n in args.only.split(",")} if args.only else None
     profile = get_profile(mix["profile"])
     model = profile.model
     full = build_traffic(mix, model)
     noburst = build_traffic(mix, model, burst=False)
-    modes = [m.strip() for m in args.passes.split(",") if m.strip()]
+    passes = args.passes.split(",") if args.passes else mix.get("passes", ["oom", "preempt"])
+    modes = [m.strip() for m in passes if m.strip()]
+    for m in modes:
+        parse_pass(m)
     fractions = [float(f) for f in mix["runs"]["static"]["inflight_fractions"]]
     extra = 1 + len(mix["runs"].get("adaptive_variants", ()))
     plan_count = sum((3 + extra + len(fractions)) if m == modes[0] else 4 for m in modes)
@@ -730,11 +776,13 @@ def main(argv: list[str] | None = None) -> int:
     best_fraction: float | None = None
     k = 0
 
-    def do(name: str, mode: str, kind: str, traffic: TrafficMix, **kw: Any) -> RunResult:
+    def do(name: str, mode: str, kind: str, traffic: TrafficMix, **kw: Any) -> RunResult | None:
         nonlocal k
+        if only is not None and name not in only:
+            return None
         k += 1
         print(
-            f"[{k}/{plan_count}] {name} (engine --on-overflow {mode}) "
+            f"[{k}{'' if only else f'/{plan_count}'}] {name} (engine {' '.join(sim_flags(mode))}) "
             f"at {time.monotonic() - started:.0f} s",
             flush=True,
         )
@@ -753,14 +801,16 @@ def main(argv: list[str] | None = None) -> int:
         do("a-direct", mode, "direct", full)
         do("b-count", mode, "count_limit", full)
         if best_fraction is None:
-            sweep = [
-                summarize(do(f"c-static-{f:g}", mode, "static", full, inflight_fraction=f), mix)
-                for f in fractions
-            ]
-            best_fraction = best_static(sweep, mode)
-            if best_fraction is None:
+            if not fractions:
                 raise ValueError("mix.yaml: runs.static.inflight_fractions is empty")
-            print(f"    best static in-flight budget: {best_fraction:g} × KV capacity", flush=True)
+            done = [
+                do(f"c-static-{f:g}", mode, "static", full, inflight_fraction=f) for f in fractions
+            ]
+            best_fraction = best_static([summarize(r, mix) for r in done if r], mode)
+            if best_fraction is not None:  # None: every static run left out by --only
+                print(
+                    f"    best static in-flight budget: {best_fraction:g} × KV capacity", flush=True
+                )
         else:
             do(f"c-static-{best_fraction:g}", mode, "static", full, inflight_fraction=best_fraction)
         do("d-adaptive", mode, "adaptive", full)
@@ -1015,7 +1065,9 @@ make bench-protect        # = .venv/bin/python benches/protection/run.py
 ```
 
 Engine: `kvgate sim --profile {profile.name} --speed {mix["speed"]:g} --on-overflow oom|preempt`
-({cap:,} KV tokens, 8×H800 / Llama-3.1-70B). Traffic: `benches/protection/mix.yaml` (seed
+({cap:,} KV tokens, 8×H800 / Llama-3.1-70B), with vLLM V1's chunked prefill ({profile.max_num_batched_tokens:,}
+tokens per step, the simulator's default; passes `oom`, `preempt`) and without it
+(`--no-chunked-prefill`, each prompt prefilled whole; passes `oom-nochunk`, `preempt-nochunk`). Traffic: `benches/protection/mix.yaml` (seed
 {mix["seed"]}), {mix["duration"]} simulated seconds: critical chat (~300-token prompts, streamed),
 standard ~16k-token document analysis, 50 long generations (~20k-token prompts, 2,048 generated
 tokens each), a sheddable offline batch (summaries of ~8k tokens, embeddings), and at
@@ -1023,7 +1075,7 @@ t={mix["bursts"][0]["at"]} s ten ~32k-token prompts at once. Each run starts a f
 Runs: (a) straight to the engine; (b) kvgate with a request-count limit only; (c) kvgate with
 static joint limits (concurrency + TPM + an in-flight token budget of F × KV capacity, swept;
 best F = {best_fraction}); (d) kvgate with adaptation and tenants (priority classes, guaranteed
-slots for chat, a small TPM bucket), plus variants of (d) in the oom pass: without the burst
+slots for chat, a small TPM bucket), plus variants of (d) in the first pass: without the burst
 (for the TTFT target) and each `adaptive_variants` entry of `mix.yaml`. Times are simulated
 seconds (wall × {mix["speed"]:g}). Goodput = completion tokens that reached a client / the run's
 elapsed simulated seconds, counted from the harness's clock start (just before the arrival
@@ -1205,6 +1257,19 @@ def findings(mix: dict[str, Any], rows: list[dict[str, Any]], best: float | None
             f"{_s(ap['critical_p99'])} s direct vs {_s(dp['critical_p99'])} s with (d)), paid "
             "by the sheddable batch."
         )
+    for mode in ("oom", "preempt"):
+        for name in ("a-direct", "d-adaptive"):
+            chunked, whole = get(name, mode), get(name, f"{mode}-nochunk")
+            if chunked and whole:
+                out.append(
+                    f"- {name}, {mode}: with chunked prefill (vLLM V1's default) vs without "
+                    f"(`{mode}-nochunk`): {chunked['ooms']} vs {whole['ooms']} OOM(s), "
+                    f"{chunked['preemptions']} vs {whole['preemptions']} preemption(s), critical "
+                    f"p99 TTFT {_s(chunked['critical_p99'])} vs {_s(whole['critical_p99'])} s, "
+                    f"standard p99 TTFT {_s(chunked['standard_p99'])} vs "
+                    f"{_s(whole['standard_p99'])} s, goodput {chunked['goodput']:,.0f} vs "
+                    f"{whole['goodput']:,.0f} tok/s."
+                )
     return "\n".join(out)
 
 
@@ -1215,7 +1280,9 @@ def readme_text(mix: dict[str, Any], rows: list[dict[str, Any]], verdict: list[s
     return f"""# Protection scenario: the same traffic with and without kvgate
 
 The engine is the simulator with the 8×H800 / Llama-3.1-70B preset ({cap:,} KV tokens) in
-crash-on-overflow mode (`kvgate sim --on-overflow oom`); the traffic (`mix.yaml`, seeded) mixes
+crash-on-overflow mode (`kvgate sim --on-overflow oom`, vLLM V1's chunked prefill with
+{profile.max_num_batched_tokens:,} tokens per step; the `-nochunk` passes prefill each prompt
+whole); the traffic (`mix.yaml`, seeded) mixes
 streamed critical chat, ~16k-token documents, 50 long generations, a sheddable batch and, at
 t={mix["bursts"][0]["at"]} s, ten ~32k-token prompts at once. Straight to the engine the KV
 cache fills and the engine crashes; behind kvgate (adaptation + tenants) it does not, the chat
@@ -1229,8 +1296,9 @@ keeps its latency, and the batch gives way.
 
 ![goodput and p99 TTFT per run](protection_bars.png)
 
-Regenerate with `make bench-protect` (about 6–7 minutes on 2 cores). Definitions, the
-`--on-overflow preempt` pass, what each run shows and the gateway issues this benchmark found:
+Regenerate with `make bench-protect` (four passes: `oom`, `preempt`, `oom-nochunk`,
+`preempt-nochunk`; about 10–12 minutes on 2 cores). Definitions, the other passes, what each
+run shows and the gateway issues this benchmark found:
 [`benches/RESULTS.md`](../RESULTS.md#protection-scenario).
 """
 
