@@ -362,7 +362,7 @@ async def handle_inference(gw: Gateway, request: web.BaseRequest, route: str) ->
             model, analysis = await gw.analyze_in_thread(route, body)
         backend = gw.pick_backend(model, tenant)
     except GatewayError as err:
-        gw.metrics.request_done(None, tenant, f"rejected_{err.status}")
+        gw.metrics.request_done(None, tenant, f"rejected_{err.status}", model)
         return _refused(request, rid, started, route, err, tenant, model)
     tokens = analysis.reserved_tokens
     admitting = time.perf_counter()
@@ -481,7 +481,7 @@ def _settle(
     queue = gw.queue
     if queue is not None and queue.waiting:
         queue.notify()
-    gw.metrics.settled(backend, tenant, reserved, actual, result)
+    gw.metrics.settled(backend, tenant, reserved, actual, result, model, prompt)
     log_access(
         request,
         rid,
@@ -561,7 +561,7 @@ def _refusal(
     tenant, backend, model = who
     response, reason = gw.rejection_response(request, decision, backend, tenant, model, tokens)
     now = time.perf_counter()
-    gw.metrics.rejected(backend, tenant, reason, now - started)
+    gw.metrics.rejected(backend, tenant, reason, now - started, model)
     _tagged(response, rid)
     log_access(
         request,
@@ -634,7 +634,7 @@ async def handle_forward(gw: Gateway, request: web.BaseRequest) -> Reply:
         model = gw.model_of(body)
         backend = gw.pick_backend(model, tenant) if model else gw.pick_any_backend(tenant)
     except GatewayError as err:
-        gw.metrics.request_done(None, tenant, f"rejected_{err.status}")
+        gw.metrics.request_done(None, tenant, f"rejected_{err.status}", model)
         return _refused(request, rid, started, route, err, tenant, model)
     tokens = FORWARD_RESERVATION
     admitting = time.perf_counter()
