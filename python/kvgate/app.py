@@ -208,6 +208,8 @@ class Gateway:
     prefill: dict[str, Any] = field(default_factory=dict)
     #: the latency-target controller (:class:`kvgate.admission.slo.SloController`), or ``None``
     slo: Any = None
+    #: OpenTelemetry traces (:class:`kvgate.tracing.Tracing`, config ``tracing``), or ``None``
+    tracing: Any = None
     #: the pending timed ``queue.notify()`` (a token bucket refills with time, not on releases)
     _queue_wakeup: asyncio.TimerHandle | None = field(init=False, default=None)
     _by_hash: dict[bytes, Tenant] = field(init=False, default_factory=dict)

@@ -1,0 +1,341 @@
+"""OpenTelemetry traces (config ``tracing``), exported to the SDK's ``InMemorySpanExporter``: the
+span tree and attributes of an admitted stream, a refusal, a client that leaves mid-stream, an
+unknown key; the incoming ``traceparent`` as the parent and the upstream span's context sent
+to the engine; no OpenTelemetry import without the section."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import openai
+import orjson
+import pytest
+from aiohttp import web
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import SpanKind, StatusCode
+
+from kvgate.config import Config, ConfigError, TracingConfig, load_config
+from kvgate.gateway_build import build_gateway
+from kvgate.server import run_gateway
+from kvgate.tracing import Tracing
+
+from .conftest import KEYS, config_for, sha
+from .fake_upstream import serve_app
+from .helpers import until
+
+TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
+PARENT_ID = "00f067aa0ba902b7"
+PROMPT_TOKENS, COMPLETION_TOKENS = 9, 3
+
+
+@dataclass
+class Engine:
+    """A scripted engine that records the trace headers it receives."""
+
+    url: str = ""
+    headers: list[dict[str, str]] = field(default_factory=list)
+
+
+def _engine_app(state: Engine) -> web.Application:
+    async def chat(request: web.Request) -> web.StreamResponse:
+        state.headers.append(
+            {k.lower(): v for k, v in request.headers.items() if k.lower() != "authorization"}
+        )
+        body = orjson.loads(await request.read())
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        if body["model"] == "slow":  # a chunk every 50 ms for 10 s
+            for i in range(200):
+                chunk = {"choices": [{"index": 0, "delta": {"content": f"t{i} "}}]}
+                await resp.write(b"data: " + orjson.dumps(chunk) + b"\n\n")
+                await asyncio.sleep(0.05)
+        for word in ("one ", "two ", "three"):
+            chunk = {"choices": [{"index": 0, "delta": {"content": word}}], "usage": None}
+            await resp.write(b"data: " + orjson.dumps(chunk) + b"\n\n")
+        usage = {"prompt_tokens": PROMPT_TOKENS, "completion_tokens": COMPLETION_TOKENS}
+        await resp.write(b"data: " + orjson.dumps({"choices": [], "usage": usage}) + b"\n\n")
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", chat)
+    return app
+
+
+@dataclass
+class Traced:
+    url: str
+    gateway: Any
+    engine: Engine
+    spans: InMemorySpanExporter
+
+
+@contextlib.asynccontextmanager
+async def traced_gateway(sample_ratio: float = 1.0) -> AsyncIterator[Traced]:
+    engine = Engine()
+    async with serve_app(_engine_app(engine)) as engine.url:
+        cfg = config_for(
+            engine.url,
+            ["m", "slow"],
+            tenants=[
+                {"name": "alice", "api_key_sha256": [sha(KEYS["alice"])], "priority": "critical"},
+                {
+                    "name": "bob",
+                    "api_key_sha256": [sha(KEYS["bob"])],
+                    "tokens_per_minute": 50,
+                    "burst_tokens": 50,
+                },
+            ],
+        )
+        tracing = TracingConfig(otlp_endpoint="http://127.0.0.1:9", sample_ratio=sample_ratio)
+        cfg = cfg.model_copy(update={"tracing": tracing})
+        gateway = build_gateway(cfg, poll=False)
+        assert isinstance(gateway.tracing, Tracing)
+        spans = InMemorySpanExporter()
+        gateway.tracing = Tracing(tracing, exporter=spans)
+        async with run_gateway(gateway) as url:
+            yield Traced(url, gateway, engine, spans)
+
+
+def _hex(n: int, width: int) -> str:
+    return format(n, f"0{width}x")
+
+
+def _tree(spans: InMemorySpanExporter) -> tuple[Any, dict[str, Any]]:
+    """The one server span and its children by name (each child's parent checked)."""
+    done = spans.get_finished_spans()
+    servers = [s for s in done if s.kind == SpanKind.SERVER]
+    assert len(servers) == 1, [s.name for s in done]
+    server = servers[0]
+    children = {s.name: s for s in done if s is not server}
+    assert len(children) == len(done) - 1, [s.name for s in done]  # one span per stage
+    for child in children.values():
+        assert child.parent is not None
+        assert child.parent.span_id == server.context.span_id, child.name
+        assert child.context.trace_id == server.context.trace_id
+        assert server.start_time <= child.start_time <= child.end_time <= server.end_time
+    return server, children
+
+
+def _in_use_is_zero(gw: Any) -> bool:
+    return gw.controller.backend_state(0)["in_use"] == 0
+
+
+async def test_an_admitted_stream_is_a_span_tree_under_the_incoming_traceparent() -> None:
+    async with traced_gateway() as t:
+        client = openai.AsyncOpenAI(base_url=t.url + "/v1", api_key=KEYS["alice"], max_retries=0)
+        async with client:
+            raw = await client.chat.completions.with_raw_response.create(
+                model="m",
+                messages=[{"role": "user", "content": "hello"}],
+                max_tokens=16,
+                stream=True,
+                extra_headers={
+                    "traceparent": f"00-{TRACE_ID}-{PARENT_ID}-01",
+                    "tracestate": "vendor=1",
+                },
+            )
+            rid = raw.headers["x-request-id"]
+            text = "".join([c.choices[0].delta.content or "" async for c in raw.parse()])
+        assert text == "one two three"
+        await until(lambda: any(s.kind == SpanKind.SERVER for s in t.spans.get_finished_spans()))
+        server, children = _tree(t.spans)
+        assert set(children) == {"authenticate", "analyse", "admit", "upstream", "relay", "settle"}
+        # the incoming traceparent is the parent
+        assert _hex(server.context.trace_id, 32) == TRACE_ID
+        assert server.parent is not None
+        assert _hex(server.parent.span_id, 16) == PARENT_ID
+        assert server.name == "POST /v1/chat/completions"
+        a = server.attributes
+        assert a["http.request.method"] == "POST"
+        assert a["http.route"] == "/v1/chat/completions"
+        assert a["url.path"] == "/v1/chat/completions"
+        assert a["http.response.status_code"] == 200
+        assert a["client.address"] == "127.0.0.1"
+        assert (a["kvgate.tenant"], a["kvgate.priority"]) == ("alice", "critical")
+        assert (a["kvgate.backend"], a["gen_ai.request.model"]) == ("b0", "m")
+        assert (a["kvgate.outcome"], a["kvgate.request_id"]) == ("ok", rid)
+        assert a["gen_ai.usage.input_tokens"] == PROMPT_TOKENS
+        assert a["gen_ai.usage.output_tokens"] == COMPLETION_TOKENS
+        assert a["kvgate.tokens.reserved"] > 16
+        assert server.status.status_code == StatusCode.UNSET
+        # the stages in order, and the engine got the upstream span's context
+        order = ["authenticate", "analyse", "admit", "upstream", "relay", "settle"]
+        for before, after in itertools.pairwise(order):
+            assert children[before].end_time <= children[after].start_time, (before, after)
+        assert children["admit"].attributes["kvgate.admission.admitted"] is True
+        upstream = children["upstream"]
+        assert upstream.kind == SpanKind.CLIENT
+        assert upstream.attributes["url.full"] == t.engine.url + "/v1/chat/completions"
+        sent = t.engine.headers[0]
+        assert sent["traceparent"] == f"00-{TRACE_ID}-{_hex(upstream.context.span_id, 16)}-01"
+        assert sent["tracestate"] == "vendor=1"
+        assert sent["x-request-id"] == rid
+        assert children["relay"].attributes["kvgate.outcome"] == "ok"
+        assert _in_use_is_zero(t.gateway)
+
+
+async def test_a_refusal_has_its_reason_and_no_upstream_span() -> None:
+    async with traced_gateway() as t:
+        client = openai.AsyncOpenAI(base_url=t.url + "/v1", api_key=KEYS["bob"], max_retries=0)
+        async with client:
+            with pytest.raises(openai.RateLimitError):  # 100 tokens > bob's bucket (50)
+                await client.chat.completions.create(
+                    model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=100
+                )
+        await until(lambda: any(s.kind == SpanKind.SERVER for s in t.spans.get_finished_spans()))
+        server, children = _tree(t.spans)
+        assert set(children) == {"authenticate", "analyse", "admit"}
+        assert server.parent is None  # no traceparent: a new trace
+        a = server.attributes
+        assert a["http.response.status_code"] == 429
+        assert (a["kvgate.outcome"], a["kvgate.reason"]) == ("rejected", "tenant-tpm")
+        assert a["kvgate.tenant"] == "bob"
+        admit = children["admit"]
+        assert admit.attributes["kvgate.admission.admitted"] is False
+        assert admit.attributes["kvgate.reject_reason"] == "tenant-tpm"
+        assert t.engine.headers == []
+        assert _in_use_is_zero(t.gateway)
+
+
+async def test_an_unknown_key_ends_at_authenticate() -> None:
+    async with traced_gateway() as t:
+        client = openai.AsyncOpenAI(base_url=t.url + "/v1", api_key="sk-nobody", max_retries=0)
+        async with client:
+            with pytest.raises(openai.AuthenticationError):
+                await client.chat.completions.create(
+                    model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=4
+                )
+        await until(lambda: any(s.kind == SpanKind.SERVER for s in t.spans.get_finished_spans()))
+        server, children = _tree(t.spans)
+        assert set(children) == {"authenticate"}
+        assert children["authenticate"].status.status_code == StatusCode.ERROR
+        assert server.attributes["http.response.status_code"] == 401
+        assert server.attributes["kvgate.reason"] == "invalid_api_key"
+
+
+async def test_a_client_that_leaves_mid_stream_ends_its_spans() -> None:
+    async with traced_gateway() as t:
+        body = {
+            "model": "slow",
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 500,
+            "stream": True,
+        }
+        headers = {"Authorization": f"Bearer {KEYS['alice']}"}
+        async with (
+            aiohttp.ClientSession() as s,
+            s.post(t.url + "/v1/chat/completions", json=body, headers=headers) as r,
+        ):
+            assert r.status == 200
+            seen = b""
+            while seen.count(b"data: ") < 3:
+                seen += await r.content.readany()
+            r.close()  # the client leaves
+        await until(
+            lambda: any(s.kind == SpanKind.SERVER for s in t.spans.get_finished_spans()),
+            timeout=10,
+        )
+        server, children = _tree(t.spans)
+        assert set(children) == {"authenticate", "analyse", "admit", "upstream", "relay", "settle"}
+        assert server.attributes["kvgate.outcome"] == "client_disconnect"
+        assert children["relay"].attributes["kvgate.outcome"] == "client_disconnect"
+        assert server.attributes["gen_ai.usage.output_tokens"] >= 3
+        await until(lambda: _in_use_is_zero(t.gateway), timeout=10)
+
+
+async def test_sampled_out_requests_export_nothing_but_still_propagate() -> None:
+    async with traced_gateway(sample_ratio=0.0) as t:
+        client = openai.AsyncOpenAI(base_url=t.url + "/v1", api_key=KEYS["alice"], max_retries=0)
+        async with client:
+            await client.chat.completions.create(
+                model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=4
+            )
+            # a sampled parent wins over the ratio
+            await client.chat.completions.create(
+                model="m",
+                messages=[{"role": "user", "content": "hi"}],
+                max_tokens=4,
+                extra_headers={"traceparent": f"00-{TRACE_ID}-{PARENT_ID}-01"},
+            )
+        await until(lambda: any(s.kind == SpanKind.SERVER for s in t.spans.get_finished_spans()))
+        server, _ = _tree(t.spans)  # only the second request's
+        assert _hex(server.context.trace_id, 32) == TRACE_ID
+        first = t.engine.headers[0]["traceparent"]
+        version, trace_id, span_id, flags = first.split("-")
+        assert version == "00"
+        assert int(flags, 16) & 1 == 0  # a new trace, not sampled
+        assert trace_id != TRACE_ID
+        assert int(span_id, 16) != 0
+        await until(lambda: _in_use_is_zero(t.gateway))
+
+
+def test_without_a_tracing_section_nothing_of_opentelemetry_is_imported(tmp_path) -> None:
+    cfg = tmp_path / "kvgate.yaml"
+    cfg.write_text(
+        "backends:\n  - name: b0\n    url: http://127.0.0.1:9\n    max_concurrency: 4\n"
+        "    models: [{name: m, context_window: 1024}]\n"
+    )
+    code = (
+        "import sys\n"
+        "from kvgate.config import load_config\n"
+        "from kvgate.gateway_build import build_gateway\n"
+        f"gw = build_gateway(load_config({str(cfg)!r}), poll=False)\n"
+        "assert gw.tracing is None\n"
+        "loaded = [m for m in sys.modules if m.startswith('opentelemetry')]\n"
+        "assert not loaded, loaded\n"
+        "with_tracing = open(" + repr(str(cfg)) + ").read() + "
+        "'tracing: {otlp_endpoint: \"http://127.0.0.1:4318\"}\\n'\n"
+        "open(" + repr(str(cfg)) + ", 'w').write(with_tracing)\n"
+        f"gw = build_gateway(load_config({str(cfg)!r}), poll=False)\n"
+        "assert gw.tracing.endpoint == 'http://127.0.0.1:4318/v1/traces'\n"
+        "assert 'opentelemetry.sdk.trace' in sys.modules\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert done.returncode == 0, done.stderr
+
+
+@pytest.mark.parametrize(
+    ("tracing", "where"),
+    [
+        ({"otlp_endpoint": "collector:4318"}, "tracing.otlp_endpoint"),
+        ({"otlp_endpoint": "ftp://collector:4318"}, "tracing.otlp_endpoint"),
+        ({"otlp_endpoint": "http://c:4318", "sample_ratio": 1.5}, "tracing.sample_ratio"),
+        ({"otlp_endpoint": "http://c:4318", "service_name": ""}, "tracing.service_name"),
+        ({"otlp_endpoint": "http://c:4318", "sampling": 1}, "tracing.sampling"),
+        ({}, "tracing.otlp_endpoint"),
+    ],
+)
+def test_a_bad_tracing_section_is_a_configuration_error(
+    tmp_path, tracing: dict[str, Any], where: str
+) -> None:
+    cfg = tmp_path / "kvgate.yaml"
+    cfg.write_text(
+        orjson.dumps(
+            {
+                "backends": [
+                    {
+                        "name": "b0",
+                        "url": "http://127.0.0.1:9",
+                        "max_concurrency": 4,
+                        "models": [{"name": "m", "context_window": 1024}],
+                    }
+                ],
+                "tracing": tracing,
+            }
+        ).decode()
+    )
+    with pytest.raises(ConfigError) as info:
+        load_config(str(cfg))
+    assert where in str(info.value)
+    assert Config  # the model the file is checked against
