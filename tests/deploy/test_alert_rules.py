@@ -24,6 +24,7 @@ REQUIRED_ALERTS = {
     "KvgateReservationLeak",
     "KvgateRefusalRatioHigh",
     "KvgateCriticalTTFTHigh",
+    "KvgateStoreDegraded",
 }
 
 
