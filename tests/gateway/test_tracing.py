@@ -339,3 +339,24 @@ def test_a_bad_tracing_section_is_a_configuration_error(
         load_config(str(cfg))
     assert where in str(info.value)
     assert Config  # the model the file is checked against
+
+
+def test_without_the_otel_extra_a_tracing_section_says_what_to_install(tmp_path) -> None:
+    cfg = tmp_path / "kvgate.yaml"
+    cfg.write_text(
+        "backends:\n  - name: b0\n    url: http://127.0.0.1:9\n    max_concurrency: 4\n"
+        "    models: [{name: m, context_window: 1024}]\n"
+        'tracing: {otlp_endpoint: "http://127.0.0.1:4318"}\n'
+    )
+    code = (
+        "import sys\n"
+        "sys.modules['opentelemetry'] = None  # as if the extra were not installed\n"
+        "from kvgate.__main__ import main\n"
+        f"sys.argv = ['kvgate', 'check-config', {str(cfg)!r}]\n"
+        "sys.exit(main())\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert done.returncode != 0
+    assert "pip install 'kvgate[otel]'" in done.stdout + done.stderr
