@@ -65,8 +65,13 @@ def _engine_app(state: Engine) -> web.Application:
         await resp.write(b"data: [DONE]\n\n")
         return resp
 
+    async def tokenize(request: web.Request) -> web.Response:  # a route kvgate forwards
+        state.headers.append({k.lower(): v for k, v in request.headers.items()})
+        return web.json_response({"tokens": [1, 2, 3]})
+
     app = web.Application()
     app.router.add_post("/v1/chat/completions", chat)
+    app.router.add_post("/tokenize", tokenize)
     return app
 
 
@@ -93,10 +98,16 @@ async def traced_gateway(sample_ratio: float = 1.0) -> AsyncIterator[Traced]:
                     "tokens_per_minute": 50,
                     "burst_tokens": 50,
                 },
+                {  # one request at a time; the others wait in the queue
+                    "name": "batch",
+                    "api_key_sha256": [sha(KEYS["batch"])],
+                    "max_concurrency": 1,
+                    "max_wait_ms": 20000,
+                },
             ],
         )
         tracing = TracingConfig(otlp_endpoint="http://127.0.0.1:9", sample_ratio=sample_ratio)
-        cfg = cfg.model_copy(update={"tracing": tracing})
+        cfg = cfg.model_copy(update={"tracing": tracing, "other_routes": "forward"})
         gateway = build_gateway(cfg, poll=False)
         assert isinstance(gateway.tracing, Tracing)
         spans = InMemorySpanExporter()
@@ -183,6 +194,34 @@ async def test_an_admitted_stream_is_a_span_tree_under_the_incoming_traceparent(
         assert _in_use_is_zero(t.gateway)
 
 
+async def test_a_forwarded_request_is_traced_like_an_inference_one() -> None:
+    async with traced_gateway() as t:
+        async with (
+            aiohttp.ClientSession() as s,
+            s.post(
+                t.url + "/tokenize",
+                json={"model": "m", "prompt": "hi"},
+                headers={
+                    "Authorization": f"Bearer {KEYS['alice']}",
+                    "traceparent": f"00-{TRACE_ID}-{PARENT_ID}-01",
+                },
+            ) as r,
+        ):
+            assert r.status == 200
+            assert await r.json() == {"tokens": [1, 2, 3]}
+        await until(lambda: bool(_servers(t.spans)))
+        server, children = _tree(t.spans)
+        assert server.name == "POST /tokenize"
+        assert {"authenticate", "analyse", "admit", "upstream", "settle"} <= set(children)
+        assert server.attributes["kvgate.outcome"] == "ok"
+        assert _hex(server.context.trace_id, 32) == TRACE_ID
+        upstream = children["upstream"]
+        assert upstream.attributes["url.full"] == t.engine.url + "/tokenize"
+        sent = t.engine.headers[0]["traceparent"]
+        assert sent == f"00-{TRACE_ID}-{_hex(upstream.context.span_id, 16)}-01"
+        await until(lambda: _in_use_is_zero(t.gateway))
+
+
 async def test_a_refusal_has_its_reason_and_no_upstream_span() -> None:
     async with traced_gateway() as t:
         client = openai.AsyncOpenAI(base_url=t.url + "/v1", api_key=KEYS["bob"], max_retries=0)
@@ -249,6 +288,70 @@ async def test_a_client_that_leaves_mid_stream_ends_its_spans() -> None:
         assert server.attributes["kvgate.outcome"] == "client_disconnect"
         assert children["relay"].attributes["kvgate.outcome"] == "client_disconnect"
         assert server.attributes["gen_ai.usage.output_tokens"] >= 3
+        await until(lambda: _in_use_is_zero(t.gateway), timeout=10)
+
+
+def _servers(spans: InMemorySpanExporter) -> list[Any]:
+    return [s for s in spans.get_finished_spans() if s.kind == SpanKind.SERVER]
+
+
+def _children_of(spans: InMemorySpanExporter, server: Any) -> dict[str, Any]:
+    return {
+        s.name: s
+        for s in spans.get_finished_spans()
+        if s.parent is not None and s.parent.span_id == server.context.span_id
+    }
+
+
+async def test_the_admit_span_covers_the_wait_in_the_queue() -> None:
+    async with traced_gateway() as t:
+        headers = {"Authorization": f"Bearer {KEYS['batch']}"}
+
+        def body(model: str, n: int) -> dict[str, Any]:
+            return {
+                "model": model,
+                "messages": [{"role": "user", "content": f"request {n}"}],
+                "max_tokens": 500,
+                "stream": True,
+            }
+
+        async with aiohttp.ClientSession() as s:
+            holder = await s.post(
+                t.url + "/v1/chat/completions", json=body("slow", 1), headers=headers
+            )
+            assert holder.status == 200
+            waiter = asyncio.ensure_future(
+                s.post(t.url + "/v1/chat/completions", json=body("m", 2), headers=headers)
+            )
+            leaver = asyncio.ensure_future(
+                s.post(t.url + "/v1/chat/completions", json=body("m", 3), headers=headers)
+            )
+            await until(lambda: t.gateway.queue.waiting >= 2, timeout=10)
+            leaver.cancel()  # the third client leaves while it waits
+            with contextlib.suppress(asyncio.CancelledError):
+                await leaver
+            await until(lambda: len(_servers(t.spans)) == 1, timeout=10)
+            (left,) = _servers(t.spans)
+            assert left.attributes["kvgate.outcome"] == "client_disconnect"
+            admit = _children_of(t.spans, left)["admit"]
+            assert admit.attributes["kvgate.admission.admitted"] is False
+            holder.close()  # the first one leaves: the second gets its slot
+            answer = await waiter
+            assert answer.status == 200
+            await answer.read()
+            answer.close()
+        await until(lambda: len(_servers(t.spans)) == 3, timeout=10)
+        others = [s for s in _servers(t.spans) if s.context.span_id != left.context.span_id]
+        (first,) = [s for s in others if s.attributes["kvgate.outcome"] == "client_disconnect"]
+        (second,) = [s for s in others if s.attributes["kvgate.outcome"] == "ok"]
+        first_children, second_children = (
+            _children_of(t.spans, first),
+            _children_of(t.spans, second),
+        )
+        wait = second_children["admit"]
+        assert wait.attributes["kvgate.admission.admitted"] is True
+        # admitted only once the first request's relay ended and released its slot
+        assert wait.start_time < first_children["relay"].end_time <= wait.end_time
         await until(lambda: _in_use_is_zero(t.gateway), timeout=10)
 
 
