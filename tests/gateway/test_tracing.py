@@ -7,11 +7,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import itertools
 import subprocess
 import sys
+import time
+import timeit
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from functools import partial
+from types import SimpleNamespace
 from typing import Any
 
 import aiohttp
@@ -19,11 +24,13 @@ import openai
 import orjson
 import pytest
 from aiohttp import web
+from multidict import CIMultiDict
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
 
 from kvgate.config import Config, ConfigError, TracingConfig, load_config
 from kvgate.gateway_build import build_gateway
+from kvgate.proxy.handler import _settle, handle_inference
 from kvgate.server import run_gateway
 from kvgate.tracing import Tracing
 
@@ -463,3 +470,60 @@ def test_without_the_otel_extra_a_tracing_section_says_what_to_install(tmp_path)
     )
     assert done.returncode != 0
     assert "pip install 'kvgate[otel]'" in done.stdout + done.stderr
+
+
+def test_tracing_cost_per_request(capsys: pytest.CaptureFixture[str]) -> None:
+    """What a request pays for tracing: off, the handler's `trace is not None` checks on the
+    inference path (as many as in the handler); on, a whole sampled trace (its seven spans, to
+    the in-memory exporter). Printed for the report."""
+    source = inspect.getsource(handle_inference) + inspect.getsource(_settle)
+    checks = source.count("if trace is not None") + source.count(" if trace is not None else")
+    assert checks >= 8
+    code = (
+        "def off(gw):\n    tracing = gw.tracing\n"
+        "    trace = None if tracing is None else tracing.begin()\n"
+        + "    if trace is not None:\n        pass\n"
+        * (checks - 1)
+    )
+    scope: dict[str, Any] = {}
+    exec(code + "\n\ndef empty(gw):\n    pass\n", scope)
+    gw = SimpleNamespace(tracing=None)
+    n = 200_000
+    off = min(timeit.repeat(partial(scope["off"], gw), number=n, repeat=5)) / n
+    empty = min(timeit.repeat(partial(scope["empty"], gw), number=n, repeat=5)) / n
+
+    tracing = Tracing(
+        TracingConfig(otlp_endpoint="http://127.0.0.1:9"), exporter=InMemorySpanExporter()
+    )
+    tracing.start()
+    request = SimpleNamespace(
+        headers=CIMultiDict({"traceparent": f"00-{TRACE_ID}-{PARENT_ID}-01"}),
+        method="POST",
+        path="/v1/chat/completions",
+        scheme="http",
+        version=SimpleNamespace(major=1, minor=1),
+        transport=None,
+    )
+    who = SimpleNamespace(name="n", priority="standard")
+
+    def traced() -> None:
+        t = tracing.begin(request, "/v1/chat/completions", time.perf_counter(), "rid")  # type: ignore[arg-type]
+        t.body_read = t.authenticated = t.analysed = t.admitting = time.perf_counter()
+        t.admitted = time.perf_counter()
+        t.upstream_headers({"x-request-id": "rid"}, "http://e/v1/chat/completions", "POST")
+        t.data_arrived()
+        t.relay_end = time.perf_counter()
+        t.finish(
+            status=200, outcome="ok", tenant=who, backend=who, model=who, reserved=10,
+            prompt=5, completion=5, settle=(time.perf_counter(), time.perf_counter()),
+        )  # fmt: skip
+
+    m = 500
+    on = min(timeit.repeat(traced, number=m, repeat=3)) / m
+    tracing.shutdown()
+    with capsys.disabled():
+        print(
+            f"\ntracing: off {(off - empty) * 1e9:.0f} ns per request ({checks} checks), "
+            f"on {on * 1e6:.0f} us per sampled request (7 spans, in-memory exporter)"
+        )
+    assert off - empty < on

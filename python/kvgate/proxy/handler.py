@@ -376,9 +376,14 @@ async def handle_inference(gw: Gateway, request: web.BaseRequest, route: str) ->
     admitting = time.perf_counter()
     if trace is not None:
         trace.admitting = admitting
-    decision, extras = await _admit(
-        gw, request, backend, tenant, priority, tokens, analysis.prompt_tokens, trace
-    )
+    try:
+        decision, extras = await admit(
+            gw, request, backend, tenant, priority, tokens, analysis.prompt_tokens
+        )
+    except asyncio.CancelledError:  # the client left while its request waited
+        if trace is not None:
+            _left_waiting(trace, tenant, backend, model, tokens)
+        raise
     if not decision.admitted:
         return _refusal(
             gw,
@@ -483,30 +488,17 @@ def _both(first: Any, second: Any) -> Any:
     return both
 
 
-async def _admit(
-    gw: Gateway,
-    request: web.BaseRequest,
-    backend: Any,
-    tenant: Any,
-    priority: str,
-    tokens: int,
-    prompt_tokens: int,
-    trace: Any,
-) -> tuple[Any, Any]:
-    """:func:`kvgate.admission.stage.admit`; a client that leaves while it waits ends its
-    trace (``client_disconnect``) before the cancellation goes on."""
-    try:
-        return await admit(gw, request, backend, tenant, priority, tokens, prompt_tokens)
-    except asyncio.CancelledError:
-        if trace is not None:
-            trace.finish(
-                status=0,
-                outcome="client_disconnect",
-                tenant=tenant,
-                backend=backend,
-                reserved=tokens,
-            )
-        raise
+def _left_waiting(trace: Any, tenant: Any, backend: Any, model: Any, tokens: int) -> None:
+    """End the trace of a request whose client left during its admission (in the queue):
+    outcome ``client_disconnect``, no status sent."""
+    trace.finish(
+        status=0,
+        outcome="client_disconnect",
+        tenant=tenant,
+        backend=backend,
+        model=model,
+        reserved=tokens,
+    )
 
 
 def _settle(
@@ -747,7 +739,12 @@ async def handle_forward(gw: Gateway, request: web.BaseRequest) -> Reply:
     admitting = time.perf_counter()
     if trace is not None:
         trace.admitting = admitting
-    decision, extras = await _admit(gw, request, backend, tenant, priority, tokens, 0, trace)
+    try:
+        decision, extras = await admit(gw, request, backend, tenant, priority, tokens)
+    except asyncio.CancelledError:  # the client left while its request waited
+        if trace is not None:
+            _left_waiting(trace, tenant, backend, model, tokens)
+        raise
     if not decision.admitted:
         return _refusal(
             gw,
