@@ -158,3 +158,6 @@ def test_the_replicas_share_their_limits_through_the_redis_of_the_example() -> N
     mount = next(m for m in container["volumeMounts"] if m["mountPath"] == "/data")
     assert any(v["name"] == mount["name"] for v in pod["volumes"])
     assert manifest("Deployment")["spec"]["replicas"] == 3
+    # the image installs the Redis client the store needs
+    (install,) = [r for r in dockerfile_stages()[-1].all("RUN") if "pip install" in r]
+    assert re.search(r"\.whl\)?\[[a-z,]*redis[a-z,]*\]", install), install
