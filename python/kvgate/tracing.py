@@ -340,9 +340,9 @@ class RequestTrace:
             attrs["gen_ai.usage.output_tokens"] = completion
         span.set_attributes(attrs)
         if status >= 500:
-            attrs_error = reason or str(status)
-            span.set_attribute("error.type", attrs_error)
-            span.set_status(Status(StatusCode.ERROR, attrs_error))
+            error_type = reason or str(status)
+            span.set_attribute("error.type", error_type)
+            span.set_status(Status(StatusCode.ERROR, error_type))
         elif outcome != "ok" and outcome != "rejected":
             span.set_attribute("error.type", outcome)
         span.end(end_time=self._ns(max(now, settle[1] if settle else now)))

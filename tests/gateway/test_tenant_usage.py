@@ -12,8 +12,11 @@ from typing import Any
 import aiohttp
 import openai
 import pytest
+from aiohttp import web
+from aiohttp.test_utils import make_mocked_request
 
 from kvgate.sim import SimConfig, run_sim
+from kvgate.usage import UsageLedger, usage_reply
 
 from .conftest import KEYS, config_for, sha
 from .helpers import bearer, get_text, metric, until
@@ -263,3 +266,28 @@ async def test_usage_needs_the_admin_key(gateway_for) -> None:
         status, body, _ = await _usage(gw.url)
         assert status == 200
         assert body["data"] == []
+
+
+def test_the_ledger_keeps_at_most_max_minutes_buckets() -> None:
+    now = [float(T0)]
+    ledger = UsageLedger(clock=lambda: now[0], max_minutes=3)
+    for minute in range(5):
+        now[0] = T0 + 60 * minute + 1
+        ledger.add({("alice", "m", "ok"): [1, 10, 5]})
+    assert ledger.oldest == T0 + 120  # minutes 0 and 1 were dropped, oldest first
+    assert ledger.totals(0, float("inf")) == {("alice", "m", "ok"): [3, 30, 15]}
+    assert ledger.totals(T0 + 180, T0 + 240) == {("alice", "m", "ok"): [1, 10, 5]}
+
+
+def test_csv_quotes_fields_as_rfc_4180_says() -> None:
+    ledger = UsageLedger(clock=lambda: float(T0))
+    ledger.started = float(T0)
+    ledger.add({('team "a", west', "org/model", "ok"): [2, 30, 40]})
+    request = make_mocked_request("GET", "/admin/usage?format=csv")
+    reply = usage_reply(ledger, request)
+    assert isinstance(reply, web.Response)
+    assert reply.headers["Content-Type"] == "text/csv; charset=utf-8"
+    assert reply.body == (
+        b"tenant,model,outcome,requests,prompt_tokens,completion_tokens\r\n"
+        b'"team ""a"", west",org/model,ok,2,30,40\r\n'
+    )
