@@ -527,3 +527,56 @@ def test_tracing_cost_per_request(capsys: pytest.CaptureFixture[str]) -> None:
             f"on {on * 1e6:.0f} us per sampled request (7 spans, in-memory exporter)"
         )
     assert off - empty < on
+
+
+async def test_spans_reach_an_otlp_http_collector() -> None:
+    """The real exporter: spans are posted as OTLP/HTTP protobuf to ``otlp_endpoint``'s
+    ``/v1/traces`` (here a scripted collector on loopback), the rest flushed at shutdown."""
+    posts: list[tuple[str, bytes]] = []
+
+    async def traces(request: web.Request) -> web.Response:
+        posts.append((request.headers.get("Content-Type", ""), await request.read()))
+        return web.Response(body=b"", content_type="application/x-protobuf")
+
+    collector_app = web.Application()
+    collector_app.router.add_post("/v1/traces", traces)
+    engine = Engine()
+    async with serve_app(collector_app) as collector, serve_app(_engine_app(engine)) as engine.url:
+        cfg = config_for(engine.url, ["m"]).model_copy(
+            update={"tracing": TracingConfig(otlp_endpoint=collector, service_name="gw-test")}
+        )
+        gateway = build_gateway(cfg, poll=False)
+        async with run_gateway(gateway) as url:
+            client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+            async with client:
+                await client.chat.completions.create(
+                    model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=4
+                )
+        # the gateway stopped: its exporter sent what it held
+        assert posts
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+        ExportTraceServiceRequest,
+    )
+
+    names: set[str] = set()
+    services: set[str] = set()
+    for content_type, body in posts:
+        assert content_type == "application/x-protobuf"
+        export = ExportTraceServiceRequest()
+        export.ParseFromString(body)
+        for resource_spans in export.resource_spans:
+            for attr in resource_spans.resource.attributes:
+                if attr.key == "service.name":
+                    services.add(attr.value.string_value)
+            for scope in resource_spans.scope_spans:
+                names |= {s.name for s in scope.spans}
+    assert services == {"gw-test"}
+    assert names == {
+        "POST /v1/chat/completions",
+        "authenticate",
+        "analyse",
+        "admit",
+        "upstream",
+        "relay",
+        "settle",
+    }
