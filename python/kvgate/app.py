@@ -32,6 +32,7 @@ from kvgate.metrics import GatewayMetrics
 from kvgate.proxy.deadline import Watchdog
 from kvgate.proxy.prepared import PreparedResponse, Reply, connection_header, error_response
 from kvgate.store import LocalStore
+from kvgate.usage import usage_reply
 
 __all__ = [
     "PRIORITY_CLASSES",
@@ -210,6 +211,8 @@ class Gateway:
     prefill: dict[str, Any] = field(default_factory=dict)
     #: the latency-target controller (:class:`kvgate.admission.slo.SloController`), or ``None``
     slo: Any = None
+    #: OpenTelemetry traces (:class:`kvgate.tracing.Tracing`, config ``tracing``), or ``None``
+    tracing: Any = None
     #: the pending timed ``queue.notify()`` (a token bucket refills with time, not on releases)
     _queue_wakeup: asyncio.TimerHandle | None = field(init=False, default=None)
     _by_hash: dict[bytes, Tenant] = field(init=False, default_factory=dict)
@@ -775,6 +778,37 @@ async def handle_readyz(gw: Gateway, request: web.BaseRequest) -> web.Response:
     return web.json_response({"ready": ready}, status=200 if ready else 503)
 
 
+def admin_denied(gw: Gateway, request: web.BaseRequest) -> Reply | None:
+    """The 401 (``invalid_api_key``, OpenAI's error shape) for an admin endpoint asked without
+    the admin key (``Authorization: Bearer`` or ``api-key``, its SHA-256 compared in constant
+    time with ``admin_key_sha256``); ``None`` when the key matches or none is configured."""
+    want = getattr(gw.config, "admin_key_sha256", None)
+    if want:
+        key = _api_key(request) or ""
+        digest = hashlib.sha256(key.encode("utf-8", "surrogatepass")).digest()
+        if not hmac.compare_digest(digest, bytes.fromhex(want)):
+            return error_response(
+                request,
+                GatewayError(
+                    401, "Admin key required.", "invalid_request_error", code="invalid_api_key"
+                ),
+            )
+    return None
+
+
+async def handle_admin_usage(gw: Gateway, request: web.BaseRequest) -> Reply:
+    """``GET /admin/usage``: per tenant × model × outcome, the requests and the prompt and
+    completion tokens charged, over ``?from=`` / ``?to=`` (Unix seconds or RFC 3339; default
+    since start), as JSON or ``?format=csv`` (:func:`kvgate.usage.usage_reply`). This worker's
+    own count (each worker of ``--workers N`` answers for itself). Needs the admin key when
+    ``admin_key_sha256`` is configured (401 otherwise); a bad parameter is a 400."""
+    denied = admin_denied(gw, request)
+    if denied is not None:
+        return denied
+    gw.metrics.flush()
+    return usage_reply(gw.metrics.usage, request)
+
+
 async def handle_admin_state(gw: Gateway, request: web.BaseRequest) -> Reply:
     """``GET /admin/state``: each backend's base and effective limits, scale, in-use, KV usage,
     waiting, the engine's external KV occupancy, which signal holds each limit below base
@@ -787,17 +821,9 @@ async def handle_admin_state(gw: Gateway, request: web.BaseRequest) -> Reply:
     with Redis: this replica's id, breaker, counters and each active scope's mode, live
     replicas and quotas).
     Needs the admin key (``Authorization: Bearer``) when ``admin_key_sha256`` is configured."""
-    want = getattr(gw.config, "admin_key_sha256", None)
-    if want:
-        key = _api_key(request) or ""
-        digest = hashlib.sha256(key.encode("utf-8", "surrogatepass")).digest()
-        if not hmac.compare_digest(digest, bytes.fromhex(want)):
-            return error_response(
-                request,
-                GatewayError(
-                    401, "Admin key required.", "invalid_request_error", code="invalid_api_key"
-                ),
-            )
+    denied = admin_denied(gw, request)
+    if denied is not None:
+        return denied
     backends = []
     for b in gw.backends:
         st = dict(gw.controller.backend_state(b.id))
@@ -902,4 +928,5 @@ GET_ENDPOINTS: dict[str, Callable[[Gateway, web.BaseRequest], Awaitable[Reply]]]
     "/healthz": handle_healthz,
     "/readyz": handle_readyz,
     "/admin/state": handle_admin_state,
+    "/admin/usage": handle_admin_usage,
 }

@@ -61,10 +61,16 @@ def summary(cfg: Config) -> str:
             f"{st.url.rsplit('@', 1)[-1]}: heartbeat {st.heartbeat_s:g} s, lease {st.ttl_s:g} s, "
             f"deadline {st.deadline_ms:g} ms, fallback {st.on_failure}"
         )
+    tracing = getattr(cfg, "tracing", None)
+    if tracing is not None:
+        lines.append(
+            f"traces to {tracing.otlp_endpoint} (OTLP/HTTP) as {tracing.service_name}, "
+            f"sampling {tracing.sample_ratio:g} of new traces"
+        )
     lines.append(
-        "admin key set (GET /admin/state needs it)"
+        "admin key set (GET /admin/state and /admin/usage need it)"
         if cfg.admin_key_sha256
-        else "admin key not set: GET /admin/state is open to anyone who can reach the gateway"
+        else "admin key not set: GET /admin/state and /admin/usage are open to anyone who can reach the gateway"
     )
     return "\n".join(lines)
 

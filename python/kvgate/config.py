@@ -495,6 +495,32 @@ class SloConfig(_Model):
     min_samples: Int = Field(10, ge=1, le=10**6)
 
 
+class TracingConfig(_Model):
+    """OpenTelemetry traces of the requests (README, "Traces"), exported over OTLP/HTTP; needs
+    the optional extra ``otel`` (``pip install 'kvgate[otel]'``). Read at start-up (a reload
+    does not change it).
+
+    Attributes:
+        otlp_endpoint: the collector's OTLP/HTTP base URL (``http://host:4318``; spans are
+            posted to its ``/v1/traces``).
+        service_name: the ``service.name`` resource attribute of every span.
+        sample_ratio: the fraction (0..1) of new traces recorded (by trace id); a request with
+            a ``traceparent`` follows its parent's sampling flag.
+    """
+
+    otlp_endpoint: str = Field(min_length=1)
+    service_name: str = Field("kvgate", min_length=1, max_length=256)
+    sample_ratio: Float = Field(1.0, ge=0, le=1)
+
+    @field_validator("otlp_endpoint")
+    @classmethod
+    def _endpoint_ok(cls, value: str) -> str:
+        parts = urlsplit(value)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"must be an http:// or https:// URL with a host (got {value!r})")
+        return value
+
+
 #: What a replica does with a limit while Redis cannot be reached (``store.on_failure``).
 StorePolicy = Literal["share", "strict", "open", "closed"]
 #: The limits a fallback policy can be set for (the refusal reasons of the admission core).
@@ -636,6 +662,7 @@ class Config(_Model):
     access_log: AccessLogConfig = AccessLogConfig()
     store: StoreConfig | None = None
     slo: SloConfig | None = None
+    tracing: TracingConfig | None = None
 
     @model_validator(mode="after")
     def _cross_field(self) -> Config:

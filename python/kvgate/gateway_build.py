@@ -223,6 +223,12 @@ def build_gateway(
     )
     _set_tenants(gateway, config)
     gateway.slo = _slo_controller(gateway, config.slo)
+    if config.tracing is not None:  # OpenTelemetry is imported only then
+        try:
+            from kvgate.tracing import Tracing
+        except ImportError as exc:
+            raise ValueError(str(exc)) from None
+        gateway.tracing = Tracing(config.tracing)
     if config.store is not None:
         gateway.store = _redis_store(gateway, config.store)
         gateway.metrics.store_gauges.store = gateway.store
@@ -373,6 +379,8 @@ def apply_config(gateway: Gateway, new: Config) -> None:
                 old.listen.port,
                 old.workers,
             )
+        if new.tracing != old.tracing:
+            logger.warning("reload: tracing changed in the file; it applies only at the next start")
     ctl = gateway.controller
     new_tenants = _tenants_of(new)
     kept = {t.name for t in new_tenants}

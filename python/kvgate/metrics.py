@@ -18,6 +18,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from kvgate.usage import UsageLedger
+
 if TYPE_CHECKING:
     from kvgate.proxy.relay import RelayResult
 
@@ -229,8 +231,21 @@ class GatewayMetrics:
         )
         self.tenant_tokens = Counter(
             "kvgate_tenant_tokens",
-            "Tokens charged per tenant after settlement.",
+            "Tokens charged per tenant after settlement (kvgate_tenant_usage_tokens_total "
+            "summed over model and kind).",
             ["tenant"],
+            registry=reg,
+        )
+        self.tenant_usage_tokens = Counter(
+            "kvgate_tenant_usage_tokens",
+            "Tokens charged per tenant and model after settlement, by kind (prompt, completion).",
+            ["tenant", "model", "kind"],
+            registry=reg,
+        )
+        self.tenant_requests = Counter(
+            "kvgate_tenant_requests",
+            "Requests per tenant and model, by outcome.",
+            ["tenant", "model", "outcome"],
             registry=reg,
         )
         self.admission_seconds = Histogram(
@@ -357,10 +372,16 @@ class GatewayMetrics:
         self._counts: dict[tuple[Any, tuple[str, ...]], float] = {}
         self._hists: dict[tuple[Any, tuple[str, ...]], list[float]] = {}
         # each request leaves one tuple on the hot path; flush() folds them into the dicts above
-        self._rejects: list[tuple[str, str, str, float]] = []  # backend, tenant, reason, seconds
+        # backend, tenant, model, reason, seconds
+        self._rejects: list[tuple[str, str, str, str, float]] = []
         self._admits: list[tuple[str, int, float]] = []  # backend, reserved, seconds
-        # backend, tenant, tenant's class, outcome, reserved, actual, ttft
-        self._settles: list[tuple[str, str, str, str, int, int, float | None]] = []
+        # backend, tenant, tenant's class, model, outcome, reserved, actual, prompt, ttft
+        self._settles: list[tuple[str, str, str, str, str, int, int, int, float | None]] = []
+        # per tenant × model × outcome: [requests, prompt tokens, completion tokens], folded
+        # into the usage ledger (GET /admin/usage) at every flush
+        self._usage: dict[tuple[str, str, str], list[int]] = {}
+        #: per-minute usage since start (:mod:`kvgate.usage`)
+        self.usage = UsageLedger()
         self._bounds: dict[Any, tuple[float, ...]] = {
             self.admission_seconds: _LATENCY_BUCKETS,
             self.ttft_seconds: _TTFT_BUCKETS,
@@ -406,6 +427,8 @@ class GatewayMetrics:
         count to ``kvgate_reservation_leaks_total`` and the wait queue's depth per class to
         ``kvgate_queue_depth``. Cheap when nothing happened."""
         self._fold()
+        usage, self._usage = self._usage, {}
+        self.usage.add(usage)
         counts, self._counts = self._counts, {}
         for (metric, labels), amount in counts.items():
             (metric.labels(*labels) if labels else metric).inc(amount)
@@ -428,15 +451,16 @@ class GatewayMetrics:
         rejects, self._rejects = self._rejects, []
         admits, self._admits = self._admits, []
         settles, self._settles = self._settles, []
-        count, observe = self._count, self._observe
-        for backend, tenant, reason, seconds in rejects:
+        count, observe, use = self._count, self._observe, self._use
+        for backend, tenant, model, reason, seconds in rejects:
             count(self.rejections, (backend, reason))
             count(self.requests, (backend, tenant, "rejected"))
             observe(self.admission_seconds, (), seconds)
+            use(tenant, model, "rejected", 0, 0)
         for backend, reserved, seconds in admits:
             count(self.tokens_reserved, (backend,), reserved)
             observe(self.admission_seconds, (), seconds)
-        for backend, tenant, cls, outcome, reserved, actual, ttft in settles:
+        for backend, tenant, cls, model, outcome, reserved, actual, prompt, ttft in settles:
             labels = (backend,)
             if actual <= reserved:
                 count(self.tokens_refunded, labels, reserved - actual)
@@ -444,13 +468,36 @@ class GatewayMetrics:
                 count(self.tokens_overrun, labels, actual - reserved)
             if reserved > 0:
                 observe(self.usage_ratio, labels, actual / reserved)
+            # the charge split: the prompt first (the engine's count, else kvgate's), the rest
+            # completion; a request charged nothing used nothing
             count(self.tenant_tokens, (tenant,), actual)
+            prompt = min(prompt, actual)
+            use(tenant, model, outcome, prompt, actual - prompt)
             if ttft is not None:
                 observe(self.ttft_seconds, (backend, cls), ttft)
             count(self.requests, (backend, tenant, outcome))
 
-    def request_done(self, backend: Any, tenant: Any, outcome: str) -> None:
-        """Count a finished request (``backend``/``tenant`` may be ``None`` before routing)."""
+    def _use(self, tenant: str, model: str, outcome: str, prompt: int, completion: int) -> None:
+        """One request of ``tenant`` on ``model`` with ``outcome``, charged ``prompt`` and
+        ``completion`` tokens: the tenant usage counters and the usage ledger's batch."""
+        count = self._count
+        count(self.tenant_requests, (tenant, model, outcome))
+        if prompt:
+            count(self.tenant_usage_tokens, (tenant, model, "prompt"), prompt)
+        if completion:
+            count(self.tenant_usage_tokens, (tenant, model, "completion"), completion)
+        key = (tenant, model, outcome)
+        row = self._usage.get(key)
+        if row is None:
+            self._usage[key] = [1, prompt, completion]
+        else:
+            row[0] += 1
+            row[1] += prompt
+            row[2] += completion
+
+    def request_done(self, backend: Any, tenant: Any, outcome: str, model: Any = None) -> None:
+        """Count a finished request (``backend``/``tenant``/``model`` may be ``None`` before
+        routing; a request without a tenant is in no tenant's usage)."""
         self._count(
             self.requests,
             (
@@ -459,29 +506,46 @@ class GatewayMetrics:
                 outcome,
             ),
         )
+        if tenant is not None:
+            self._use(tenant.name, model.name if model is not None else "", outcome, 0, 0)
 
-    def rejected(self, backend: Any, tenant: Any, reason: str, seconds: float) -> None:
+    def rejected(
+        self, backend: Any, tenant: Any, reason: str, seconds: float, model: Any = None
+    ) -> None:
         """Count an admission refusal (``kvgate_rejections_total``, ``kvgate_requests_total``
-        with outcome ``rejected``, the admission time)."""
-        self._rejects.append((backend.name, tenant.name, reason, seconds))
+        and ``kvgate_tenant_requests_total`` with outcome ``rejected``, the admission time)."""
+        self._rejects.append(
+            (backend.name, tenant.name, model.name if model is not None else "", reason, seconds)
+        )
 
     def admitted(self, backend: Any, tenant: Any, reserved: int, seconds: float) -> None:
         """Count an admission and its reservation."""
         self._admits.append((backend.name, reserved, seconds))
 
     def settled(
-        self, backend: Any, tenant: Any, reserved: int, actual: int, result: RelayResult
+        self,
+        backend: Any,
+        tenant: Any,
+        reserved: int,
+        actual: int,
+        result: RelayResult,
+        model: Any = None,
+        prompt: int | None = None,
     ) -> None:
         """Record a settlement: refund or overrun, ratio, TTFT (labelled with the tenant's
-        priority class) and the request outcome."""
+        priority class), the request outcome, and the tenant's usage on ``model``: of the
+        ``actual`` tokens charged, ``prompt`` (the prompt's tokens; ``None``: unknown, 0) are
+        counted as prompt, the rest as completion."""
         self._settles.append(
             (
                 backend.name,
                 tenant.name,
                 tenant.priority,
+                model.name if model is not None else "",
                 result.outcome,
                 reserved,
                 actual,
+                int(prompt or 0),
                 result.ttft,
             )
         )

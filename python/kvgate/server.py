@@ -210,7 +210,8 @@ async def gateway_runtime(gateway: Gateway) -> AsyncIterator[None]:
     reverse): the upstream ``ClientSession`` (no pool limit, ``connect`` timeout, the relay's
     connection-reuse trace), the upstream
     timeouts' watchdog (:class:`~kvgate.proxy.deadline.Watchdog`), the metrics flush every :data:`~kvgate.metrics.FLUSH_SECONDS` (and once at the end), the latency-target
-    controller's steps (with ``slo``), the shared store (with ``store``), the engine metrics
+    controller's steps (with ``slo``), the span exporter (with ``tracing``), the shared store
+    (with ``store``), the engine metrics
     pollers (when ``gateway.poll``), SIGHUP → :meth:`Gateway.reload` (when
     ``gateway.config_path``)."""
     connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300)
@@ -239,6 +240,8 @@ async def gateway_runtime(gateway: Gateway) -> AsyncIterator[None]:
 
     stepper = asyncio.create_task(slo_forever()) if slo is not None else None
     gateway.watchdog.start()
+    if gateway.tracing is not None:
+        gateway.tracing.start()
     poller = None
     reload_on_hup = bool(gateway.config_path)
     try:
@@ -264,6 +267,8 @@ async def gateway_runtime(gateway: Gateway) -> AsyncIterator[None]:
         await gateway.store.close()
         metrics.flush()
         await gateway.session.close()
+        if gateway.tracing is not None:  # the last spans go out (bounded by the export timeout)
+            await asyncio.to_thread(gateway.tracing.shutdown)
 
 
 async def _start_poller(gateway: Gateway) -> Any:

@@ -4,7 +4,8 @@ One test, outside Docker (no base image can be pulled here): build the wheel wit
 the Dockerfile's build stage does), run the runtime stage's ``RUN pip install`` line in a fresh
 virtual environment, start ``kvgate sim`` and then the Dockerfile's ``CMD`` — both from that
 environment — with the configuration the Kubernetes ConfigMap carries (its backend pointed at
-the simulator, its listen address at 127.0.0.1) and the Secret's variables; then the
+the simulator, its listen address at 127.0.0.1, its ``store`` at a ``redis-server`` on
+loopback) and the Secret's variables; then the
 HEALTHCHECK command, one chat request with the official ``openai`` client, and a SIGTERM
 during a stream: the stream finishes (drain) and kvgate exits 0.
 """
@@ -19,12 +20,14 @@ import subprocess
 import sys
 import time
 import zipfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import openai
 import pytest
 import yaml
+from tests.store.redis_servers import require_redis, start_redis
 
 from .recipe import (
     ROOT,
@@ -78,9 +81,20 @@ def _wait_line(proc: subprocess.Popen[str], prefix: str, timeout: float) -> str:
     raise AssertionError(f"no {prefix!r} line within {timeout} s")
 
 
+@pytest.fixture
+def redis_url(tmp_path: Path) -> Iterator[str]:
+    """A ``redis-server`` on loopback for the ConfigMap's ``store`` (the Redis of
+    deploy/kubernetes/redis.yaml), as its URL; skipped without one outside CI."""
+    require_redis()
+    with start_redis(tmp_path / "redis") as server:
+        yield f"redis://127.0.0.1:{server.port}/0"
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
-def test_the_wheel_installs_and_serves_as_the_dockerfile_runs_it(tmp_path: Path) -> None:
+def test_the_wheel_installs_and_serves_as_the_dockerfile_runs_it(
+    tmp_path: Path, redis_url: str
+) -> None:
     build, final = dockerfile_stages()
 
     # 1. the build stage: `maturin build --release`
@@ -147,6 +161,8 @@ def test_the_wheel_installs_and_serves_as_the_dockerfile_runs_it(tmp_path: Path)
         assert found is not None, banner
         backend["url"] = found.group(1)
         data["listen"] = {"host": "127.0.0.1", "port": 0}
+        assert data["store"]["url"].startswith("redis://")
+        data["store"]["url"] = redis_url  # the replicas' shared Redis, here on loopback
         config = tmp_path / "kvgate.yaml"
         config.write_text(yaml.safe_dump(data))
 
