@@ -266,13 +266,25 @@ def gateway_config(
                 "max_wait_ms": int(wait_s * 1000 / speed),
             }
         )
-    return {
+    if "prefill_token_budget" in spec:
+        backend["prefill_token_budget"] = spec["prefill_token_budget"]
+    out: dict[str, Any] = {
         "listen": {"host": "127.0.0.1", "port": port},
         "timeouts": {"connect": 5, "first_byte": 600, "idle": 300, "total": 900},
         "queue": {"max_size": 4096},
         "backends": [backend],
         "tenants": tenants,
     }
+    if spec.get("slo"):
+        # latency targets in simulated seconds → wall seconds
+        slo: dict[str, Any] = {}
+        for cls, t in spec["slo"].items():
+            if isinstance(t, dict):
+                slo[cls] = {k: v / speed for k, v in t.items()}
+            else:
+                slo[cls] = t / speed if cls in ("interval_s", "window_s") else t
+        out["slo"] = slo
+    return out
 
 
 # --------------------------------------------------------------------------- processes
@@ -878,38 +890,61 @@ def target_checks(
         )
     if c and d:
         ratio = d["goodput"] / c["goodput"] if c["goodput"] else 0.0
-        margin = f"goodput: {ratio:.0%} of the best static against the 90% bar" + (
-            f" (it could fall by {1 - 0.9 / ratio:.0%} and still meet it)"
-            if ratio >= 0.9
-            else f" (it would have to rise by {0.9 / ratio - 1:.0%} to meet it)"
+        margin = f"goodput: {ratio:.0%} of the best static against the 95% bar" + (
+            f" (it could fall by {1 - 0.95 / ratio:.0%} and still meet it)"
+            if ratio >= 0.95
+            else f" (it would have to rise by {0.95 / ratio - 1:.0%} to meet it)"
             if ratio > 0
             else ""
         )
         out.append(
             {
-                "line": f"- (d) goodput ≥ 90% of the best static (c-static-{best_fraction:g}): "
+                "line": f"- (d) goodput ≥ 95% of the best static (c-static-{best_fraction:g}): "
                 f"{d['goodput']:,.0f} / {c['goodput']:,.0f} tok/s = {ratio:.0%} — "
-                f"{'met' if ratio >= 0.9 else 'NOT met'}",
-                "met": ratio >= 0.9,
+                f"{'met' if ratio >= 0.95 else 'NOT met'}",
+                "met": ratio >= 0.95,
                 "margin": margin,
             }
         )
+        done_d, done_c = int(d["completed"]), int(c["completed"])
+        share = done_d / done_c if done_c else 0.0
+        out.append(
+            {
+                "line": f"- (d) completed ≥ 95% of the best static's: {done_d} / {done_c} = "
+                f"{share:.0%} — {'met' if share >= 0.95 else 'NOT met'}",
+                "met": share >= 0.95,
+                "margin": f"completed: {share:.0%} of the best static against the 95% bar",
+            }
+        )
+        std_d, std_c = d["standard_p99"], c["standard_p99"]
+        if std_d is not None and std_c is not None:
+            ok = std_d <= std_c
+            out.append(
+                {
+                    "line": f"- (d) standard p99 TTFT no worse than the best static's: "
+                    f"{std_d:.2f} s vs {std_c:.2f} s — {'met' if ok else 'NOT met'}",
+                    "met": ok,
+                    "margin": f"standard p99: {std_d / std_c:.2f}× the best static's"
+                    if std_c
+                    else "standard p99: best static 0",
+                }
+            )
     if d and nb and d["critical_burst_p99"] is not None and nb["critical_burst_p99"]:
         ratio = d["critical_burst_p99"] / nb["critical_burst_p99"]
         out.append(
             {
-                "line": "- critical p99 TTFT during the burst within 2× of no burst (chat sent in "
+                "line": "- critical p99 TTFT during the burst within 1.5× of no burst (chat sent in "
                 "the burst window, (d) vs (d) without the burst): "
                 f"{d['critical_burst_p99']:.2f} s (n={d['critical_burst_n']}) vs "
                 f"{nb['critical_burst_p99']:.2f} s (n={nb['critical_burst_n']}) = {ratio:.2f}× "
-                f"— {'met' if ratio <= 2 else 'NOT met'}",
-                "met": ratio <= 2,
-                "margin": f"burst p99: {ratio:.2f}× against the 2× bar"
+                f"— {'met' if ratio <= 1.5 else 'NOT met'}",
+                "met": ratio <= 1.5,
+                "margin": f"burst p99: {ratio:.2f}× against the 1.5× bar"
                 + (
-                    f" ((d)'s burst p99 could grow {2 / ratio:.1f}× and still meet it)"
-                    if 0 < ratio <= 2
-                    else f" (it would have to fall to {2 / ratio:.0%} of itself to meet it)"
-                    if ratio > 2
+                    f" ((d)'s burst p99 could grow {1.5 / ratio:.1f}× and still meet it)"
+                    if 0 < ratio <= 1.5
+                    else f" (it would have to fall to {1.5 / ratio:.0%} of itself to meet it)"
+                    if ratio > 1.5
                     else ""
                 ),
             }
@@ -1109,14 +1144,13 @@ Gateway notes (found with this benchmark):
    the first version of this benchmark. A request on a guaranteed slot is now held to the base
    (unscaled) budget, which is still KV capacity × `capacity_safety_factor`, so the engine stays
    protected (Rust test `guaranteed_slot_keeps_the_base_inflight_budget_under_scale`).
-2. Open — the adaptive scale (`AdaptiveLaw` in `rust/src/adaptive.rs`, applied by
-   `AdaptiveSink._apply` in `python/kvgate/adaptive.py` through `set_scale`) multiplies the
-   in-flight token budget too, although that budget is already derived from the engine's KV
-   capacity: KV usage is counted twice. When the watermarks sit below the budget's fraction of
-   the cache (the article's 0.85 / 0.70 against 0.9), the law drives the budget under what is
-   already held (run `d-adaptive-0.85-0.7`). (d) therefore uses watermarks {high:g} / {low:g}. Options:
-   leave a discovered (capacity-derived) budget unscaled and scale only slots and TPM, or never
-   scale it below the tokens in flight plus a margin.
+2. Fixed — the adaptive scale used to multiply the in-flight token budget too, although that
+   budget is already derived from the engine's KV capacity: KV usage was counted twice, and with
+   the article's watermarks (0.85 / 0.70 against a budget of 0.9 × capacity) the law drove the
+   budget under what was already held. The scale now acts on slots and TPM only; the budget is
+   lowered only by what the engine holds beyond kvgate's own requests (its external KV
+   occupancy), so (d) runs with the article's watermarks ({high:g} / {low:g}) and the previous
+   0.95 / 0.85 is a variant.
 
 ![KV usage and effective limits](protection/protection_timeline.png)
 ![goodput and p99 TTFT per run](protection/protection_bars.png)
@@ -1205,36 +1239,25 @@ def findings(mix: dict[str, Any], rows: list[dict[str, Any]], best: float | None
             f"{_s(d['critical_p99'])} s; the burst finished {frac(d['burst_done'])}; the "
             f"sheddable batch gave way ({frac(shed)} done)."
         )
-    art = next((r for r in rows if r["run"].startswith("d-adaptive-0")), None)
-    variant = next(
-        (
-            v
-            for v in mix["runs"].get("adaptive_variants", ())
-            if art is not None and v["name"] == art["run"]
-        ),
-        {},
-    )
-    base = mix["runs"]["adaptive"]
-    frac_base = variant.get("inflight_fraction", base["inflight_fraction"])
-    art_high = variant.get("adaptive", {}).get("high", base["adaptive"]["high"])
-    art_low = variant.get("adaptive", {}).get("low", base["adaptive"]["low"])
-    if art and d:
+    if d:
         out.append(
-            f"- {art['run']} (the article's watermarks, KV {art_high:g} / {art_low:g}, "
-            "otherwise as (d)): "
-            f"{art['completed']}/{art['sent']} completed (vs {d['completed']} in (d)), burst "
-            f"{frac(art['burst_done'])}, standard p99 TTFT {_s(art['standard_p99'])} s. The "
-            f"law scaled the in-flight budget (base {frac_base:g} × KV capacity) below the tokens "
-            f"already in flight for {art['squeezed_s']:.0f} simulated s (vs "
-            f"{d['squeezed_s']:.0f} s in (d)); only guaranteed-slot chat could be admitted then "
-            "(gateway note 2)"
-            + (
-                f". Over those samples the engine's KV usage averaged {kv[0]:.2f} (sampled "
-                f"{kv[1]:.2f}–{kv[2]:.2f}) against the watermarks {art_high:g} / {art_low:g}."
-                if (kv := art.get("squeezed_kv"))
-                else "."
-            )
+            f"- (d) runs with the article's watermarks: the in-flight budget was below the "
+            f"tokens already in flight for {d['squeezed_s']:.0f} simulated s (86 s before the "
+            "in-flight budget stopped being scaled, gateway note 2)."
         )
+    for name, what in (
+        ("d-adaptive-0.95-0.85", "the previous watermarks, 0.95 / 0.85"),
+        ("d-adaptive-no-prefill-budget", "without the prefill budget"),
+        ("e-slo", "latency targets, no configured concurrency"),
+    ):
+        v = get(name)
+        if v and d:
+            out.append(
+                f"- {name} ({what}): {v['completed']}/{v['sent']} completed (vs "
+                f"{d['completed']} in (d)), goodput {v['goodput']:,.0f} tok/s, critical p99 "
+                f"TTFT {_s(v['critical_p99'])} s ({_s(v['critical_burst_p99'])} s in the burst "
+                f"window), standard p99 {_s(v['standard_p99'])} s."
+            )
     mb, nb = get("d-adaptive-minute-bucket"), get("d-adaptive-noburst")
     if mb and d and nb and mb["critical_burst_p99"] and nb["critical_burst_p99"]:
         out.append(
