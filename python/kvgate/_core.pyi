@@ -174,7 +174,7 @@ class TokenBucket:
 
 @final
 class AdaptiveLaw:
-    """The adaptive control law (README, "Engine metrics").
+    """The adaptive control law (docs/adaptive.md).
 
     Pressure is the engine's KV-cache usage ratio 0..1 (vLLM ``vllm:kv_cache_usage_perc``,
     SGLang ``sglang:token_usage``); when the waiting requests (``vllm:num_requests_waiting``)

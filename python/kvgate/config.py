@@ -267,7 +267,7 @@ def _existing_file(value: str, info: ValidationInfo) -> str:
 
 
 class AdaptiveConfig(_Model):
-    """Adaptive feedback from the engine's metrics (README, "Engine metrics").
+    """Adaptive feedback from the engine's metrics (docs/adaptive.md).
 
     ``high`` / ``low``: KV-usage watermarks (ratio 0..1): at or above ``high`` the concurrency
     and TPM limits are at ``floor`` × base and sheddable traffic is shed; below ``low`` they grow
@@ -441,7 +441,7 @@ class QueueConfig(_Model):
 
 
 class AccessLogConfig(_Model):
-    """The access log: one JSON line per request (README, "Logs and request ids"), on by
+    """The access log: one JSON line per request (docs/operations.md, "Logs and request ids"), on by
     default, to stderr (``path`` null) or appended to the file ``path`` (relative to the
     configuration file's directory; its directory must exist). Read at start-up (a reload does
     not change it)."""
@@ -476,7 +476,7 @@ class ClassTargetConfig(_Model):
 
 
 class SloConfig(_Model):
-    """Latency targets per priority class (README, "Latency targets"): while a class misses
+    """Latency targets per priority class (docs/admission.md, "Latency targets"): while a class misses
     one, the lower classes' concurrency on that backend is capped, and raised back once every
     target is met with a margin.
 
@@ -496,7 +496,7 @@ class SloConfig(_Model):
 
 
 class TracingConfig(_Model):
-    """OpenTelemetry traces of the requests (README, "Traces"), exported over OTLP/HTTP; needs
+    """OpenTelemetry traces of the requests (docs/operations.md, "Traces"), exported over OTLP/HTTP; needs
     the optional extra ``otel`` (``pip install 'kvgate[otel]'``). Read at start-up (a reload
     does not change it).
 
@@ -534,8 +534,7 @@ STORE_LIMITS = (
 
 
 class StoreConfig(_Model):
-    """Where the limits live when several gateway replicas share them (README, "Several
-    replicas"): a Redis (or Valkey) server, version 7.0 or later (Redis Functions).
+    """Where the limits live when several gateway replicas share them (docs/replicas.md): a Redis (or Valkey) server, version 7.0 or later (Redis Functions).
 
     Without a ``store`` section the limits are this host's (one process, or ``--workers N``
     sharing memory). With one, every gateway process is a replica to Redis: it holds leased

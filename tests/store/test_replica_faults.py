@@ -1,6 +1,6 @@
 """Three gateway replicas sharing one set of limits through a real ``redis-server``, judged by
 the engine: the simulator's own count of the requests it ran per tenant (``by_user``), not by
-what kvgate reports. Each fault of the README's "Several replicas" guarantees is a test."""
+what kvgate reports. Each fault of the guarantees in docs/replicas.md is a test."""
 
 from __future__ import annotations
 

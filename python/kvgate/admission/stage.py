@@ -1,5 +1,5 @@
 """The admission stage of a request: the admission core, then the priority wait queue, then the
-store (README, "How a request is admitted").
+store (docs/admission.md).
 
 1. The core decides at once (no await) when nobody is queued: this process's (or host's) view of
    every limit, the never-admissible sizes, shedding.

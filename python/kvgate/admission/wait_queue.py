@@ -2,8 +2,8 @@
 
 What
     A request that a limit refused (no free slot, TPM bucket empty, ...) may wait up to its
-    tenant's ``max_wait_ms`` for capacity instead of being answered at once (README, "How a
-    request is admitted", step 4). :class:`PriorityWaitQueue` holds those waiters and hands capacity out again
+    tenant's ``max_wait_ms`` for capacity instead of being answered at once (docs/admission.md, step
+    4). :class:`PriorityWaitQueue` holds those waiters and hands capacity out again
     in priority order when the gateway says some was released.
 
 Inputs

@@ -4,7 +4,7 @@
 when the gateway's ``other_routes`` is ``forward`` (the route is decided before either is
 called, by :mod:`kvgate.proxy.routes`).
 
-Order (README, "How a request is admitted"): the body-size cap is checked from ``Content-Length`` before a byte of
+Order (docs/admission.md): the body-size cap is checked from ``Content-Length`` before a byte of
 the body is read (413), then the tenant is identified (401), the request analysed by the Rust
 analyser (400 / 404), admitted by the Rust core (429 for a tenant over its quota, 503 when the
 backend is saturated or the class is shed), forwarded, and finally its reservation settled with
@@ -679,7 +679,7 @@ def _actual_tokens(analysis: Any, result: RelayResult) -> int:
     Charged nothing: a request that never reached the engine (unreachable upstream), one whose
     engine did not answer before the ``first_byte`` timeout, and one the engine answered with
     an error before any completion token was delivered (a 4xx/5xx status, or an error event
-    first in a stream). README "What a request is charged" lists every outcome.
+    first in a stream). docs/admission.md, "What a request is charged" lists every outcome.
     """
     outcome = result.outcome
     if outcome == "upstream_unreachable":

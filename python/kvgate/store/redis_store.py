@@ -1,6 +1,6 @@
 """Limits shared by several gateway replicas through Redis (or Valkey), version 7.0 or later.
 
-How it works (README, "Several replicas"):
+How it works (docs/replicas.md):
 
 - Every limit is a *scope* in Redis: a tenant (its concurrency pool and TPM bucket) or a
   backend (its burst slot pool, one pool per tenant guarantee, its in-flight token budget, its
