@@ -1097,6 +1097,41 @@ def target_rows(s: dict[str, Any]) -> list[tuple[str, str, str, str]]:
     return rows
 
 
+def reading(s: dict[str, Any]) -> str:
+    """How to read the verdicts above (the noise of a shared machine, where the time near a
+    limit goes, what the tenant-count orders show), from this run's figures only."""
+    out = []
+    by = s.get("by_setup")
+    if by:
+        spread = []
+        for name, ws in by.items():
+            lo, hi = min(w.rps for w in ws), max(w.rps for w in ws)
+            spread.append(f"{name} {lo:,.0f}–{hi:,.0f}")
+        out.append(
+            "Reading: on this shared machine the same setup's 2xx/s varied between rounds ("
+            + ", ".join(spread)
+            + "), so the throughput ratios carry that noise in either direction; CPU per "
+            "request counts only the time the processes ran and is the steadier of the two."
+        )
+    if s.get("added_p50") is not None:
+        out.append(
+            "Near the limit, compare Redis's own time per `FCALL` and the `PING` round trip "
+            "with the time the replicas see per store call (below): the difference is spent in "
+            "the replicas' processes (woken on loaded cores, their event loops busy with other "
+            "requests), which the store-alone row isolates from HTTP and other work."
+        )
+    ratios = s.get("micro_ratios")
+    if ratios:
+        hot, cold = ratios[ORDERS[3][0]], ratios[ORDERS[1][0]]
+        out.append(
+            f"By tenant count: with only 10 of the 100,000 tenants used a pair cost {hot:.2f}× "
+            "the 10-tenant pair (the size of the store's dictionaries alone), spread over all "
+            f"100,000 at random {cold:.2f}×: then each pair touches a tenant whose objects "
+            "(request plan, scope, pool, bucket) are no longer in the CPU caches."
+        )
+    return " ".join(out)
+
+
 def render(
     args: argparse.Namespace,
     rounds: list[list[Window]] | None,
@@ -1121,6 +1156,9 @@ def render(
         "|---|---|---|---|",
     ]
     lines += [f"| {a} | {b} | {c} | {d} |" for a, b, c, d in target_rows(s)]
+    text = reading(s)
+    if text:
+        lines += ["", text]
     if rounds:
         lines += [
             "",

@@ -215,6 +215,10 @@ def test_render_and_write_section(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     assert "3 store calls passed `deadline_ms` (25 ms) and 2 admissions" in text
     assert "| one | 3 | 2 | 0.500 | 0.600 |" in text
     assert "3 decisions in Redis, p50 0.300 ms / p99 0.400 ms" in text
+    # the reading paragraph quotes this run's spread and ratios
+    assert "varied between rounds (local ×1 1,000–1,000, local ×3 990–990" in text
+    assert "a pair cost 4.00× the 10-tenant pair" in text
+    assert "spread over all 100,000 at random 2.00×" in text
     results_md = tmp_path / "RESULTS.md"
     results_md.write_text("# Benchmark results\n\n## Other\n\nkept\n\n## Later\n\nalso kept\n")
     monkeypatch.setattr(rb, "RESULTS", results_md)
