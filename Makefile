@@ -30,7 +30,7 @@ test-rust: ## cargo tests of the pure-Rust core
 	cargo test -p kvgate-core $(CARGO_FEATURES_OFF) -q
 
 .PHONY: test-packages
-test-packages: ## install the Debian packages the tests need when missing (cmake, ninja, g++, promtool, openssl, redis-server)
+test-packages: ## install the Debian packages the tests need when missing (cmake, ninja, g++, promtool, openssl, redis-server, chromium)
 	bash scripts/install-test-packages.sh
 
 .PHONY: llama-server
