@@ -14,11 +14,13 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import openai
 import orjson
 import pytest
 from tests.gateway.conftest import sha
 from tests.gateway.helpers import bearer, chat, metric, until
 from tests.gateway.tls_certs import self_signed
+from tests.store.replicas import run_replicas
 
 from kvgate.config import Config
 from kvgate.gateway_build import build_gateway
@@ -252,3 +254,43 @@ async def test_head_answers_like_get(path: str) -> None:
     async with _gateway() as (url, _gw, _model), aiohttp.ClientSession() as s:
         async with s.head(url + path, headers=bearer(ADMIN_KEY)) as r:
             assert r.status == 200
+
+
+async def test_with_workers_the_counts_are_summed_over_them() -> None:
+    """``kvgate serve --workers 2``: requests on fresh connections spread over both workers
+    (``SO_REUSEPORT``); whichever worker answers ``/dashboard/data``, the tokens it shows are
+    every worker's, equal to the usage the clients were told and to ``/metrics``."""
+    config = {
+        "workers": 2,
+        "admin_key_sha256": sha(ADMIN_KEY),
+        "tenants": [{"name": "alice", "api_key_sha256": [sha(KEYS["alice"])]}],
+    }
+    async with run_replicas(config, n=1, admin_key=ADMIN_KEY) as gws:
+        used = 0
+        for i in range(20):  # a new client, so a new connection, for each request
+            async with openai.AsyncOpenAI(
+                base_url=gws.base_url(0), api_key=KEYS["alice"], max_retries=0
+            ) as client:
+                answer = await client.chat.completions.create(
+                    model=gws.model,
+                    messages=[{"role": "user", "content": f"request {i}"}],
+                    max_tokens=8,
+                )
+            assert answer.usage is not None
+            used += answer.usage.total_tokens
+
+        async def summed() -> bool:
+            async with (
+                aiohttp.ClientSession() as s,
+                s.get(gws.url(0) + "/dashboard/data", headers=bearer(ADMIN_KEY)) as r,
+            ):
+                data = await r.json()
+            text = await gws.metrics(0)
+            (alice,) = [t for t in data["tenants"] if t["name"] == "alice"]
+            return bool(
+                alice["tokens"]
+                == used
+                == metric(text, "kvgate_tenant_tokens_total", tenant="alice")
+            )
+
+        await until(summed, timeout=15, interval=0.2)
