@@ -95,5 +95,5 @@ bench-protect: build ## protection scenario: engine alone vs kvgate; RESULTS.md 
 	$(PY) benches/protection/run.py
 
 .PHONY: demo
-demo: build ## the main job: the gateway in front of the built-in engine simulator, with demo traffic
+demo: build ## the main job: the same seeded traffic straight to the built-in engine simulator and through kvgate, side by side (~1.5 min)
 	$(PY) -m kvgate demo
