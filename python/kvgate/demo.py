@@ -15,9 +15,9 @@ preemptions and OOM crashes, the gateway's adaptive scale); while the traffic go
 kvgate, the address of its live view (``/dashboard?key=...``, the demo's admin key) is printed.
 At the end: the limits and tenants kvgate used, a table with both passes side by side (the
 engine's OOM crashes, preemptions, failed requests, peak KV usage, tokens generated; per class:
-done / sent, refused by reason, errors, p50 / p99 time to first token) and one sentence of what
-kvgate prevented, built from those numbers (:func:`summary`). ``--report FILE`` writes them as
-JSON.
+done / sent, refused (with kvgate's reasons) or failed, errors, p50 / p99 time to first
+token) and one sentence of what kvgate prevented, built from those numbers (:func:`summary`).
+``--report FILE`` writes them as JSON.
 """
 
 from __future__ import annotations
@@ -490,7 +490,9 @@ def _report(direct: RunResult, gated: RunResult) -> None:
         cls = CLASSES.get(name, (name, "?"))[1]
         head = f"{name} ({cls})"
         rows.append((f"{head}: done / sent", f"{d.ok} / {d.sent}", f"{g.ok} / {g.sent}"))
-        rows.append((f"{head}: refused", refused(direct, name), refused(gated, name)))
+        rows.append(
+            (f"{head}: refused or failed (non-2xx)", refused(direct, name), refused(gated, name))
+        )
         rows.append((f"{head}: errors", str(d.errors), str(g.errors)))
         rows.append((f"{head}: TTFT p50 / p99", ttft(direct, name), ttft(gated, name)))
     w0 = max(len(r[0]) for r in rows)
