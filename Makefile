@@ -30,7 +30,7 @@ test-rust: ## cargo tests of the pure-Rust core
 	cargo test -p kvgate-core $(CARGO_FEATURES_OFF) -q
 
 .PHONY: test-packages
-test-packages: ## install the Debian packages the tests need when missing (cmake, ninja, g++, promtool, openssl, redis-server)
+test-packages: ## install the Debian packages the tests need when missing (cmake, ninja, g++, promtool, openssl, redis-server, chromium)
 	bash scripts/install-test-packages.sh
 
 .PHONY: llama-server
@@ -100,5 +100,5 @@ bench-protect: build ## protection scenario: engine alone vs kvgate; RESULTS.md 
 	$(PY) benches/protection/run.py
 
 .PHONY: demo
-demo: build ## the main job: the gateway in front of the built-in engine simulator, with demo traffic
+demo: build ## the main job: the same seeded traffic straight to the built-in engine simulator and through kvgate, side by side (~1.5 min)
 	$(PY) -m kvgate demo

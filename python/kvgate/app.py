@@ -14,6 +14,7 @@ import hmac
 import logging
 import math
 import time
+import urllib.parse
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,7 +23,7 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from kvgate import AnalysisError, ModelRegistry
+from kvgate import AnalysisError, ModelRegistry, dashboard
 from kvgate._core import peek_model
 from kvgate.admission.refusal import Refusal
 from kvgate.admission.retry_hint import SLOT_REASONS, RunningRequests
@@ -31,6 +32,7 @@ from kvgate.errors import GatewayError
 from kvgate.metrics import GatewayMetrics
 from kvgate.proxy.deadline import Watchdog
 from kvgate.proxy.prepared import PreparedResponse, Reply, connection_header, error_response
+from kvgate.proxy.routes import normalize_path
 from kvgate.store import LocalStore
 from kvgate.usage import usage_reply
 
@@ -778,22 +780,30 @@ async def handle_readyz(gw: Gateway, request: web.BaseRequest) -> web.Response:
     return web.json_response({"ready": ready}, status=200 if ready else 503)
 
 
+def admin_key_ok(gw: Gateway, key: str | None) -> bool:
+    """Whether ``key`` opens the gateway's admin endpoints: always when no
+    ``admin_key_sha256`` is configured, else when the SHA-256 of ``key`` (UTF-8) equals it
+    (compared in constant time). ``None`` or ``""`` is no key."""
+    want = getattr(gw.config, "admin_key_sha256", None)
+    if not want:
+        return True
+    digest = hashlib.sha256((key or "").encode("utf-8", "surrogatepass")).digest()
+    return hmac.compare_digest(digest, bytes.fromhex(want))
+
+
+def admin_refusal(request: web.BaseRequest) -> Reply:
+    """401 ``invalid_api_key`` (OpenAI's error shape) for an admin endpoint without its key."""
+    return error_response(
+        request,
+        GatewayError(401, "Admin key required.", "invalid_request_error", code="invalid_api_key"),
+    )
+
+
 def admin_denied(gw: Gateway, request: web.BaseRequest) -> Reply | None:
     """The 401 (``invalid_api_key``, OpenAI's error shape) for an admin endpoint asked without
-    the admin key (``Authorization: Bearer`` or ``api-key``, its SHA-256 compared in constant
-    time with ``admin_key_sha256``); ``None`` when the key matches or none is configured."""
-    want = getattr(gw.config, "admin_key_sha256", None)
-    if want:
-        key = _api_key(request) or ""
-        digest = hashlib.sha256(key.encode("utf-8", "surrogatepass")).digest()
-        if not hmac.compare_digest(digest, bytes.fromhex(want)):
-            return error_response(
-                request,
-                GatewayError(
-                    401, "Admin key required.", "invalid_request_error", code="invalid_api_key"
-                ),
-            )
-    return None
+    the admin key (``Authorization: Bearer`` or ``api-key``, :func:`admin_key_ok`); ``None``
+    when the key matches or none is configured."""
+    return None if admin_key_ok(gw, _api_key(request)) else admin_refusal(request)
 
 
 async def handle_admin_usage(gw: Gateway, request: web.BaseRequest) -> Reply:
@@ -809,21 +819,9 @@ async def handle_admin_usage(gw: Gateway, request: web.BaseRequest) -> Reply:
     return usage_reply(gw.metrics.usage, request)
 
 
-async def handle_admin_state(gw: Gateway, request: web.BaseRequest) -> Reply:
-    """``GET /admin/state``: each backend's base and effective limits, scale, in-use, KV usage,
-    waiting, the engine's external KV occupancy, which signal holds each limit below base
-    (``bound_by``), age of the last good scrape and (quick start) what its engine said about itself
-    (``discovered``: engine, models and context windows, slots, KV capacity, each with its
-    source); each tenant's usage, quota and queue depth; each backend's prefill budget
-    (``prefill``: budget, prompt tokens in prefill per lane, refusals); the latency targets
-    (``slo``: per backend and class the cap, what bound it, running, measured p99 TTFT and
-    TPOT); the store (``mode`` ``local``, or
-    with Redis: this replica's id, breaker, counters and each active scope's mode, live
-    replicas and quotas).
-    Needs the admin key (``Authorization: Bearer``) when ``admin_key_sha256`` is configured."""
-    denied = admin_denied(gw, request)
-    if denied is not None:
-        return denied
+def admin_state(gw: Gateway) -> dict[str, Any]:
+    """The document ``GET /admin/state`` answers (see :func:`handle_admin_state`); also the
+    source of ``GET /dashboard/data``."""
     backends = []
     for b in gw.backends:
         st = dict(gw.controller.backend_state(b.id))
@@ -850,17 +848,31 @@ async def handle_admin_state(gw: Gateway, request: web.BaseRequest) -> Reply:
             queue_depth=gw.queue.tenant_depth(t.name) if gw.queue is not None else 0,
         )
         tenants.append(st)
+    return {
+        "backends": backends,
+        "tenants": tenants,
+        "store": gw.store.state(),
+        "prefill": {name: gate.state() for name, gate in gw.prefill.items()},
+        "slo": gw.slo.state() if gw.slo is not None else None,
+    }
+
+
+async def handle_admin_state(gw: Gateway, request: web.BaseRequest) -> Reply:
+    """``GET /admin/state``: each backend's base and effective limits, scale, in-use, KV usage,
+    waiting, the engine's external KV occupancy, which signal holds each limit below base
+    (``bound_by``), age of the last good scrape and (quick start) what its engine said about itself
+    (``discovered``: engine, models and context windows, slots, KV capacity, each with its
+    source); each tenant's usage, quota and queue depth; each backend's prefill budget
+    (``prefill``: budget, prompt tokens in prefill per lane, refusals); the latency targets
+    (``slo``: per backend and class the cap, what bound it, running, measured p99 TTFT and
+    TPOT); the store (``mode`` ``local``, or
+    with Redis: this replica's id, breaker, counters and each active scope's mode, live
+    replicas and quotas).
+    Needs the admin key (``Authorization: Bearer``) when ``admin_key_sha256`` is configured."""
+    if not admin_key_ok(gw, _api_key(request)):
+        return admin_refusal(request)
     return web.Response(
-        body=orjson.dumps(
-            {
-                "backends": backends,
-                "tenants": tenants,
-                "store": gw.store.state(),
-                "prefill": {name: gate.state() for name, gate in gw.prefill.items()},
-                "slo": gw.slo.state() if gw.slo is not None else None,
-            },
-            option=orjson.OPT_NON_STR_KEYS,
-        ),
+        body=orjson.dumps(admin_state(gw), option=orjson.OPT_NON_STR_KEYS),
         content_type="application/json",
     )
 
@@ -878,6 +890,87 @@ def _bound_by(b: Backend, st: dict[str, Any]) -> dict[str, str]:
         "tokens_per_minute": scaled,
         "inflight": "external-kv" if external else "none",
     }
+
+
+def _dashboard_key(request: web.BaseRequest) -> str | None:
+    """The admin key a dashboard request carries: ``Authorization: Bearer`` (or ``api-key``),
+    else the dashboard's cookie."""
+    key = _api_key(request)
+    if key is None:
+        cookie = request.cookies.get(dashboard.COOKIE)
+        key = urllib.parse.unquote(cookie) if cookie else None
+    return key
+
+
+def _dashboard_reply(request: web.BaseRequest, path: str) -> web.Response:
+    body, content_type = dashboard.asset(path)
+    resp = web.Response(body=body, headers=dashboard.PAGE_HEADERS)
+    resp.headers["Content-Type"] = content_type
+    return resp
+
+
+async def handle_dashboard(gw: Gateway, request: web.BaseRequest) -> Reply:
+    """``GET /dashboard``: the live view (HTML; its script polls ``/dashboard/data`` every
+    second). With ``?key=KEY`` (the admin key, once): a 303 to ``/dashboard`` that sets the
+    ``HttpOnly``, ``SameSite=Strict`` cookie :data:`kvgate.dashboard.COOKIE` (``Path=/dashboard``,
+    ``Secure`` over TLS, 12 hours) holding it; a wrong key → 401. Without it, the page needs
+    the cookie or a Bearer header when ``admin_key_sha256`` is configured (else 401
+    ``invalid_api_key`` saying how to open it). The key is never logged."""
+    key = request.query.get("key")
+    if key is not None:
+        if not admin_key_ok(gw, key):
+            return admin_refusal(request)
+        resp = web.Response(
+            status=303, headers={**dashboard.PAGE_HEADERS, "Location": "/dashboard"}
+        )
+        if getattr(gw.config, "admin_key_sha256", None):
+            resp.set_cookie(
+                dashboard.COOKIE,
+                urllib.parse.quote(key, safe=""),
+                path="/dashboard",
+                max_age=dashboard.COOKIE_MAX_AGE_S,
+                httponly=True,
+                samesite="Strict",
+                secure=request.secure or None,
+            )
+        return resp
+    if not admin_key_ok(gw, _dashboard_key(request)):
+        return error_response(
+            request,
+            GatewayError(
+                401,
+                "Admin key required: open /dashboard?key=ADMIN_KEY once (it sets a cookie).",
+                "invalid_request_error",
+                code="invalid_api_key",
+            ),
+        )
+    return _dashboard_reply(request, "/dashboard")
+
+
+async def handle_dashboard_asset(gw: Gateway, request: web.BaseRequest) -> Reply:
+    """``GET /dashboard/dashboard.css`` and ``/dashboard/dashboard.js``: the page's style and
+    script, shipped in the package (no data in them: no key needed)."""
+    return _dashboard_reply(request, normalize_path(request.path))
+
+
+async def handle_dashboard_data(gw: Gateway, request: web.BaseRequest) -> Reply:
+    """``GET /dashboard/data``: the live view's JSON (:func:`kvgate.dashboard.dashboard_data`),
+    built from :func:`admin_state`, the metric families (summed over workers) and this
+    worker's wait queue. Needs the admin key (Bearer header or the dashboard's cookie) when
+    ``admin_key_sha256`` is configured, else 401 ``invalid_api_key``."""
+    if not admin_key_ok(gw, _dashboard_key(request)):
+        return admin_refusal(request)
+    data = dashboard.dashboard_data(
+        admin_state(gw),
+        gw.metrics.families(),
+        gw.queue.backend_depths() if gw.queue is not None else {},
+        time.time(),
+    )
+    return web.Response(
+        body=orjson.dumps(data, option=orjson.OPT_NON_STR_KEYS),
+        content_type="application/json",
+        headers={"Cache-Control": "no-store"},
+    )
 
 
 def _scrape_age(gw: Gateway, b: Backend) -> float | None:
@@ -929,4 +1022,8 @@ GET_ENDPOINTS: dict[str, Callable[[Gateway, web.BaseRequest], Awaitable[Reply]]]
     "/readyz": handle_readyz,
     "/admin/state": handle_admin_state,
     "/admin/usage": handle_admin_usage,
+    "/dashboard": handle_dashboard,
+    "/dashboard/data": handle_dashboard_data,
+    "/dashboard/dashboard.css": handle_dashboard_asset,
+    "/dashboard/dashboard.js": handle_dashboard_asset,
 }

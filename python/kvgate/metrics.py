@@ -557,6 +557,19 @@ class GatewayMetrics:
             self.reservation_leaks.inc(leaks - self._leaks_seen)
             self._leaks_seen = leaks
 
+    def families(self) -> list[Any]:
+        """The metric families a scrape would see (prometheus_client ``Metric`` objects, with
+        their samples): this process's batches flushed first; with ``--workers N`` the
+        counters and histograms summed over the workers. For the dashboard's data."""
+        self.flush()
+        if self._multiproc:
+            from prometheus_client import multiprocess
+
+            merged = CollectorRegistry()
+            multiprocess.MultiProcessCollector(merged)
+            return [*merged.collect(), *_GaugesOnly(self.registry).collect()]
+        return list(self.registry.collect())
+
     def render(self) -> bytes:
         """The exposition text for ``GET /metrics`` (this process's batches flushed first)."""
         self.flush()

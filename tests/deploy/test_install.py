@@ -19,6 +19,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 import zipfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -111,9 +112,16 @@ def test_the_wheel_installs_and_serves_as_the_dockerfile_runs_it(
     (wheel,) = wheels.glob("kvgate-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     # what a non-editable install needs beside the .py files: the extension, its stubs, the
-    # PEP 561 marker, the simulator's notes
+    # PEP 561 marker, the simulator's notes, the dashboard's page
     assert any(re.fullmatch(r"kvgate/_core\..*\.so", n) for n in names), names
-    for needed in ("kvgate/py.typed", "kvgate/_core.pyi", "kvgate/sim/README.md"):
+    for needed in (
+        "kvgate/py.typed",
+        "kvgate/_core.pyi",
+        "kvgate/sim/README.md",
+        "kvgate/dashboard/index.html",
+        "kvgate/dashboard/dashboard.css",
+        "kvgate/dashboard/dashboard.js",
+    ):
         assert needed in names
 
     # 2. the runtime stage's `pip install`, run in a fresh virtual environment
@@ -195,6 +203,13 @@ def test_the_wheel_installs_and_serves_as_the_dockerfile_runs_it(
             while subprocess.run(check, env=env, capture_output=True, check=False).returncode:
                 assert time.monotonic() < deadline, "/readyz never answered 200"
                 time.sleep(0.2)
+
+            # the dashboard's files come from the installed package
+            for name in ("dashboard.js", "dashboard.css"):
+                with urllib.request.urlopen(f"{url}/dashboard/{name}", timeout=10) as resp:
+                    assert resp.status == 200
+                    served = resp.read()
+                assert served == (Path(where.strip()).parent / "dashboard" / name).read_bytes()
 
             # 6. one chat request, then SIGTERM while a stream runs: the stream finishes
             with openai.OpenAI(base_url=url + "/v1", api_key=CLIENT_KEY, max_retries=0) as client:

@@ -40,7 +40,18 @@ INFERENCE_ROUTES = frozenset(
 )
 #: The gateway's own ``GET`` (and ``HEAD``) endpoints.
 GATEWAY_ROUTES = frozenset(
-    {"/v1/models", "/metrics", "/healthz", "/readyz", "/admin/state", "/admin/usage"}
+    {
+        "/v1/models",
+        "/metrics",
+        "/healthz",
+        "/readyz",
+        "/admin/state",
+        "/admin/usage",
+        "/dashboard",
+        "/dashboard/data",
+        "/dashboard/dashboard.css",
+        "/dashboard/dashboard.js",
+    }
 )
 #: ``GET /v1/models/{id}``: one model object (the id may hold ``/``, sent as ``%2F``).
 MODEL_PREFIX = "/v1/models/"
