@@ -358,3 +358,55 @@ async def test_limits_reloaded_on_one_replica_then_all_converge(
             return alloc == quotas == 0
 
         await until(books, 10, "a's books back to 0 once idle")
+
+
+async def test_a_timed_out_decision_that_ran_late_is_given_back(
+    redis_server: RedisServer,
+) -> None:
+    """Redis stalls past the deadline while replica 0 asks for a backend slot: the request is
+    refused by the fallback (``strict``), but the call still runs once Redis resumes,
+    recording slots for replica 0 that no request of its holds. Replica 0's next messages
+    must give them back (the outcome was unknown: it re-asserts what it holds), or the
+    backend loses those slots for good (even the reaping of replica 0 would not return
+    them): the engine could never run all four again."""
+    store = {
+        "url": redis_server.url,
+        "deadline_ms": 100,
+        "on_failure": "strict",
+        "heartbeat_s": 1.0,  # the late call runs before replica 0's next message
+    }
+    cfg = with_backend(config(store), 4)
+    async with run_replicas(cfg, n=2, sim_args=SLOW_SIM) as reps:
+        # replica 0 talks to Redis on warm connections, then goes idle: it holds no slot
+        await drive([reps.url(0)], {"b": KEY_B}, 1.0, 3, model=reps.model, max_tokens=4)
+
+        async def idle_quota() -> bool:
+            st = (await reps.admin_state(0))["store"]["scopes"].get("{kvg:b:sim}")
+            return st is not None and st["pools"]["burst"]["quota"] == 0
+
+        await until(idle_quota, 10, "replica 0 gave its backend quota back")
+        assert redis_pool(redis_server, "{kvg:b:sim}", "burst") == (0, 0)
+        loop = asyncio.get_running_loop()
+        # Redis busy: it reads what arrives meanwhile and runs it afterwards
+        busy = loop.run_in_executor(None, lambda: redis_server.cli("DEBUG", "SLEEP", "0.4"))
+        await asyncio.sleep(0.1)
+        status = await post_chat(reps.url(0), KEY_B, "b", 2, reps.model)
+        assert status in (429, 503), status  # no answer within the deadline: strict refuses
+        await busy
+
+        async def late_call_ran() -> bool:
+            return redis_pool(redis_server, "{kvg:b:sim}", "burst")[0] > 0
+
+        await until(late_call_ran, 5, "the stalled call ran once Redis resumed")
+
+        async def given_back() -> bool:
+            alloc, quotas = redis_pool(redis_server, "{kvg:b:sim}", "burst")
+            return alloc == quotas == 0
+
+        await until(given_back, 10, "the slots recorded by the late call given back")
+        # the engine is the judge: all four slots run again
+        tasks = await hold_within(reps, 1, "b", KEY_B, 4, within=5)
+        assert (await user(reps, "b"))["in_flight"] == 4
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
