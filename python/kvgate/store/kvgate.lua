@@ -276,6 +276,16 @@ local function kvg_sync(keys, args)
     redis.call('HSET', state, 'alloc|' .. name, alloc[name])
     out_pools[name] = {q[name], alloc[name], limits[name]}
   end
+  -- a pool this message does not mention keeps its place while Redis records units of it for
+  -- the replica (a late call's grant): reaping must give back every unit
+  local before = redis.call('HGET', state, 'held|' .. pod)
+  if before then
+    for _, name in ipairs(cjson.decode(before)) do
+      if not pools[name] and num(redis.call('HGET', state, 'q|' .. name .. '|' .. pod)) ~= 0 then
+        held[#held + 1] = name
+      end
+    end
+  end
   if #held > 0 then
     redis.call('HSET', state, 'held|' .. pod, cjson.encode(held))
   else

@@ -976,6 +976,13 @@ class RedisStore:
             for adm in admits:
                 if not adm.future.done():
                     adm.future.set_result(None)  # unknown outcome: the caller falls back
+            for name in msg["pools"]:
+                pool = sc.pools.get(name)
+                if pool is not None:
+                    # the call may still run (a grant, an admission): Redis may then record
+                    # more than this replica holds, so the pool is re-asserted with the
+                    # next messages until a reply tells what Redis records
+                    pool.rq = max(pool.rq, pool.q + 1)
             if self._breaker.failed(time.monotonic()):
                 self._opened()
             return
