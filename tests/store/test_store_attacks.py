@@ -138,12 +138,16 @@ def with_backend(cfg: dict[str, Any], slots: int) -> dict[str, Any]:
     return {**cfg, "backends": [{"name": "sim", "models": [model], "max_concurrency": slots}]}
 
 
-async def test_function_flush_mid_load_keeps_the_limit_exact(redis_server: RedisServer) -> None:
-    """``FUNCTION FLUSH`` (or a Redis restarted without its data) while a tenant hammers its
-    limit through three replicas: a call that finds the library missing did not run, so the
-    replica loads the library and sends the same message again. Nothing falls back to the
-    per-replica share (which would admit above the limit while the other replicas still use
-    their quotas): the engine never runs more than the limit."""
+@pytest.mark.parametrize("flush", ["FUNCTION FLUSH", "FLUSHALL"])
+async def test_function_flush_mid_load_keeps_the_limit_exact(
+    redis_server: RedisServer, flush: str
+) -> None:
+    """``FUNCTION FLUSH`` or ``FLUSHALL`` (as a Redis restarted without its data) while a
+    tenant hammers its limit through three replicas. A call that finds the library missing did
+    not run: the replica loads the library and sends the same message again; nothing falls
+    back to the per-replica share (which would admit above the limit while the other replicas
+    still use their quotas). A scope whose state was lost grants nothing until the replicas
+    that hold quotas re-asserted them. The engine never runs more than the limit."""
     store = {"url": redis_server.url}
     async with run_replicas(config(store)) as reps:
         load = asyncio.create_task(
@@ -152,7 +156,7 @@ async def test_function_flush_mid_load_keeps_the_limit_exact(redis_server: Redis
         loop = asyncio.get_running_loop()
         for _ in range(8):
             await asyncio.sleep(0.4)
-            await loop.run_in_executor(None, lambda: redis_server.cli("FUNCTION", "FLUSH"))
+            await loop.run_in_executor(None, lambda: redis_server.cli(*flush.split()))
         loads = await load
         a = await user(reps, "a")
         assert a["peak_in_flight"] <= 6, a
