@@ -886,6 +886,10 @@ class RedisStore:
         }
         if grants:
             msg["grants"] = grants
+        if sc.epoch is not None:
+            # Redis finding no state for a scope this replica knew lost it: it then grants
+            # nothing until the holders re-asserted their quotas
+            msg["known"] = sc.epoch
         if sc.kind == "b":
             scale, shed = self._props.get(sc.name, (1.0, False))
             msg["scale"] = scale
