@@ -7,6 +7,7 @@ the replicas' quotas) and ``/admin/state`` show that nothing stays held once the
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from typing import Any
 
 import aiohttp
@@ -414,3 +415,86 @@ async def test_a_timed_out_decision_that_ran_late_is_given_back(
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+class BlackHole:
+    """A loopback TCP proxy to a Redis server that, once ``swallow`` is set, accepts and reads
+    everything and answers nothing (as a Redis behind a broken network path)."""
+
+    def __init__(self, port: int) -> None:
+        self.target = port
+        self.swallow = False
+        self.port = 0
+        self.server: asyncio.Server | None = None
+        self.writers: list[asyncio.StreamWriter] = []
+
+    async def start(self) -> None:
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        self.port = self.server.sockets[0].getsockname()[1]
+
+    async def _serve(self, r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        self.writers.append(w)
+        if self.swallow:
+            with contextlib.suppress(OSError):
+                while await r.read(65536):
+                    pass
+            w.close()
+            return
+        try:
+            ur, uw = await asyncio.open_connection("127.0.0.1", self.target)
+        except OSError:
+            w.close()
+            return
+        self.writers.append(uw)
+
+        async def pipe(a: asyncio.StreamReader, b: asyncio.StreamWriter) -> None:
+            with contextlib.suppress(OSError):
+                while data := await a.read(65536):
+                    if not self.swallow:
+                        b.write(data)
+                        await b.drain()
+            b.close()
+
+        await asyncio.gather(pipe(r, uw), pipe(ur, w))
+
+    async def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
+        for w in self.writers:
+            w.close()
+
+
+async def test_a_redis_that_never_answers_delays_no_request(redis_server: RedisServer) -> None:
+    """Redis's path turns into a black hole (connections accepted, nothing answered) under
+    load: no request waits past the deadline (plus the engine's own time), the breakers open
+    and requests are decided by the fallback; once Redis answers again the breakers close."""
+    hole = BlackHole(redis_server.port)
+    await hole.start()
+    try:
+        store = {"url": f"redis://127.0.0.1:{hole.port}/0", "deadline_ms": 100}
+        async with run_replicas(config(store), n=2) as reps:
+            load = asyncio.create_task(
+                drive(reps.urls, {"a": KEY_A, "b": KEY_B}, 5.0, {"a": 8, "b": 3},
+                      model=reps.model, max_tokens=24)
+            )  # fmt: skip
+            await asyncio.sleep(1.0)
+            hole.swallow = True
+            loads = await load
+
+            async def breakers(state: str) -> bool:
+                sts = [(await reps.admin_state(i))["store"] for i in range(2)]
+                return all(s["breaker"] == state for s in sts)
+
+            assert await breakers("open")
+            # nobody waited on the silent Redis (the deadline is 0.1 s; the rest is the engine
+            # and this loaded machine)
+            assert max(loads["b"].latencies) < 1.9, max(loads["b"].latencies)
+            assert loads["b"].counts["other"] == 0, loads["b"]
+            assert loads["a"].counts["other"] == 0, loads["a"]
+            assert loads["b"].counts["200"] > 0, loads["b"]
+            hole.swallow = False
+            await until(lambda: breakers("closed"), 15, "breakers closed once Redis answers")
+            for i in range(2):
+                assert b"Traceback" not in reps.stderr(i), reps.stderr(i).decode(errors="replace")
+    finally:
+        await hole.close()
