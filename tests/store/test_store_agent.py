@@ -157,3 +157,42 @@ async def test_proposals_of_three_replicas_scale_the_shared_slots(
     finally:
         for st in stores:
             await st.close()
+
+
+async def test_a_lost_scope_settles_but_one_that_expired_idle_does_not(
+    redis_server: RedisServer,
+) -> None:
+    """A scope's state missing in Redis although this replica heard from it moments ago was
+    lost (a flush, a restart): for half a lease nothing is admitted there while the holders
+    re-assert. One missing after minutes of silence simply expired (nobody held anything):
+    the next request is admitted at once."""
+    from kvgate.store import StoreRefusal
+
+    ctl, backend, tenant = core()
+    cfg = StoreConfig(url=redis_server.url, heartbeat_s=1.0, background_deadline_ms=2000)
+    st = RedisStore(cfg, ctl)
+    await st.start()
+    try:
+        first = await st.admit(backend, tenant, "standard", 1)
+        assert type(first) is not StoreRefusal, first
+        st.release(first, 1, 1)
+        client = redis_server.client()
+        sc = st._scope("t", "t")
+        # lost: the keys vanish right after a reply
+        client.delete(sc.key, sc.key + ":live")
+        for pool in sc.pools.values():
+            pool.q = pool.rq = pool.in_use = 0
+        lost = await st.admit(backend, tenant, "standard", 1)
+        assert type(lost) is StoreRefusal, lost
+        assert lost.retry_after is not None, lost
+        assert 0 < lost.retry_after <= 1.5, lost
+        # expired: the keys vanish after the replica's last reply is minutes old
+        await asyncio.sleep(1.6)  # the settling time is over
+        client.delete(sc.key, sc.key + ":live")
+        for pool in sc.pools.values():
+            pool.q = pool.rq = 0
+        sc.lease_until -= 200.0
+        idle = await st.admit(backend, tenant, "standard", 1)
+        assert type(idle) is not StoreRefusal, idle
+    finally:
+        await st.close()
