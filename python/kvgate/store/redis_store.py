@@ -61,6 +61,9 @@ LIBRARY_NAME = "kvgate"
 PLAIN, SCALED, BURST, GUARANTEE = "p", "s", "b", "g"
 #: a rate at or above this is "no limit" (the gateway registers unlimited TPM as 2**40)
 UNLIMITED_RATE = 2**40
+#: seconds a scope's state surely outlives its last reply (``kvgate.lua`` keeps it 180 s + 4
+#: leases after each message): a state missing sooner was lost by Redis, not expired
+STATE_KEPT_S = 170.0
 
 
 def scope_key(prefix: str, kind: str, name: str) -> str:
@@ -886,9 +889,10 @@ class RedisStore:
         }
         if grants:
             msg["grants"] = grants
-        if sc.epoch is not None:
-            # Redis finding no state for a scope this replica knew lost it: it then grants
-            # nothing until the holders re-asserted their quotas
+        if sc.epoch is not None and now - (sc.lease_until - self._ttl * 0.9) < STATE_KEPT_S:
+            # Redis keeps a scope's state at least STATE_KEPT_S after a reply: finding none
+            # for a scope this replica heard from more recently means Redis lost it; it then
+            # grants nothing until the holders re-asserted their quotas
             msg["known"] = sc.epoch
         if sc.kind == "b":
             scale, shed = self._props.get(sc.name, (1.0, False))
