@@ -98,3 +98,101 @@ def test_check_config_against_a_cluster(
     out = capsys.readouterr()
     assert "store: Redis 7." in out.out, out
     assert "Redis Cluster" in out.out
+
+
+async def test_proposals_of_three_replicas_scale_the_shared_slots(
+    redis_server: RedisServer,
+) -> None:
+    """Three store agents propose scales for one backend of 8 slots: the lowest live proposal
+    is in force everywhere and caps the slots all of them hold together; when the lowest one
+    recovers the next lowest is in force; a replica that stops heartbeating (a crash) loses
+    its say after its lease."""
+    from kvgate.store import StoreRefusal
+
+    cfg = StoreConfig(url=redis_server.url, heartbeat_s=0.1, background_deadline_ms=2000)
+    made = []
+    for _ in range(3):
+        ctl = AdmissionController(backends=1, tenants=1)
+        b = ctl.add_backend("b", max_concurrency=8, tokens_per_minute=2**40)
+        t = ctl.add_tenant("t", priority="standard", max_concurrency=8)
+        made.append((ctl, Named(b, "b"), Named(t, "t")))
+    stores = [RedisStore(cfg, ctl) for ctl, _, _ in made]
+    for st in stores:
+        await st.start()
+    try:
+        for st, scale, shed in zip(stores, (0.5, 0.75, 1.0), (True, False, False), strict=True):
+            st.propose("b", scale, shed)
+        for st in stores:
+            await synced(st, "b")
+        for st in stores:
+            await synced(st, "b")
+        assert [st.effective("b") for st in stores] == [(0.5, True)] * 3
+        # 8 slots × 0.5: four holds at most across the three replicas (the tenant's limit is 8)
+        holds = []
+        for i in range(9):
+            st, (_, backend, tenant) = stores[i % 3], made[i % 3]
+            hold = st.try_admit(backend, tenant, "standard", 1)
+            if hold is None:
+                hold = await st.admit(backend, tenant, "standard", 1)
+            if type(hold) is not StoreRefusal:
+                holds.append((st, hold))
+        assert len(holds) == 4, len(holds)
+        for st, hold in holds:
+            st.release(hold, 1, 1)
+        stores[0].propose("b", 1.0, False)
+        for _ in range(2):
+            for st in stores:
+                await synced(st, "b")
+        assert [st.effective("b") for st in stores] == [(0.75, False)] * 3
+        # replica 1 stops heartbeating (as if killed): its proposal goes with its lease
+        hb = stores[1]._heartbeat_task
+        assert hb is not None
+        hb.cancel()
+        stores[1]._closed = True
+        loop = asyncio.get_running_loop()
+        give_up = loop.time() + 10
+        while stores[2].effective("b") != (1.0, False):
+            await synced(stores[2], "b")
+            assert loop.time() < give_up, stores[2].effective("b")
+    finally:
+        for st in stores:
+            await st.close()
+
+
+async def test_a_lost_scope_settles_but_one_that_expired_idle_does_not(
+    redis_server: RedisServer,
+) -> None:
+    """A scope's state missing in Redis although this replica heard from it moments ago was
+    lost (a flush, a restart): for half a lease nothing is admitted there while the holders
+    re-assert. One missing after minutes of silence simply expired (nobody held anything):
+    the next request is admitted at once."""
+    from kvgate.store import StoreRefusal
+
+    ctl, backend, tenant = core()
+    cfg = StoreConfig(url=redis_server.url, heartbeat_s=1.0, background_deadline_ms=2000)
+    st = RedisStore(cfg, ctl)
+    await st.start()
+    try:
+        first = await st.admit(backend, tenant, "standard", 1)
+        assert type(first) is not StoreRefusal, first
+        st.release(first, 1, 1)
+        client = redis_server.client()
+        sc = st._scope("t", "t")
+        # lost: the keys vanish right after a reply
+        client.delete(sc.key, sc.key + ":live")
+        for pool in sc.pools.values():
+            pool.q = pool.rq = pool.in_use = 0
+        lost = await st.admit(backend, tenant, "standard", 1)
+        assert type(lost) is StoreRefusal, lost
+        assert lost.retry_after is not None, lost
+        assert 0 < lost.retry_after <= 1.5, lost
+        # expired: the keys vanish after the replica's last reply is minutes old
+        await asyncio.sleep(1.6)  # the settling time is over
+        client.delete(sc.key, sc.key + ":live")
+        for pool in sc.pools.values():
+            pool.q = pool.rq = 0
+        sc.lease_until -= 200.0
+        idle = await st.admit(backend, tenant, "standard", 1)
+        assert type(idle) is not StoreRefusal, idle
+    finally:
+        await st.close()

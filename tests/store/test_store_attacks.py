@@ -7,6 +7,7 @@ the replicas' quotas) and ``/admin/state`` show that nothing stays held once the
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from typing import Any
 
 import aiohttp
@@ -138,12 +139,16 @@ def with_backend(cfg: dict[str, Any], slots: int) -> dict[str, Any]:
     return {**cfg, "backends": [{"name": "sim", "models": [model], "max_concurrency": slots}]}
 
 
-async def test_function_flush_mid_load_keeps_the_limit_exact(redis_server: RedisServer) -> None:
-    """``FUNCTION FLUSH`` (or a Redis restarted without its data) while a tenant hammers its
-    limit through three replicas: a call that finds the library missing did not run, so the
-    replica loads the library and sends the same message again. Nothing falls back to the
-    per-replica share (which would admit above the limit while the other replicas still use
-    their quotas): the engine never runs more than the limit."""
+@pytest.mark.parametrize("flush", ["FUNCTION FLUSH", "FLUSHALL"])
+async def test_function_flush_mid_load_keeps_the_limit_exact(
+    redis_server: RedisServer, flush: str
+) -> None:
+    """``FUNCTION FLUSH`` or ``FLUSHALL`` (as a Redis restarted without its data) while a
+    tenant hammers its limit through three replicas. A call that finds the library missing did
+    not run: the replica loads the library and sends the same message again; nothing falls
+    back to the per-replica share (which would admit above the limit while the other replicas
+    still use their quotas). A scope whose state was lost grants nothing until the replicas
+    that hold quotas re-asserted them. The engine never runs more than the limit."""
     store = {"url": redis_server.url}
     async with run_replicas(config(store)) as reps:
         load = asyncio.create_task(
@@ -152,7 +157,7 @@ async def test_function_flush_mid_load_keeps_the_limit_exact(redis_server: Redis
         loop = asyncio.get_running_loop()
         for _ in range(8):
             await asyncio.sleep(0.4)
-            await loop.run_in_executor(None, lambda: redis_server.cli("FUNCTION", "FLUSH"))
+            await loop.run_in_executor(None, lambda: redis_server.cli(*flush.split()))
         loads = await load
         a = await user(reps, "a")
         assert a["peak_in_flight"] <= 6, a
@@ -358,3 +363,138 @@ async def test_limits_reloaded_on_one_replica_then_all_converge(
             return alloc == quotas == 0
 
         await until(books, 10, "a's books back to 0 once idle")
+
+
+async def test_a_timed_out_decision_that_ran_late_is_given_back(
+    redis_server: RedisServer,
+) -> None:
+    """Redis stalls past the deadline while replica 0 asks for a backend slot: the request is
+    refused by the fallback (``strict``), but the call still runs once Redis resumes,
+    recording slots for replica 0 that no request of its holds. Replica 0's next messages
+    must give them back (the outcome was unknown: it re-asserts what it holds), or the
+    backend loses those slots for good (even the reaping of replica 0 would not return
+    them): the engine could never run all four again."""
+    store = {
+        "url": redis_server.url,
+        "deadline_ms": 100,
+        "on_failure": "strict",
+        "heartbeat_s": 1.0,  # the late call runs before replica 0's next message
+    }
+    cfg = with_backend(config(store), 4)
+    async with run_replicas(cfg, n=2, sim_args=SLOW_SIM) as reps:
+        # replica 0 talks to Redis on warm connections, then goes idle: it holds no slot
+        await drive([reps.url(0)], {"b": KEY_B}, 1.0, 3, model=reps.model, max_tokens=4)
+
+        async def idle_quota() -> bool:
+            st = (await reps.admin_state(0))["store"]["scopes"].get("{kvg:b:sim}")
+            return st is not None and st["pools"]["burst"]["quota"] == 0
+
+        await until(idle_quota, 10, "replica 0 gave its backend quota back")
+        assert redis_pool(redis_server, "{kvg:b:sim}", "burst") == (0, 0)
+        loop = asyncio.get_running_loop()
+        # Redis busy: it reads what arrives meanwhile and runs it afterwards
+        busy = loop.run_in_executor(None, lambda: redis_server.cli("DEBUG", "SLEEP", "0.4"))
+        await asyncio.sleep(0.1)
+        status = await post_chat(reps.url(0), KEY_B, "b", 2, reps.model)
+        assert status in (429, 503), status  # no answer within the deadline: strict refuses
+        await busy
+
+        async def late_call_ran() -> bool:
+            return redis_pool(redis_server, "{kvg:b:sim}", "burst")[0] > 0
+
+        await until(late_call_ran, 5, "the stalled call ran once Redis resumed")
+
+        async def given_back() -> bool:
+            alloc, quotas = redis_pool(redis_server, "{kvg:b:sim}", "burst")
+            return alloc == quotas == 0
+
+        await until(given_back, 10, "the slots recorded by the late call given back")
+        # the engine is the judge: all four slots run again
+        tasks = await hold_within(reps, 1, "b", KEY_B, 4, within=5)
+        assert (await user(reps, "b"))["in_flight"] == 4
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+class BlackHole:
+    """A loopback TCP proxy to a Redis server that, once ``swallow`` is set, accepts and reads
+    everything and answers nothing (as a Redis behind a broken network path)."""
+
+    def __init__(self, port: int) -> None:
+        self.target = port
+        self.swallow = False
+        self.port = 0
+        self.server: asyncio.Server | None = None
+        self.writers: list[asyncio.StreamWriter] = []
+
+    async def start(self) -> None:
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        self.port = self.server.sockets[0].getsockname()[1]
+
+    async def _serve(self, r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        self.writers.append(w)
+        if self.swallow:
+            with contextlib.suppress(OSError):
+                while await r.read(65536):
+                    pass
+            w.close()
+            return
+        try:
+            ur, uw = await asyncio.open_connection("127.0.0.1", self.target)
+        except OSError:
+            w.close()
+            return
+        self.writers.append(uw)
+
+        async def pipe(a: asyncio.StreamReader, b: asyncio.StreamWriter) -> None:
+            with contextlib.suppress(OSError):
+                while data := await a.read(65536):
+                    if not self.swallow:
+                        b.write(data)
+                        await b.drain()
+            b.close()
+
+        await asyncio.gather(pipe(r, uw), pipe(ur, w))
+
+    async def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
+        for w in self.writers:
+            w.close()
+
+
+async def test_a_redis_that_never_answers_delays_no_request(redis_server: RedisServer) -> None:
+    """Redis's path turns into a black hole (connections accepted, nothing answered) under
+    load: no request waits past the deadline (plus the engine's own time), the breakers open
+    and requests are decided by the fallback; once Redis answers again the breakers close."""
+    hole = BlackHole(redis_server.port)
+    await hole.start()
+    try:
+        store = {"url": f"redis://127.0.0.1:{hole.port}/0", "deadline_ms": 100}
+        async with run_replicas(config(store), n=2) as reps:
+            load = asyncio.create_task(
+                drive(reps.urls, {"a": KEY_A, "b": KEY_B}, 5.0, {"a": 8, "b": 3},
+                      model=reps.model, max_tokens=24)
+            )  # fmt: skip
+            await asyncio.sleep(1.0)
+            hole.swallow = True
+            loads = await load
+
+            async def breakers(state: str) -> bool:
+                sts = [(await reps.admin_state(i))["store"] for i in range(2)]
+                return all(s["breaker"] == state for s in sts)
+
+            assert await breakers("open")
+            # nobody waited on the silent Redis (the deadline is 0.1 s; the rest is the engine
+            # and this loaded machine)
+            assert max(loads["b"].latencies) < 1.9, max(loads["b"].latencies)
+            assert loads["b"].counts["other"] == 0, loads["b"]
+            assert loads["a"].counts["other"] == 0, loads["a"]
+            assert loads["b"].counts["200"] > 0, loads["b"]
+            hole.swallow = False
+            await until(lambda: breakers("closed"), 15, "breakers closed once Redis answers")
+            for i in range(2):
+                assert b"Traceback" not in reps.stderr(i), reps.stderr(i).decode(errors="replace")
+    finally:
+        await hole.close()

@@ -17,9 +17,12 @@
 --   prop|<pod>, shed|<pod>  the replica's proposed adaptive scale (0..1) and shedding flag
 --   reaped                replicas reaped in this scope (a counter)
 --   heard                 when the scope last applied a message (server µs)
+--   settle                until when nothing is granted or admitted (server µs): the scope was
+--                         lost and the replicas re-assert their quotas
 --
 -- One function, kvg_sync, carries everything a replica says to a scope (JSON in ARGV[1]):
 --   pod, seq, ttl (µs), epoch (a candidate, used only when the state is created),
+--   known            (the epoch the replica last saw for the scope; absent for a new one)
 --   scale, shed      (backend scopes: this replica's proposal; absent for tenants)
 --   pools  {name: {l = base limit, k = kind, q = the replica's quota now, gs, g}}
 --          kinds: "p" plain (tenant concurrency), "s" scaled by the effective scale (in-flight
@@ -133,6 +136,13 @@ local function kvg_sync(keys, args)
   if not epoch then
     epoch = msg.epoch
     redis.call('HSET', state, 'epoch', epoch)
+    if msg.known then
+      -- the sender knew this scope: Redis lost it (restart or flush without persistence).
+      -- Nothing is granted or admitted until the replicas holding quotas have re-asserted them
+      -- (they speak every heartbeat, at most half a lease): else the first one back could be
+      -- granted what the others still run
+      redis.call('HSET', state, 'settle', string.format('%.0f', now + msg.ttl / 2))
+    end
   end
   reply.epoch = epoch
   local last = num(redis.call('HGET', state, 'seq|' .. pod))
@@ -193,10 +203,21 @@ local function kvg_sync(keys, args)
     bstate[name] = {tat = tat, interval = interval, burst = burst, fill = fill}
   end
 
+  local settle = tonumber(redis.call('HGET', state, 'settle') or '0')
+  local settling = now < settle
+
   -- pass-through admissions, in arrival order, each all-or-nothing
   local admits = {}
   for i, a in ipairs(msg.admits or {}) do
     local ok, why, retry, chosen = true, '', 0, {}
+    if settling then
+      ok, retry = false, math.ceil(settle - now)
+      if a.p and a.p[1] then why = a.p[1][#a.p[1]] end
+      for name, _ in pairs(a.b or {}) do
+        if why == '' then why = name end
+      end
+      a = {}  -- nothing below takes anything
+    end
     for _, alt in ipairs(a.p or {}) do
       local n, pick = alt[1], nil
       for j = 2, #alt do
@@ -250,7 +271,9 @@ local function kvg_sync(keys, args)
   local grants = {}
   for name, want in pairs(msg.grants or {}) do
     local take = 0
-    if limits[name] then
+    if settling then
+      take = 0
+    elseif limits[name] then
       take = math.max(0, math.min(want, limits[name] - alloc[name]))
       alloc[name] = alloc[name] + take
       q[name] = q[name] + take
@@ -275,6 +298,16 @@ local function kvg_sync(keys, args)
     end
     redis.call('HSET', state, 'alloc|' .. name, alloc[name])
     out_pools[name] = {q[name], alloc[name], limits[name]}
+  end
+  -- a pool this message does not mention keeps its place while Redis records units of it for
+  -- the replica (a late call's grant): reaping must give back every unit
+  local before = redis.call('HGET', state, 'held|' .. pod)
+  if before then
+    for _, name in ipairs(cjson.decode(before)) do
+      if not pools[name] and num(redis.call('HGET', state, 'q|' .. name .. '|' .. pod)) ~= 0 then
+        held[#held + 1] = name
+      end
+    end
   end
   if #held > 0 then
     redis.call('HSET', state, 'held|' .. pod, cjson.encode(held))

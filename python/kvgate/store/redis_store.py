@@ -61,6 +61,9 @@ LIBRARY_NAME = "kvgate"
 PLAIN, SCALED, BURST, GUARANTEE = "p", "s", "b", "g"
 #: a rate at or above this is "no limit" (the gateway registers unlimited TPM as 2**40)
 UNLIMITED_RATE = 2**40
+#: seconds a scope's state surely outlives its last reply (``kvgate.lua`` keeps it 180 s + 4
+#: leases after each message): a state missing sooner was lost by Redis, not expired
+STATE_KEPT_S = 170.0
 
 
 def scope_key(prefix: str, kind: str, name: str) -> str:
@@ -902,6 +905,11 @@ class RedisStore:
         }
         if grants:
             msg["grants"] = grants
+        if sc.epoch is not None and now - (sc.lease_until - self._ttl * 0.9) < STATE_KEPT_S:
+            # Redis keeps a scope's state at least STATE_KEPT_S after a reply: finding none
+            # for a scope this replica heard from more recently means Redis lost it; it then
+            # grants nothing until the holders re-asserted their quotas
+            msg["known"] = sc.epoch
         if sc.kind == "b":
             scale, shed = self._props.get(sc.name, (1.0, False))
             msg["scale"] = scale
@@ -995,6 +1003,13 @@ class RedisStore:
             for adm in admits:
                 if not adm.future.done():
                     adm.future.set_result(None)  # unknown outcome: the caller falls back
+            for name in msg["pools"]:
+                pool = sc.pools.get(name)
+                if pool is not None:
+                    # the call may still run (a grant, an admission): Redis may then record
+                    # more than this replica holds, so the pool is re-asserted with the
+                    # next messages until a reply tells what Redis records
+                    pool.rq = max(pool.rq, pool.q + 1)
             if self._breaker.failed(time.monotonic()):
                 self._opened()
             # a scope whose call failed stays active: while the breaker is open, its heartbeat
