@@ -373,33 +373,13 @@ async def handle_inference(gw: Gateway, request: web.BaseRequest, route: str) ->
         gw.metrics.request_done(None, tenant, f"rejected_{err.status}", model)
         return _refused(request, rid, started, route, err, tenant, model, trace)
     tokens = analysis.reserved_tokens
-    admitting = time.perf_counter()
-    if trace is not None:
-        trace.admitting = admitting
-    try:
-        decision, extras = await admit(
-            gw, request, backend, tenant, priority, tokens, analysis.prompt_tokens
-        )
-    except asyncio.CancelledError:  # the client left while its request waited
-        if trace is not None:
-            _left_waiting(trace, tenant, backend, model, tokens)
-        raise
-    if not decision.admitted:
-        return _refusal(
-            gw,
-            request,
-            decision,
-            rid,
-            (started, admitting),
-            route,
-            tokens,
-            (tenant, backend, model),
-            trace,
-        )
-    admitted = time.perf_counter()
-    if trace is not None:
-        trace.admitted = admitted
-    gw.metrics.admitted(backend, tenant, tokens, admitted - started)
+    got = await _admission(
+        gw, request, (rid, route, started), (tenant, backend, model), priority, tokens,
+        analysis.prompt_tokens, trace,
+    )  # fmt: skip
+    if isinstance(got, PreparedResponse):
+        return got
+    decision, extras, admitting, admitted = got
 
     stream = bool(analysis.stream)
     # a request the client did not stream goes upstream as a stream: the engine then notices
@@ -499,6 +479,48 @@ def _left_waiting(trace: Any, tenant: Any, backend: Any, model: Any, tokens: int
         model=model,
         reserved=tokens,
     )
+
+
+async def _admission(
+    gw: Gateway,
+    request: web.BaseRequest,
+    where: tuple[str, str, float],
+    who: tuple[Any, Any, Any],
+    priority: str,
+    tokens: int,
+    prompt_tokens: int,
+    trace: Any,
+) -> tuple[Any, Any, float, float] | PreparedResponse:
+    """The admission stage of an inference or forwarded request
+    (:func:`kvgate.admission.stage.admit`), timed and counted: ``(decision, extras, admitting,
+    admitted)`` (``time.perf_counter()`` when admission began and ended) or the refusal's
+    answer, already counted and logged.
+
+    Args:
+        where: the request id, route and when it arrived.
+        who: its tenant, backend and model route.
+        tokens: the tokens it reserves; ``prompt_tokens``: its prompt's (the prefill budget).
+    """
+    rid, route, started = where
+    tenant, backend, model = who
+    admitting = time.perf_counter()
+    if trace is not None:
+        trace.admitting = admitting
+    try:
+        decision, extras = await admit(
+            gw, request, backend, tenant, priority, tokens, prompt_tokens
+        )
+    except asyncio.CancelledError:  # the client left while its request waited
+        if trace is not None:
+            _left_waiting(trace, tenant, backend, model, tokens)
+        raise
+    if not decision.admitted:
+        return _refusal(gw, request, decision, rid, (started, admitting), route, tokens, who, trace)
+    admitted = time.perf_counter()
+    if trace is not None:
+        trace.admitted = admitted
+    gw.metrics.admitted(backend, tenant, tokens, admitted - started)
+    return decision, extras, admitting, admitted
 
 
 def _settle(
@@ -736,31 +758,12 @@ async def handle_forward(gw: Gateway, request: web.BaseRequest) -> Reply:
         gw.metrics.request_done(None, tenant, f"rejected_{err.status}", model)
         return _refused(request, rid, started, route, err, tenant, model, trace)
     tokens = FORWARD_RESERVATION
-    admitting = time.perf_counter()
-    if trace is not None:
-        trace.admitting = admitting
-    try:
-        decision, extras = await admit(gw, request, backend, tenant, priority, tokens)
-    except asyncio.CancelledError:  # the client left while its request waited
-        if trace is not None:
-            _left_waiting(trace, tenant, backend, model, tokens)
-        raise
-    if not decision.admitted:
-        return _refusal(
-            gw,
-            request,
-            decision,
-            rid,
-            (started, admitting),
-            route,
-            tokens,
-            (tenant, backend, model),
-            trace,
-        )
-    admitted = time.perf_counter()
-    if trace is not None:
-        trace.admitted = admitted
-    gw.metrics.admitted(backend, tenant, tokens, admitted - started)
+    got = await _admission(
+        gw, request, (rid, route, started), (tenant, backend, model), priority, tokens, 0, trace
+    )
+    if isinstance(got, PreparedResponse):
+        return got
+    decision, extras, admitting, admitted = got
     raw_path, sep, query = request.raw_path.partition("?")
     result = RelayResult()
     if extras is not None:
