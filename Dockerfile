@@ -27,7 +27,9 @@ RUN maturin build --release --out /wheels
 FROM python:3.11-slim-bookworm
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONUNBUFFERED=1
 COPY --from=build /wheels /wheels
-RUN pip install /wheels/*.whl && rm -rf /wheels
+# the `redis` extra: the Redis client that a `store` (limits shared by replicas, as in
+# deploy/kubernetes/) needs; add `otel` (`[redis,otel]`) for `tracing`
+RUN pip install "$(echo /wheels/*.whl)[redis]" && rm -rf /wheels
 RUN groupadd --system --gid 10001 kvgate \
     && useradd --system --uid 10001 --gid 10001 --no-create-home --shell /usr/sbin/nologin kvgate
 USER 10001:10001

@@ -30,7 +30,7 @@ test-rust: ## cargo tests of the pure-Rust core
 	cargo test -p kvgate-core $(CARGO_FEATURES_OFF) -q
 
 .PHONY: test-packages
-test-packages: ## install the Debian packages the tests need when missing (cmake, ninja, g++, promtool, openssl, redis-server)
+test-packages: ## install the Debian packages the tests need when missing (cmake, ninja, g++, promtool, openssl, redis-server, chromium)
 	bash scripts/install-test-packages.sh
 
 .PHONY: llama-server
@@ -61,7 +61,7 @@ format: venv ## cargo fmt + ruff format
 	$(VENV)/bin/ruff check --fix python tests benches
 
 .PHONY: bench
-bench: build llama-server ## every benchmark (~20 min): core + analyser, load, protection, memory, real engine; rewrites benches/RESULTS.md and the plots
+bench: build llama-server ## every benchmark (~25 min): core + analyser, load, protection, memory, real engine, replicas on Redis; rewrites benches/RESULTS.md and the plots
 	$(PY) benches/core_results.py
 	$(PY) benches/adaptive_results.py
 	$(MAKE) --no-print-directory wrk
@@ -69,6 +69,7 @@ bench: build llama-server ## every benchmark (~20 min): core + analyser, load, p
 	$(PY) benches/protection/run.py
 	$(PY) benches/memory/run_memory.py
 	$(MAKE) --no-print-directory bench-realengine
+	$(MAKE) --no-print-directory bench-replicas
 
 .PHONY: bench-core
 bench-core: build ## pytest-benchmark suites (core + analyser, ~1 min); rewrites their RESULTS.md sections
@@ -86,6 +87,10 @@ bench-memory: build ## memory per open stream (1,000 streams, 1k and 8k tokens):
 bench-realengine: build llama-server ## llama-server alone vs kvgate in front (burst TTFT, queues, disconnects; ~1 min); writes benches/RESULTS.md
 	$(PY) benches/realengine/run.py
 
+.PHONY: bench-replicas
+bench-replicas: build wrk test-packages ## 3 replicas on one redis-server vs 1 gateway on its local store: throughput, Redis calls per admission, latency near a limit, kill -9 reclaim, store cost by tenant count (~4 min); writes benches/RESULTS.md
+	$(PY) benches/replicas/run.py
+
 .PHONY: wrk
 wrk: ## install wrk (Debian package) when it is missing
 	@command -v wrk >/dev/null || (apt-get update -qq && apt-get install -y -qq wrk >/dev/null)
@@ -95,5 +100,5 @@ bench-protect: build ## protection scenario: engine alone vs kvgate; RESULTS.md 
 	$(PY) benches/protection/run.py
 
 .PHONY: demo
-demo: build ## the main job: the gateway in front of the built-in engine simulator, with demo traffic
+demo: build ## the main job: the same seeded traffic straight to the built-in engine simulator and through kvgate, side by side (~1.5 min)
 	$(PY) -m kvgate demo

@@ -7,11 +7,13 @@
 #   (tests/deploy/test_alert_rules.py);
 # - openssl: makes the self-signed certificates of the TLS tests (tests/gateway/tls_certs.py);
 # - redis-server (brings redis-cli through redis-tools): the shared-store tests start real Redis
-#   servers, replica pairs and clusters on loopback (tests/store/redis_servers.py).
+#   servers, replica pairs and clusters on loopback (tests/store/redis_servers.py);
+# - chromium: the dashboard test opens /dashboard in headless Chromium, driven over the DevTools
+#   protocol (tests/dashboard/).
 # Needs apt-get and root (or passwordless sudo) only when something is missing.
 set -euo pipefail
 packages=()
-for tool in cmake:cmake ninja:ninja-build g++:g++ promtool:prometheus openssl:openssl redis-server:redis-server; do
+for tool in cmake:cmake ninja:ninja-build g++:g++ promtool:prometheus openssl:openssl redis-server:redis-server chromium:chromium; do
   command -v "${tool%%:*}" >/dev/null || packages+=("${tool#*:}")
 done
 ((${#packages[@]})) || exit 0

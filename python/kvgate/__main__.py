@@ -15,7 +15,10 @@ import sys
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "sim": ("kvgate.sim.cli", "run the engine simulator (OpenAI-compatible fake engine)"),
     "serve": ("kvgate.cli_serve", "run the admission gateway"),
-    "demo": ("kvgate.demo", "the gateway in front of the simulator, with a short traffic mix"),
+    "demo": (
+        "kvgate.demo",
+        "the same traffic straight to the simulator and through kvgate, side by side",
+    ),
     "check-config": ("kvgate.cli_check", "validate a configuration file without starting"),
 }
 

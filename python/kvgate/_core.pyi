@@ -174,7 +174,7 @@ class TokenBucket:
 
 @final
 class AdaptiveLaw:
-    """The adaptive control law (README, "Engine metrics").
+    """The adaptive control law (docs/adaptive.md).
 
     Pressure is the engine's KV-cache usage ratio 0..1 (vLLM ``vllm:kv_cache_usage_perc``,
     SGLang ``sglang:token_usage``); when the waiting requests (``vllm:num_requests_waiting``)
@@ -438,8 +438,16 @@ class AdmissionController:
         Raises as :meth:`add_tenant` (nothing changes then)."""
     def set_scale(self, backend: int, scale: float) -> None:
         """Sets the adaptive scale (0 < scale <= 1), applied at once to the backend's
-        concurrency, TPM (rate and burst) and in-flight token limits. Raises
-        ``InvalidConfigError`` out of range."""
+        concurrency and TPM (rate and burst) limits; the in-flight token budget is never scaled
+        (see :meth:`set_inflight_external`). Raises ``InvalidConfigError`` out of range."""
+    def set_inflight_external(self, backend: int, tokens: int) -> None:
+        """Sets the engine's external KV occupancy (tokens): what its KV cache holds beyond
+        kvgate's own in-flight tokens (other clients, fragmentation), measured from its
+        metrics. The in-flight budget in force becomes ``max(0, inflight_token_limit −
+        tokens)`` for every request, guaranteed slot or not; held tokens stay held; 0 = no
+        correction. Shared by every worker of a shared region. Raises
+        ``InvalidAmountError``/``TypeError`` for a bad ``tokens``, ``InvalidConfigError`` for
+        an unknown backend."""
     def set_shedding(self, backend: int, on: bool) -> None:
         """Turns shedding of the sheddable class on or off."""
     def admit(
@@ -459,8 +467,10 @@ class AdmissionController:
         """Snapshot: name, scale, shedding, max_concurrency, effective_concurrency, in_use,
         guaranteed_slots (sum of the guarantees that apply to this backend), burst_pool, burst_in_use, tokens_per_minute,
         effective_tokens_per_minute, burst_tokens, effective_burst_tokens, available_tokens,
-        time_to_full (s), inflight_tokens, inflight_token_limit,
-        effective_inflight_token_limit, hold_time_ewma (s: weight 1/8, fed by the first
+        time_to_full (s), inflight_tokens, inflight_token_limit (base budget, ``None`` =
+        unlimited), inflight_external_tokens (:meth:`set_inflight_external`),
+        effective_inflight_token_limit (base less external, never below 0; not scaled),
+        hold_time_ewma (s: weight 1/8, fed by the first
         release and then about one in eight, a random draw; every release under a manual clock)."""
     def rate_limit_headers(self, backend: int, tenant: int) -> list[tuple[str, str]]:
         """OpenAI's six ``x-ratelimit-*`` headers (docs/engines.md §4) for ``tenant`` on

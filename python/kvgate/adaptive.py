@@ -5,20 +5,46 @@ readings for every backend and feeds each one through that backend's
 :class:`kvgate.AdaptiveLaw` (high watermark 0.85 → floor 0.6 × base, low watermark
 0.70 → back to base, linear in between, decreases at once, recovery at a bounded rate per second,
 engine queue deeper than ``waiting_threshold`` counts as pressure). The resulting scale is written
-to the admission core (``set_scale``: concurrency, TPM and in-flight token limits together) and
-the law's shedding flag switches the ``sheddable`` class off and on (``set_shedding``).
+to the admission core (``set_scale``: concurrency and TPM together) and the law's shedding flag
+switches the ``sheddable`` class off and on (``set_shedding``).
 
-Inputs: readings (KV-cache usage ratio 0..1, requests waiting), scrape failures, staleness and
-health transitions. An engine that reports no KV gauge (TGI's derived ratio missing, llama.cpp
-without ``/slots``) adapts on its queue alone: its KV usage is taken as 0.
+The in-flight token budget is not scaled: it already is the engine's KV memory (its capacity ×
+``capacity_safety_factor``, or the configured budget), so scaling it by KV pressure as well
+would count that pressure twice (with long generations holding their reservations it drove the
+budget below the tokens already in flight, and only guaranteed slots got through). Instead each
+good reading with a KV usage ratio ``u`` and a known KV capacity ``C`` (tokens, from the
+reading itself or the engine's discovery) gives the engine's *external* occupancy, what it
+holds beyond kvgate's own in-flight tokens (other clients, fragmentation)::
+
+    external = max(0, round(u × C) − tokens kvgate has in flight on that backend)
+
+written to the core (``set_inflight_external``), which admits against ``max(0, budget −
+external)``. kvgate reserves prompt + ``max_tokens`` while the engine holds prompt + the tokens
+generated so far, so an engine that serves only kvgate's traffic gives ~0: no throttling.
+Without a KV gauge or a known capacity (a configured budget, an engine that states no
+capacity) the correction is 0. A reading is a few hundred ms old when applied: requests
+released since it was taken still count in ``u`` (external reads high until the next reading,
+the safe side); requests admitted since count in-flight but not yet in ``u`` (external reads
+low by tokens the engine has not allocated yet).
+
+Inputs: readings (KV-cache usage ratio 0..1, requests waiting, KV capacity in tokens), scrape
+failures, staleness and health transitions. An engine that reports no KV gauge (TGI's derived
+ratio missing, llama.cpp without ``/slots``) adapts on its queue alone: its KV usage is taken
+as 0 for the law.
 
 Config: per backend ``adaptive`` (``enabled``, ``high``, ``low``, ``floor``,
-``recovery_per_second``, ``waiting_threshold``, ``poll_interval``, ``stale_after``).
+``recovery_per_second``, ``waiting_threshold``, ``poll_interval``, ``stale_after``); the
+external-occupancy correction applies to backends with ``enabled``.
 
 Trade-offs: stale metrics (no good scrape for ``stale_after``) drive the backend to the floor
-and shed sheddable traffic — never to "unlimited". The engine's own KV capacity, when it states
-it (``vllm:cache_config_info``, ``sglang:max_total_num_tokens``, llama.cpp ``/slots``), becomes
-the backend's in-flight token budget × ``capacity_safety_factor`` unless the config sets one.
+and shed sheddable traffic — never to "unlimited"; the external occupancy keeps its last value
+meanwhile. The engine's own KV capacity, when it states it (``vllm:cache_config_info``,
+``sglang:max_total_num_tokens``, llama.cpp ``/slots``), becomes the backend's in-flight token
+budget × ``capacity_safety_factor`` unless the config sets one.
+
+Visibility: each backend's ``bound_by`` (:class:`kvgate.app.Backend`) names the signal that holds
+its concurrency and TPM below base now (see :data:`BOUND_BY`); ``/admin/state`` shows it with
+the in-flight budget's (``external-kv`` or ``none``).
 """
 
 from __future__ import annotations
@@ -31,7 +57,14 @@ if TYPE_CHECKING:
     from kvgate.app import Gateway
     from kvgate.telemetry.engine_metrics import EngineReading
 
-__all__ = ["AdaptiveSink", "poll_targets"]
+__all__ = ["BOUND_BY", "AdaptiveSink", "poll_targets"]
+
+#: What can hold a backend's concurrency and TPM below base (``Backend.bound_by``):
+#: ``none`` (at base), ``kv-usage`` (the engine's KV usage ratio above the low watermark),
+#: ``waiting`` (the engine's queue deeper than ``waiting_threshold``), ``stale`` (no good
+#: metrics: the floor), ``recovery`` (pressure gone, climbing back at the bounded rate),
+#: ``replicas`` (another replica's more conservative scale, through the shared store).
+BOUND_BY = ("none", "kv-usage", "waiting", "stale", "recovery", "replicas")
 
 logger = logging.getLogger("kvgate.adaptive")
 
@@ -44,9 +77,12 @@ class AdaptiveSink:
         on_shed: called with the backend name when shedding turns on (the wait queue answers
             its queued sheddable requests then).
         law_clock: a ``kvgate.ManualClock`` for the laws (tests); ``None`` = monotonic.
+
+    Attributes:
+        laws: backend name → its ``AdaptiveLaw`` (backends with ``adaptive.enabled``).
     """
 
-    __slots__ = ("_gw", "_on_shed", "laws")
+    __slots__ = ("_capacity", "_gw", "_on_shed", "laws")
 
     def __init__(
         self,
@@ -60,6 +96,8 @@ class AdaptiveSink:
         self._gw = gateway
         self._on_shed = on_shed
         self.laws: dict[str, Any] = {}
+        # backend name → the engine's KV capacity (tokens) last stated by a reading
+        self._capacity: dict[str, int] = {}
         for b in gateway.backends:
             cfg = getattr(b.config, "adaptive", None)
             if cfg is None or not cfg.enabled:
@@ -88,6 +126,7 @@ class AdaptiveSink:
             # several replicas: the most conservative live proposal is in force
             scale, shed_in_force = store.propose(name, scale, shed_in_force)
         ctl.set_scale(backend.id, scale)
+        backend.bound_by = self._binding(law, scale, kv_usage, waiting)
         if scale > before and self._gw.queue:
             self._gw.queue.notify()  # limits grew: waiters may fit now
         ctl.set_shedding(backend.id, shed_in_force)
@@ -103,8 +142,56 @@ class AdaptiveSink:
             if law.shedding and self._on_shed is not None:
                 self._on_shed(name)
 
+    @staticmethod
+    def _binding(law: Any, scale: float, kv_usage: float | None, waiting: int) -> str:
+        """Which signal holds the scale below 1 (:data:`BOUND_BY`)."""
+        if kv_usage is None:
+            return "stale"
+        if scale >= 1.0:
+            return "none"
+        if scale < law.scale - 1e-9:
+            return "replicas"
+        queued = waiting > law.waiting_threshold
+        if queued and kv_usage < law.high:
+            return "waiting"
+        if kv_usage > law.low:
+            return "kv-usage"
+        return "waiting" if queued else "recovery"
+
+    def _correct_inflight(self, b: Any, reading: EngineReading) -> None:
+        """Sets the backend's external KV occupancy from a good reading: ``max(0, round(u ×
+        C) − in-flight tokens)`` with ``u`` the KV usage ratio and ``C`` the engine's KV
+        capacity (tokens); 0 when either is unknown. With several replicas on a store, the
+        in-flight tokens are every replica's (the budget allocated to all of them in Redis).
+        Only for adaptive backends."""
+        if b.name not in self.laws:
+            return
+        if reading.kv_capacity_tokens:
+            self._capacity[b.name] = reading.kv_capacity_tokens
+        cap = self._capacity.get(b.name)
+        if cap is None:
+            found = self._gw.discovery.get(b.name)
+            cap = getattr(found, "kv_capacity_tokens", None)
+        ctl = self._gw.controller
+        st = ctl.backend_state(b.id)
+        external = 0
+        if reading.kv_usage is not None and cap:
+            inflight = int(st["inflight_tokens"])
+            # several replicas: the engine also holds the others' requests
+            everyone = self._gw.store.inflight_allocated(b.name)
+            if everyone is not None:
+                inflight = max(inflight, everyone)
+            external = max(0, round(reading.kv_usage * cap) - inflight)
+        old = int(st["inflight_external_tokens"])
+        if external == old:
+            return
+        ctl.set_inflight_external(b.id, external)
+        if external < old and self._gw.queue:
+            self._gw.queue.notify()  # the budget grew: waiters may fit now
+
     def on_reading(self, backend: str, reading: EngineReading, now: float) -> None:
-        """A good reading: record it, feed the law, discover capacity."""
+        """A good reading: record it, feed the law, discover capacity, set the engine's
+        external KV occupancy (:meth:`_correct_inflight`)."""
         b = self._gw.backend_named(backend)
         b.kv_usage, b.waiting = reading.kv_usage, reading.waiting
         m = self._gw.metrics
@@ -117,6 +204,7 @@ class AdaptiveSink:
         self._apply(backend, kv, int(reading.waiting or 0))
         self._discover_capacity(b, reading)
         self._discover_slots(b, reading)
+        self._correct_inflight(b, reading)
 
     def _discover_slots(self, b: Any, reading: EngineReading) -> None:
         """The quick start's slot limit follows the engine's own (llama.cpp ``/slots``), e.g.
@@ -139,6 +227,7 @@ class AdaptiveSink:
         if self._gw.discovered_capacity.get(b.name) == budget:
             return
         self._gw.discovered_capacity[b.name] = budget
+        self._gw.set_prefill_capacity(b.name, cap)
         self._gw.controller.update_backend(b.id, inflight_token_limit=budget)
         self._gw.store.reload()
         logger.info(

@@ -14,6 +14,7 @@ import hmac
 import logging
 import math
 import time
+import urllib.parse
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,15 +23,18 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from kvgate import AnalysisError, ModelRegistry
+from kvgate import AnalysisError, ModelRegistry, dashboard
 from kvgate._core import peek_model
+from kvgate.admission.refusal import Refusal
 from kvgate.admission.retry_hint import SLOT_REASONS, RunningRequests
 from kvgate.config import TimeoutsConfig
 from kvgate.errors import GatewayError
 from kvgate.metrics import GatewayMetrics
 from kvgate.proxy.deadline import Watchdog
 from kvgate.proxy.prepared import PreparedResponse, Reply, connection_header, error_response
+from kvgate.proxy.routes import normalize_path
 from kvgate.store import LocalStore
+from kvgate.usage import usage_reply
 
 __all__ = [
     "PRIORITY_CLASSES",
@@ -47,19 +51,6 @@ PRIORITY_HEADER = "x-kvgate-priority"
 MAX_WAIT_HEADER = "x-kvgate-max-wait-ms"
 #: refusals that time alone lifts (a token bucket refilling), not a release
 _REFILL_REASONS = frozenset({"tenant-tpm", "backend-tpm"})
-
-
-@dataclass(frozen=True, slots=True)
-class Refusal:
-    """A refusal decided in Python (queue full, shed while waiting, wait timed out before the
-    core was asked); mirrors the core's ``Rejection`` (``admitted``, ``reason``, ``scope``,
-    ``retry_after`` seconds or ``None``, ``never``)."""
-
-    reason: str
-    scope: str = "backend"
-    retry_after: float | None = 1.0
-    never: bool = False
-    admitted: bool = False
 
 
 class _ShadowAdmission:
@@ -98,6 +89,8 @@ class Backend:
         healthy: routing flag; a backend whose health check fails is skipped.
         kv_usage: last KV-cache usage ratio (0..1) read from its metrics, or ``None``.
         waiting: last waiting-request count read from its metrics, or ``None``.
+        bound_by: what holds its concurrency and TPM below base now, set by the adaptive
+            sink (one of :data:`kvgate.adaptive.BOUND_BY`; ``none`` at base).
     """
 
     name: str
@@ -111,6 +104,7 @@ class Backend:
     stale: bool = False
     kv_usage: float | None = None
     waiting: int | None = None
+    bound_by: str = "none"
 
     @property
     def api_key(self) -> str | None:
@@ -215,6 +209,12 @@ class Gateway:
     #: where the limits live across replicas: :class:`kvgate.store.LocalStore` (this host
     #: only) or :class:`kvgate.store.redis_store.RedisStore` (config ``store``)
     store: Any = field(default_factory=LocalStore)
+    #: backend name → its prefill budget (:class:`kvgate.admission.prefill.PrefillGate`)
+    prefill: dict[str, Any] = field(default_factory=dict)
+    #: the latency-target controller (:class:`kvgate.admission.slo.SloController`), or ``None``
+    slo: Any = None
+    #: OpenTelemetry traces (:class:`kvgate.tracing.Tracing`, config ``tracing``), or ``None``
+    tracing: Any = None
     #: the pending timed ``queue.notify()`` (a token bucket refills with time, not on releases)
     _queue_wakeup: asyncio.TimerHandle | None = field(init=False, default=None)
     _by_hash: dict[bytes, Tenant] = field(init=False, default_factory=dict)
@@ -226,6 +226,7 @@ class Gateway:
         # one JSON parse per request: the registry picks the model's analyser itself
         self.registry = ModelRegistry([m.analyzer for m in self.models.values()])
         self.metrics = GatewayMetrics(self.read_state, lambda: int(self.controller.leaks))
+        self.metrics.stage_gauges.gateway = self
         self.metrics.init_backends(b.name for b in self.backends)
         size = self.config.queue.max_size if self.config is not None else 1024
         self.queue = (
@@ -234,6 +235,29 @@ class Gateway:
         self.metrics.queue_depth_of = (
             (lambda cls: self.queue.depth(cls)) if self.queue is not None else (lambda cls: 0)
         )
+
+    def set_prefill_capacity(self, backend: str, kv_capacity_tokens: int | None) -> None:
+        """(Re)makes ``backend``'s prefill budget from its configuration and the engine's KV
+        capacity (tokens; start-up, discovery, reload). Tokens in prefill when it changes are
+        forgotten by the new gate (their tickets leave the old one)."""
+        from kvgate.admission.prefill import gate_for
+
+        b = self.backend_named(backend)
+        configured = getattr(b.config, "prefill_token_budget", None)
+        if kv_capacity_tokens is None and b.config is not None:
+            limit = b.config.inflight_token_limit
+            if limit is not None:  # a configured budget is a share of the KV capacity
+                kv_capacity_tokens = int(limit / b.config.capacity_safety_factor)
+        gate = gate_for(configured, kv_capacity_tokens, self._notify_queue)
+        old = self.prefill.get(backend)
+        if gate is None:
+            self.prefill.pop(backend, None)
+        elif old is None or old.budget != gate.budget:
+            self.prefill[backend] = gate
+
+    def _notify_queue(self) -> None:
+        if self.queue is not None and self.queue.waiting:
+            self.queue.notify()
 
     def reload(self) -> bool:
         """Re-read ``config_path`` and apply it (SIGHUP), with :attr:`config_overrides`. An
@@ -324,6 +348,7 @@ class Gateway:
         priority: str,
         tokens: int,
         refusal: Any,
+        gate: Callable[[], Any] | None = None,
     ) -> Any:
         """Admission when the fast path did not admit: shadow mode, then the priority wait
         queue (critical before standard before sheddable, fair between tenants, bounded).
@@ -331,6 +356,9 @@ class Gateway:
         Args:
             refusal: the core's ``Rejection`` from the fast path, or ``None`` when the fast path
                 was skipped because requests are queued.
+            gate: checks after the core admitted (the prefill budget, latency targets; no
+                await): ``None`` to go on, or a refusal (the core's reservation is then given
+                back and the request waits again).
 
         Returns:
             A ``Reservation``, the shadow admission, or a refusal (``Rejection`` /
@@ -352,7 +380,13 @@ class Gateway:
             return SHADOW_ADMISSION
         queue = self.queue
         if refusal is None and queue is None:  # no queue configured: decide now
-            return self.controller.admit(backend.id, tenant.id, priority, tokens)
+            decision = self.controller.admit(backend.id, tenant.id, priority, tokens)
+            if decision.admitted and gate is not None:
+                extra = gate()
+                if extra is not None:
+                    decision.release(0)
+                    return extra
+            return decision
         if refusal is not None and self._waiting_cannot_help(request, tenant, refusal):
             return refusal
         wait = self.max_wait(request, tenant)
@@ -364,6 +398,12 @@ class Gateway:
         def try_admit() -> Any:
             decision = controller.admit(backend.id, tenant.id, priority, tokens)
             if decision.admitted:
+                if gate is not None:
+                    extra = gate()
+                    if extra is not None:
+                        decision.release(0)
+                        last[0] = extra
+                        return None
                 return decision
             last[0] = decision
             if decision.never:  # limits shrank by a reload: leave the queue, don't block it
@@ -740,25 +780,48 @@ async def handle_readyz(gw: Gateway, request: web.BaseRequest) -> web.Response:
     return web.json_response({"ready": ready}, status=200 if ready else 503)
 
 
-async def handle_admin_state(gw: Gateway, request: web.BaseRequest) -> Reply:
-    """``GET /admin/state``: each backend's base and effective limits, scale, in-use, KV usage,
-    waiting, age of the last good scrape and (quick start) what its engine said about itself
-    (``discovered``: engine, models and context windows, slots, KV capacity, each with its
-    source); each tenant's usage, quota and queue depth; the store (``mode`` ``local``, or
-    with Redis: this replica's id, breaker, counters and each active scope's mode, live
-    replicas and quotas).
-    Needs the admin key (``Authorization: Bearer``) when ``admin_key_sha256`` is configured."""
+def admin_key_ok(gw: Gateway, key: str | None) -> bool:
+    """Whether ``key`` opens the gateway's admin endpoints: always when no
+    ``admin_key_sha256`` is configured, else when the SHA-256 of ``key`` (UTF-8) equals it
+    (compared in constant time). ``None`` or ``""`` is no key."""
     want = getattr(gw.config, "admin_key_sha256", None)
-    if want:
-        key = _api_key(request) or ""
-        digest = hashlib.sha256(key.encode("utf-8", "surrogatepass")).digest()
-        if not hmac.compare_digest(digest, bytes.fromhex(want)):
-            return error_response(
-                request,
-                GatewayError(
-                    401, "Admin key required.", "invalid_request_error", code="invalid_api_key"
-                ),
-            )
+    if not want:
+        return True
+    digest = hashlib.sha256((key or "").encode("utf-8", "surrogatepass")).digest()
+    return hmac.compare_digest(digest, bytes.fromhex(want))
+
+
+def admin_refusal(request: web.BaseRequest) -> Reply:
+    """401 ``invalid_api_key`` (OpenAI's error shape) for an admin endpoint without its key."""
+    return error_response(
+        request,
+        GatewayError(401, "Admin key required.", "invalid_request_error", code="invalid_api_key"),
+    )
+
+
+def admin_denied(gw: Gateway, request: web.BaseRequest) -> Reply | None:
+    """The 401 (``invalid_api_key``, OpenAI's error shape) for an admin endpoint asked without
+    the admin key (``Authorization: Bearer`` or ``api-key``, :func:`admin_key_ok`); ``None``
+    when the key matches or none is configured."""
+    return None if admin_key_ok(gw, _api_key(request)) else admin_refusal(request)
+
+
+async def handle_admin_usage(gw: Gateway, request: web.BaseRequest) -> Reply:
+    """``GET /admin/usage``: per tenant × model × outcome, the requests and the prompt and
+    completion tokens charged, over ``?from=`` / ``?to=`` (Unix seconds or RFC 3339; default
+    since start), as JSON or ``?format=csv`` (:func:`kvgate.usage.usage_reply`). This worker's
+    own count (each worker of ``--workers N`` answers for itself). Needs the admin key when
+    ``admin_key_sha256`` is configured (401 otherwise); a bad parameter is a 400."""
+    denied = admin_denied(gw, request)
+    if denied is not None:
+        return denied
+    gw.metrics.flush()
+    return usage_reply(gw.metrics.usage, request)
+
+
+def admin_state(gw: Gateway) -> dict[str, Any]:
+    """The document ``GET /admin/state`` answers (see :func:`handle_admin_state`); also the
+    source of ``GET /dashboard/data``."""
     backends = []
     for b in gw.backends:
         st = dict(gw.controller.backend_state(b.id))
@@ -770,6 +833,7 @@ async def handle_admin_state(gw: Gateway, request: web.BaseRequest) -> Reply:
             kv_usage=b.kv_usage,
             waiting=b.waiting,
             last_good_scrape_age=_scrape_age(gw, b),
+            bound_by=_bound_by(b, st),
         )
         found = gw.discovery.get(b.name)
         if found is not None:
@@ -784,12 +848,128 @@ async def handle_admin_state(gw: Gateway, request: web.BaseRequest) -> Reply:
             queue_depth=gw.queue.tenant_depth(t.name) if gw.queue is not None else 0,
         )
         tenants.append(st)
+    return {
+        "backends": backends,
+        "tenants": tenants,
+        "store": gw.store.state(),
+        "prefill": {name: gate.state() for name, gate in gw.prefill.items()},
+        "slo": gw.slo.state() if gw.slo is not None else None,
+    }
+
+
+async def handle_admin_state(gw: Gateway, request: web.BaseRequest) -> Reply:
+    """``GET /admin/state``: each backend's base and effective limits, scale, in-use, KV usage,
+    waiting, the engine's external KV occupancy, which signal holds each limit below base
+    (``bound_by``), age of the last good scrape and (quick start) what its engine said about itself
+    (``discovered``: engine, models and context windows, slots, KV capacity, each with its
+    source); each tenant's usage, quota and queue depth; each backend's prefill budget
+    (``prefill``: budget, prompt tokens in prefill per lane, refusals); the latency targets
+    (``slo``: per backend and class the cap, what bound it, running, measured p99 TTFT and
+    TPOT); the store (``mode`` ``local``, or
+    with Redis: this replica's id, breaker, counters and each active scope's mode, live
+    replicas and quotas).
+    Needs the admin key (``Authorization: Bearer``) when ``admin_key_sha256`` is configured."""
+    if not admin_key_ok(gw, _api_key(request)):
+        return admin_refusal(request)
     return web.Response(
-        body=orjson.dumps(
-            {"backends": backends, "tenants": tenants, "store": gw.store.state()},
-            option=orjson.OPT_NON_STR_KEYS,
-        ),
+        body=orjson.dumps(admin_state(gw), option=orjson.OPT_NON_STR_KEYS),
         content_type="application/json",
+    )
+
+
+def _bound_by(b: Backend, st: dict[str, Any]) -> dict[str, str]:
+    """Which signal holds each of a backend's limits below its base now: ``concurrency`` and
+    ``tokens_per_minute`` (scaled together by the adaptive law: one of
+    :data:`kvgate.adaptive.BOUND_BY`), ``inflight`` (``external-kv``: the engine holds KV
+    beyond kvgate's in-flight tokens, so the budget in force is base less that; else
+    ``none``)."""
+    scaled = b.bound_by if st["scale"] < 1.0 else "none"
+    external = st["inflight_token_limit"] is not None and st["inflight_external_tokens"] > 0
+    return {
+        "concurrency": scaled,
+        "tokens_per_minute": scaled,
+        "inflight": "external-kv" if external else "none",
+    }
+
+
+def _dashboard_key(request: web.BaseRequest) -> str | None:
+    """The admin key a dashboard request carries: ``Authorization: Bearer`` (or ``api-key``),
+    else the dashboard's cookie."""
+    key = _api_key(request)
+    if key is None:
+        cookie = request.cookies.get(dashboard.COOKIE)
+        key = urllib.parse.unquote(cookie) if cookie else None
+    return key
+
+
+def _dashboard_reply(request: web.BaseRequest, path: str) -> web.Response:
+    body, content_type = dashboard.asset(path)
+    resp = web.Response(body=body, headers=dashboard.PAGE_HEADERS)
+    resp.headers["Content-Type"] = content_type
+    return resp
+
+
+async def handle_dashboard(gw: Gateway, request: web.BaseRequest) -> Reply:
+    """``GET /dashboard``: the live view (HTML; its script polls ``/dashboard/data`` every
+    second). With ``?key=KEY`` (the admin key, once): a 303 to ``/dashboard`` that sets the
+    ``HttpOnly``, ``SameSite=Strict`` cookie :data:`kvgate.dashboard.COOKIE` (``Path=/dashboard``,
+    ``Secure`` over TLS, 12 hours) holding it; a wrong key → 401. Without it, the page needs
+    the cookie or a Bearer header when ``admin_key_sha256`` is configured (else 401
+    ``invalid_api_key`` saying how to open it). The key is never logged."""
+    key = request.query.get("key")
+    if key is not None:
+        if not admin_key_ok(gw, key):
+            return admin_refusal(request)
+        resp = web.Response(
+            status=303, headers={**dashboard.PAGE_HEADERS, "Location": "/dashboard"}
+        )
+        if getattr(gw.config, "admin_key_sha256", None):
+            resp.set_cookie(
+                dashboard.COOKIE,
+                urllib.parse.quote(key, safe=""),
+                path="/dashboard",
+                max_age=dashboard.COOKIE_MAX_AGE_S,
+                httponly=True,
+                samesite="Strict",
+                secure=request.secure or None,
+            )
+        return resp
+    if not admin_key_ok(gw, _dashboard_key(request)):
+        return error_response(
+            request,
+            GatewayError(
+                401,
+                "Admin key required: open /dashboard?key=ADMIN_KEY once (it sets a cookie).",
+                "invalid_request_error",
+                code="invalid_api_key",
+            ),
+        )
+    return _dashboard_reply(request, "/dashboard")
+
+
+async def handle_dashboard_asset(gw: Gateway, request: web.BaseRequest) -> Reply:
+    """``GET /dashboard/dashboard.css`` and ``/dashboard/dashboard.js``: the page's style and
+    script, shipped in the package (no data in them: no key needed)."""
+    return _dashboard_reply(request, normalize_path(request.path))
+
+
+async def handle_dashboard_data(gw: Gateway, request: web.BaseRequest) -> Reply:
+    """``GET /dashboard/data``: the live view's JSON (:func:`kvgate.dashboard.dashboard_data`),
+    built from :func:`admin_state`, the metric families (summed over workers) and this
+    worker's wait queue. Needs the admin key (Bearer header or the dashboard's cookie) when
+    ``admin_key_sha256`` is configured, else 401 ``invalid_api_key``."""
+    if not admin_key_ok(gw, _dashboard_key(request)):
+        return admin_refusal(request)
+    data = dashboard.dashboard_data(
+        admin_state(gw),
+        gw.metrics.families(),
+        gw.queue.backend_depths() if gw.queue is not None else {},
+        time.time(),
+    )
+    return web.Response(
+        body=orjson.dumps(data, option=orjson.OPT_NON_STR_KEYS),
+        content_type="application/json",
+        headers={"Cache-Control": "no-store"},
     )
 
 
@@ -841,4 +1021,9 @@ GET_ENDPOINTS: dict[str, Callable[[Gateway, web.BaseRequest], Awaitable[Reply]]]
     "/healthz": handle_healthz,
     "/readyz": handle_readyz,
     "/admin/state": handle_admin_state,
+    "/admin/usage": handle_admin_usage,
+    "/dashboard": handle_dashboard,
+    "/dashboard/data": handle_dashboard_data,
+    "/dashboard/dashboard.css": handle_dashboard_asset,
+    "/dashboard/dashboard.js": handle_dashboard_asset,
 }

@@ -3,7 +3,9 @@
 Exit status 0 and a short summary (plus ``warning:`` lines on stderr for tenants no request can
 reach) when ``kvgate serve`` would start with it; 2 and one ``path: message`` line per problem
 (on stderr) when it would not: the file's own rules, then what start-up builds (the admission
-core's limits, tokenizers, chat templates, the listen host). Never a traceback for a bad file.
+core's limits, tokenizers, chat templates, the listen host), then, with a ``store``, the Redis
+server (reachable, 7.0 or later, the Functions library loads; a warning unless its
+``maxmemory-policy`` is ``noeviction``). Never a traceback for a bad file.
 """
 
 from __future__ import annotations
@@ -52,10 +54,23 @@ def summary(cfg: Config) -> str:
         )
     if cfg.anonymous_tenant:
         lines.append(f"requests without a key go to tenant {cfg.anonymous_tenant}")
+    if cfg.store is not None:
+        st = cfg.store
+        lines.append(
+            f"limits shared through Redis{' Cluster' if st.cluster else ''} at "
+            f"{st.url.rsplit('@', 1)[-1]}: heartbeat {st.heartbeat_s:g} s, lease {st.ttl_s:g} s, "
+            f"deadline {st.deadline_ms:g} ms, fallback {st.on_failure}"
+        )
+    tracing = getattr(cfg, "tracing", None)
+    if tracing is not None:
+        lines.append(
+            f"traces to {tracing.otlp_endpoint} (OTLP/HTTP) as {tracing.service_name}, "
+            f"sampling {tracing.sample_ratio:g} of new traces"
+        )
     lines.append(
-        "admin key set (GET /admin/state needs it)"
+        "admin key set (GET /admin/state and /admin/usage need it)"
         if cfg.admin_key_sha256
-        else "admin key not set: GET /admin/state is open to anyone who can reach the gateway"
+        else "admin key not set: GET /admin/state and /admin/usage are open to anyone who can reach the gateway"
     )
     return "\n".join(lines)
 
@@ -87,8 +102,24 @@ def run(args: argparse.Namespace) -> int:
     if problem is not None:
         print(f"kvgate: {args.file}: kvgate serve would refuse it: {problem}", file=sys.stderr)
         return 2
+    notes: list[str] = []
+    if cfg.store is not None:
+        import asyncio
+
+        from kvgate.store.redis_store import check_server
+
+        problems, notes = asyncio.run(check_server(cfg.store))
+        if problems:
+            for line in problems:
+                print(f"kvgate: {args.file}: {line}", file=sys.stderr)
+            return 2
     print(f"{args.file}: OK")
     print(summary(cfg))
+    for note in notes:
+        if note.startswith("warning: "):
+            print(note, file=sys.stderr)
+        else:
+            print(note)
     for line in warnings(cfg):
         print(f"warning: {line}", file=sys.stderr)
     return 0

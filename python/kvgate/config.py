@@ -267,13 +267,15 @@ def _existing_file(value: str, info: ValidationInfo) -> str:
 
 
 class AdaptiveConfig(_Model):
-    """Adaptive feedback from the engine's metrics (README, "Engine metrics").
+    """Adaptive feedback from the engine's metrics (docs/adaptive.md).
 
-    ``high`` / ``low``: KV-usage watermarks (ratio 0..1): at or above ``high`` the limits are at
-    ``floor`` × base and sheddable traffic is shed; below ``low`` they grow back to base at
-    ``recovery_per_second`` (fraction of base per second). ``waiting_threshold``: engine queue
-    depth above which the backend counts as under pressure. ``poll_interval``, ``stale_after``
-    and ``scrape_timeout`` are seconds (``scrape_timeout`` default 0.8 × ``poll_interval``).
+    ``high`` / ``low``: KV-usage watermarks (ratio 0..1): at or above ``high`` the concurrency
+    and TPM limits are at ``floor`` × base and sheddable traffic is shed; below ``low`` they grow
+    back to base at ``recovery_per_second`` (fraction of base per second). The in-flight token
+    budget is never scaled: the engine's KV occupancy beyond kvgate's in-flight tokens is taken
+    from it instead (:mod:`kvgate.adaptive`). ``waiting_threshold``: engine queue depth above
+    which the backend counts as under pressure. ``poll_interval``, ``stale_after`` and
+    ``scrape_timeout`` are seconds (``scrape_timeout`` default 0.8 × ``poll_interval``).
     """
 
     enabled: bool = True
@@ -307,7 +309,9 @@ class BackendConfig(_Model):
     the JSON answer, so that the engine sees at its next token write that a client went away
     (llama.cpp's server checks a non-streaming client only after a second without any other
     result, which metrics polling keeps resetting); turn it off only for an engine that cannot
-    stream.
+    stream. ``prefill_token_budget``: prompt tokens this backend may be prefilling at once
+    (:mod:`kvgate.admission.prefill`); ``None`` = derived from the engine (twice its prefill
+    chunk where stated, else 3 % of its KV capacity, at least 4,096 tokens), ``0`` = no budget.
     """
 
     name: Name
@@ -325,6 +329,7 @@ class BackendConfig(_Model):
     mode: Mode = "enforce"
     api_key_env: str | None = None
     stream_upstream: bool = True
+    prefill_token_budget: Int | None = Field(None, ge=0, le=MAX_AMOUNT)
     _api_key: str | None = PrivateAttr(default=None)
 
     @field_validator("name")
@@ -436,7 +441,7 @@ class QueueConfig(_Model):
 
 
 class AccessLogConfig(_Model):
-    """The access log: one JSON line per request (README, "Logs and request ids"), on by
+    """The access log: one JSON line per request (docs/operations.md, "Logs and request ids"), on by
     default, to stderr (``path`` null) or appended to the file ``path`` (relative to the
     configuration file's directory; its directory must exist). Read at start-up (a reload does
     not change it)."""
@@ -462,6 +467,60 @@ class AccessLogConfig(_Model):
         return str(path.resolve())
 
 
+class ClassTargetConfig(_Model):
+    """A priority class's latency targets (seconds; ``None``: no target): the 99th percentile
+    of its time to first token and of its time per output token."""
+
+    ttft_p99_s: Float | None = Field(None, gt=0)
+    tpot_p99_s: Float | None = Field(None, gt=0)
+
+
+class SloConfig(_Model):
+    """Latency targets per priority class (docs/admission.md, "Latency targets"): while a class misses
+    one, the lower classes' concurrency on that backend is capped, and raised back once every
+    target is met with a margin.
+
+    Attributes:
+        critical, standard, sheddable: each class's targets (``None``: none).
+        interval_s: seconds between two control steps.
+        window_s: seconds of finished requests a percentile is taken over.
+        min_samples: the fewest requests a percentile is taken from.
+    """
+
+    critical: ClassTargetConfig | None = None
+    standard: ClassTargetConfig | None = None
+    sheddable: ClassTargetConfig | None = None
+    interval_s: Float = Field(1.0, gt=0, le=60)
+    window_s: Float = Field(10.0, gt=0, le=3600)
+    min_samples: Int = Field(10, ge=1, le=10**6)
+
+
+class TracingConfig(_Model):
+    """OpenTelemetry traces of the requests (docs/operations.md, "Traces"), exported over OTLP/HTTP; needs
+    the optional extra ``otel`` (``pip install 'kvgate[otel]'``). Read at start-up (a reload
+    does not change it).
+
+    Attributes:
+        otlp_endpoint: the collector's OTLP/HTTP base URL (``http://host:4318``; spans are
+            posted to its ``/v1/traces``).
+        service_name: the ``service.name`` resource attribute of every span.
+        sample_ratio: the fraction (0..1) of new traces recorded (by trace id); a request with
+            a ``traceparent`` follows its parent's sampling flag.
+    """
+
+    otlp_endpoint: str = Field(min_length=1)
+    service_name: str = Field("kvgate", min_length=1, max_length=256)
+    sample_ratio: Float = Field(1.0, ge=0, le=1)
+
+    @field_validator("otlp_endpoint")
+    @classmethod
+    def _endpoint_ok(cls, value: str) -> str:
+        parts = urlsplit(value)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"must be an http:// or https:// URL with a host (got {value!r})")
+        return value
+
+
 #: What a replica does with a limit while Redis cannot be reached (``store.on_failure``).
 StorePolicy = Literal["share", "strict", "open", "closed"]
 #: The limits a fallback policy can be set for (the refusal reasons of the admission core).
@@ -475,8 +534,7 @@ STORE_LIMITS = (
 
 
 class StoreConfig(_Model):
-    """Where the limits live when several gateway replicas share them (README, "Several
-    replicas"): a Redis (or Valkey) server, version 7.0 or later (Redis Functions).
+    """Where the limits live when several gateway replicas share them (docs/replicas.md): a Redis (or Valkey) server, version 7.0 or later (Redis Functions).
 
     Without a ``store`` section the limits are this host's (one process, or ``--workers N``
     sharing memory). With one, every gateway process is a replica to Redis: it holds leased
@@ -484,8 +542,8 @@ class StoreConfig(_Model):
     — near a limit — for each decision.
 
     Attributes:
-        url: ``redis://[:password@]host:port/db``, ``rediss://`` (TLS) or
-            ``unix:///path/to.sock``; a password may be given as ``${ENV}`` in the URL.
+        url: ``redis://[[user]:password@]host:port/db``, ``rediss://`` (TLS) or
+            ``unix:///path/to.sock`` (Valkey speaks the same protocol).
         cluster: the URL names one node of a Redis Cluster.
         key_prefix: the prefix of every key kvgate writes (inside the hash tag).
         deadline_ms: the longest a request waits on Redis (milliseconds): a decision taken in
@@ -493,7 +551,7 @@ class StoreConfig(_Model):
         background_deadline_ms: the deadline of heartbeats, grants and returns (milliseconds).
         heartbeat_s: how often a replica renews its lease (seconds, 0.05..5).
         lease_ttl_s: how long a silent replica keeps its quotas before the others reap them
-            (seconds; default 3 × ``heartbeat_s``). A replica admits nothing on a lease older
+            (seconds; default 3 × ``heartbeat_s``, at least 2 × ``heartbeat_s``). A replica admits nothing on a lease older
             than this (a frozen process that wakes up) until Redis has heard from it again.
         chunk_fraction: the largest quota a replica holds beyond what it uses, as a fraction
             (0..1) of a limit divided among the live replicas.
@@ -531,10 +589,33 @@ class StoreConfig(_Model):
     @classmethod
     def _url_ok(cls, value: str) -> str:
         scheme = value.split("://", 1)[0] if "://" in value else ""
-        if scheme not in ("redis", "rediss", "unix", "valkey", "valkeys"):
+        shown = value.split("@")[-1]  # never the password
+        if scheme not in ("redis", "rediss", "unix"):
             raise ValueError(
-                "must be a redis://host:port/db, rediss://… or unix:///path URL (got "
-                f"{value.split('@')[-1]!r})"
+                f"must be a redis://host:port/db, rediss://… or unix:///path URL (got {shown!r})"
+            )
+        if scheme != "unix":
+            parts = urlsplit(value)
+            try:
+                parts.port  # noqa: B018 (parsing it is the check)
+            except ValueError:
+                raise ValueError(f"the port must be a number 0..65535 (got {shown!r})") from None
+            db = parts.path.strip("/")
+            if db and not db.isdigit():
+                raise ValueError(f"the database after the port must be a number (got {shown!r})")
+        return value
+
+    @field_validator("lease_ttl_s")
+    @classmethod
+    def _lease_ok(cls, value: float | None, info: ValidationInfo) -> float | None:
+        # the others reap a replica once its lease runs out: a lease shorter than two
+        # heartbeats would reap live replicas between their heartbeats, and their quotas
+        # would be granted again while their requests still run
+        heartbeat = info.data.get("heartbeat_s")
+        if value is not None and heartbeat is not None and value < 2 * heartbeat:
+            raise ValueError(
+                f"must be at least 2 × heartbeat_s ({2 * heartbeat:g} s): a shorter lease "
+                "lets the other replicas reap a live one between its heartbeats"
             )
         return value
 
@@ -579,6 +660,8 @@ class Config(_Model):
     other_routes: Literal["refuse", "forward"] = "refuse"
     access_log: AccessLogConfig = AccessLogConfig()
     store: StoreConfig | None = None
+    slo: SloConfig | None = None
+    tracing: TracingConfig | None = None
 
     @model_validator(mode="after")
     def _cross_field(self) -> Config:

@@ -222,10 +222,19 @@ def build_gateway(
         apply_config=apply_config,
     )
     _set_tenants(gateway, config)
+    gateway.slo = _slo_controller(gateway, config.slo)
+    if config.tracing is not None:  # OpenTelemetry is imported only then
+        try:
+            from kvgate.tracing import Tracing
+        except ImportError as exc:
+            raise ValueError(str(exc)) from None
+        gateway.tracing = Tracing(config.tracing)
     if config.store is not None:
         gateway.store = _redis_store(gateway, config.store)
+        gateway.metrics.store_gauges.store = gateway.store
     for b in config.backends:
         found = gateway.discovery.get(b.name)
+        gateway.set_prefill_capacity(b.name, getattr(found, "kv_capacity_tokens", None))
         if found is not None and found.slots == b.max_concurrency:
             gateway.engine_slots[b.name] = b.max_concurrency  # polls keep it the engine's
         cap = getattr(found, "kv_capacity_tokens", None)
@@ -234,6 +243,35 @@ def build_gateway(
             gateway.discovered_capacity[b.name] = budget
             controller.update_backend(controller.backend_id(b.name), inflight_token_limit=budget)
     return gateway
+
+
+def _slo_controller(gateway: Gateway, slo: Any) -> Any:
+    """The latency-target controller of ``slo`` (``None`` without targets)."""
+    if slo is None:
+        return None
+    from kvgate.admission.slo import ClassTargets, SloController
+
+    targets = {
+        cls: ClassTargets(t.ttft_p99_s, t.tpot_p99_s)
+        for cls in ("critical", "standard", "sheddable")
+        if (t := getattr(slo, cls)) is not None
+    }
+    if not targets:
+        return None
+    ctl = gateway.controller
+
+    def ceiling(name: str) -> int:
+        bid = ctl.backend_id(name)
+        return int(ctl.backend_state(bid)["effective_concurrency"]) if bid is not None else 1
+
+    return SloController(
+        targets,
+        ceiling,
+        interval_s=slo.interval_s,
+        window_s=slo.window_s,
+        min_samples=slo.min_samples,
+        on_raise=gateway._notify_queue,
+    )
 
 
 def _redis_store(gateway: Gateway, store_config: Any) -> Any:
@@ -328,6 +366,11 @@ def apply_config(gateway: Gateway, new: Config) -> None:
                 "reload: model settings (tokenizer, chat_template, context_window, "
                 "default_max_tokens) changed in the file; they apply only at the next start"
             )
+        if new.store != old.store:
+            logger.warning(
+                "reload: the store section changed in the file; it applies only at the next "
+                "start (the limits stay shared as they were)"
+            )
         if new.listen != old.listen or new.workers != old.workers:
             logger.warning(
                 "reload: listen address and workers changed in the file; they apply only at "
@@ -336,6 +379,8 @@ def apply_config(gateway: Gateway, new: Config) -> None:
                 old.listen.port,
                 old.workers,
             )
+        if new.tracing != old.tracing:
+            logger.warning("reload: tracing changed in the file; it applies only at the next start")
     ctl = gateway.controller
     new_tenants = _tenants_of(new)
     kept = {t.name for t in new_tenants}
@@ -376,6 +421,13 @@ def apply_config(gateway: Gateway, new: Config) -> None:
         new = new.model_copy(update={"listen": old.listen, "workers": old.workers})
     gateway.config = new
     gateway.max_body_bytes = new.max_body_bytes
+    for b in new.backends:
+        found = gateway.discovery.get(b.name)
+        cap = getattr(found, "kv_capacity_tokens", None)
+        if cap is None and gateway.discovered_capacity.get(b.name):
+            cap = int(gateway.discovered_capacity[b.name] / b.capacity_safety_factor)
+        gateway.set_prefill_capacity(b.name, cap)
+    gateway.slo = _slo_controller(gateway, new.slo)
     gateway.store.reload()
     gateway.timeouts = new.timeouts
     _set_tenants(gateway, new)

@@ -18,6 +18,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from kvgate.usage import UsageLedger
+
 if TYPE_CHECKING:
     from kvgate.proxy.relay import RelayResult
 
@@ -29,6 +31,88 @@ FLUSH_SECONDS = 1.0
 _LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.05, 0.1, 1.0)
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _RATIO_BUCKETS = (0.05, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0, 1.1, 1.5, 2.0)
+
+
+class _StoreCollector(Collector):
+    """Gauges of the shared store computed at scrape time (nothing without one)."""
+
+    def __init__(self) -> None:
+        self.store: Any = None
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        store = self.store
+        if store is None or store.mode == "local":
+            return
+        modes = GaugeMetricFamily(
+            "kvgate_store_mode",
+            "Active tenants and backends by store mode: local (decided from held quotas), "
+            "near-limit (decided in Redis), degraded (Redis unreachable), learning.",
+            labels=["scope", "mode"],
+        )
+        for (scope, mode), n in sorted(store.modes().items()):
+            modes.add_metric([scope, mode], n)
+        yield modes
+        slots, tokens = store.stranded()
+        stranded = GaugeMetricFamily(
+            "kvgate_store_stranded",
+            "Quota this replica holds beyond its use (unit: slots or tokens).",
+            labels=["unit"],
+        )
+        stranded.add_metric(["slots"], slots)
+        stranded.add_metric(["tokens"], tokens)
+        yield stranded
+        ratio = GaugeMetricFamily(
+            "kvgate_store_calls_per_admission",
+            "Calls to the shared store per admission since start (heartbeats included).",
+        )
+        ratio.add_metric([], store.calls / max(1, store.admissions))
+        yield ratio
+
+
+class _AdmissionStagesCollector(Collector):
+    """Gauges of the prefill budget and the latency targets, read at scrape time."""
+
+    def __init__(self) -> None:
+        self.gateway: Any = None
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        gw = self.gateway
+        if gw is None:
+            return
+        prefill = GaugeMetricFamily(
+            "kvgate_prefill_tokens",
+            "Prompt tokens of admitted requests whose first bytes have not arrived yet, by lane.",
+            labels=["backend", "lane"],
+        )
+        budget = GaugeMetricFamily(
+            "kvgate_prefill_token_budget", "Prefill budget per lane (tokens).", labels=["backend"]
+        )
+        for name, gate in gw.prefill.items():
+            prefill.add_metric([name, "critical"], gate.critical_in_prefill)
+            prefill.add_metric([name, "other"], gate.in_prefill)
+            budget.add_metric([name], gate.budget)
+        yield prefill
+        yield budget
+        if gw.slo is None:
+            return
+        caps = GaugeMetricFamily(
+            "kvgate_slo_class_limit",
+            "Concurrency cap a latency target put on a class (absent: none).",
+            labels=["backend", "class"],
+        )
+        p99 = GaugeMetricFamily(
+            "kvgate_slo_ttft_p99_seconds",
+            "Measured p99 time to first token per class over the controller's window.",
+            labels=["backend", "class"],
+        )
+        for backend, classes in gw.slo.state().items():
+            for cls, st in classes.items():
+                if st["cap"] is not None:
+                    caps.add_metric([backend, cls], st["cap"])
+                if st["ttft_p99_s"] is not None:
+                    p99.add_metric([backend, cls], st["ttft_p99_s"])
+        yield caps
+        yield p99
 
 
 class _StateCollector(Collector):
@@ -67,8 +151,13 @@ class _StateCollector(Collector):
             ),
             (
                 "kvgate_inflight_token_limit",
-                "Effective in-flight token budget.",
+                "In-flight token budget in force (base less the engine's external KV occupancy).",
                 "effective_inflight_token_limit",
+            ),
+            (
+                "kvgate_inflight_external_tokens",
+                "Tokens the engine's KV cache holds beyond kvgate's in-flight tokens.",
+                "inflight_external_tokens",
             ),
             (
                 "kvgate_scale",
@@ -97,7 +186,8 @@ class GatewayMetrics:
         read_state: returns ``[(backend_name, state_dict)]`` at scrape time; the dict keys are
             those of ``AdmissionController.backend_state`` (``in_use``,
             ``effective_concurrency``, ``effective_tokens_per_minute``, ``available_tokens``,
-            ``inflight_tokens``, ``effective_inflight_token_limit``, ``scale``).
+            ``inflight_tokens``, ``effective_inflight_token_limit``,
+            ``inflight_external_tokens``, ``scale``).
         leaks: returns the core's leaked-reservation count.
     """
 
@@ -141,8 +231,21 @@ class GatewayMetrics:
         )
         self.tenant_tokens = Counter(
             "kvgate_tenant_tokens",
-            "Tokens charged per tenant after settlement.",
+            "Tokens charged per tenant after settlement (kvgate_tenant_usage_tokens_total "
+            "summed over model and kind).",
             ["tenant"],
+            registry=reg,
+        )
+        self.tenant_usage_tokens = Counter(
+            "kvgate_tenant_usage_tokens",
+            "Tokens charged per tenant and model after settlement, by kind (prompt, completion).",
+            ["tenant", "model", "kind"],
+            registry=reg,
+        )
+        self.tenant_requests = Counter(
+            "kvgate_tenant_requests",
+            "Requests per tenant and model, by outcome.",
+            ["tenant", "model", "outcome"],
             registry=reg,
         )
         self.admission_seconds = Histogram(
@@ -269,16 +372,28 @@ class GatewayMetrics:
         self._counts: dict[tuple[Any, tuple[str, ...]], float] = {}
         self._hists: dict[tuple[Any, tuple[str, ...]], list[float]] = {}
         # each request leaves one tuple on the hot path; flush() folds them into the dicts above
-        self._rejects: list[tuple[str, str, str, float]] = []  # backend, tenant, reason, seconds
+        # backend, tenant, model, reason, seconds
+        self._rejects: list[tuple[str, str, str, str, float]] = []
         self._admits: list[tuple[str, int, float]] = []  # backend, reserved, seconds
-        # backend, tenant, tenant's class, outcome, reserved, actual, ttft
-        self._settles: list[tuple[str, str, str, str, int, int, float | None]] = []
+        # backend, tenant, tenant's class, model, outcome, reserved, actual, prompt, ttft
+        self._settles: list[tuple[str, str, str, str, str, int, int, int, float | None]] = []
+        # per tenant × model × outcome: [requests, prompt tokens, completion tokens], folded
+        # into the usage ledger (GET /admin/usage) at every flush
+        self._usage: dict[tuple[str, str, str], list[int]] = {}
+        #: per-minute usage since start (:mod:`kvgate.usage`)
+        self.usage = UsageLedger()
         self._bounds: dict[Any, tuple[float, ...]] = {
             self.admission_seconds: _LATENCY_BUCKETS,
             self.ttft_seconds: _TTFT_BUCKETS,
             self.usage_ratio: _RATIO_BUCKETS,
         }
         reg.register(_StateCollector(read_state))
+        #: the shared store the ``kvgate_store_*`` gauges read (set by the gateway's builder)
+        self.store_gauges = _StoreCollector()
+        reg.register(self.store_gauges)
+        #: the gateway the prefill and latency-target gauges read (set by the gateway)
+        self.stage_gauges = _AdmissionStagesCollector()
+        reg.register(self.stage_gauges)
 
     def init_backends(self, names: Iterable[str]) -> None:
         """Give every backend its samples from start-up: ``kvgate_shedding{class="sheddable"}``
@@ -312,6 +427,8 @@ class GatewayMetrics:
         count to ``kvgate_reservation_leaks_total`` and the wait queue's depth per class to
         ``kvgate_queue_depth``. Cheap when nothing happened."""
         self._fold()
+        usage, self._usage = self._usage, {}
+        self.usage.add(usage)
         counts, self._counts = self._counts, {}
         for (metric, labels), amount in counts.items():
             (metric.labels(*labels) if labels else metric).inc(amount)
@@ -334,15 +451,16 @@ class GatewayMetrics:
         rejects, self._rejects = self._rejects, []
         admits, self._admits = self._admits, []
         settles, self._settles = self._settles, []
-        count, observe = self._count, self._observe
-        for backend, tenant, reason, seconds in rejects:
+        count, observe, use = self._count, self._observe, self._use
+        for backend, tenant, model, reason, seconds in rejects:
             count(self.rejections, (backend, reason))
             count(self.requests, (backend, tenant, "rejected"))
             observe(self.admission_seconds, (), seconds)
+            use(tenant, model, "rejected", 0, 0)
         for backend, reserved, seconds in admits:
             count(self.tokens_reserved, (backend,), reserved)
             observe(self.admission_seconds, (), seconds)
-        for backend, tenant, cls, outcome, reserved, actual, ttft in settles:
+        for backend, tenant, cls, model, outcome, reserved, actual, prompt, ttft in settles:
             labels = (backend,)
             if actual <= reserved:
                 count(self.tokens_refunded, labels, reserved - actual)
@@ -350,13 +468,36 @@ class GatewayMetrics:
                 count(self.tokens_overrun, labels, actual - reserved)
             if reserved > 0:
                 observe(self.usage_ratio, labels, actual / reserved)
+            # the charge split: the prompt first (the engine's count, else kvgate's), the rest
+            # completion; a request charged nothing used nothing
             count(self.tenant_tokens, (tenant,), actual)
+            prompt = min(prompt, actual)
+            use(tenant, model, outcome, prompt, actual - prompt)
             if ttft is not None:
                 observe(self.ttft_seconds, (backend, cls), ttft)
             count(self.requests, (backend, tenant, outcome))
 
-    def request_done(self, backend: Any, tenant: Any, outcome: str) -> None:
-        """Count a finished request (``backend``/``tenant`` may be ``None`` before routing)."""
+    def _use(self, tenant: str, model: str, outcome: str, prompt: int, completion: int) -> None:
+        """One request of ``tenant`` on ``model`` with ``outcome``, charged ``prompt`` and
+        ``completion`` tokens: the tenant usage counters and the usage ledger's batch."""
+        count = self._count
+        count(self.tenant_requests, (tenant, model, outcome))
+        if prompt:
+            count(self.tenant_usage_tokens, (tenant, model, "prompt"), prompt)
+        if completion:
+            count(self.tenant_usage_tokens, (tenant, model, "completion"), completion)
+        key = (tenant, model, outcome)
+        row = self._usage.get(key)
+        if row is None:
+            self._usage[key] = [1, prompt, completion]
+        else:
+            row[0] += 1
+            row[1] += prompt
+            row[2] += completion
+
+    def request_done(self, backend: Any, tenant: Any, outcome: str, model: Any = None) -> None:
+        """Count a finished request (``backend``/``tenant``/``model`` may be ``None`` before
+        routing; a request without a tenant is in no tenant's usage)."""
         self._count(
             self.requests,
             (
@@ -365,29 +506,46 @@ class GatewayMetrics:
                 outcome,
             ),
         )
+        if tenant is not None:
+            self._use(tenant.name, model.name if model is not None else "", outcome, 0, 0)
 
-    def rejected(self, backend: Any, tenant: Any, reason: str, seconds: float) -> None:
+    def rejected(
+        self, backend: Any, tenant: Any, reason: str, seconds: float, model: Any = None
+    ) -> None:
         """Count an admission refusal (``kvgate_rejections_total``, ``kvgate_requests_total``
-        with outcome ``rejected``, the admission time)."""
-        self._rejects.append((backend.name, tenant.name, reason, seconds))
+        and ``kvgate_tenant_requests_total`` with outcome ``rejected``, the admission time)."""
+        self._rejects.append(
+            (backend.name, tenant.name, model.name if model is not None else "", reason, seconds)
+        )
 
     def admitted(self, backend: Any, tenant: Any, reserved: int, seconds: float) -> None:
         """Count an admission and its reservation."""
         self._admits.append((backend.name, reserved, seconds))
 
     def settled(
-        self, backend: Any, tenant: Any, reserved: int, actual: int, result: RelayResult
+        self,
+        backend: Any,
+        tenant: Any,
+        reserved: int,
+        actual: int,
+        result: RelayResult,
+        model: Any = None,
+        prompt: int | None = None,
     ) -> None:
         """Record a settlement: refund or overrun, ratio, TTFT (labelled with the tenant's
-        priority class) and the request outcome."""
+        priority class), the request outcome, and the tenant's usage on ``model``: of the
+        ``actual`` tokens charged, ``prompt`` (the prompt's tokens; ``None``: unknown, 0) are
+        counted as prompt, the rest as completion."""
         self._settles.append(
             (
                 backend.name,
                 tenant.name,
                 tenant.priority,
+                model.name if model is not None else "",
                 result.outcome,
                 reserved,
                 actual,
+                int(prompt or 0),
                 result.ttft,
             )
         )
@@ -398,6 +556,19 @@ class GatewayMetrics:
         if leaks > self._leaks_seen:
             self.reservation_leaks.inc(leaks - self._leaks_seen)
             self._leaks_seen = leaks
+
+    def families(self) -> list[Any]:
+        """The metric families a scrape would see (prometheus_client ``Metric`` objects, with
+        their samples): this process's batches flushed first; with ``--workers N`` the
+        counters and histograms summed over the workers. For the dashboard's data."""
+        self.flush()
+        if self._multiproc:
+            from prometheus_client import multiprocess
+
+            merged = CollectorRegistry()
+            multiprocess.MultiProcessCollector(merged)
+            return [*merged.collect(), *_GaugesOnly(self.registry).collect()]
+        return list(self.registry.collect())
 
     def render(self) -> bytes:
         """The exposition text for ``GET /metrics`` (this process's batches flushed first)."""

@@ -130,7 +130,7 @@ class _RequestHandler(RequestHandler):
     line, header or chunk size, ``Content-Length`` with ``Transfer-Encoding``, a header over
     8190 bytes, too many headers: 400 ``invalid_http``) and an unexpected exception in a handler
     (500 ``internal_error``, no traceback). The connection is closed after either, as aiohttp
-    does."""
+    does. A client gone while its answer was written (``ConnectionResetError``) is not logged."""
 
     def handle_error(
         self,
@@ -139,6 +139,12 @@ class _RequestHandler(RequestHandler):
         exc: BaseException | None = None,
         message: str | None = None,
     ) -> web.StreamResponse:
+        if isinstance(exc, ConnectionResetError):
+            # the client went away as its answer's head was written (the relay counted a
+            # client disconnect and settlement released everything): no traceback, no answer
+            resp = web.Response(status=status)
+            resp.force_close()
+            return resp
         # aiohttp's version logs the error and refuses to answer when bytes already went out
         super().handle_error(request, status, exc, message)
         if status >= 500:
@@ -203,7 +209,9 @@ async def gateway_runtime(gateway: Gateway) -> AsyncIterator[None]:
     """The gateway's background parts for the life of a server, in this order (and closed in
     reverse): the upstream ``ClientSession`` (no pool limit, ``connect`` timeout, the relay's
     connection-reuse trace), the upstream
-    timeouts' watchdog (:class:`~kvgate.proxy.deadline.Watchdog`), the metrics flush every :data:`~kvgate.metrics.FLUSH_SECONDS` (and once at the end), the engine metrics
+    timeouts' watchdog (:class:`~kvgate.proxy.deadline.Watchdog`), the metrics flush every :data:`~kvgate.metrics.FLUSH_SECONDS` (and once at the end), the latency-target
+    controller's steps (with ``slo``), the span exporter (with ``tracing``), the shared store
+    (with ``store``), the engine metrics
     pollers (when ``gateway.poll``), SIGHUP → :meth:`Gateway.reload` (when
     ``gateway.config_path``)."""
     connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300)
@@ -222,7 +230,18 @@ async def gateway_runtime(gateway: Gateway) -> AsyncIterator[None]:
             metrics.flush()
 
     flusher = asyncio.create_task(flush_forever())
+    slo = gateway.slo
+
+    async def slo_forever() -> None:
+        # the latency-target controller steps on its own period, traffic or not
+        while True:
+            await asyncio.sleep(slo.interval_s)
+            slo.tick()
+
+    stepper = asyncio.create_task(slo_forever()) if slo is not None else None
     gateway.watchdog.start()
+    if gateway.tracing is not None:
+        gateway.tracing.start()
     poller = None
     reload_on_hup = bool(gateway.config_path)
     try:
@@ -240,10 +259,16 @@ async def gateway_runtime(gateway: Gateway) -> AsyncIterator[None]:
         flusher.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await flusher
+        if stepper is not None:
+            stepper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await stepper
         await gateway.watchdog.stop()
         await gateway.store.close()
         metrics.flush()
         await gateway.session.close()
+        if gateway.tracing is not None:  # the last spans go out (bounded by the export timeout)
+            await asyncio.to_thread(gateway.tracing.shutdown)
 
 
 async def _start_poller(gateway: Gateway) -> Any:

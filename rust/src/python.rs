@@ -1050,6 +1050,15 @@ impl AdmissionController {
         Ok(self.core.set_scale(backend, scale)?)
     }
 
+    fn set_inflight_external(
+        &self,
+        #[pyo3(from_py_with = backend_id_arg)] backend: u32,
+        tokens: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        let tokens = amount(tokens, "tokens")?;
+        Ok(self.core.set_inflight_external(backend, tokens)?)
+    }
+
     fn set_shedding(
         &self,
         #[pyo3(from_py_with = backend_id_arg)] backend: u32,
@@ -1203,6 +1212,7 @@ impl AdmissionController {
         d.set_item("time_to_full", secs(s.time_to_full_ns))?;
         d.set_item("inflight_tokens", s.inflight_tokens)?;
         d.set_item("inflight_token_limit", s.inflight_token_limit)?;
+        d.set_item("inflight_external_tokens", s.inflight_external_tokens)?;
         d.set_item(
             "effective_inflight_token_limit",
             s.effective_inflight_token_limit,

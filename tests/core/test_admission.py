@@ -97,10 +97,14 @@ def test_backend_tpm_and_scale(ctl: AdmissionController) -> None:
     b = ctl.add_backend("b", max_concurrency=10, tokens_per_minute=1000, inflight_token_limit=900)
     t = ctl.add_tenant("t", priority="standard")
     ctl.set_scale(b, 0.5)
+    # The scale applies to slots and TPM, not to the in-flight budget; the engine's external
+    # KV occupancy lowers that.
+    ctl.set_inflight_external(b, 450)
     s = ctl.backend_state(b)
     assert (s["effective_concurrency"], s["effective_tokens_per_minute"]) == (5, 500)
     assert (s["effective_burst_tokens"], s["effective_inflight_token_limit"]) == (500, 450)
-    # Above the scaled in-flight budget but within the base one: retry later, not never.
+    assert (s["inflight_token_limit"], s["inflight_external_tokens"]) == (900, 450)
+    # Above the budget in force but within the base one: retry later, not never.
     r = ctl.admit(b, t, "standard", 460)
     assert (r.reason, r.never) == ("inflight-tokens", False)
     r = ctl.admit(b, t, "standard", 450)
@@ -108,6 +112,7 @@ def test_backend_tpm_and_scale(ctl: AdmissionController) -> None:
     r2 = ctl.admit(b, t, "standard", 100)
     assert r2.reason == "inflight-tokens"
     r.release()
+    ctl.set_inflight_external(b, 0)
     held = [ctl.admit(b, t, "standard", 1) for _ in range(5)]
     assert all(h.admitted for h in held)
     assert ctl.admit(b, t, "standard", 1).reason == "backend-slots"

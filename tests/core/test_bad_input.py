@@ -426,6 +426,7 @@ _ID_METHODS: list[tuple[str, tuple[str, ...], object]] = [
     ("tenant_state", ("tenant",), lambda c, b, t: c.tenant_state(t)),
     ("set_scale", ("backend",), lambda c, b, t: c.set_scale(b, 0.5)),
     ("set_shedding", ("backend",), lambda c, b, t: c.set_shedding(b, True)),
+    ("set_inflight_external", ("backend",), lambda c, b, t: c.set_inflight_external(b, 1)),
     ("update_backend", ("backend",), lambda c, b, t: c.update_backend(b, max_concurrency=1)),
     ("update_tenant", ("tenant",), lambda c, b, t: c.update_tenant(t, max_concurrency=1)),
     ("rate_limit_headers", ("backend", "tenant"), lambda c, b, t: c.rate_limit_headers(b, t)),

@@ -88,10 +88,15 @@ def manifests(folder: Path = KUBERNETES) -> list[dict[str, Any]]:
     return docs
 
 
-def manifest(kind: str, folder: Path = KUBERNETES) -> dict[str, Any]:
-    """The one document of ``kind`` (``Deployment``, ``ConfigMap``, ...)."""
-    found = [d for d in manifests(folder) if d["kind"] == kind]
-    assert len(found) == 1, f"{len(found)} {kind} documents"
+def manifest(kind: str, folder: Path = KUBERNETES, app: str = "kvgate") -> dict[str, Any]:
+    """The one document of ``kind`` (``Deployment``, ``ConfigMap``, ...) of ``app`` (its
+    ``app.kubernetes.io/name`` label: ``kvgate``, or ``kvgate-redis`` for the shared store)."""
+    found = [
+        d
+        for d in manifests(folder)
+        if d["kind"] == kind and d["metadata"]["labels"]["app.kubernetes.io/name"] == app
+    ]
+    assert len(found) == 1, f"{len(found)} {kind} documents of {app}"
     return found[0]
 
 

@@ -24,6 +24,7 @@ REQUIRED_ALERTS = {
     "KvgateReservationLeak",
     "KvgateRefusalRatioHigh",
     "KvgateCriticalTTFTHigh",
+    "KvgateStoreDegraded",
 }
 
 
@@ -81,7 +82,8 @@ def test_the_dashboard_has_a_panel_per_required_view() -> None:
         "kvgate_queue_depth",
         "kvgate_rejections_total",
         "kvgate_upstream_ttft_seconds_bucket",
-        "kvgate_tenant_tokens_total",
+        "kvgate_tenant_usage_tokens_total",
+        "kvgate_tenant_requests_total",
     ):
         assert any(metric in e for e in exprs.values()), metric
     for panel in data["panels"]:

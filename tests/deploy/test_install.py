@@ -4,7 +4,8 @@ One test, outside Docker (no base image can be pulled here): build the wheel wit
 the Dockerfile's build stage does), run the runtime stage's ``RUN pip install`` line in a fresh
 virtual environment, start ``kvgate sim`` and then the Dockerfile's ``CMD`` — both from that
 environment — with the configuration the Kubernetes ConfigMap carries (its backend pointed at
-the simulator, its listen address at 127.0.0.1) and the Secret's variables; then the
+the simulator, its listen address at 127.0.0.1, its ``store`` at a ``redis-server`` on
+loopback) and the Secret's variables; then the
 HEALTHCHECK command, one chat request with the official ``openai`` client, and a SIGTERM
 during a stream: the stream finishes (drain) and kvgate exits 0.
 """
@@ -18,13 +19,16 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 import zipfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import openai
 import pytest
 import yaml
+from tests.store.redis_servers import require_redis, start_redis
 
 from .recipe import (
     ROOT,
@@ -78,9 +82,20 @@ def _wait_line(proc: subprocess.Popen[str], prefix: str, timeout: float) -> str:
     raise AssertionError(f"no {prefix!r} line within {timeout} s")
 
 
+@pytest.fixture
+def redis_url(tmp_path: Path) -> Iterator[str]:
+    """A ``redis-server`` on loopback for the ConfigMap's ``store`` (the Redis of
+    deploy/kubernetes/redis.yaml), as its URL; skipped without one outside CI."""
+    require_redis()
+    with start_redis(tmp_path / "redis") as server:
+        yield f"redis://127.0.0.1:{server.port}/0"
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
-def test_the_wheel_installs_and_serves_as_the_dockerfile_runs_it(tmp_path: Path) -> None:
+def test_the_wheel_installs_and_serves_as_the_dockerfile_runs_it(
+    tmp_path: Path, redis_url: str
+) -> None:
     build, final = dockerfile_stages()
 
     # 1. the build stage: `maturin build --release`
@@ -97,9 +112,16 @@ def test_the_wheel_installs_and_serves_as_the_dockerfile_runs_it(tmp_path: Path)
     (wheel,) = wheels.glob("kvgate-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     # what a non-editable install needs beside the .py files: the extension, its stubs, the
-    # PEP 561 marker, the simulator's notes
+    # PEP 561 marker, the simulator's notes, the dashboard's page
     assert any(re.fullmatch(r"kvgate/_core\..*\.so", n) for n in names), names
-    for needed in ("kvgate/py.typed", "kvgate/_core.pyi", "kvgate/sim/README.md"):
+    for needed in (
+        "kvgate/py.typed",
+        "kvgate/_core.pyi",
+        "kvgate/sim/README.md",
+        "kvgate/dashboard/index.html",
+        "kvgate/dashboard/dashboard.css",
+        "kvgate/dashboard/dashboard.js",
+    ):
         assert needed in names
 
     # 2. the runtime stage's `pip install`, run in a fresh virtual environment
@@ -147,6 +169,8 @@ def test_the_wheel_installs_and_serves_as_the_dockerfile_runs_it(tmp_path: Path)
         assert found is not None, banner
         backend["url"] = found.group(1)
         data["listen"] = {"host": "127.0.0.1", "port": 0}
+        assert data["store"]["url"].startswith("redis://")
+        data["store"]["url"] = redis_url  # the replicas' shared Redis, here on loopback
         config = tmp_path / "kvgate.yaml"
         config.write_text(yaml.safe_dump(data))
 
@@ -179,6 +203,13 @@ def test_the_wheel_installs_and_serves_as_the_dockerfile_runs_it(tmp_path: Path)
             while subprocess.run(check, env=env, capture_output=True, check=False).returncode:
                 assert time.monotonic() < deadline, "/readyz never answered 200"
                 time.sleep(0.2)
+
+            # the dashboard's files come from the installed package
+            for name in ("dashboard.js", "dashboard.css"):
+                with urllib.request.urlopen(f"{url}/dashboard/{name}", timeout=10) as resp:
+                    assert resp.status == 200
+                    served = resp.read()
+                assert served == (Path(where.strip()).parent / "dashboard" / name).read_bytes()
 
             # 6. one chat request, then SIGTERM while a stream runs: the stream finishes
             with openai.OpenAI(base_url=url + "/v1", api_key=CLIENT_KEY, max_retries=0) as client:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 from pathlib import PurePosixPath
+from urllib.parse import urlsplit
 
 import kubernetes_validate
 import pytest
@@ -34,8 +35,15 @@ def _flag(cmd: list[str], name: str) -> str:
 
 def test_every_manifest_validates_against_the_kubernetes_schemas() -> None:
     docs = manifests()
-    kinds = sorted(d["kind"] for d in docs)
-    assert kinds == ["ConfigMap", "Deployment", "Secret", "Service"]
+    kinds = sorted((d["metadata"]["labels"]["app.kubernetes.io/name"], d["kind"]) for d in docs)
+    assert kinds == [
+        ("kvgate", "ConfigMap"),
+        ("kvgate", "Deployment"),
+        ("kvgate", "Secret"),
+        ("kvgate", "Service"),
+        ("kvgate-redis", "Deployment"),
+        ("kvgate-redis", "Service"),
+    ]
     for doc in docs:
         # strict: an unknown or misspelt field is an error, not silently ignored
         kubernetes_validate.validate(doc, kubernetes_validate.latest_version(), strict=True)
@@ -120,3 +128,36 @@ def test_the_dockerfile_is_multi_stage_non_root_and_checks_readyz() -> None:
     assert cmd[:2] == ["kvgate", "serve"]
     assert not final.all("ENTRYPOINT")
     assert final.last("STOPSIGNAL") == "SIGTERM"
+
+
+def test_the_replicas_share_their_limits_through_the_redis_of_the_example() -> None:
+    """The ConfigMap's ``store.url`` names the Redis Service and its port; that Service selects
+    the Redis pod, which runs without eviction and with its append-only file."""
+    _, _, text = config_map_file()
+    cfg = parse_config(yaml.safe_load(text), env=secret_env(), source="configmap")
+    assert cfg.store is not None
+    url = urlsplit(cfg.store.url)
+    service = manifest("Service", app="kvgate-redis")
+    assert url.scheme == "redis"
+    assert url.hostname == service["metadata"]["name"]
+    (port,) = service["spec"]["ports"]
+    assert url.port == port["port"]
+    deployment = manifest("Deployment", app="kvgate-redis")
+    assert deployment["spec"]["replicas"] == 1
+    assert service["spec"]["selector"] == deployment["spec"]["selector"]["matchLabels"]
+    pod = deployment["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert ports[port["targetPort"]] == 6379
+    args = container["args"]
+    assert args[args.index("--maxmemory-policy") + 1] == "noeviction"
+    assert args[args.index("--appendonly") + 1] == "yes"
+    # Redis Functions (kvgate's store) need Redis 7.0 or later
+    major = int(container["image"].split(":")[1].split(".")[0])
+    assert major >= 7
+    mount = next(m for m in container["volumeMounts"] if m["mountPath"] == "/data")
+    assert any(v["name"] == mount["name"] for v in pod["volumes"])
+    assert manifest("Deployment")["spec"]["replicas"] == 3
+    # the image installs the Redis client the store needs
+    (install,) = [r for r in dockerfile_stages()[-1].all("RUN") if "pip install" in r]
+    assert re.search(r"\.whl\)?\[[a-z,]*redis[a-z,]*\]", install), install

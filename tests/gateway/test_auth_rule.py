@@ -1,4 +1,4 @@
-"""Which tenant a request runs as (README, "How a request is admitted", step 2): only a request
+"""Which tenant a request runs as (docs/admission.md, step 2): only a request
 with no key is the anonymous tenant's; a key that matches no tenant is always 401."""
 
 from __future__ import annotations

@@ -15,7 +15,9 @@ import openai
 import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
+from tests.store.redis_servers import require_redis, start_redis
 
+from kvgate.config import StoreConfig
 from kvgate.sim import SimConfig, run_sim
 
 from .conftest import KEYS, config_for, sha
@@ -87,8 +89,29 @@ def test_the_expression_parser_finds_names_and_labels() -> None:
     assert labels == {"backend", "reason", "class"}
 
 
+def _uses_store(expr: str) -> bool:
+    """Whether ``expr`` reads a shared-store series (checked on a gateway with a store)."""
+    return "kvgate_store_" in expr
+
+
+def _missing(expressions: list[str], series: dict[str, set[str]]) -> list[str]:
+    """What the expressions use that the exposition lacks (metric or label names)."""
+    missing = []
+    for expr in expressions:
+        metrics, labels = used_names(expr)
+        assert metrics, expr
+        have: set[str] = set()
+        for name in metrics:
+            if name not in series:
+                missing.append(f"metric {name} (in {expr!r})")
+            else:
+                have |= series[name]
+        missing += [f"label {label} (in {expr!r})" for label in sorted(labels - have)]
+    return missing
+
+
 async def test_every_dashboard_and_alert_series_is_exported(gateway_for) -> None:
-    expressions = dashboard_expressions() + rule_expressions()
+    expressions = [e for e in dashboard_expressions() + rule_expressions() if not _uses_store(e)]
     assert len(expressions) >= 15
     sim_cfg = SimConfig.from_profile("tiny", speed=50, seed=5, mean_output_tokens=4)
     async with run_sim(sim_cfg) as sim:
@@ -140,15 +163,35 @@ async def test_every_dashboard_and_alert_series_is_exported(gateway_for) -> None
 
     series = exported(text)
     assert series["kvgate_rejections_total"] >= {"backend", "reason"}
-    missing = []
-    for expr in expressions:
-        metrics, labels = used_names(expr)
-        assert metrics, expr
-        have: set[str] = set()
-        for name in metrics:
-            if name not in series:
-                missing.append(f"metric {name} (in {expr!r})")
-            else:
-                have |= series[name]
-        missing += [f"label {label} (in {expr!r})" for label in sorted(labels - have)]
+    missing = _missing(expressions, series)
+    assert not missing, "\n".join(missing)
+
+
+async def test_the_store_alert_series_are_exported_by_a_gateway_with_a_store(
+    gateway_for, tmp_path: Path
+) -> None:
+    """The rules on the shared store (the breaker) against a gateway whose ``store`` is a real
+    ``redis-server`` on loopback (skipped without one, outside CI)."""
+    expressions = [e for e in dashboard_expressions() + rule_expressions() if _uses_store(e)]
+    assert expressions
+    require_redis()
+    sim_cfg = SimConfig.from_profile("tiny", speed=50, seed=5, mean_output_tokens=4)
+    with start_redis(tmp_path / "redis") as redis:
+        async with run_sim(sim_cfg) as sim:
+            model = sim.engine.config.model
+            cfg = config_for(sim.url, [model])
+            cfg = cfg.model_copy(
+                update={"store": StoreConfig(url=f"redis://127.0.0.1:{redis.port}/0")}
+            )
+            async with gateway_for(cfg) as gw:
+                client = openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="x", max_retries=0)
+                async with client:
+                    await client.chat.completions.create(
+                        model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=4
+                    )
+                text = await get_text(gw.url + "/metrics")
+                await until(lambda: gw.backend_state()["in_use"] == 0, timeout=10)
+    series = exported(text)
+    assert "kvgate_store_mode" in series  # a store is configured: its scrape-time gauges exist
+    missing = _missing(expressions, series)
     assert not missing, "\n".join(missing)

@@ -16,6 +16,7 @@ B0 = SimpleNamespace(name="b0")
 B1 = SimpleNamespace(name="b1")
 ALICE = SimpleNamespace(name="alice", priority="critical")
 BOB = SimpleNamespace(name="bob", priority="standard")
+CHAT = SimpleNamespace(name="chat")
 
 # latency values on, between, below and above the bucket bounds (0.0001 ... 1.0)
 SECONDS = [0.00005, 0.0001, 0.00010001, 0.0003, 0.001, 0.002, 0.7, 1.0, 5.0, 0.0]
@@ -35,11 +36,12 @@ def drive(m: GatewayMetrics) -> None:
     """A mix of refusals, admissions and settlements through the batched methods."""
     for i, sec in enumerate(SECONDS):
         backend, tenant = (B0, ALICE) if i % 3 else (B1, BOB)
-        m.rejected(backend, tenant, "backend-tpm" if i % 2 else "tenant-tpm", sec)
+        m.rejected(backend, tenant, "backend-tpm" if i % 2 else "tenant-tpm", sec, CHAT)
         m.admitted(backend, tenant, 100 + i, sec)
         result = RelayResult(status=200, ttft=sec * 10, outcome="ok" if i % 4 else "stream_broken")
-        m.settled(backend, tenant, 100 + i, [0, 50, 100 + i, 250][i % 4], result)
+        m.settled(backend, tenant, 100 + i, [0, 50, 100 + i, 250][i % 4], result, CHAT, 60)
     m.request_done(None, None, "rejected_400")
+    m.request_done(None, ALICE, "rejected_404")
 
 
 def drive_directly(m: GatewayMetrics) -> None:
@@ -49,6 +51,7 @@ def drive_directly(m: GatewayMetrics) -> None:
         reason = "backend-tpm" if i % 2 else "tenant-tpm"
         m.rejections.labels(backend.name, reason).inc()
         m.requests.labels(backend.name, tenant.name, "rejected").inc()
+        m.tenant_requests.labels(tenant.name, "chat", "rejected").inc()
         m.admission_seconds.observe(sec)
         reserved, actual = 100 + i, [0, 50, 100 + i, 250][i % 4]
         m.tokens_reserved.labels(backend.name).inc(reserved)
@@ -62,7 +65,15 @@ def drive_directly(m: GatewayMetrics) -> None:
         m.ttft_seconds.labels(backend.name, tenant.priority).observe(sec * 10)
         outcome = "ok" if i % 4 else "stream_broken"
         m.requests.labels(backend.name, tenant.name, outcome).inc()
+        m.tenant_requests.labels(tenant.name, "chat", outcome).inc()
+        prompt = min(60, actual)  # the prompt is charged first, the rest is completion
+        if prompt:
+            m.tenant_usage_tokens.labels(tenant.name, "chat", "prompt").inc(prompt)
+        if actual - prompt:
+            m.tenant_usage_tokens.labels(tenant.name, "chat", "completion").inc(actual - prompt)
     m.requests.labels("", "", "rejected_400").inc()
+    m.requests.labels("", "alice", "rejected_404").inc()
+    m.tenant_requests.labels("alice", "", "rejected_404").inc()
 
 
 def new_metrics(leaks: list[int]) -> GatewayMetrics:
@@ -77,6 +88,19 @@ def test_flushed_batches_equal_direct_updates() -> None:
     assert got == want
     assert want[("kvgate_admission_seconds_count", ())] == 2 * len(SECONDS)
     assert want[("kvgate_admission_seconds_bucket", (("le", "0.0001"),))] == 2 * 3
+    # the usage ledger got the same counts, per tenant × model × outcome
+    rows = batched.usage.totals(0, float("inf"))
+    tokens: dict[tuple[str, str, str], float] = {}
+    for (tenant, model, outcome), (requests, prompt, completion) in rows.items():
+        labels = (("model", model), ("outcome", outcome), ("tenant", tenant))
+        assert want[("kvgate_tenant_requests_total", labels)] == requests
+        for kind, n in (("prompt", prompt), ("completion", completion)):
+            tokens[(kind, model, tenant)] = tokens.get((kind, model, tenant), 0) + n
+    for (kind, model, tenant), n in tokens.items():
+        key = (("kind", kind), ("model", model), ("tenant", tenant))
+        assert want.get(("kvgate_tenant_usage_tokens_total", key), 0) == n
+    assert sum(tokens.values()) > 0
+    assert rows[("alice", "", "rejected_404")] == [1, 0, 0]
 
 
 def test_nothing_shows_before_a_flush_and_nothing_counts_twice() -> None:

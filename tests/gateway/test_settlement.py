@@ -1,6 +1,6 @@
 """Settlement end to end: what a finished request is charged when the engine's answer does not
 carry usage (the completion is counted from the answer's text, never free: an overrun is charged, never
-silently free; README "How a request is admitted", step 5), and a client that
+silently free; docs/admission.md, step 5), and a client that
 stops reading a stream, which must not hold its slot past the ``total`` timeout."""
 
 from __future__ import annotations

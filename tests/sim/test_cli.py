@@ -78,6 +78,7 @@ def test_banner_names_the_bound_port_and_it_serves() -> None:
         banner = proc.stdout.readline()
         match = re.search(r"on http://127\.0\.0\.1:(\d+) ", banner)
         assert match, banner
+        assert "chunked prefill, 2048 tokens per step" in banner
         port = int(match.group(1))
         assert port != 0
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=30) as r:
@@ -86,3 +87,29 @@ def test_banner_names_the_bound_port_and_it_serves() -> None:
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=30)
     assert proc.returncode == 0, err
+
+
+def test_chunked_prefill_flags() -> None:
+    """Chunked prefill is on with the profile's budget; the flags set the budget or turn it off."""
+    assert cli.config_from_args(parse()).token_budget == 2048
+    big = cli.config_from_args(parse("--profile", "h800x8-llama3-70b"))
+    assert (big.chunked_prefill, big.token_budget) == (True, 8192)
+    small = cli.config_from_args(parse("--max-num-batched-tokens", "256"))
+    assert (small.chunked_prefill, small.token_budget) == (True, 256)
+    whole = cli.config_from_args(parse("--no-chunked-prefill"))
+    assert (whole.chunked_prefill, whole.token_budget) == (False, None)
+    capped = cli.config_from_args(parse("--no-chunked-prefill", "--max-num-batched-tokens", "4096"))
+    assert (capped.chunked_prefill, capped.token_budget) == (False, 4096)
+
+
+def test_a_budget_below_the_window_without_chunking_exits_2(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    argv = ["sim", "--no-chunked-prefill", "--max-num-batched-tokens", "512", "--port", "0"]
+    assert main(argv) == 2
+    assert "smaller than the context window" in capsys.readouterr().err
+
+
+def test_prefix_caching_flag() -> None:
+    assert cli.config_from_args(parse()).prefix_caching is False
+    assert cli.config_from_args(parse("--prefix-caching")).prefix_caching is True

@@ -39,13 +39,16 @@ def run_until_idle(engine: Engine, now: float = 0.0, max_steps: int = 10_000):
 
 def check_invariants(engine: Engine) -> None:
     bs = engine.config.block_size
-    held = 0
+    held: set[int] = set()  # a block shared by prefix caching counts once
     for s in engine.running:
-        assert s.blocks == math.ceil(s.kv_tokens / bs), "blocks must cover prompt + generated"
-        held += s.blocks
+        # vLLM allocates for the tokens computed: prompt + generated − 1 once decoding
+        assert s.blocks == math.ceil(s.computed / bs), "blocks must cover the computed tokens"
+        if not s.prefilling:
+            assert s.computed == s.prompt_tokens + s.generated - 1
+        held |= set(s.block_ids)
     for s in engine.waiting:
         assert s.blocks == 0
-    assert held == engine.used_blocks
+    assert len(held) == engine.used_blocks
     assert 0 <= engine.free_blocks <= engine.config.kv_blocks
     assert 0.0 <= engine.kv_cache_usage <= 1.0
     assert len(engine.running) <= engine.config.max_num_seqs
@@ -58,7 +61,7 @@ def test_single_sequence_holds_blocks_for_prompt_plus_generated() -> None:
     r = e.step(0.0)  # prefill: first token
     assert [type(ev) for ev in r.events] == [TokenEvent]
     assert seq.generated == 1
-    assert seq.blocks == math.ceil(7 / 4)
+    assert seq.blocks == math.ceil(6 / 4)  # the prompt's KV; the new token's comes next step
     assert r.prefill_tokens == 6
     events, _, _ = run_until_idle(e)
     assert len(events) == 8
@@ -90,14 +93,14 @@ def test_overflow_preempts_newest_and_everyone_still_gets_every_token() -> None:
 
 def test_preemption_evicts_the_newest_running_sequence() -> None:
     e = Engine(small(kv_blocks=4, context_window=16))
-    old = e.new_sequence(7, 8, fingerprint=b"old", ignore_eos=True)
-    new = e.new_sequence(7, 8, fingerprint=b"new", ignore_eos=True)
+    old = e.new_sequence(8, 8, fingerprint=b"old", ignore_eos=True)
+    new = e.new_sequence(8, 8, fingerprint=b"new", ignore_eos=True)
     e.add(old)
     e.add(new)
-    e.step(0.0)  # both admitted: 2 blocks each (8 tokens), cache full
+    e.step(0.0)  # both prefilled: 2 blocks each (8 prompt tokens), cache full
     assert e.free_blocks == 0
     assert len(e.running) == 2
-    r = e.step(1.0)  # old needs a 3rd block: new is evicted
+    r = e.step(1.0)  # old computes its 9th token, needs a 3rd block: new is evicted
     assert e.preemptions == 1
     assert new.state is SeqState.WAITING
     assert new.blocks == 0

@@ -82,12 +82,12 @@ def assert_alloc_is_sum_of_quotas(r: redis.Redis) -> None:
 
 
 def holdings(r: redis.Redis) -> dict[str, str]:
-    """The scope's fields but sequence numbers and zero allocations (what a refused admit must
-    leave as it was)."""
+    """The scope's fields but sequence numbers, the time it last heard a message and zero
+    allocations (what a refused admit must leave as it was)."""
     return {
         k: v
         for k, v in fields(r).items()
-        if not k.startswith("seq|") and not (k.startswith("alloc|") and v == "0")
+        if not k.startswith("seq|") and k != "heard" and not (k.startswith("alloc|") and v == "0")
     }
 
 

@@ -1,439 +1,100 @@
-"""The store agent (:class:`kvgate.store.redis_store.RedisStore`) when Redis is away: the
-fallback policies ``open``, ``closed``, ``share``, ``strict``, per-limit policies, and
-``max_degraded_s`` turning ``share`` into ``after_degraded``; and what a call that timed out on
-the replica but ran on the server leaves behind.
-
-A replica that never reached Redis talks to a closed loopback port (its breaker opens at
-start). A replica that learned its scopes first talks to a real ``redis-server`` that is then
-killed or paused (``CLIENT PAUSE``, ``SIGSTOP``).
-"""
+"""The store agent against a real ``redis-server``: scale proposals shared across replicas, and
+``kvgate check-config`` checking the server."""
 
 from __future__ import annotations
 
 import asyncio
-import threading
-import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
-from tests.store.redis_servers import RedisServer, free_port
+from tests.store.redis_servers import RedisServer
 
 from kvgate import AdmissionController
+from kvgate.__main__ import main
 from kvgate.config import StoreConfig
-from kvgate.store import StoreRefusal
-from kvgate.store.redis_store import RedisStore, StoreHold
+from kvgate.store.redis_store import RedisStore
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
-@dataclass(frozen=True)
-class Ref:
-    """A backend or tenant as the store sees it: its core id and name."""
-
-    id: int
-    name: str
+class Named:
+    def __init__(self, id: int, name: str) -> None:
+        self.id, self.name = id, name
 
 
-@dataclass
-class Limits:
-    """One backend and one tenant registered in an admission core."""
-
-    controller: Any
-    backend: Ref
-    tenant: Ref
+def core() -> tuple[Any, Named, Named]:
+    ctl = AdmissionController(backends=1, tenants=1)
+    b = ctl.add_backend("b", max_concurrency=8, tokens_per_minute=2**40)
+    t = ctl.add_tenant("t", priority="standard", max_concurrency=4)
+    return ctl, Named(b, "b"), Named(t, "t")
 
 
-def limits(
-    max_concurrency: int = 10,
-    tokens_per_minute: int = 60_000,
-    burst_tokens: int = 10_000,
-    **tenant: Any,
-) -> Limits:
-    ctl = AdmissionController()
-    b = ctl.add_backend(
-        "gpu",
-        max_concurrency=max_concurrency,
-        tokens_per_minute=tokens_per_minute,
-        burst_tokens=burst_tokens,
-    )
-    t = ctl.add_tenant("acme", priority="standard", **tenant)
-    return Limits(ctl, Ref(b, "gpu"), Ref(t, "acme"))
-
-
-def config(url: str, **kw: Any) -> StoreConfig:
-    opts: dict[str, Any] = {
-        "heartbeat_s": 0.05,
-        "lease_ttl_s": 2.0,
-        "deadline_ms": 150,
-        "background_deadline_ms": 150,
-        "breaker_failures": 1,
-    }
-    opts.update(kw)
-    return StoreConfig(url=url, **opts)
-
-
-async def wait_for(pred: Callable[[], bool], timeout: float, what: str) -> None:
-    """Polls ``pred`` every 10 ms (the event loop runs meanwhile) until true.
-
-    Raises:
-        AssertionError: still false after ``timeout`` seconds.
-    """
-    deadline = time.monotonic() + timeout
-    while not pred():
-        assert time.monotonic() < deadline, f"{what}: not within {timeout} s"
-        await asyncio.sleep(0.01)
-
-
-@pytest.fixture
-async def stores() -> AsyncIterator[Callable[..., Awaitable[RedisStore]]]:
-    """Makes started stores; closes them after the test."""
-    made: list[RedisStore] = []
-
-    async def make(cfg: StoreConfig, lim: Limits) -> RedisStore:
-        store = RedisStore(cfg, lim.controller)
-        await store.start()
-        made.append(store)
-        return store
-
-    yield make
-    for store in made:
-        await store.close()
-
-
-async def admit(store: RedisStore, lim: Limits, tokens: int = 1) -> Any:
-    """The admission stage's order: the replica's quotas, else the store."""
-    hold = store.try_admit(lim.backend, lim.tenant, "standard", tokens)
-    if hold is None:
-        hold = await store.admit(lim.backend, lim.tenant, "standard", tokens)
-    return hold
-
-
-def unreachable() -> str:
-    return f"redis://127.0.0.1:{free_port()}/0"
-
-
-# --- a replica that never reached Redis ------------------------------------------------------
-
-
-async def test_never_reached_open_admits_everything(stores: Any) -> None:
-    lim = limits(max_concurrency=2)
-    store = await stores(config(unreachable(), on_failure="open"), lim)
-    assert store.state()["breaker"] == "open"
-    assert store.try_admit(lim.backend, lim.tenant, "standard", 10) is None
-    holds = [await admit(store, lim, 10) for _ in range(5)]  # beyond the limit of 2
-    assert all(isinstance(h, StoreHold) for h in holds)
-    assert store.degraded_admissions == 5
-    for h in holds:
-        store.release(h, 10, 10)
-    sc = store.scopes["bgpu"]
-    assert sc.pools["burst"].in_use == 0
-
-
-@pytest.mark.parametrize("policy", ["closed", "share", "strict"])
-async def test_never_reached_closed_share_strict_refuse_store_unavailable(
-    stores: Any, policy: str
-) -> None:
-    # share and strict hold nothing when Redis never answered: no share to fall back on
-    lim = limits()
-    store = await stores(config(unreachable(), on_failure=policy), lim)
-    refusal = await admit(store, lim)
-    assert isinstance(refusal, StoreRefusal)
-    assert refusal.reason == "store-unavailable"
-    assert refusal.scope == "backend"
-    assert refusal.retry_after == pytest.approx(0.05)
-    assert not refusal.never
-    assert store.degraded_admissions == 0
-    assert all(p.in_use == 0 for sc in store.scopes.values() for p in sc.pools.values())
-
-
-async def test_a_policy_per_limit_overrides_on_failure(stores: Any) -> None:
-    lim = limits()
-    cfg = config(unreachable(), on_failure="open", policies={"backend-slots": "closed"})
-    store = await stores(cfg, lim)
-    refusal = await admit(store, lim)
-    assert isinstance(refusal, StoreRefusal)
-    assert refusal.reason == "store-unavailable"
-    # the other way round: slots open, the rest closed
-    cfg = config(unreachable(), on_failure="closed", policies={"backend-slots": "open"})
-    lim2 = limits(tokens_per_minute=2**40)  # no backend bucket: slots only
-    store2 = await stores(cfg, lim2)
-    assert isinstance(await admit(store2, lim2), StoreHold)
-
-
-# --- a replica that learned its scopes, then lost Redis ----------------------------------------
-
-
-async def learned(
-    stores: Any, server: RedisServer, lim: Limits, n: int, **cfg: Any
-) -> tuple[RedisStore, list[Any]]:
-    """A store that admitted ``n`` requests through Redis (it knows its scopes)."""
-    store = await stores(config(server.url, **cfg), lim)
-    holds = [await admit(store, lim) for _ in range(n)]
-    assert all(isinstance(h, StoreHold) for h in holds), holds
-    await wait_for(lambda: not store.scopes["bgpu"].busy, 5.0, "the lane idle")
-    return store, holds
-
-
-async def lose_redis(store: RedisStore, server: RedisServer, lim: Limits) -> Any:
-    """Kills Redis, waits (bounded) until a heartbeat failed and opened the breaker (one
-    failure opens it), then admits one request: by the fallback policy."""
-    server.kill()
-    await wait_for(lambda: store.state()["breaker"] == "open", 10.0, "the breaker open")
-    return await admit(store, lim)
-
-
-async def test_share_keeps_at_most_the_limit_divided_among_live_replicas(
-    stores: Any, redis_server: RedisServer
-) -> None:
-    lim = limits(max_concurrency=10, tokens_per_minute=2**40)
-    await learned(stores, redis_server, lim, 1, on_failure="share")  # a second replica
-    store, holds = await learned(stores, redis_server, lim, 1, on_failure="share")
-    assert store.scopes["bgpu"].live == 2
-    first = await lose_redis(store, redis_server, lim)
-    assert isinstance(first, StoreHold)
-    holds.append(first)
-    pool = store.scopes["bgpu"].pools["burst"]
-    ceiling = max(pool.q, 10 // 2)
-    while True:
-        h = await admit(store, lim)
-        if isinstance(h, StoreRefusal):
-            break
-        holds.append(h)
-        assert len(holds) <= 10
-    assert pool.in_use == len(holds) == ceiling
-    assert (h.reason, h.scope, h.retry_after) == ("backend-slots", "backend", 0.05)
-    assert store.degraded_admissions == len(holds) - 1
-    store.release(holds.pop(), 1, 1)  # a slot back: admitted again
-    assert isinstance(await admit(store, lim), StoreHold)
-
-
-async def test_share_bucket_is_the_rate_and_burst_divided_among_live_replicas(
-    stores: Any, redis_server: RedisServer
-) -> None:
-    # 600 tokens a minute, a burst of 100; two live replicas: a share of 50 tokens
-    lim = limits(max_concurrency=100, tokens_per_minute=600, burst_tokens=100)
-    await learned(stores, redis_server, lim, 1, on_failure="share")
-    store, _ = await learned(stores, redis_server, lim, 1, on_failure="share")
-    assert store.scopes["bgpu"].live == 2
-    redis_server.kill()
-    held = store.scopes["bgpu"].buckets["tpm"].avail
-    assert held < 40  # what it pre-debited for small requests
-    big = await admit(store, lim, 60)  # more than the share's burst: refused
-    assert isinstance(big, StoreRefusal)
-    assert store.state()["breaker"] == "open"
-    assert big.reason == "backend-tpm"
-    ok = await admit(store, lim, 45)  # from the share (or what it held)
-    assert isinstance(ok, StoreHold)
-    again = await admit(store, lim, 45)
-    assert isinstance(again, StoreRefusal)
-    assert again.reason == "backend-tpm"
-    assert again.retry_after is not None
-    assert again.retry_after > 1.0  # 10 tokens a second for the share's 5 a second
-
-
-async def test_strict_keeps_only_what_the_replica_held(
-    stores: Any, redis_server: RedisServer
-) -> None:
-    lim = limits(max_concurrency=10, tokens_per_minute=2**40)
-    await learned(stores, redis_server, lim, 1, on_failure="strict")
-    store, holds = await learned(stores, redis_server, lim, 2, on_failure="strict")
-    pool = store.scopes["bgpu"].pools["burst"]
-    quota = pool.q
-    assert quota >= pool.in_use == 2
-    redis_server.kill()
-    while True:
-        h = await admit(store, lim)
-        if isinstance(h, StoreRefusal):
-            break
-        holds.append(h)
-        assert len(holds) <= 10
-    assert store.state()["breaker"] == "open"
-    assert pool.in_use == len(holds) == quota
-    assert h.reason == "backend-slots"
-
-
-async def test_share_becomes_closed_after_max_degraded_s(
-    stores: Any, redis_server: RedisServer
-) -> None:
-    lim = limits(max_concurrency=10, tokens_per_minute=2**40)
-    store, _ = await learned(stores, redis_server, lim, 1, on_failure="share", max_degraded_s=0.3)
-    first = await lose_redis(store, redis_server, lim)
-    opened = store._breaker.opened_at
-    assert opened is not None
-    assert isinstance(first, StoreHold)  # share: within its share
-    store.release(first, 1, 1)
-    admitted = 0
-    deadline = time.monotonic() + 10.0
-    while isinstance(h := await admit(store, lim), StoreHold):
-        admitted += 1  # still share: one slot at a time, given back
-        store.release(h, 1, 1)
-        assert time.monotonic() < deadline, "share never turned into closed"
-        await asyncio.sleep(0.01)
-    assert time.monotonic() - opened >= 0.3 - 0.05
-    assert admitted > 0
-    assert isinstance(h, StoreRefusal)
-    assert h.reason == "store-unavailable"
-
-
-async def test_share_becomes_open_after_max_degraded_s_when_asked(
-    stores: Any, redis_server: RedisServer
-) -> None:
-    lim = limits(max_concurrency=4, tokens_per_minute=2**40)
-    store, holds = await learned(
-        stores,
-        redis_server,
-        lim,
-        1,
-        on_failure="share",
-        max_degraded_s=0.2,
-        after_degraded="open",
-    )
-    holds.append(await lose_redis(store, redis_server, lim))
-    opened = store._breaker.opened_at
-    assert opened is not None
-    while isinstance(h := await admit(store, lim), StoreHold):
-        holds.append(h)
-    assert len(holds) <= 4  # share: at most the limit
-    await wait_for(lambda: time.monotonic() - opened > 0.25, 5.0, "max_degraded_s over")
-    more = [await admit(store, lim) for _ in range(6)]
-    assert all(isinstance(h, StoreHold) for h in more)  # open: beyond the limit
-
-
-# --- a call that timed out on the replica but ran on the server ------------------------------
-
-
-async def test_a_timed_out_admit_that_ran_late_is_given_back(
-    stores: Any, redis_server: RedisServer
-) -> None:
-    """An admission decided in Redis whose reply came too late: the caller was refused (its
-    deadline passed) while Redis recorded the slot and a grant as the replica's quota. The
-    replica's next message re-asserts what it really holds, so the units go back; once it left,
-    the scope holds nothing (no slot lost for the other replicas)."""
-    lim = limits(max_concurrency=6, tokens_per_minute=2**40, guaranteed_slots=1)
-    # heartbeats by hand (tick), a short deadline, strict: a late reply means a refusal
-    cfg = config(
-        redis_server.url,
-        on_failure="strict",
-        heartbeat_s=5,
-        deadline_ms=100,
-        background_deadline_ms=100,
-        breaker_failures=1000,
-    )
-    store = await stores(cfg, lim)
-    r = redis_server.client()
-    state = "{kvg:b:gpu}"
-    sc_key = "bgpu"
-    running = await admit(store, lim)  # on the tenant's guarantee (1 slot)
-    assert isinstance(running, StoreHold)
-    sc = store.scopes[sc_key]
-
-    async def beat() -> None:
+async def synced(store: RedisStore, backend: str, timeout: float = 10.0) -> None:
+    """Heartbeats until Redis answered for the backend's scope since this call."""
+    sc = store._scope("b", backend)
+    seq = sc.seq
+    loop = asyncio.get_running_loop()
+    give_up = loop.time() + timeout
+    while sc.seq <= seq or sc.busy or sc.epoch is None:
         store.tick()
-        await wait_for(lambda: not sc.busy, 5.0, "the lane idle")
+        await asyncio.sleep(0.02)
+        assert loop.time() < give_up, "no reply from Redis"
 
-    # a few heartbeats: the burst quota this replica took as headroom goes back
-    await wait_for(lambda: not sc.busy, 5.0, "the lane idle")
-    for _ in range(3):
-        await beat()
-    burst = sc.pools["burst"]
-    assert (burst.q, burst.rq, int(r.hget(state, "alloc|burst") or 0)) == (0, 0, 0)
 
-    # Redis busy for 1 s: the next admission (guarantee full: the burst pool, decided in
-    # Redis) is sent on the open connection and runs once Redis wakes, after its deadline
-    sleeper = redis_server.client()
-    busy = threading.Thread(target=lambda: sleeper.execute_command("DEBUG", "SLEEP", "1.0"))
-    busy.start()
+async def test_the_lowest_live_proposal_is_in_force_and_shedding_is_shared(
+    redis_server: RedisServer,
+) -> None:
+    ctl, _backend, _tenant = core()
+    cfg = StoreConfig(url=redis_server.url, heartbeat_s=0.1, background_deadline_ms=2000)
+    seen: list[tuple[str, float, bool]] = []
+    one = RedisStore(cfg, ctl)
+    two = RedisStore(cfg, ctl, on_effective=lambda *a: seen.append(a))
+    await one.start()
+    await two.start()
     try:
-        await asyncio.sleep(0.2)  # (ordering only: DEBUG SLEEP first)
-        late = await admit(store, lim)
+        assert one.propose("b", 0.5, True) == (0.5, True)  # its own, before Redis answered
+        await synced(one, "b")
+        assert two.propose("b", 1.0, False) == (1.0, False)
+        await synced(two, "b")
+        # two sees one's proposal: the lowest scale, and shedding because one sheds
+        assert two.effective("b") == (0.5, True)
+        assert seen[-1] == ("b", 0.5, True)
+        # one leaves cleanly: its proposal goes with it
+        await one.close()
+        await synced(two, "b")
+        assert two.effective("b") == (1.0, False)
     finally:
-        await asyncio.get_running_loop().run_in_executor(None, busy.join)
-    assert isinstance(late, StoreRefusal)
-    assert store.failures["timeout"] == 1
-    await wait_for(
-        lambda: int(r.hget(state, f"q|burst|{store.pod}") or 0) > 0, 5.0, "the late admit ran"
+        await two.close()
+
+
+def test_check_config_reports_the_server_and_warns_on_eviction(
+    redis_server: RedisServer, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text(
+        (ROOT / "examples" / "replicas.yaml")
+        .read_text()
+        .replace("${KVGATE_REDIS_URL:-redis://127.0.0.1:6379/0}", redis_server.url)
     )
-
-    await beat()  # the replica's next message: its burst quota is 0
-    assert int(r.hget(state, f"q|burst|{store.pod}") or 0) == 0
-    assert int(r.hget(state, "alloc|burst")) == 0
-    store.release(running, 1, 1)
-    for _ in range(3):
-        await beat()
-    await store.close()
-    fields = r.hgetall(state)
-    assert not [k for k in fields if k.startswith("q|")], fields
-    assert all(int(v) == 0 for k, v in fields.items() if k.startswith("alloc|")), fields
+    assert main(["check-config", str(path)]) == 0
+    out = capsys.readouterr()
+    assert "store: Redis 7." in out.out
+    assert "maxmemory-policy" not in out.err
+    redis_server.cli("CONFIG", "SET", "maxmemory-policy", "allkeys-lru")
+    assert main(["check-config", str(path)]) == 0
+    err = capsys.readouterr().err
+    assert "warning: store: maxmemory-policy is 'allkeys-lru'" in err
 
 
-async def test_refunds_of_degraded_admissions_do_not_fill_the_shared_bucket(
-    stores: Any, redis_server: RedisServer
+def test_check_config_against_a_cluster(
+    redis_cluster: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """A request admitted from the replica's own share of a bucket while Redis was away never
-    took tokens from the shared bucket: what it gives back at release must not go to the
-    shared bucket either, or every replica could then take more than the rate allows."""
-    # one token a second, a burst of 100
-    lim = limits(max_concurrency=100, tokens_per_minute=60, burst_tokens=100)
-    cfg = config(redis_server.url, on_failure="share", deadline_ms=100, background_deadline_ms=100)
-    store = await stores(cfg, lim)
-    first = await admit(store, lim, 90)  # through Redis: about 10 tokens left
-    assert isinstance(first, StoreHold)
-    redis_server.pause()  # SIGSTOP: the state survives
-    try:
-        await wait_for(lambda: store.state()["breaker"] == "open", 10.0, "the breaker open")
-        degraded = await admit(store, lim, 80)  # the replica's own bucket (share)
-        assert isinstance(degraded, StoreHold)
-        assert store.degraded_admissions == 1
-    finally:
-        redis_server.resume()
-    await wait_for(lambda: store.state()["breaker"] == "closed", 10.0, "the breaker closed")
-    store.release(degraded, 80, 0)  # it used nothing: 80 tokens unused
-    store.release(first, 90, 90)
-    for _ in range(3):
-        store.tick()
-        await wait_for(lambda: not store.scopes["bgpu"].busy, 5.0, "the lane idle")
-    # another replica asks the shared bucket for 60 tokens: about 10 (+1 a second) are there
-    other = await stores(cfg, lim)
-    refused = await admit(other, lim, 60)
-    assert isinstance(refused, StoreRefusal), "the degraded request's refund filled the bucket"
-    assert refused.reason == "backend-tpm"
-
-
-async def test_a_replica_frozen_past_its_lease_admits_nothing_locally(
-    stores: Any, redis_server: RedisServer
-) -> None:
-    """A replica silent past its lease is reaped by the others, who may then take the whole
-    pool; when it wakes up it must not use the quota it held (Redis no longer counts it): it
-    asks Redis, which refuses, and it re-asserts only what it still runs."""
-    lim = limits(max_concurrency=10, tokens_per_minute=2**40)
-    cfg = config(redis_server.url, lease_ttl_s=0.3, chunk_fraction=1.0, on_failure="strict")
-    frozen = await stores(cfg, lim)
-    running = await admit(frozen, lim)
-    assert isinstance(running, StoreHold)
-    pool = frozen.scopes["bgpu"].pools["burst"]
-    await wait_for(lambda: pool.q - pool.in_use >= 1, 5.0, "headroom held")
-    # freeze: no more heartbeats; wait (bounded) until its lease ran out in Redis
-    assert frozen._heartbeat_task is not None
-    frozen._heartbeat_task.cancel()
-    r = redis_server.client()
-
-    def lapsed() -> bool:
-        s, us = r.time()
-        lease = r.zscore("{kvg:b:gpu}:live", frozen.pod)
-        return lease is None or lease < int(s) * 1_000_000 + int(us)
-
-    await wait_for(lapsed, 10.0, "the lease lapsed")
-    assert pool.q - pool.in_use >= 1  # it still believes it holds headroom
-    other = await stores(cfg, lim)
-    taken = []
-    while isinstance(h := await admit(other, lim), StoreHold):
-        taken.append(h)
-        assert len(taken) <= 10
-    assert len(taken) == 10  # the frozen replica was reaped: the whole pool
-    # it wakes up
-    assert frozen.try_admit(lim.backend, lim.tenant, "standard", 1) is None
-    refused = await frozen.admit(lim.backend, lim.tenant, "standard", 1)
-    assert isinstance(refused, StoreRefusal)
-    assert refused.reason == "backend-slots"
-    assert int(r.hget("{kvg:b:gpu}", f"q|burst|{frozen.pod}") or 0) == 1  # what it runs
-    frozen.release(running, 1, 1)
+    path = tmp_path / "c.yaml"
+    text = (ROOT / "examples" / "replicas.yaml").read_text()
+    text = text.replace("${KVGATE_REDIS_URL:-redis://127.0.0.1:6379/0}", redis_cluster.url)
+    path.write_text(text.replace("  deadline_ms: 25", "  cluster: true\n  deadline_ms: 25"))
+    assert main(["check-config", str(path)]) == 0
+    out = capsys.readouterr()
+    assert "store: Redis 7." in out.out, out
+    assert "Redis Cluster" in out.out

@@ -13,7 +13,7 @@ admission adds one entry to a set and settlement removes it (no hint work on the
 and a hint is reused for :data:`HINT_REUSE` for the same scope, so a storm of refusals costs
 one computation per scope every few milliseconds.
 
-The rule (the README states it): for each request holding a slot in the refusal's scope (the
+The rule (docs/admission.md states it): for each request holding a slot in the refusal's scope (the
 tenant's own requests for ``tenant-concurrency``, the backend's for the others), its expected
 remaining time is
 

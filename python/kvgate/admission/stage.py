@@ -1,5 +1,5 @@
 """The admission stage of a request: the admission core, then the priority wait queue, then the
-store (README, "How a request is admitted").
+store (docs/admission.md).
 
 1. The core decides at once (no await) when nobody is queued: this process's (or host's) view of
    every limit, the never-admissible sizes, shedding.
@@ -21,6 +21,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from kvgate._core import Reservation
+from kvgate.admission.refusal import Refusal
 from kvgate.store import StoreRefusal
 
 if TYPE_CHECKING:
@@ -28,7 +29,7 @@ if TYPE_CHECKING:
 
     from kvgate.app import Backend, Gateway, Tenant
 
-__all__ = ["StoreAdmission", "admit", "holds_slot"]
+__all__ = ["Extras", "StoreAdmission", "admit", "holds_slot"]
 
 
 class StoreAdmission:
@@ -64,6 +65,46 @@ def holds_slot(decision: Any) -> bool:
     return kind is Reservation or kind is StoreAdmission
 
 
+class Extras:
+    """What an admitted request holds beyond its reservation: its prompt tokens in the prefill
+    budget (until its first bytes) and its place in its class's count for the latency targets.
+    :meth:`first_data` and :meth:`finish` are called by the relay and by settlement."""
+
+    __slots__ = ("backend", "first", "priority", "slo", "started", "ticket")
+
+    def __init__(self, backend: str, priority: str, ticket: Any, slo: Any) -> None:
+        self.backend = backend
+        self.priority = priority
+        self.ticket = ticket
+        self.slo = slo
+        self.started = time.perf_counter()
+        self.first: float | None = None
+        if slo is not None:
+            slo.started(backend, priority)
+
+    def first_data(self) -> None:
+        """The engine's first bytes of the answer arrived: the prompt left prefill."""
+        if self.first is None:
+            self.first = time.perf_counter() - self.started
+        if self.ticket is not None:
+            self.ticket.leave()
+
+    def finish(self, completion_tokens: int) -> None:
+        """The request ended (``completion_tokens`` delivered): its TTFT and time per output
+        token are observed for its class."""
+        if self.ticket is not None:
+            self.ticket.leave()
+        if self.slo is not None:
+            self.slo.finished(
+                self.backend,
+                self.priority,
+                self.first,
+                time.perf_counter() - self.started,
+                completion_tokens,
+            )
+            self.slo = None
+
+
 async def admit(
     gw: Gateway,
     request: web.BaseRequest,
@@ -71,40 +112,77 @@ async def admit(
     tenant: Tenant,
     priority: str,
     tokens: int,
-) -> Any:
-    """Admits a request of ``tokens`` (prompt + reserved completion) for ``tenant`` at
-    ``priority`` on ``backend``, through the core, the wait queue and the store.
+    prompt_tokens: int = 0,
+) -> tuple[Any, Extras | None]:
+    """Admits a request of ``tokens`` (prompt + reserved completion; ``prompt_tokens`` of them
+    its prompt) for ``tenant`` at ``priority`` on ``backend``, through the core, the latency
+    targets and the prefill budget, the wait queue and the store.
 
     Returns:
-        What the request runs with (``.admitted`` true, ``.release(actual_tokens)``), or the
-        refusal (``.admitted`` false; ``reason``, ``scope``, ``retry_after``, ``never``).
+        What the request runs with (``.admitted`` true, ``.release(actual_tokens)``) and its
+        :class:`Extras` (``None`` when no prefill budget or latency target applies), or the
+        refusal (``.admitted`` false; ``reason``, ``scope``, ``retry_after``, ``never``) and
+        ``None``.
     """
+    gate = gw.prefill.get(backend.name) if prompt_tokens else None
+    slo = gw.slo
+    check = None
+    held: list[Any] = [None]
+    if gate is not None or slo is not None:
+
+        def check() -> Any:
+            if slo is not None and not slo.allow(backend.name, priority):
+                return Refusal("slo-limit", retry_after=gw.retry_hint(backend))
+            if gate is not None:
+                ticket = gate.enter(prompt_tokens, priority)
+                if ticket is None:
+                    return Refusal("prefill-tokens", retry_after=gw.retry_hint(backend))
+                held[0] = ticket
+            return None
+
     queue = gw.queue
     decision = (
         gw.controller.admit(backend.id, tenant.id, priority, tokens)
         if queue is None or not queue.waiting
         else None
     )
+    if check is not None and decision is not None and decision.admitted:
+        extra = check()
+        if extra is not None:
+            decision.release(0)
+            decision = extra
     if decision is None or not decision.admitted:
         if decision is None or not gw.refusal_stands(request, backend, tenant, decision):
-            decision = await gw.admit_slow(request, backend, tenant, priority, tokens, decision)
+            decision = await gw.admit_slow(
+                request, backend, tenant, priority, tokens, decision, check
+            )
         if not decision.admitted:
-            return decision
+            return decision, None
+    extras = Extras(backend.name, priority, held[0], slo) if check is not None else None
     store = gw.store
     if store.mode == "local" or type(decision) is not Reservation:
-        return decision
+        return decision, extras
     hold = store.try_admit(backend, tenant, priority, tokens)
     if hold is None:
-        hold = await _admit_in_store(gw, request, backend, tenant, priority, tokens)
+        try:
+            hold = await _admit_in_store(gw, request, backend, tenant, priority, tokens)
+        except asyncio.CancelledError:
+            # the client went away while the store decided: nothing ran, nothing is charged
+            decision.release(0)
+            if extras is not None:
+                extras.finish(0)
+            raise
         if type(hold) is StoreRefusal:
             decision.release(0)
+            if extras is not None:
+                extras.finish(0)
             if gw.shadow(backend, tenant):
                 gw.metrics.shadow_rejections.labels(hold.reason).inc()
                 from kvgate.app import SHADOW_ADMISSION
 
-                return SHADOW_ADMISSION
-            return hold
-    return StoreAdmission(decision, hold, store, tokens)
+                return SHADOW_ADMISSION, None
+            return hold, None
+    return StoreAdmission(decision, hold, store, tokens), extras
 
 
 async def _admit_in_store(

@@ -2,8 +2,8 @@
 
 What
     A request that a limit refused (no free slot, TPM bucket empty, ...) may wait up to its
-    tenant's ``max_wait_ms`` for capacity instead of being answered at once (README, "How a
-    request is admitted", step 4). :class:`PriorityWaitQueue` holds those waiters and hands capacity out again
+    tenant's ``max_wait_ms`` for capacity instead of being answered at once (docs/admission.md, step
+    4). :class:`PriorityWaitQueue` holds those waiters and hands capacity out again
     in priority order when the gateway says some was released.
 
 Inputs
@@ -249,6 +249,18 @@ class PriorityWaitQueue(Generic[T]):
     def tenant_depth(self, tenant: str) -> int:
         """Number of queued waiters of one tenant, over all classes (for ``/admin/state``)."""
         return sum(len(cls.get(tenant, ())) for cls in self._classes)
+
+    def backend_depths(self) -> dict[str, dict[str, int]]:
+        """Queued waiters per backend and priority class (``{backend: {class: n}}``; waiters
+        queued without a backend under ``""``). Walks every waiter: for the dashboard's
+        once-a-second poll, not the request path."""
+        out: dict[str, dict[str, int]] = {}
+        for name, cls in zip(PRIORITY_CLASSES, self._classes, strict=True):
+            for fifo in cls.values():
+                for waiter in fifo.values():
+                    per = out.setdefault(waiter.backend or "", dict.fromkeys(PRIORITY_CLASSES, 0))
+                    per[name] += 1
+        return out
 
     def __len__(self) -> int:
         return self.waiting

@@ -4,7 +4,7 @@
 when the gateway's ``other_routes`` is ``forward`` (the route is decided before either is
 called, by :mod:`kvgate.proxy.routes`).
 
-Order (README, "How a request is admitted"): the body-size cap is checked from ``Content-Length`` before a byte of
+Order (docs/admission.md): the body-size cap is checked from ``Content-Length`` before a byte of
 the body is read (413), then the tenant is identified (401), the request analysed by the Rust
 analyser (400 / 404), admitted by the Rust core (429 for a tenant over its quota, 503 when the
 backend is saturated or the class is shed), forwarded, and finally its reservation settled with
@@ -347,6 +347,8 @@ async def handle_inference(gw: Gateway, request: web.BaseRequest, route: str) ->
     """
     started = time.perf_counter()
     rid = request_id(request.headers.get("x-request-id"))
+    tracing = gw.tracing  # None unless configured: then each stage below is one `is` check
+    trace = None if tracing is None else tracing.begin(request, route, started, rid)
     tenant = None
     model = None
     try:
@@ -355,18 +357,33 @@ async def handle_inference(gw: Gateway, request: web.BaseRequest, route: str) ->
         body = body_if_complete(request, gw.max_body_bytes)
         if body is None:
             body = await read_body(request, gw.max_body_bytes, gw.timeouts.client_body)
+        if trace is not None:
+            trace.body_read = time.perf_counter()
         tenant, priority = gw.authenticate(request)
+        if trace is not None:
+            trace.authenticated = time.perf_counter()
         if len(body) < INLINE_ANALYSIS_BYTES:
             model, analysis = gw.analyze_now(route, body)
         else:
             model, analysis = await gw.analyze_in_thread(route, body)
         backend = gw.pick_backend(model, tenant)
+        if trace is not None:
+            trace.analysed = time.perf_counter()
     except GatewayError as err:
-        gw.metrics.request_done(None, tenant, f"rejected_{err.status}")
-        return _refused(request, rid, started, route, err, tenant, model)
+        gw.metrics.request_done(None, tenant, f"rejected_{err.status}", model)
+        return _refused(request, rid, started, route, err, tenant, model, trace)
     tokens = analysis.reserved_tokens
     admitting = time.perf_counter()
-    decision = await admit(gw, request, backend, tenant, priority, tokens)
+    if trace is not None:
+        trace.admitting = admitting
+    try:
+        decision, extras = await admit(
+            gw, request, backend, tenant, priority, tokens, analysis.prompt_tokens
+        )
+    except asyncio.CancelledError:  # the client left while its request waited
+        if trace is not None:
+            _left_waiting(trace, tenant, backend, model, tokens)
+        raise
     if not decision.admitted:
         return _refusal(
             gw,
@@ -377,8 +394,11 @@ async def handle_inference(gw: Gateway, request: web.BaseRequest, route: str) ->
             route,
             tokens,
             (tenant, backend, model),
+            trace,
         )
     admitted = time.perf_counter()
+    if trace is not None:
+        trace.admitted = admitted
     gw.metrics.admitted(backend, tenant, tokens, admitted - started)
 
     stream = bool(analysis.stream)
@@ -387,6 +407,12 @@ async def handle_inference(gw: Gateway, request: web.BaseRequest, route: str) ->
     assemble = not stream and backend.stream_upstream and route in STREAM_UPSTREAM_ROUTES
     add_usage = (stream or assemble) and not analysis.include_usage and route in USAGE_OPTION_ROUTES
     result = RelayResult()
+    if extras is not None:  # the prompt leaves the prefill budget at the first bytes
+        result.on_first_data = extras.first_data
+    upstream_headers = upstream_trace_headers(request.headers, rid)
+    if trace is not None:  # the engine gets the upstream span's context
+        upstream_headers = trace.upstream_headers(upstream_headers, backend.url + route, "POST")
+        result.on_first_data = _both(result.on_first_data, trace.data_arrived)
     # what holds the slots, for the retry hints of refusals (a shadow admission holds none)
     running = (
         gw.running.start(backend.id, tenant.id, analysis.completion_tokens)
@@ -413,7 +439,7 @@ async def handle_inference(gw: Gateway, request: web.BaseRequest, route: str) ->
             api_key=backend.api_key,
             assemble=assemble,
             retry_hint=partial(gw.retry_hint, backend),
-            extra_headers=upstream_trace_headers(request.headers, rid),
+            extra_headers=upstream_headers,
         )
         return reply
     except GatewayError as err:
@@ -421,6 +447,10 @@ async def handle_inference(gw: Gateway, request: web.BaseRequest, route: str) ->
         reply = _tagged(error_response(request, err), rid)
         return reply
     finally:
+        if trace is not None:
+            trace.relay_end = time.perf_counter()
+        if extras is not None:
+            extras.finish(result.completion_tokens)
         if running is not None:
             gw.running.finish(
                 running,
@@ -442,7 +472,33 @@ async def handle_inference(gw: Gateway, request: web.BaseRequest, route: str) ->
             result,
             reply,
             error_code,
+            trace=trace,
         )
+
+
+def _both(first: Any, second: Any) -> Any:
+    """A callback that runs ``first`` (when not ``None``) then ``second``."""
+    if first is None:
+        return second
+
+    def both() -> None:
+        first()
+        second()
+
+    return both
+
+
+def _left_waiting(trace: Any, tenant: Any, backend: Any, model: Any, tokens: int) -> None:
+    """End the trace of a request whose client left during its admission (in the queue):
+    outcome ``client_disconnect``, no status sent."""
+    trace.finish(
+        status=0,
+        outcome="client_disconnect",
+        tenant=tenant,
+        backend=backend,
+        model=model,
+        reserved=tokens,
+    )
 
 
 def _settle(
@@ -457,10 +513,13 @@ def _settle(
     result: RelayResult,
     reply: Reply | None,
     error_code: str | None,
+    *,
+    trace: Any = None,
 ) -> None:
     """End an admitted request: its reservation released with the ``actual`` tokens it is
     charged (unused ones refunded, an overrun charged), the next queued waiter woken, the
-    metrics counted and its access log line written.
+    metrics counted, its access log line written and its trace ended
+    (:class:`kvgate.tracing.RequestTrace`, ``None`` without tracing).
 
     Args:
         where: its request id, route, and ``time.perf_counter()`` when it arrived, when
@@ -471,11 +530,12 @@ def _settle(
     """
     rid, route, started, admitting, admitted = where
     tenant, backend, model = who
+    settling = time.perf_counter() if trace is not None else 0.0
     decision.release(actual)
     queue = gw.queue
     if queue is not None and queue.waiting:
         queue.notify()
-    gw.metrics.settled(backend, tenant, reserved, actual, result)
+    gw.metrics.settled(backend, tenant, reserved, actual, result, model, prompt)
     log_access(
         request,
         rid,
@@ -495,6 +555,21 @@ def _settle(
         ttft=result.ttft,
         reply=reply,
     )
+    if trace is not None:
+        charged_prompt = min(int(prompt or 0), actual)
+        trace.finish(
+            status=reply.status if reply is not None else result.status,
+            outcome=result.outcome,
+            tenant=tenant,
+            backend=backend,
+            model=model,
+            reason=error_code,
+            reserved=reserved,
+            prompt=charged_prompt,
+            completion=actual - charged_prompt,
+            ttft=result.ttft,
+            settle=(settling, time.perf_counter()),
+        )
 
 
 def _tagged(response: PreparedResponse, rid: str) -> PreparedResponse:
@@ -511,9 +586,11 @@ def _refused(
     err: GatewayError,
     tenant: Any,
     model: Any,
+    trace: Any = None,
 ) -> PreparedResponse:
     """The answer to a request refused before admission (``err``: 4xx), with its request id,
-    and its access log line (outcome ``rejected``, reason the error's code)."""
+    its access log line (outcome ``rejected``, reason the error's code) and the end of its
+    trace (``None``: not traced)."""
     reply = _tagged(error_response(request, err), rid)
     log_access(
         request,
@@ -528,6 +605,14 @@ def _refused(
         reason=err.code,
         reply=reply,
     )
+    if trace is not None:
+        trace.finish(
+            status=err.status,
+            outcome="rejected",
+            tenant=tenant,
+            model=model,
+            reason=err.code,
+        )
     return reply
 
 
@@ -540,6 +625,7 @@ def _refusal(
     route: str,
     tokens: int,
     who: tuple[Any, Any, Any],
+    trace: Any = None,
 ) -> PreparedResponse:
     """The answer to an admission refusal (429/503, :meth:`kvgate.app.Gateway.rejection_response`)
     with its request id; counts it in the metrics and writes its access log line (outcome
@@ -550,12 +636,13 @@ def _refusal(
         times: ``time.perf_counter()`` when the request arrived and when admission began.
         tokens: the tokens the request asked to reserve.
         who: the request's tenant, backend and model route.
+        trace: its trace (:class:`kvgate.tracing.RequestTrace`), ended here; ``None``.
     """
     started, admitting = times
     tenant, backend, model = who
     response, reason = gw.rejection_response(request, decision, backend, tenant, model, tokens)
     now = time.perf_counter()
-    gw.metrics.rejected(backend, tenant, reason, now - started)
+    gw.metrics.rejected(backend, tenant, reason, now - started, model)
     _tagged(response, rid)
     log_access(
         request,
@@ -573,6 +660,16 @@ def _refusal(
         queue_wait=now - admitting,
         reply=response,
     )
+    if trace is not None:
+        trace.finish(
+            status=response.status,
+            outcome="rejected",
+            tenant=tenant,
+            backend=backend,
+            model=model,
+            reason=reason,
+            reserved=tokens,
+        )
     return response
 
 
@@ -582,7 +679,7 @@ def _actual_tokens(analysis: Any, result: RelayResult) -> int:
     Charged nothing: a request that never reached the engine (unreachable upstream), one whose
     engine did not answer before the ``first_byte`` timeout, and one the engine answered with
     an error before any completion token was delivered (a 4xx/5xx status, or an error event
-    first in a stream). README "What a request is charged" lists every outcome.
+    first in a stream). docs/admission.md, "What a request is charged" lists every outcome.
     """
     outcome = result.outcome
     if outcome == "upstream_unreachable":
@@ -618,21 +715,36 @@ async def handle_forward(gw: Gateway, request: web.BaseRequest) -> Reply:
     started = time.perf_counter()
     rid = request_id(request.headers.get("x-request-id"))
     route = request.path
+    tracing = gw.tracing
+    trace = None if tracing is None else tracing.begin(request, route, started, rid)
     tenant = None
     model = None
     try:
         body = body_if_complete(request, gw.max_body_bytes)
         if body is None:
             body = await read_body(request, gw.max_body_bytes, gw.timeouts.client_body)
+        if trace is not None:
+            trace.body_read = time.perf_counter()
         tenant, priority = gw.authenticate(request)
+        if trace is not None:
+            trace.authenticated = time.perf_counter()
         model = gw.model_of(body)
         backend = gw.pick_backend(model, tenant) if model else gw.pick_any_backend(tenant)
+        if trace is not None:
+            trace.analysed = time.perf_counter()
     except GatewayError as err:
-        gw.metrics.request_done(None, tenant, f"rejected_{err.status}")
-        return _refused(request, rid, started, route, err, tenant, model)
+        gw.metrics.request_done(None, tenant, f"rejected_{err.status}", model)
+        return _refused(request, rid, started, route, err, tenant, model, trace)
     tokens = FORWARD_RESERVATION
     admitting = time.perf_counter()
-    decision = await admit(gw, request, backend, tenant, priority, tokens)
+    if trace is not None:
+        trace.admitting = admitting
+    try:
+        decision, extras = await admit(gw, request, backend, tenant, priority, tokens)
+    except asyncio.CancelledError:  # the client left while its request waited
+        if trace is not None:
+            _left_waiting(trace, tenant, backend, model, tokens)
+        raise
     if not decision.admitted:
         return _refusal(
             gw,
@@ -643,11 +755,21 @@ async def handle_forward(gw: Gateway, request: web.BaseRequest) -> Reply:
             route,
             tokens,
             (tenant, backend, model),
+            trace,
         )
     admitted = time.perf_counter()
+    if trace is not None:
+        trace.admitted = admitted
     gw.metrics.admitted(backend, tenant, tokens, admitted - started)
     raw_path, sep, query = request.raw_path.partition("?")
     result = RelayResult()
+    if extras is not None:
+        result.on_first_data = extras.first_data
+    url = backend.url + normalize_path(raw_path) + sep + query
+    upstream_headers = upstream_trace_headers(request.headers, rid)
+    if trace is not None:
+        upstream_headers = trace.upstream_headers(upstream_headers, url, request.method)
+        result.on_first_data = _both(result.on_first_data, trace.data_arrived)
     # holds a slot (a shadow admission holds none): counted for the retry hints of refusals
     running = gw.running.start(backend.id, tenant.id, 0) if holds_slot(decision) else None
     reply: Reply | None = None
@@ -656,7 +778,7 @@ async def handle_forward(gw: Gateway, request: web.BaseRequest) -> Reply:
         reply = await relay(
             request,
             gw.session,
-            backend.url + normalize_path(raw_path) + sep + query,
+            url,
             body,
             stream=True,
             strip_usage_chunk=False,
@@ -669,7 +791,7 @@ async def handle_forward(gw: Gateway, request: web.BaseRequest) -> Reply:
             content_type=request.headers.get("Content-Type"),
             pass_body=True,
             api_key=backend.api_key,
-            extra_headers=upstream_trace_headers(request.headers, rid),
+            extra_headers=upstream_headers,
         )
         return reply
     except GatewayError as err:
@@ -677,6 +799,10 @@ async def handle_forward(gw: Gateway, request: web.BaseRequest) -> Reply:
         reply = _tagged(error_response(request, err), rid)
         return reply
     finally:
+        if trace is not None:
+            trace.relay_end = time.perf_counter()
+        if extras is not None:
+            extras.finish(result.completion_tokens)
         actual = 0
         if result.outcome != "upstream_unreachable":
             actual = min(int(result.prompt_tokens or 0) + int(result.completion_tokens), MAX_AMOUNT)
@@ -696,4 +822,5 @@ async def handle_forward(gw: Gateway, request: web.BaseRequest) -> Reply:
             result,
             reply,
             error_code,
+            trace=trace,
         )

@@ -120,7 +120,7 @@ class RelayResult:
         prompt_tokens: from the engine's usage, else ``None``.
         completion_tokens: from the engine's usage, else counted from delivered text, else 0.
         usage_from_engine: whether the engine reported usage.
-        ttft: upstream time to first byte (seconds), or ``None``.
+        ttft: upstream time to the answer's head (seconds), or ``None``.
         outcome: ``ok``, ``upstream_error``, ``upstream_timeout``, ``upstream_unreachable``,
             ``client_disconnect``, ``client_timeout`` (the client stopped reading a stream
             until the ``total`` timeout), ``stream_broken``.
@@ -132,6 +132,9 @@ class RelayResult:
     usage_from_engine: bool = False
     ttft: float | None = None
     outcome: str = "ok"
+    #: called once, when the first bytes of the answer's body arrive (the admission stage's
+    #: prefill budget and latency targets: the engine produced its first token)
+    on_first_data: Callable[[], None] | None = None
 
 
 async def relay(
@@ -372,6 +375,14 @@ def _wait_until(
     return when
 
 
+def _first_data(result: RelayResult) -> None:
+    """Runs the result's first-data callback once."""
+    callback = result.on_first_data
+    result.on_first_data = None
+    if callback is not None:
+        callback()
+
+
 async def _await_bytes(
     content: aiohttp.StreamReader,
     deadline: Deadline,
@@ -509,6 +520,8 @@ async def _relay_stream(
             try:
                 # bytes already buffered need no deadline
                 data = content.read_nowait() or await _await_bytes(content, deadline, idle, end)
+                if result.on_first_data is not None and data:
+                    _first_data(result)
             except TimeoutError:
                 result.outcome = "upstream_timeout"
                 await _write_error_event(
@@ -609,6 +622,8 @@ async def _relay_assembled(
                 data = content.read_nowait() or await _await_bytes(
                     content, deadline, timeouts.idle, end
                 )
+                if result.on_first_data is not None and data:
+                    _first_data(result)
             except TimeoutError:
                 result.outcome = "upstream_timeout"
                 raise upstream_timeout("body") from None

@@ -39,7 +39,20 @@ INFERENCE_ROUTES = frozenset(
     {"/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses"}
 )
 #: The gateway's own ``GET`` (and ``HEAD``) endpoints.
-GATEWAY_ROUTES = frozenset({"/v1/models", "/metrics", "/healthz", "/readyz", "/admin/state"})
+GATEWAY_ROUTES = frozenset(
+    {
+        "/v1/models",
+        "/metrics",
+        "/healthz",
+        "/readyz",
+        "/admin/state",
+        "/admin/usage",
+        "/dashboard",
+        "/dashboard/data",
+        "/dashboard/dashboard.css",
+        "/dashboard/dashboard.js",
+    }
+)
 #: ``GET /v1/models/{id}``: one model object (the id may hold ``/``, sent as ``%2F``).
 MODEL_PREFIX = "/v1/models/"
 

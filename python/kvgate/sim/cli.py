@@ -34,6 +34,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--block-size", type=int, help="tokens per KV block")
     a("--max-num-seqs", type=int, help="most sequences in one batch")
     a(
+        "--max-num-batched-tokens",
+        type=int,
+        help="tokens one step may schedule (vLLM's max_num_batched_tokens); default: the "
+        "profile's (vLLM's default for that GPU); without chunked prefill: no budget",
+    )
+    a(
+        "--no-chunked-prefill",
+        action="store_true",
+        help="prefill a prompt whole in the step that admits it, stalling every running "
+        "sequence meanwhile (default: chunked prefill, as vLLM V1: running sequences first, "
+        "then prompt chunks fill the rest of the step's token budget)",
+    )
+    a(
         "--on-overflow",
         choices=["preempt", "oom"],
         default="preempt",
@@ -73,6 +86,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="vLLM metric names: v1 (vllm:kv_cache_usage_perc), v0 (vllm:gpu_cache_usage_perc), "
         "or both as in vLLM 0.9.2-0.10 (default: %(default)s)",
     )
+    a(
+        "--prefix-caching",
+        action="store_true",
+        help="vLLM's automatic prefix caching: full prompt blocks are shared by prompts that "
+        "start alike, whose prefill skips them; vllm:prefix_cache_queries / _hits count tokens "
+        "(default: off)",
+    )
     a("--no-usage", action="store_true", help="never send a usage chunk in streams")
     a("--prefill-s-per-token", type=float, help="prefill seconds per prompt token")
     a("--decode-base-s", type=float, help="fixed seconds per decode step")
@@ -102,6 +122,9 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         kv_blocks=args.kv_blocks,
         block_size=args.block_size,
         max_num_seqs=args.max_num_seqs,
+        chunked_prefill=not args.no_chunked_prefill,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        prefix_caching=args.prefix_caching,
         on_overflow=args.on_overflow,
         restart_seconds=args.restart_seconds,
         speed=args.speed,
@@ -128,6 +151,16 @@ def _listen(host: str, port: int) -> socket.socket:
     )[0]
     # socket.create_server sets SO_REUSEADDR on POSIX, as aiohttp's own listener does
     return socket.create_server((host, port), family=family)
+
+
+def _prefill_words(config: SimConfig) -> str:
+    """How prompts are prefilled, for the banner."""
+    budget = config.token_budget
+    if config.chunked_prefill:
+        return f"chunked prefill, {budget} tokens per step"
+    if budget is None:
+        return "whole prefill"
+    return f"whole prefill, {budget} tokens per step"
 
 
 def run(args: argparse.Namespace) -> int:
@@ -159,6 +192,7 @@ def run(args: argparse.Namespace) -> int:
         f"kvgate sim: {config.model} ({config.profile}) on http://{where} — "
         f"{config.kv_blocks} blocks × {config.block_size} = {config.kv_capacity_tokens} KV tokens, "
         f"context {config.context_window}, max_num_seqs {config.max_num_seqs}, "
+        f"{_prefill_words(config)}{', prefix caching' if config.prefix_caching else ''}, "
         f"on_overflow={config.on_overflow}, speed ×{config.speed:g}",
         flush=True,
     )

@@ -11,6 +11,10 @@ from kvgate.sim.profiles import DEFAULT_PROFILE, get_profile
 OnOverflow = Literal["preempt", "oom"]
 MetricNames = Literal["v1", "v0", "both"]
 
+DEFAULT_MAX_NUM_BATCHED_TOKENS: int = 2048
+"""vLLM's generic per-step token budget (``SchedulerConfig``), used with chunked prefill when
+neither a profile nor ``max_num_batched_tokens`` gives one."""
+
 
 @dataclass(frozen=True, slots=True)
 class SimConfig:
@@ -43,11 +47,29 @@ class SimConfig:
         chat_template: the model's Jinja chat template (text); chat prompts are then the
             rendered template, counted without adding special tokens (as vLLM does), and
             ``GET /props`` states it. ``None``: a fixed, model-neutral template.
+        chunked_prefill: vLLM V1's chunked prefill (its default): each step schedules at most
+            ``max_num_batched_tokens`` tokens, running sequences first, and a prompt that does
+            not fit is prefilled over several steps. False: a prompt is prefilled whole in the
+            step that admits it (vLLM ``--no-enable-chunked-prefill``).
+        max_num_batched_tokens: the per-step token budget (vLLM's ``max_num_batched_tokens``).
+            ``None``: with chunked prefill, :data:`DEFAULT_MAX_NUM_BATCHED_TOKENS`
+            (:meth:`from_profile` puts the profile's default here); without, no budget (every
+            admissible prompt is prefilled in one step, the simulator's behaviour before
+            chunked prefill). Given without chunked prefill, whole prompts are admitted while
+            they fit the budget, which must then hold a whole context window (vLLM refuses to
+            start otherwise).
+        prefix_caching: vLLM's automatic prefix caching: full prompt blocks are kept under a
+            hash of the prompt up to them, shared by every sequence whose prompt starts the
+            same way (whose prefill then skips them), and stay cached once unreferenced until
+            evicted (see :mod:`kvgate.sim.engine`). Off by default here (vLLM V1 turns it on;
+            the simulator keeps it opt-in so every request costs its full prefill).
         profile: the preset the sizes came from (informational).
 
     Raises (from :meth:`validate`):
-        ValueError: a size ≤ 0, speed ≤ 0, unknown mode, or a context window larger than the
-            KV cache (vLLM refuses to start in that case too).
+        ValueError: a size ≤ 0, speed ≤ 0, unknown mode, a context window larger than the
+            KV cache (vLLM refuses to start in that case too), a token budget smaller than
+            ``max_num_seqs`` (with chunked prefill) or than the context window (without), as
+            vLLM's ``SchedulerConfig`` refuses them.
     """
 
     model: str
@@ -69,6 +91,9 @@ class SimConfig:
     no_usage: bool = False
     embedding_dim: int = 16
     chat_template: str | None = None
+    chunked_prefill: bool = True
+    max_num_batched_tokens: int | None = None
+    prefix_caching: bool = False
     profile: str | None = None
 
     @classmethod
@@ -96,9 +121,19 @@ class SimConfig:
             "profile": p.name,
         }
         base.update({k: v for k, v in overrides.items() if v is not None})
+        if base.get("chunked_prefill", True) and base.get("max_num_batched_tokens") is None:
+            base["max_num_batched_tokens"] = p.max_num_batched_tokens
         cfg = cls(**base)
         cfg.validate()
         return cfg
+
+    @property
+    def token_budget(self) -> int | None:
+        """Tokens one step may schedule (prefill chunks + one per decoding sequence), or
+        ``None`` for no budget (whole prefills, ``max_num_batched_tokens`` not given)."""
+        if self.max_num_batched_tokens is not None:
+            return self.max_num_batched_tokens
+        return DEFAULT_MAX_NUM_BATCHED_TOKENS if self.chunked_prefill else None
 
     @property
     def kv_capacity_tokens(self) -> int:
@@ -121,6 +156,22 @@ class SimConfig:
             raise ValueError(f"on_overflow must be 'preempt' or 'oom', got {self.on_overflow!r}")
         if self.metric_names not in ("v1", "v0", "both"):
             raise ValueError(f"metric_names must be v1, v0 or both, got {self.metric_names!r}")
+        budget = self.max_num_batched_tokens
+        if budget is not None and budget < 1:
+            raise ValueError(f"max_num_batched_tokens must be ≥ 1, got {budget}")
+        if self.chunked_prefill and (self.token_budget or 0) < self.max_num_seqs:
+            # vLLM's SchedulerConfig: every running sequence must be able to decode in one step
+            raise ValueError(
+                f"max_num_batched_tokens ({self.token_budget}) must be ≥ max_num_seqs "
+                f"({self.max_num_seqs})"
+            )
+        if not self.chunked_prefill and budget is not None and budget < self.context_window:
+            # vLLM's SchedulerConfig: without chunked prefill a whole prompt must fit one step
+            raise ValueError(
+                f"max_num_batched_tokens ({budget}) is smaller than the context window "
+                f"({self.context_window}): without chunked prefill a longer prompt could never "
+                "be scheduled; raise it or enable chunked prefill"
+            )
         if self.context_window > self.kv_capacity_tokens:
             # vLLM: "The model's max seq len is larger than the maximum number of tokens that
             # can be stored in KV cache" — it refuses to start, and so do we (else one request

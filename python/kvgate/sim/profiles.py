@@ -28,6 +28,13 @@ Worked examples (the presets below):
 
 Step times (prefill seconds per prompt token, decode step = base + per-sequence × batch size) are
 rough orders of magnitude for the hardware, not measurements; ``--speed`` scales them all.
+
+Token budget per step (``max_num_batched_tokens``, chunked prefill): vLLM's defaults for an
+OpenAI-compatible server (``EngineArgs.get_batch_defaults`` in ``vllm/engine/arg_utils.py``) are
+8,192 tokens on a GPU with at least 70 GiB of memory that is not an A100 (H100, H800, H200,
+MI300x) and 2,048 tokens otherwise. So ``h800x8-llama3-70b`` gets 8,192, ``l4-llama3-8b`` 2,048,
+and ``tiny`` vLLM's generic default of 2,048 (more than its window: one prompt is never split,
+only several prompts admitted in one step share the budget).
 """
 
 from __future__ import annotations
@@ -83,6 +90,8 @@ class Profile:
         decode_per_seq_s: added decode-step cost per running sequence, seconds.
         kv_bytes_per_token: bytes of KV per token (0 for the hardware-free ``tiny``).
         summary: one line for ``--help``, with the arithmetic.
+        max_num_batched_tokens: tokens one step may schedule with chunked prefill (vLLM's
+            default for this kind of GPU; see the module docstring).
     """
 
     name: str
@@ -96,6 +105,7 @@ class Profile:
     decode_per_seq_s: float
     kv_bytes_per_token: int
     summary: str
+    max_num_batched_tokens: int = 2048
 
 
 def _hardware_profile(
@@ -112,6 +122,7 @@ def _hardware_profile(
     decode_base_s: float,
     decode_per_seq_s: float,
     gpu_label: str,
+    max_num_batched_tokens: int,
     gpu_memory_utilization: float = 0.90,
     block_size: int = 16,
 ) -> Profile:
@@ -127,7 +138,8 @@ def _hardware_profile(
         f"{gpu_label}, {model}: {shape.layers} layers × {shape.kv_heads} kv_heads × "
         f"{shape.head_dim} head_dim × 2 × {shape.bytes_per_element} B = {per_token:,} B/token; "
         f"pool {pool / GIB:.1f} GiB → {blocks:,} blocks × {block_size} = "
-        f"{blocks * block_size:,} tokens; context {context_window:,}"
+        f"{blocks * block_size:,} tokens; context {context_window:,}; "
+        f"{max_num_batched_tokens:,} tokens per step"
     )
     return Profile(
         name=name,
@@ -141,6 +153,7 @@ def _hardware_profile(
         decode_per_seq_s=decode_per_seq_s,
         kv_bytes_per_token=per_token,
         summary=summary,
+        max_num_batched_tokens=max_num_batched_tokens,
     )
 
 
@@ -160,6 +173,7 @@ PROFILES: dict[str, Profile] = {
             decode_base_s=0.030,
             decode_per_seq_s=0.00015,
             gpu_label="8×H800 80GB (TP=8)",
+            max_num_batched_tokens=8192,  # vLLM's default on a ≥ 70 GiB GPU (not an A100)
         ),
         _hardware_profile(
             name="l4-llama3-8b",
@@ -174,6 +188,7 @@ PROFILES: dict[str, Profile] = {
             decode_base_s=0.055,
             decode_per_seq_s=0.0003,
             gpu_label="1×L4 24GB",
+            max_num_batched_tokens=2048,  # vLLM's default on a smaller GPU
         ),
         Profile(
             name="tiny",
@@ -186,7 +201,9 @@ PROFILES: dict[str, Profile] = {
             decode_base_s=0.020,
             decode_per_seq_s=0.001,
             kv_bytes_per_token=0,
-            summary="toy engine, no real hardware: 128 blocks × 16 = 2,048 tokens; context 1,024",
+            summary="toy engine, no real hardware: 128 blocks × 16 = 2,048 tokens; context 1,024; "
+            "2,048 tokens per step",
+            max_num_batched_tokens=2048,  # vLLM's generic default
         ),
     )
 }

@@ -47,7 +47,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from kvgate.sim.config import SimConfig
-from kvgate.sim.engine import Engine, Event, FailEvent, Sequence
+from kvgate.sim.engine import Engine, Event, FailEvent, Sequence, prefix_block_hashes
 from kvgate.sim.tokens import TokenCounter, render_chat
 
 MAX_N = 128
@@ -201,6 +201,17 @@ class _SimCollector:
             "Number of generation tokens processed.",
             e.generation_tokens_total,
         )
+        if not v0:  # vLLM V1's prefix-cache counters, in tokens (0 without prefix caching)
+            yield counter(
+                "vllm:prefix_cache_queries",
+                "Prefix cache queries, in terms of number of queried tokens.",
+                e.prefix_cache_queries,
+            )
+            yield counter(
+                "vllm:prefix_cache_hits",
+                "Prefix cache hits, in terms of number of cached tokens.",
+                e.prefix_cache_hits,
+            )
         success = CounterMetricFamily(
             "vllm:request_success",
             "Count of successfully processed requests.",
@@ -212,7 +223,7 @@ class _SimCollector:
         info_labels = {
             "block_size": str(cfg.block_size),
             "cache_dtype": "auto",
-            "enable_prefix_caching": "False",
+            "enable_prefix_caching": str(cfg.prefix_caching),
             "gpu_memory_utilization": "0.9",
             "num_gpu_blocks": str(cfg.kv_blocks),
         }
@@ -362,6 +373,7 @@ class _Job:
     ignore_eos: bool
     min_tokens: int
     user: str = ""  # the body's OpenAI ``user`` field, the key of the per-user oracle
+    hashes: list[list[bytes]] = field(default_factory=list)  # per prompt, with prefix caching
 
 
 def _common(state: SimState, body: dict[str, Any], job: _Job, what: str) -> _Job:
@@ -421,6 +433,7 @@ def _parse_chat(state: SimState, body: dict[str, Any]) -> _Job:
         ignore_eos=_get_bool(body, "ignore_eos"),
         min_tokens=_get_int(body, "min_tokens", minimum=0, default=0) or 0,
     )
+    job.hashes = [_block_hashes(state, text)]
     _extra_seed(body, job)
     return _common(state, body, job, "messages")
 
@@ -478,6 +491,7 @@ def _parse_responses(state: SimState, body: dict[str, Any]) -> _Job:
         ignore_eos=_get_bool(body, "ignore_eos"),
         min_tokens=_get_int(body, "min_tokens", minimum=0, default=0) or 0,
     )
+    job.hashes = [_block_hashes(state, text)]
     _extra_seed(body, job)
     return _common(state, body, job, "input")
 
@@ -487,6 +501,20 @@ def _extra_seed(body: dict[str, Any], job: _Job) -> None:
     seed = _get_int(body, "seed", minimum=-(2**63), default=None)
     if seed is not None:
         job.prompts = [(t, fp + b"|seed=" + str(seed).encode()) for t, fp in job.prompts]
+
+
+def _block_hashes(state: SimState, prompt: str | list[int]) -> list[bytes]:
+    """The prompt's full-block hashes for prefix caching (none without it): over its token ids
+    (given, or from the tokenizer file), else over its UTF-8 bytes read 4 to a token."""
+    cfg = state.config
+    if not cfg.prefix_caching:
+        return []
+    if isinstance(prompt, str):
+        ids = state.counter.token_ids(prompt)
+        units: bytes | list[int] = prompt.encode() if ids is None else ids
+    else:
+        units = prompt
+    return prefix_block_hashes(units, cfg.block_size)
 
 
 def _prompt_tokens(state: SimState, prompt: str | list[int]) -> tuple[int, bytes]:
@@ -512,6 +540,7 @@ def _parse_completion(state: SimState, body: dict[str, Any]) -> _Job:
         ignore_eos=_get_bool(body, "ignore_eos"),
         min_tokens=_get_int(body, "min_tokens", minimum=0, default=0) or 0,
     )
+    job.hashes = [_block_hashes(state, p) for p in prompts]
     _extra_seed(body, job)
     return _common(state, body, job, "prompt")
 
@@ -553,6 +582,7 @@ async def _generate(request: web.Request, job: _Job) -> web.StreamResponse:
                 ignore_eos=job.ignore_eos,
                 min_tokens=job.min_tokens,
                 user=job.user,
+                block_hashes=job.hashes[p_i] if job.hashes else (),
             )
             index[seq.seq_id] = p_i * job.n + j
             seqs.append(seq)
@@ -921,8 +951,10 @@ async def props(request: web.Request) -> web.Response:
 
 async def slots(request: web.Request) -> web.Response:
     """``GET /slots`` in llama.cpp's shape: one entry per batch place (``max_num_seqs``), the
-    running sequences first with ``is_processing`` true, ``n_prompt_tokens`` (the tokens it
-    holds: prompt + generated, as llama.cpp's slot cache) and ``next_token[0].n_decoded``."""
+    running sequences first with ``is_processing`` true, ``n_prompt_tokens`` (the tokens whose
+    KV it holds, as llama.cpp's slot cache: the prompt so far while it is prefilled, then prompt
+    + generated − 1), ``n_prompt_tokens_processed`` (prompt tokens prefilled so far) and
+    ``next_token[0].n_decoded``."""
     state = request.app[STATE]
     cfg = state.config
     out: list[dict[str, Any]] = []
@@ -934,7 +966,7 @@ async def slots(request: web.Request) -> web.Response:
                 is_processing=True,
                 id_task=seq.seq_id,
                 n_prompt_tokens=seq.kv_tokens,
-                n_prompt_tokens_processed=seq.prompt_tokens,
+                n_prompt_tokens_processed=min(seq.computed, seq.prompt_tokens),
                 next_token=[
                     {
                         "has_next_token": True,

@@ -72,6 +72,13 @@ class TokenCounter:
         except AnalysisError as exc:
             raise ValueError(str(exc)) from exc
 
+    def token_ids(self, text: str) -> list[int] | None:
+        """The token ids of ``text`` with the tokenizer file (special tokens added, as
+        :meth:`count` counts them); ``None`` without one."""
+        if self._tok is None:
+            return None
+        return list(self._tok.encode(text).ids)
+
     def count(self, text: str) -> int:
         """Tokens in ``text`` (0 for the empty string)."""
         if not text:

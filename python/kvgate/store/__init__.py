@@ -107,3 +107,7 @@ class LocalStore:
     def state(self) -> dict[str, Any]:
         """``/admin/state``'s ``store`` entry."""
         return {"mode": "local"}
+
+    def inflight_allocated(self, backend: str) -> int | None:
+        """Always ``None``: this host's in-flight tokens are the core's own."""
+        return None

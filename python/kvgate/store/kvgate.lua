@@ -16,6 +16,7 @@
 --   tat|<bucket>          GCRA theoretical arrival time of a token bucket (server µs, float)
 --   prop|<pod>, shed|<pod>  the replica's proposed adaptive scale (0..1) and shedding flag
 --   reaped                replicas reaped in this scope (a counter)
+--   heard                 when the scope last applied a message (server µs)
 --
 -- One function, kvg_sync, carries everything a replica says to a scope (JSON in ARGV[1]):
 --   pod, seq, ttl (µs), epoch (a candidate, used only when the state is created),
@@ -42,6 +43,7 @@
 -- admits never take alloc above the effective limit; re-assertion may (a replica that was
 -- reaped while frozen and comes back with requests in flight): then nothing grows until it
 -- drains. Dead replicas (lease expired) are reaped, at most 8 per call: their quotas go back.
+-- Leases do not run while the scope hears nothing at all (see `heard` in kvg_sync).
 
 local function now_us()
   local t = redis.call('TIME')
@@ -139,6 +141,17 @@ local function kvg_sync(keys, args)
     return cjson.encode(reply)
   end
   redis.call('HSET', state, 'seq|' .. pod, msg.seq)
+  -- a scope that heard nothing for over half a lease (Redis away or refusing writes, or every
+  -- replica quiet: live holders speak every heartbeat, at most half a lease) moves the leases
+  -- that ran when it went quiet on by that silence: the first replica back must not reap the
+  -- others, whose requests still run, for a silence that was Redis's
+  local heard = tonumber(redis.call('HGET', state, 'heard') or '0')
+  if heard > 0 and now - heard > msg.ttl / 2 then
+    for _, other in ipairs(redis.call('ZRANGEBYSCORE', live, '(' .. fmt(heard), '+inf')) do
+      redis.call('ZINCRBY', live, now - heard, other)
+    end
+  end
+  redis.call('HSET', state, 'heard', string.format('%.0f', now))
   reply.reaped = reap(state, live, now)
   redis.call('ZADD', live, now + msg.ttl, pod)
   -- keep the scope for a while after its last replica left (its buckets' state matters)

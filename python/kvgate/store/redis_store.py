@@ -1,6 +1,6 @@
 """Limits shared by several gateway replicas through Redis (or Valkey), version 7.0 or later.
 
-How it works (README, "Several replicas"):
+How it works (docs/replicas.md):
 
 - Every limit is a *scope* in Redis: a tenant (its concurrency pool and TPM bucket) or a
   backend (its burst slot pool, one pool per tenant guarantee, its in-flight token budget, its
@@ -75,7 +75,11 @@ async def load_library(client: Any, cluster: bool = False) -> None:
     if cluster:
         from redis.asyncio.cluster import RedisCluster
 
-        await client.function_load(LIBRARY, replace=True, target_nodes=RedisCluster.PRIMARIES)
+        # "FUNCTION LOAD" as one word: redis-py's cluster client then sends it to the nodes
+        # named, whatever it learnt of the command's keys
+        await client.execute_command(
+            "FUNCTION LOAD", "REPLACE", LIBRARY, target_nodes=RedisCluster.PRIMARIES
+        )
     else:
         await client.function_load(LIBRARY, replace=True)
 
@@ -206,6 +210,8 @@ class _Admit:
     future: asyncio.Future[Any]
     taken: list[tuple[Pool, int]] = field(default_factory=list)
     admitted: bool = False
+    #: admitted from this replica's own quota and tokens, not in Redis
+    local: bool = False
 
 
 class Scope:
@@ -347,10 +353,13 @@ class RedisStore:
         self._closed = False
         self._loaded = False
         self.calls = 0
+        #: admissions this store granted (local or in Redis, fallbacks included)
+        self.admissions = 0
         self.failures: dict[str, int] = {"timeout": 0, "error": 0, "stale": 0}
         self.amnesia = 0
         self.reaped = 0
         self.degraded_admissions = 0
+        self._last_failure = ""
 
     # ---- set-up -----------------------------------------------------------------------------
     def _make_client(self) -> Any:
@@ -384,7 +393,7 @@ class RedisStore:
             logger.error(
                 "store: cannot reach Redis at start (%s); limits use their fallback "
                 "policies until it answers",
-                exc,
+                _short(exc),
             )
             self._breaker.opened_at = time.monotonic()
             self._breaker.failures = self._breaker.limit
@@ -462,7 +471,9 @@ class RedisStore:
         slot_pools.append(self._pool(sc, "burst", "backend-slots", BURST, base, gs=gsum))
         alts = [(False, slot_pools)]
         if b["inflight_token_limit"] is not None:
-            pool = self._pool(sc, "inflight", "inflight-tokens", SCALED, b["inflight_token_limit"])
+            # the budget is not scaled by KV pressure (it is KV capacity already); each
+            # replica's core lowers it by the engine's external occupancy
+            pool = self._pool(sc, "inflight", "inflight-tokens", PLAIN, b["inflight_token_limit"])
             alts.append((True, [pool]))
         buckets = []
         if b["tokens_per_minute"] < UNLIMITED_RATE:
@@ -541,6 +552,7 @@ class RedisStore:
     def _take(self, parts: list[_Part], picks: list[tuple[Pool, int]], tokens: int) -> StoreHold:
         """Takes ``picks`` and ``tokens`` from every bucket of ``parts``; asks for more in the
         background where what is left falls under the low-water mark."""
+        self.admissions += 1
         buckets: list[Bucket] = []
         for pool, n in picks:
             pool.in_use += n
@@ -632,9 +644,15 @@ class RedisStore:
             self._kick(part.scope)
         local = self._take(local_parts, local_picks, tokens)
         answers: list[Any] = []
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(self._deadline):
-                answers = list(await asyncio.gather(*(a.future for a in waits)))
+        try:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self._deadline):
+                    answers = list(await asyncio.gather(*(a.future for a in waits)))
+        except asyncio.CancelledError:
+            # the caller went away (its client disconnected) while Redis decided: what was
+            # taken here goes back now, what Redis admits later becomes quota (_apply)
+            self._give_back(waits, local, tokens)
+            raise
         if len(answers) != len(waits) or any(a is None for a in answers):
             # no answer in time, or an unknown outcome: the fallback decides
             self._give_back(waits, local, tokens)
@@ -661,6 +679,7 @@ class RedisStore:
     def _give_back(self, waits: list[_Admit], local: StoreHold, tokens: int) -> None:
         """A request that will not run: what it took goes back to this replica's quotas (and to
         Redis with their next messages); parts still waiting leave their scopes' queues."""
+        self.admissions -= 1  # counted by _take, refused after all
         self.release(local, tokens, 0)
         for adm in waits:
             with contextlib.suppress(ValueError):
@@ -686,9 +705,9 @@ class RedisStore:
     def _fallback(self, parts: list[_Part], tokens: int) -> Any:
         """The decision without Redis, by each limit's policy: ``open`` admits, ``closed``
         refuses (``store-unavailable``), ``strict`` uses only what this replica holds,
-        ``share`` what it holds or its share of the limit (limit ÷ live replicas as Redis last
-        said; nothing for a scope Redis never answered for), whichever is more; tokens: what it
-        holds, then (``share``) its own bucket of the rate and burst ÷ live replicas."""
+        ``share`` its share of the limit (limit ÷ live replicas as Redis last said; nothing for
+        a scope Redis never answered for; what it already runs above that continues); tokens:
+        what it holds, then (``share``) its own bucket of the rate and burst ÷ live replicas."""
         picks: list[tuple[Pool, int]] = []
         shares: list[tuple[_Part, Bucket]] = []
         for part in parts:
@@ -705,8 +724,9 @@ class RedisStore:
                         chosen = pool
                         break
                     ceiling = pool.q
-                    if policy == "share" and sc.epoch is not None:
-                        ceiling = max(pool.q, (pool.limit or pool.base) // live)
+                    if policy == "share":
+                        # its share, known only once Redis answered for this scope
+                        ceiling = (pool.limit or pool.base) // live if sc.epoch else 0
                     if pool.in_use + n <= ceiling:
                         chosen = pool
                         break
@@ -763,9 +783,10 @@ class RedisStore:
 
     def _opened(self) -> None:
         logger.warning(
-            "store: Redis unreachable (%d failed calls in a row); limits fall back to their "
-            "policies (default %s)",
+            "store: Redis unreachable (%d failed calls in a row, the last: %s); limits fall "
+            "back to their policies (default %s)",
             self._breaker.failures,
+            self._last_failure,
             self.config.on_failure,
         )
         if self._metrics is not None:
@@ -819,6 +840,9 @@ class RedisStore:
         admissions, the heartbeat; ``None`` when there is nothing to say."""
         now = time.monotonic()
         expired = sc.epoch is not None and now >= sc.lease_until
+        if sc.admits and not expired:
+            # quota that arrived since they queued (a grant, a release) serves them here
+            sc.admits = [adm for adm in sc.admits if not self._serve_locally(adm)]
         admits = sc.admits
         say = sc.hb_due or bool(admits) or expired
         pools: dict[str, Any] = {}
@@ -899,6 +923,33 @@ class RedisStore:
             msg["admits"] = batch
         return msg, admits, debts
 
+    def _serve_locally(self, adm: _Admit) -> bool:
+        """Admits a waiting request from this replica's own quota when it has room now;
+        whether it did (then its waiter is answered)."""
+        if adm.future.done():
+            return True  # its caller gave up: nothing to decide
+        picks: list[tuple[Pool, int]] = []
+        for n, pools in adm.alts:
+            for pool in pools:
+                if pool.q - pool.in_use >= n:
+                    picks.append((pool, n))
+                    break
+            else:
+                return False
+        if any(b.avail < n for b, n in adm.buckets):
+            return False
+        for pool, n in picks:
+            pool.in_use += n
+            pool.taken += n
+            pool.unit = n
+        for b, n in adm.buckets:
+            b.avail -= n  # from the tokens this replica holds, not from the global bucket
+        adm.taken = picks
+        adm.admitted = True
+        adm.local = True
+        adm.future.set_result(True)
+        return True
+
     async def _send(
         self, sc: Scope, msg: dict[str, Any], admits: list[_Admit], debts: dict[str, int]
     ) -> None:
@@ -910,26 +961,33 @@ class RedisStore:
         self.calls += 1
         kind = None
         raw: Any = None
+        payload = orjson.dumps(msg)
         try:
             async with asyncio.timeout(deadline):
-                raw = await client.fcall("kvg_sync", 3, key, key + ":live", op, orjson.dumps(msg))
+                try:
+                    raw = await client.fcall("kvg_sync", 3, key, key + ":live", op, payload)
+                except Exception as exc:
+                    if not _library_missing(exc):
+                        raise
+                    # Redis lost the library (restarted empty, FUNCTION FLUSH): the call did
+                    # not run, so the same message goes again once the library is loaded
+                    await load_library(client, self.config.cluster)
+                    raw = await client.fcall("kvg_sync", 3, key, key + ":live", op, payload)
         except TimeoutError:
             kind = "timeout"
+            self._last_failure = f"no answer within {deadline * 1000:g} ms"
         except Exception as exc:
             kind = "error"
-            text = str(exc).lower()
-            if "function" in text and ("not found" in text or "no such" in text):
-                # Redis restarted without its data: load the library for the next message
-                with contextlib.suppress(Exception):
-                    async with asyncio.timeout(self._bg_deadline):
-                        await load_library(client, self.config.cluster)
-            logger.debug("store: call to %s failed: %s", key, exc)
+            # e.g. OutOfMemoryError when Redis refuses writes (maxmemory, noeviction)
+            self._last_failure = f"{type(exc).__name__}: {_short(exc)}"
+            logger.debug("store: call to %s failed: %s", key, _short(exc))
         if self._metrics is not None:
             self._metrics.store_call_seconds.observe(time.monotonic() - sent)
         if kind is None:
             reply = orjson.loads(raw)
             if reply.get("stale"):
                 kind = "stale"
+                self._last_failure = "a stale reply"
         if kind is not None:
             self.failures[kind] += 1
             if self._metrics is not None:
@@ -939,6 +997,9 @@ class RedisStore:
                     adm.future.set_result(None)  # unknown outcome: the caller falls back
             if self._breaker.failed(time.monotonic()):
                 self._opened()
+            # a scope whose call failed stays active: while the breaker is open, its heartbeat
+            # is the probe that closes it (see :meth:`tick`)
+            self._active.add(sc)
             return
         if self._breaker.succeeded():
             self._closed_again()
@@ -985,6 +1046,8 @@ class RedisStore:
             pool.q = pool.rq = int(q)
             pool.alloc, pool.limit = int(alloc), int(limit)
             pool.near = pool.limit - pool.alloc < max(near_f * pool.limit, sc.live)
+            if pool.near and pool.q > pool.in_use:
+                sc.wake = True  # near the limit: give the headroom back now, not at a heartbeat
         for name, (avail, burst) in (reply.get("buckets") or {}).items():
             b = sc.buckets.get(name)
             if b is not None:
@@ -1041,6 +1104,15 @@ class RedisStore:
         retry = retry_us / 1e6 if retry_us > 0 else self.config.heartbeat_s / 2
         return StoreRefusal(limit_name, scope=_scope_of(sc), retry_after=max(0.001, retry))
 
+    def inflight_allocated(self, backend: str) -> int | None:
+        """Tokens of ``backend``'s in-flight budget allocated to all replicas together (as
+        Redis last said; at least what they run), or ``None`` when unknown."""
+        sc = self.scopes.get("b" + backend)
+        pool = sc.pools.get("inflight") if sc is not None else None
+        if pool is None or sc is None or sc.epoch is None:
+            return None
+        return pool.alloc
+
     # ---- adaptive scale ------------------------------------------------------------------------
     def propose(self, backend: str, scale: float, shedding: bool) -> tuple[float, bool]:
         """Records this replica's adaptive scale (0 < scale <= 1) and shedding flag for
@@ -1072,6 +1144,10 @@ class RedisStore:
         """One heartbeat: each active scope's demand measured, grant sizes set, and a message
         sent where this replica holds anything (its lease renewed) or proposes a scale."""
         period = self.config.heartbeat_s
+        # while the breaker is open every active scope stays active: its heartbeat is the probe
+        # that closes the breaker (a replica that held nothing when Redis went away would
+        # otherwise never call Redis again)
+        probing = self._breaker.opened_at is not None
         for sc in list(self._active):
             for b in sc.buckets.values():
                 rate = b.taken / period
@@ -1082,7 +1158,13 @@ class RedisStore:
             for p in sc.pools.values():
                 used = used or p.taken > 0
                 p.taken = 0
-            if not (used or sc.holds() or sc.admits or (sc.kind == "b" and sc.name in self._props)):
+            if not (
+                used
+                or probing
+                or sc.holds()
+                or sc.admits
+                or (sc.kind == "b" and sc.name in self._props)
+            ):
                 self._active.discard(sc)
                 continue
             sc.hb_due = True
@@ -1178,6 +1260,7 @@ class RedisStore:
             "replica": self.pod,
             "breaker": "open" if self._breaker.opened_at is not None else "closed",
             "calls": self.calls,
+            "admissions": self.admissions,
             "failures": dict(self.failures),
             "reaped_replicas": self.reaped,
             "amnesia": self.amnesia,
@@ -1188,6 +1271,90 @@ class RedisStore:
         }
 
 
+def _short(exc: BaseException) -> str:
+    """An error's first line, at most 200 characters (a redis-py error may quote a whole
+    command)."""
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return text if len(text) <= 200 else text[:197] + "..."
+
+
+def _library_missing(exc: BaseException) -> bool:
+    """Whether Redis answered that the ``kvgate`` Functions library is not loaded (``ERR
+    Function not found``): the call did not run."""
+    text = str(exc).lower()
+    return "function" in text and ("not found" in text or "no such" in text)
+
+
 def _scope_of(sc: Scope) -> str:
     """The refusal scope of a limit of ``sc``: ``tenant`` (429) or ``backend`` (503)."""
     return "tenant" if sc.kind == "t" else "backend"
+
+
+async def check_server(config: Any, wait_s: float = 5.0) -> tuple[list[str], list[str]]:
+    """What ``kvgate check-config`` says of the ``store`` server: ``(problems, notes)``.
+
+    Problems (the gateway would not share its limits): the server cannot be reached within
+    ``wait_s`` seconds, is older than Redis 7.0 (no Functions), or refuses to load the
+    ``kvgate`` Functions library. Notes: the server's version, and a warning when its
+    ``maxmemory-policy`` is not ``noeviction`` (an evicted key forgets what replicas hold: limits
+    would be exceeded) or cannot be read (managed services often disable ``CONFIG``).
+    """
+    from redis.asyncio.retry import Retry
+    from redis.backoff import NoBackoff
+
+    problems: list[str] = []
+    notes: list[str] = []
+    opts: dict[str, Any] = {"retry": Retry(NoBackoff(), 0), "socket_connect_timeout": wait_s}
+    if config.cluster:
+        from redis.asyncio.cluster import RedisCluster
+
+        client: Any = RedisCluster.from_url(config.url, **opts)
+    else:
+        import redis.asyncio as aioredis
+
+        client = aioredis.Redis.from_url(config.url, **opts)
+    where = config.url.rsplit("@", 1)[-1]
+    try:
+        async with asyncio.timeout(wait_s):
+            info = await client.info("server")
+            if config.cluster:  # one answer per node: any node's is representative
+                info = (
+                    next(iter(info.values()))
+                    if isinstance(info, dict)
+                    and info
+                    and all(isinstance(v, dict) for v in info.values())
+                    else info
+                )
+            version = str(info.get("redis_version", "?"))
+            notes.append(f"store: Redis {version} at {where}")
+            major = int(version.split(".")[0]) if version[:1].isdigit() else 0
+            if major < 7:
+                problems.append(
+                    f"store.url: Redis {version} has no Functions; kvgate needs 7.0 or later"
+                )
+                return problems, notes
+            try:
+                await load_library(client, config.cluster)
+            except Exception as exc:
+                problems.append(f"store.url: cannot load kvgate's Functions library: {_short(exc)}")
+            try:
+                policy = await client.config_get("maxmemory-policy")
+                if config.cluster and policy and all(isinstance(v, dict) for v in policy.values()):
+                    policy = next(iter(policy.values()))
+                value = policy.get("maxmemory-policy")
+                if value != "noeviction":
+                    notes.append(
+                        f"warning: store: maxmemory-policy is {value!r}: set it to 'noeviction' "
+                        "(an evicted key forgets what the replicas hold and limits are exceeded)"
+                    )
+            except Exception:
+                notes.append(
+                    "warning: store: cannot read maxmemory-policy (CONFIG disabled?); make sure "
+                    "it is 'noeviction'"
+                )
+    except Exception as exc:
+        problems.append(f"store.url: cannot reach Redis at {where}: {_short(exc)}")
+    finally:
+        with contextlib.suppress(Exception):
+            await client.aclose()
+    return problems, notes

@@ -5,7 +5,7 @@ use std::sync::atomic::Ordering;
 
 use super::region::{read_name, write_name, Names, LIVE, MAX_NAME_LEN, TOMBSTONE};
 use super::{Admission, SCALE_ONE};
-use crate::error::{CoreError, MAX_AMOUNT};
+use crate::error::{check_amount, CoreError, MAX_AMOUNT};
 use crate::priority::Priority;
 use crate::slots::UNLIMITED;
 use crate::token_bucket::TokenBucket;
@@ -172,6 +172,7 @@ impl Admission {
             .store(c.max_concurrency, Ordering::Release);
         b.scale_ppm.store(SCALE_ONE, Ordering::Release);
         b.shedding.store(0, Ordering::Release);
+        b.inflight_external.store(0, Ordering::Release);
         b.inflight
             .set_limit(c.inflight_token_limit.unwrap_or(UNLIMITED));
         b.tpm.init(rate, burst)?;
@@ -575,8 +576,9 @@ impl Admission {
         })
     }
 
-    /// Sets a backend's scale (0 < scale <= 1), applied to its concurrency, TPM and in-flight
-    /// token limits at once (one atomic word read at check time).
+    /// Sets a backend's scale (0 < scale <= 1), applied to its concurrency and TPM limits at
+    /// once (one atomic word read at check time). The in-flight token budget is not scaled
+    /// (see [`Admission::set_inflight_external`]).
     pub fn set_scale(&self, id: u32, scale: f64) -> Result<(), CoreError> {
         let b = self.backend(id)?;
         if !(scale > 0.0 && scale <= 1.0) {
@@ -584,6 +586,20 @@ impl Admission {
         }
         let ppm = ((scale * SCALE_ONE as f64).round() as u64).clamp(1, SCALE_ONE);
         b.scale_ppm.store(ppm, Ordering::Release);
+        Ok(())
+    }
+
+    /// Sets a backend's external KV occupancy: the tokens the engine holds in its KV cache
+    /// beyond kvgate's own in-flight tokens (other clients, fragmentation), measured from its
+    /// metrics. The in-flight budget in force becomes `max(0, base - tokens)` for every
+    /// request; what is already held stays held. 0 (the initial value) = no correction.
+    ///
+    /// Errors: unknown id, or `tokens` above [`MAX_AMOUNT`].
+    pub fn set_inflight_external(&self, id: u32, tokens: u64) -> Result<(), CoreError> {
+        let tokens = check_amount("external tokens", i128::from(tokens))?;
+        self.backend(id)?
+            .inflight_external
+            .store(tokens, Ordering::Release);
         Ok(())
     }
 

@@ -15,8 +15,9 @@
 //! shrinks the limit, the burst pool shrinks first; guarantees shrink (proportionally) only when
 //! the limit is below their sum. `critical` and `standard` requests use the tenant's guaranteed
 //! slots first, then the burst pool; `sheddable` requests use only the burst pool and are refused
-//! as a whole while the backend is shedding. The in-flight token budget is scaled too, except
-//! for a request holding a guaranteed slot, which is checked against the base (unscaled) budget.
+//! as a whole while the backend is shedding. The scale applies to concurrency and TPM only: the
+//! in-flight token budget in force is the base budget less the engine's external KV occupancy
+//! ([`Admission::set_inflight_external`]), for every request, guaranteed slot or not.
 //!
 //! Crash safety: every process attached to a shared region keeps its own held counts in the
 //! region (a private heap region, which dies with its one process, keeps none); `reclaim_dead`
@@ -333,17 +334,14 @@ impl Admission {
             }
             Pool::Burst => b.burst.release_saturating_in(rmw, 1).into_unit(),
         };
-        // In-flight tokens. A request on a guaranteed slot is held to the base budget (the
-        // engine's KV capacity × safety factor, so the engine stays protected), not the scaled
-        // one: the adaptive scale shrinks what the others share, never a guarantee. Without
-        // this, a scale below the tokens already in flight (long generations holding their
-        // reservations) refuses even a critical tenant's short chat until they finish.
-        let base_inflight = b.inflight.limit();
-        let inflight_limit = if pool == Pool::Guaranteed {
-            base_inflight
-        } else {
-            scaled(base_inflight, ppm)
-        };
+        // In-flight tokens: the base budget (the engine's KV capacity × safety factor, or the
+        // configured one) less the engine's external KV occupancy (what it holds beyond our
+        // in-flight tokens, from its metrics). The adaptive scale never shrinks it: the budget
+        // already is the engine's memory, so scaling it by KV pressure too counted that pressure
+        // twice and, under long generations, pushed it below the tokens already in flight. A
+        // guaranteed slot is held to the same budget: it guarantees a slot, not memory the
+        // engine does not have (another client's tokens are real), and never more than base.
+        let inflight_limit = b.effective_inflight_limit();
         if !b
             .inflight
             .try_acquire_within_in(rmw, tokens, inflight_limit)

@@ -19,7 +19,7 @@ use super::{Admission, IntoUnit};
 use crate::clock::Clock;
 use crate::error::CoreError;
 use crate::shm::{process_alive, process_start_time, ShmMapping};
-use crate::slots::{sub, Rmw, SlotCounter};
+use crate::slots::{sub, Rmw, SlotCounter, UNLIMITED};
 use crate::token_bucket::TokenBucket;
 
 /// Default number of process entries of a shared region (controllers attached at once).
@@ -27,8 +27,9 @@ pub const MAX_PROCS: usize = 64;
 pub(super) const NAME_WORDS: usize = 8;
 /// Longest backend / tenant name in bytes.
 pub const MAX_NAME_LEN: usize = NAME_WORDS * 8;
-// "kvgate" + layout version 3 (capacity in the header, sparse guarantees)
-pub(super) const MAGIC: u64 = 0x6b76_6761_7465_0003;
+// "kvgate" + layout version 4 (capacity in the header, sparse guarantees, external KV
+// occupancy per backend)
+pub(super) const MAGIC: u64 = 0x6b76_6761_7465_0004;
 pub(super) const CLAIMING: u64 = u64::MAX;
 pub(super) const RECLAIMING: u64 = u64::MAX - 1;
 /// Alignment of every array of the region (one cache line).
@@ -167,6 +168,23 @@ pub struct BackendState {
     pub(super) inflight: SlotCounter,
     pub(super) tpm: TokenBucket,
     pub(super) ewma_hold_ns: AtomicU64,
+    /// The engine's KV occupancy beyond kvgate's own in-flight tokens (tokens), set from its
+    /// metrics ([`Admission::set_inflight_external`]); the in-flight budget in force is the
+    /// base budget less this.
+    pub(super) inflight_external: AtomicU64,
+}
+
+impl BackendState {
+    /// The in-flight token budget in force: the base budget less the engine's external KV
+    /// occupancy, never below 0 ([`UNLIMITED`] stays unlimited).
+    #[inline]
+    pub(super) fn effective_inflight_limit(&self) -> u64 {
+        let base = self.inflight.limit();
+        if base == UNLIMITED {
+            return base;
+        }
+        base.saturating_sub(self.inflight_external.load(Ordering::Acquire))
+    }
 }
 
 /// One tenant's quota and counters. Its guarantees live in the guarantee table

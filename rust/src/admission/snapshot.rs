@@ -47,7 +47,11 @@ pub struct BackendSnapshot {
     pub inflight_tokens: u64,
     /// Base in-flight budget (`None` = unlimited).
     pub inflight_token_limit: Option<u64>,
-    /// Scaled in-flight budget.
+    /// The engine's KV occupancy beyond kvgate's in-flight tokens (tokens), as last set by
+    /// [`Admission::set_inflight_external`].
+    pub inflight_external_tokens: u64,
+    /// In-flight budget in force: base less `inflight_external_tokens`, never below 0 (never
+    /// scaled; `None` = unlimited).
     pub effective_inflight_token_limit: Option<u64>,
     /// EWMA (weight 1/8) of slot hold times (ns). With the system clock it is fed by the first
     /// release, then by about one release in eight (a random draw); a manual clock: every one.
@@ -128,7 +132,8 @@ impl Admission {
             time_to_full_ns: b.tpm.time_to_full_ns_with(now, erate, eburst),
             inflight_tokens: b.inflight.in_use(),
             inflight_token_limit: (il != UNLIMITED).then_some(il),
-            effective_inflight_token_limit: (il != UNLIMITED).then(|| scaled(il, ppm)),
+            inflight_external_tokens: b.inflight_external.load(Ordering::Acquire),
+            effective_inflight_token_limit: (il != UNLIMITED).then(|| b.effective_inflight_limit()),
             hold_time_ewma_ns: b.ewma_hold_ns.load(Ordering::Relaxed),
         })
     }

@@ -131,6 +131,10 @@ proptest::proptest! {
                     y.set_scale(b, scale).unwrap();
                     x.set_shedding(b, n % 2 == 0).unwrap();
                     y.set_shedding(b, n % 2 == 0).unwrap();
+                    // external KV occupancy: none, some, or above the whole budget
+                    let external = [0, n / 2, n][k];
+                    x.set_inflight_external(b, external).unwrap();
+                    y.set_inflight_external(b, external).unwrap();
                 }
                 _ => {}
             }
@@ -152,11 +156,11 @@ proptest::proptest! {
 #[test]
 fn zero_tokens_fit_above_a_lowered_budget_in_both_modes() {
     // Found by `serialized_mode_matches_atomic_mode`: the serialised mode refused a
-    // zero-token request while the in-flight tokens were above the scaled budget.
+    // zero-token request while the in-flight tokens were above the budget in force.
     for rmw in [Rmw::Atomic, Rmw::Serialized] {
         let (a, _mc, b, [(crit, pc), (std_t, ps), _]) = model_controller(rmw);
-        a.set_scale(b, 0.8).unwrap();
-        assert!(a.admit(b, crit, pc, 801).unwrap().is_ok(), "{rmw:?}"); // base budget
+        assert!(a.admit(b, crit, pc, 801).unwrap().is_ok(), "{rmw:?}");
+        a.set_inflight_external(b, 300).unwrap(); // budget in force 700 < 801 held
         assert!(a.admit(b, std_t, ps, 0).unwrap().is_ok(), "{rmw:?}");
         assert_eq!(a.backend_state(b).unwrap().inflight_tokens, 801, "{rmw:?}");
     }
@@ -251,36 +255,125 @@ fn guarantees_and_burst_pool_under_scale() {
 }
 
 #[test]
-fn guaranteed_slot_keeps_the_base_inflight_budget_under_scale() {
+fn the_scale_leaves_the_inflight_budget_alone() {
+    // The in-flight budget is the engine's KV capacity already: scaling it by KV pressure too
+    // counted that pressure twice and pushed it below the tokens in flight (long generations
+    // holding their reservations), refusing every request but guaranteed-slot ones.
+    let (a, _mc, b) = setup(); // 4 slots, in-flight budget 1000 tokens
+    let std_t = tenant(&a, "std", Priority::Standard, 0, None);
+    let long = a.admit(b, std_t, Priority::Standard, 700).unwrap().unwrap();
+    a.set_scale(b, 0.6).unwrap(); // the floor: 0.6 × 1000 = 600 < 700 held
+    let s = a.backend_state(b).unwrap();
+    assert_eq!(
+        (s.effective_concurrency, s.effective_inflight_token_limit),
+        (2, Some(1000))
+    );
+    assert_eq!(s.inflight_external_tokens, 0);
+    let short = a.admit(b, std_t, Priority::Standard, 300).unwrap().unwrap();
+    assert_eq!(short.pool, Pool::Burst);
+    // Slots are scaled: 2 of 4 held, no third.
+    let r = a
+        .admit(b, std_t, Priority::Standard, 0)
+        .unwrap()
+        .unwrap_err();
+    assert_eq!(r.reason, Reason::BackendSlots);
+    a.release(&short, None).unwrap();
+    a.release(&long, None).unwrap();
+    assert_eq!(a.backend_state(b).unwrap().inflight_tokens, 0);
+}
+
+#[test]
+fn external_occupancy_lowers_the_budget_for_every_request() {
     let (a, _mc, b) = setup(); // 4 slots, in-flight budget 1000 tokens
     let gold = tenant(&a, "gold", Priority::Critical, 1, None);
     let std_t = tenant(&a, "std", Priority::Standard, 0, None);
-    let long = a.admit(b, std_t, Priority::Standard, 700).unwrap().unwrap();
-    // Scale 0.75: 3 slots (1 guaranteed + 2 burst), scaled budget 750 tokens.
-    a.set_scale(b, 0.75).unwrap();
+    let long = a.admit(b, std_t, Priority::Standard, 500).unwrap().unwrap();
+    // Another client holds 300 tokens of the engine's cache: 700 in force.
+    a.set_inflight_external(b, 300).unwrap();
+    let s = a.backend_state(b).unwrap();
+    assert_eq!(
+        (
+            s.inflight_token_limit,
+            s.inflight_external_tokens,
+            s.effective_inflight_token_limit
+        ),
+        (Some(1000), 300, Some(700))
+    );
     let r = a
-        .admit(b, std_t, Priority::Standard, 100)
+        .admit(b, std_t, Priority::Standard, 201)
         .unwrap()
         .unwrap_err();
     assert_eq!(r.reason, Reason::InflightTokens);
-    // The guaranteed slot is held to the base budget: 700 + 100 <= 1000.
-    let g = a.admit(b, gold, Priority::Critical, 100).unwrap().unwrap();
+    // It fits once something is released.
+    assert!(r.retry_after_ns.is_some());
+    // A guaranteed slot is held to the same budget (the other client's tokens are real)...
+    let r = a
+        .admit(b, gold, Priority::Critical, 201)
+        .unwrap()
+        .unwrap_err();
+    assert_eq!(r.reason, Reason::InflightTokens);
+    // ...and gets exactly what is left.
+    let g = a.admit(b, gold, Priority::Critical, 200).unwrap().unwrap();
     assert_eq!(g.pool, Pool::Guaranteed);
-    // Its guarantee used up, gold falls back to the burst pool and the scaled budget.
-    let r = a
-        .admit(b, gold, Priority::Critical, 100)
-        .unwrap()
-        .unwrap_err();
-    assert_eq!(r.reason, Reason::InflightTokens);
+    assert_eq!(a.backend_state(b).unwrap().inflight_tokens, 700);
+    // Larger than the budget in force but not than the base: retry when the budget grows.
     a.release(&g, None).unwrap();
-    // Never past the base budget, guarantee or not: 700 + 301 > 1000.
+    a.release(&long, None).unwrap();
     let r = a
-        .admit(b, gold, Priority::Critical, 301)
+        .admit(b, std_t, Priority::Standard, 701)
         .unwrap()
         .unwrap_err();
-    assert_eq!(r.reason, Reason::InflightTokens);
-    a.release(&long, None).unwrap();
-    assert_eq!(a.backend_state(b).unwrap().inflight_tokens, 0);
+    assert_eq!(
+        (r.reason, r.retry_after_ns),
+        (Reason::InflightTokens, Some(SCALE_RETRY_NS))
+    );
+    // Above the base: never, whatever the occupancy.
+    let r = a
+        .admit(b, gold, Priority::Critical, 1001)
+        .unwrap()
+        .unwrap_err();
+    assert_eq!((r.reason, r.retry_after_ns), (Reason::InflightTokens, None));
+    // Occupancy above the base: nothing fits but zero tokens; nothing is held after refusals.
+    a.set_inflight_external(b, 5000).unwrap();
+    assert_eq!(
+        a.backend_state(b).unwrap().effective_inflight_token_limit,
+        Some(0)
+    );
+    assert!(a.admit(b, gold, Priority::Critical, 1).unwrap().is_err());
+    let z = a.admit(b, gold, Priority::Critical, 0).unwrap().unwrap();
+    a.release(&z, None).unwrap();
+    // Back to 0: the base budget again.
+    a.set_inflight_external(b, 0).unwrap();
+    let full = a
+        .admit(b, std_t, Priority::Standard, 1000)
+        .unwrap()
+        .unwrap();
+    a.release(&full, None).unwrap();
+    let s = a.backend_state(b).unwrap();
+    assert_eq!((s.in_use, s.inflight_tokens, s.burst_in_use), (0, 0, 0));
+    // A bad amount or id is refused and changes nothing.
+    assert!(a.set_inflight_external(b, MAX_AMOUNT + 1).is_err());
+    assert!(a.set_inflight_external(99, 1).is_err());
+    assert_eq!(a.backend_state(b).unwrap().inflight_external_tokens, 0);
+    // An unlimited budget stays unlimited.
+    let u = a
+        .add_backend(
+            "open",
+            &BackendConfig {
+                max_concurrency: 4,
+                tokens_per_minute: 6000,
+                burst_tokens: None,
+                inflight_token_limit: None,
+            },
+        )
+        .unwrap();
+    a.set_inflight_external(u, 10_000).unwrap();
+    let s = a.backend_state(u).unwrap();
+    assert_eq!(
+        (s.inflight_external_tokens, s.effective_inflight_token_limit),
+        (10_000, None)
+    );
+    assert!(a.admit(u, std_t, Priority::Standard, 5000).unwrap().is_ok());
 }
 
 #[test]
@@ -513,6 +606,36 @@ fn shm_shared_and_reclaim() {
     let s = a.backend_state(b).unwrap();
     assert_eq!((s.in_use, s.inflight_tokens), (0, 0));
     assert_eq!(tk.tokens, 10);
+}
+
+#[test]
+fn external_occupancy_is_shared_between_processes() {
+    let name = format!("kvgate-test-ext-{}", std::process::id());
+    let a = Admission::create_shm(&name, Clock::Monotonic).unwrap();
+    let b = a
+        .add_backend(
+            "b",
+            &BackendConfig {
+                max_concurrency: 3,
+                tokens_per_minute: 1_000_000,
+                burst_tokens: None,
+                inflight_token_limit: Some(1000),
+            },
+        )
+        .unwrap();
+    let t = tenant(&a, "t", Priority::Standard, 0, None);
+    let w = Admission::attach_shm(&name, Clock::Monotonic).unwrap();
+    a.set_inflight_external(b, 600).unwrap(); // set by one process...
+    let s = w.backend_state(b).unwrap(); // ...in force in the other
+    assert_eq!(
+        (s.inflight_external_tokens, s.effective_inflight_token_limit),
+        (600, Some(400))
+    );
+    let r = w.admit(b, t, Priority::Standard, 401).unwrap().unwrap_err();
+    assert_eq!(r.reason, Reason::InflightTokens);
+    let tk = w.admit(b, t, Priority::Standard, 400).unwrap().unwrap();
+    w.release(&tk, None).unwrap();
+    assert_eq!(a.backend_state(b).unwrap().inflight_tokens, 0);
 }
 
 #[test]

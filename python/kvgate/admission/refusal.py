@@ -1,0 +1,20 @@
+"""A refusal decided in Python rather than by the admission core."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["Refusal"]
+
+
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    """A refusal decided in Python (queue full, shed while waiting, wait timed out before the
+    core was asked); mirrors the core's ``Rejection`` (``admitted``, ``reason``, ``scope``,
+    ``retry_after`` seconds or ``None``, ``never``)."""
+
+    reason: str
+    scope: str = "backend"
+    retry_after: float | None = 1.0
+    never: bool = False
+    admitted: bool = False

@@ -1,0 +1,209 @@
+"""Per-tenant usage since start, in per-minute buckets, and ``GET /admin/usage``.
+
+The per-request batches of :class:`kvgate.metrics.GatewayMetrics` are folded into a
+:class:`UsageLedger` at every flush (once a second, and before every answer of
+``/admin/usage``): per tenant × model × outcome, the requests and the prompt and completion
+tokens charged (what the tenant's buckets were charged at settlement: the engine's usage, or
+kvgate's own count when the engine gave none; a refusal charges nothing). A request counts in
+the minute it was folded, at most :data:`kvgate.metrics.FLUSH_SECONDS` after it ended.
+
+Memory is bounded: at most :data:`MAX_MINUTES` buckets (7 days) are kept, the oldest dropped
+first, each holding one entry (about 200 bytes) per tenant × model × outcome seen in that
+minute. Each worker process of ``--workers N`` keeps its own ledger and answers for itself.
+"""
+
+from __future__ import annotations
+
+import csv
+import datetime
+import io
+import math
+import os
+import time
+from collections.abc import Callable, Iterable
+
+import orjson
+from aiohttp import web
+
+from kvgate.errors import GatewayError
+from kvgate.proxy.prepared import Reply, error_response
+
+__all__ = ["BUCKET_SECONDS", "MAX_MINUTES", "UsageLedger", "parse_time", "usage_reply"]
+
+#: The width of one bucket (seconds).
+BUCKET_SECONDS = 60
+#: The most buckets kept (7 days of minutes); the oldest go first.
+MAX_MINUTES = 7 * 24 * 60
+
+#: The CSV columns (and the keys of each JSON row), in order.
+COLUMNS = ("tenant", "model", "outcome", "requests", "prompt_tokens", "completion_tokens")
+
+#: A row key: tenant name, model name ("" when none was named), outcome.
+Key = tuple[str, str, str]
+
+
+class UsageLedger:
+    """Requests and tokens per tenant × model × outcome, in per-minute buckets since start.
+
+    Args:
+        clock: the wall clock (Unix seconds); tests move it to place requests in minutes.
+        max_minutes: the most buckets kept (oldest dropped first).
+    """
+
+    def __init__(
+        self, clock: Callable[[], float] = time.time, max_minutes: int = MAX_MINUTES
+    ) -> None:
+        self.clock = clock
+        self.max_minutes = max_minutes
+        #: Unix seconds when the ledger started (the default ``from`` of a query)
+        self.started = clock()
+        # minute index (Unix seconds // 60) → key → [requests, prompt tokens, completion tokens]
+        self._minutes: dict[int, dict[Key, list[int]]] = {}
+
+    def add(self, rows: dict[Key, list[int]]) -> None:
+        """Add a batch of ``{key: [requests, prompt_tokens, completion_tokens]}`` to the
+        current minute (by :attr:`clock`)."""
+        if not rows:
+            return
+        minute = int(self.clock() // BUCKET_SECONDS)
+        bucket = self._minutes.get(minute)
+        if bucket is None:
+            bucket = self._minutes[minute] = {}
+            while len(self._minutes) > self.max_minutes:
+                del self._minutes[min(self._minutes)]
+        for key, (requests, prompt, completion) in rows.items():
+            row = bucket.get(key)
+            if row is None:
+                bucket[key] = [requests, prompt, completion]
+            else:
+                row[0] += requests
+                row[1] += prompt
+                row[2] += completion
+
+    @property
+    def oldest(self) -> float | None:
+        """Unix seconds where the oldest bucket kept starts (``None``: nothing counted)."""
+        return min(self._minutes) * BUCKET_SECONDS if self._minutes else None
+
+    def totals(self, start: float, end: float) -> dict[Key, list[int]]:
+        """``{key: [requests, prompt_tokens, completion_tokens]}`` summed over every minute
+        that overlaps ``[start, end)`` (Unix seconds)."""
+        first = math.floor(start / BUCKET_SECONDS)
+        out: dict[Key, list[int]] = {}
+        for minute, bucket in self._minutes.items():
+            if minute < first or minute * BUCKET_SECONDS >= end:
+                continue
+            for key, (requests, prompt, completion) in bucket.items():
+                row = out.get(key)
+                if row is None:
+                    out[key] = [requests, prompt, completion]
+                else:
+                    row[0] += requests
+                    row[1] += prompt
+                    row[2] += completion
+        return out
+
+
+def parse_time(name: str, value: str) -> float:
+    """A query time: Unix seconds (``1767225600``, ``1767225600.5``) or an RFC 3339 date-time
+    with its offset (``2026-01-01T00:00:00Z``, ``2026-01-01T01:00:00+01:00``).
+
+    Raises:
+        GatewayError: 400 ``invalid_value`` (param ``name``) for anything else, a time without
+            an offset included.
+    """
+    text = value.strip()
+    try:
+        seconds = float(text)
+    except ValueError:
+        pass
+    else:
+        if math.isfinite(seconds) and seconds >= 0:
+            return seconds
+        raise _bad(name, f"{value!r} is not a time (Unix seconds must be finite and ≥ 0).")
+    try:
+        # RFC 3339 allows a lower-case "t" / "z" and a space for "T"; fromisoformat reads them
+        moment = datetime.datetime.fromisoformat(text.upper().replace("Z", "+00:00"))
+    except ValueError:
+        moment = None
+    if moment is None or moment.tzinfo is None or len(text) < 20:
+        raise _bad(
+            name,
+            f"{value!r} is not a time: use Unix seconds or an RFC 3339 date-time with its "
+            "offset (2026-01-01T00:00:00Z).",
+        )
+    return moment.timestamp()
+
+
+def _bad(param: str, message: str) -> GatewayError:
+    return GatewayError(400, message, "invalid_request_error", param=param, code="invalid_value")
+
+
+def _iso(seconds: float) -> str:
+    return datetime.datetime.fromtimestamp(seconds, datetime.UTC).isoformat().replace("+00:00", "Z")
+
+
+_PARAMS = frozenset({"from", "to", "format"})
+
+
+def usage_reply(ledger: UsageLedger, request: web.BaseRequest) -> Reply:
+    """The answer to ``GET /admin/usage`` (the caller checked the admin key and flushed the
+    batches into ``ledger``).
+
+    Query: ``from`` (default: the start), ``to`` (default: now), each Unix seconds or RFC 3339
+    (:func:`parse_time`); every minute bucket that overlaps ``[from, to)`` is counted, so the
+    range is widened to whole minutes (the answer says which). ``format``: ``json`` (default)
+    or ``csv`` (RFC 4180: a header line, CRLF line ends, fields quoted when they hold a comma,
+    a quote or a line break; ``Content-Type: text/csv``).
+
+    Errors (OpenAI's error shape): 400 ``invalid_value`` for an unreadable time or format,
+    ``from`` after ``to``, a repeated or unknown parameter.
+    """
+    query = request.query
+    try:
+        for name in query:
+            if name not in _PARAMS:
+                raise _bad(name, f"Unknown parameter {name!r}: use from, to and format.")
+            if len(query.getall(name)) > 1:
+                raise _bad(name, f"Parameter {name!r} is given more than once.")
+        now = ledger.clock()
+        start = parse_time("from", query["from"]) if "from" in query else ledger.started
+        end = parse_time("to", query["to"]) if "to" in query else now
+        if start > end:
+            raise _bad("from", "`from` is after `to`.")
+        fmt = query.get("format", "json")
+        if fmt not in ("json", "csv"):
+            raise _bad("format", f"Unknown format {fmt!r}: use json or csv.")
+    except GatewayError as err:
+        return error_response(request, err)
+    first = math.floor(start / BUCKET_SECONDS) * BUCKET_SECONDS
+    last = max(first + BUCKET_SECONDS, math.ceil(end / BUCKET_SECONDS) * BUCKET_SECONDS)
+    rows = sorted(ledger.totals(first, last).items())
+    if fmt == "csv":
+        return _csv(rows)
+    data = [dict(zip(COLUMNS, (*key, *vals), strict=True)) for key, vals in rows]
+    totals = [sum(v[i] for _, v in rows) for i in range(3)]
+    oldest = ledger.oldest
+    body = {
+        "object": "usage",
+        "from": _iso(first),
+        "to": _iso(last),
+        "bucket_seconds": BUCKET_SECONDS,
+        "started": _iso(ledger.started),
+        "oldest_bucket": None if oldest is None else _iso(oldest),
+        "worker_pid": os.getpid(),
+        "data": data,
+        "totals": dict(zip(COLUMNS[3:], totals, strict=True)),
+    }
+    return web.Response(body=orjson.dumps(body), content_type="application/json")
+
+
+def _csv(rows: Iterable[tuple[Key, list[int]]]) -> web.Response:
+    out = io.StringIO()
+    writer = csv.writer(out, lineterminator="\r\n")  # RFC 4180: CRLF, minimal quoting with "
+    writer.writerow(COLUMNS)
+    for key, vals in rows:
+        writer.writerow((*key, *vals))
+    return web.Response(
+        body=out.getvalue().encode(), headers={"Content-Type": "text/csv; charset=utf-8"}
+    )

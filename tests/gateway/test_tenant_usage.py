@@ -1,0 +1,293 @@
+"""Per-tenant usage: ``kvgate_tenant_usage_tokens_total`` / ``kvgate_tenant_requests_total`` and
+``GET /admin/usage`` (JSON and CSV, time ranges, errors), judged against what the simulator
+reports it served per user (``/sim/state`` ``by_user``; each request's body carries its
+tenant's name as ``user``)."""
+
+from __future__ import annotations
+
+import csv
+import io
+from typing import Any
+
+import aiohttp
+import openai
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import make_mocked_request
+
+from kvgate.sim import SimConfig, run_sim
+from kvgate.usage import UsageLedger, usage_reply
+
+from .conftest import KEYS, config_for, sha
+from .helpers import bearer, get_text, metric, until
+
+ADMIN = "sk-admin"
+# 2026-01-01T00:00:00Z, a whole minute
+T0 = 1_767_225_600
+
+
+def _config(upstream: str, model: str) -> Any:
+    cfg = config_for(
+        upstream,
+        [model],
+        tenants=[
+            {"name": "alice", "api_key_sha256": [sha(KEYS["alice"])], "priority": "critical"},
+            {
+                "name": "bob",
+                "api_key_sha256": [sha(KEYS["bob"])],
+                "tokens_per_minute": 60,
+                "burst_tokens": 60,
+            },
+        ],
+    )
+    return cfg.model_copy(update={"admin_key_sha256": sha(ADMIN)})
+
+
+async def _usage(url: str, query: str = "", key: str | None = ADMIN) -> tuple[int, Any, str]:
+    headers = bearer(key) if key is not None else {}
+    async with (
+        aiohttp.ClientSession() as s,
+        s.get(f"{url}/admin/usage{query}", headers=headers) as r,
+    ):
+        text = await r.text()
+        body = await r.json(content_type=None) if "json" in r.content_type else None
+        return r.status, body, r.headers.get("Content-Type", "") + "\n" + text
+
+
+def _rows(body: Any) -> dict[tuple[str, str], dict[str, int]]:
+    return {(row["tenant"], row["outcome"]): row for row in body["data"]}
+
+
+async def test_usage_matches_what_the_simulator_served(gateway_for) -> None:
+    sim_cfg = SimConfig.from_profile("tiny", speed=50, seed=11, mean_output_tokens=6)
+    async with run_sim(sim_cfg) as sim:
+        model = sim.engine.config.model
+        async with gateway_for(_config(sim.url, model)) as gw:
+            alice = openai.AsyncOpenAI(
+                base_url=gw.url + "/v1", api_key=KEYS["alice"], max_retries=0
+            )
+            bob = openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key=KEYS["bob"], max_retries=0)
+            async with alice, bob:
+                for i in range(3):
+                    await alice.chat.completions.create(
+                        model=model,
+                        messages=[{"role": "user", "content": f"hello number {i}"}],
+                        max_tokens=20,
+                        user="alice",
+                    )
+                stream = await alice.chat.completions.create(
+                    model=model,
+                    messages=[{"role": "user", "content": "a streamed one"}],
+                    max_tokens=12,
+                    stream=True,
+                    user="alice",
+                )
+                async for _ in stream:
+                    pass
+                await alice.completions.create(
+                    model=model, prompt="complete this", max_tokens=9, user="alice"
+                )
+                await bob.chat.completions.create(
+                    model=model,
+                    messages=[{"role": "user", "content": "hi"}],
+                    max_tokens=8,
+                    user="bob",
+                )
+                with pytest.raises(openai.RateLimitError):  # 100 tokens > bob's bucket (60)
+                    await bob.chat.completions.create(
+                        model=model,
+                        messages=[{"role": "user", "content": "hi"}],
+                        max_tokens=100,
+                        user="bob",
+                    )
+            await until(lambda: gw.backend_state()["in_use"] == 0, timeout=10)
+            async with aiohttp.ClientSession() as s, s.get(sim.url + "/sim/state") as r:
+                served = (await r.json())["by_user"]
+
+            async def settled() -> bool:
+                status, body, _ = await _usage(gw.url)
+                rows = _rows(body)
+                return status == 200 and rows.get(("alice", "ok"), {}).get("requests") == 5
+
+            await until(settled, timeout=10)
+            status, body, _ = await _usage(gw.url)
+            assert status == 200
+            rows = _rows(body)
+            for tenant, n in (("alice", 5), ("bob", 1)):
+                row = rows[(tenant, "ok")]
+                assert row["model"] == model
+                assert row["requests"] == n == served[tenant]["requests"]
+                assert row["prompt_tokens"] == served[tenant]["prompt_tokens"] > 0
+                assert row["completion_tokens"] == served[tenant]["completion_tokens"] > 0
+            refused = rows[("bob", "rejected")]
+            assert (
+                refused["requests"],
+                refused["prompt_tokens"],
+                refused["completion_tokens"],
+            ) == (
+                1,
+                0,
+                0,
+            )
+            assert body["totals"]["requests"] == 7
+            assert body["bucket_seconds"] == 60
+
+            # the same numbers on /metrics
+            text = await get_text(gw.url + "/metrics")
+            for tenant in ("alice", "bob"):
+                for kind in ("prompt", "completion"):
+                    got = metric(text, "kvgate_tenant_usage_tokens_total", tenant=tenant, kind=kind)
+                    assert got == served[tenant][f"{kind}_tokens"], (tenant, kind)
+                assert metric(text, "kvgate_tenant_tokens_total", tenant=tenant) == sum(
+                    served[tenant][f"{k}_tokens"] for k in ("prompt", "completion")
+                )
+            assert (
+                metric(
+                    text,
+                    "kvgate_tenant_requests_total",
+                    tenant="bob",
+                    model=model,
+                    outcome="rejected",
+                )
+                == 1
+            )
+
+            # CSV: a header line, then the same rows
+            status, _, raw = await _usage(gw.url, "?format=csv")
+            assert status == 200
+            content_type, _, payload = raw.partition("\n")
+            assert content_type.startswith("text/csv")
+            lines = list(csv.reader(io.StringIO(payload, newline="")))
+            assert lines[0] == [
+                "tenant",
+                "model",
+                "outcome",
+                "requests",
+                "prompt_tokens",
+                "completion_tokens",
+            ]
+            assert payload.endswith("\r\n")
+            as_json = sorted(
+                [str(r[c]) for c in ("tenant", "model", "outcome", "requests")]
+                + [str(r["prompt_tokens"]), str(r["completion_tokens"])]
+                for r in body["data"]
+            )
+            assert sorted(lines[1:]) == as_json
+            assert gw.tenant_state("alice")["in_use"] == 0
+
+
+async def test_time_ranges_select_whole_minutes(gateway_for) -> None:
+    sim_cfg = SimConfig.from_profile("tiny", speed=50, seed=3, mean_output_tokens=4)
+    async with run_sim(sim_cfg) as sim:
+        model = sim.engine.config.model
+        async with gateway_for(_config(sim.url, model)) as gw:
+            ledger = gw.gateway.metrics.usage
+            now = [T0 + 10.0]
+            ledger.clock = lambda: now[0]
+            ledger.started = T0 + 10.0
+            client = openai.AsyncOpenAI(
+                base_url=gw.url + "/v1", api_key=KEYS["alice"], max_retries=0
+            )
+
+            async def ok_requests(query: str) -> int:
+                status, body, raw = await _usage(gw.url, query)
+                assert status == 200, raw
+                return sum(r["requests"] for r in body["data"] if r["outcome"] == "ok")
+
+            async with client:
+                for _ in range(2):  # minute 0
+                    await client.chat.completions.create(
+                        model=model, messages=[{"role": "user", "content": "x"}], max_tokens=4
+                    )
+
+                async def counted() -> bool:
+                    return await ok_requests("") == 2
+
+                await until(counted, timeout=10)
+                now[0] = T0 + 130.0  # minute 2
+                await client.chat.completions.create(
+                    model=model, messages=[{"role": "user", "content": "y"}], max_tokens=4
+                )
+
+                async def all_counted() -> bool:
+                    return await ok_requests("") == 3
+
+                await until(all_counted, timeout=10)
+
+            assert await ok_requests(f"?from={T0}&to={T0 + 60}") == 2
+            assert await ok_requests(f"?to={T0 + 60}") == 2  # from: the start (in minute 0)
+            assert await ok_requests(f"?from={T0 + 60}&to={T0 + 120}") == 0
+            assert await ok_requests(f"?from={T0 + 59.5}&to={T0 + 60.5}") == 2  # minutes 0, 1
+            assert await ok_requests("?from=2026-01-01T00:02:00Z") == 1
+            assert await ok_requests(f"?from={T0 + 121}&to={T0 + 180}") == 1
+            # the same instant in another offset, and a lower-case RFC 3339 spelling
+            assert await ok_requests("?from=2026-01-01T01:00:00%2B01:00") == 3
+            assert await ok_requests("?from=2026-01-01t00:00:00z&to=2026-01-01T00:01:00Z") == 2
+            _, body, _ = await _usage(gw.url, f"?from={T0 + 59.5}&to={T0 + 60.5}")
+            assert (body["from"], body["to"]) == ("2026-01-01T00:00:00Z", "2026-01-01T00:02:00Z")
+            assert body["oldest_bucket"] == "2026-01-01T00:00:00Z"
+
+
+@pytest.mark.parametrize(
+    ("query", "param"),
+    [
+        ("?from=yesterday", "from"),
+        ("?to=2026-01-01T00:00:00", "to"),  # RFC 3339 needs an offset
+        ("?from=-5", "from"),
+        ("?from=nan", "from"),
+        ("?from=2026-01-02T00:00:00Z&to=2026-01-01T00:00:00Z", "from"),
+        ("?format=xml", "format"),
+        ("?since=0", "since"),
+        ("?from=1&from=2", "from"),
+    ],
+)
+async def test_bad_parameters_are_400(gateway_for, query: str, param: str) -> None:
+    sim_cfg = SimConfig.from_profile("tiny", speed=50)
+    async with run_sim(sim_cfg) as sim, gateway_for(_config(sim.url, "m")) as gw:
+        status, body, _ = await _usage(gw.url, query)
+        assert status == 400
+        err = body["error"]
+        assert set(err) == {"message", "type", "param", "code"}
+        assert (err["type"], err["param"], err["code"]) == (
+            "invalid_request_error",
+            param,
+            "invalid_value",
+        )
+        assert gw.backend_state()["in_use"] == 0
+
+
+async def test_usage_needs_the_admin_key(gateway_for) -> None:
+    sim_cfg = SimConfig.from_profile("tiny", speed=50)
+    async with run_sim(sim_cfg) as sim, gateway_for(_config(sim.url, "m")) as gw:
+        for key in (None, KEYS["alice"]):
+            status, body, _ = await _usage(gw.url, key=key)
+            assert status == 401
+            assert body["error"]["code"] == "invalid_api_key"
+        status, body, _ = await _usage(gw.url)
+        assert status == 200
+        assert body["data"] == []
+
+
+def test_the_ledger_keeps_at_most_max_minutes_buckets() -> None:
+    now = [float(T0)]
+    ledger = UsageLedger(clock=lambda: now[0], max_minutes=3)
+    for minute in range(5):
+        now[0] = T0 + 60 * minute + 1
+        ledger.add({("alice", "m", "ok"): [1, 10, 5]})
+    assert ledger.oldest == T0 + 120  # minutes 0 and 1 were dropped, oldest first
+    assert ledger.totals(0, float("inf")) == {("alice", "m", "ok"): [3, 30, 15]}
+    assert ledger.totals(T0 + 180, T0 + 240) == {("alice", "m", "ok"): [1, 10, 5]}
+
+
+def test_csv_quotes_fields_as_rfc_4180_says() -> None:
+    ledger = UsageLedger(clock=lambda: float(T0))
+    ledger.started = float(T0)
+    ledger.add({('team "a", west', "org/model", "ok"): [2, 30, 40]})
+    request = make_mocked_request("GET", "/admin/usage?format=csv")
+    reply = usage_reply(ledger, request)
+    assert isinstance(reply, web.Response)
+    assert reply.headers["Content-Type"] == "text/csv; charset=utf-8"
+    assert reply.body == (
+        b"tenant,model,outcome,requests,prompt_tokens,completion_tokens\r\n"
+        b'"team ""a"", west",org/model,ok,2,30,40\r\n'
+    )
