@@ -315,6 +315,7 @@ async def test_a_timed_out_admit_that_ran_late_is_given_back(
         redis_server.url,
         on_failure="strict",
         heartbeat_s=5,
+        lease_ttl_s=10,
         deadline_ms=100,
         background_deadline_ms=100,
         breaker_failures=1000,
@@ -402,14 +403,18 @@ async def test_refunds_of_degraded_admissions_do_not_fill_the_shared_bucket(
 async def test_a_replica_frozen_past_its_lease_admits_nothing_locally(
     stores: Any, redis_server: RedisServer
 ) -> None:
-    """A replica silent past its lease is reaped by the others, who may then take the whole
-    pool; when it wakes up it must not use the quota it held (Redis no longer counts it): it
-    asks Redis, which refuses, and it re-asserts only what it still runs."""
+    """A replica silent past its lease is reaped by the others (who kept talking to the
+    scope), who may then take the whole pool; when it wakes up it must not use the quota it
+    held (Redis no longer counts it): it asks Redis, which refuses, and it re-asserts only
+    what it still runs."""
     lim = limits(max_concurrency=10, tokens_per_minute=2**40)
     cfg = config(redis_server.url, lease_ttl_s=0.3, chunk_fraction=1.0, on_failure="strict")
     frozen = await stores(cfg, lim)
     running = await admit(frozen, lim)
     assert isinstance(running, StoreHold)
+    other = await stores(cfg, lim)
+    taken = [await admit(other, lim)]  # it holds a slot: it heartbeats the scope
+    assert isinstance(taken[0], StoreHold)
     pool = frozen.scopes["bgpu"].pools["burst"]
     await wait_for(lambda: pool.q - pool.in_use >= 1, 5.0, "headroom held")
     # freeze: no more heartbeats; wait (bounded) until its lease ran out in Redis
@@ -417,15 +422,11 @@ async def test_a_replica_frozen_past_its_lease_admits_nothing_locally(
     frozen._heartbeat_task.cancel()
     r = redis_server.client()
 
-    def lapsed() -> bool:
-        s, us = r.time()
-        lease = r.zscore("{kvg:b:gpu}:live", frozen.pod)
-        return lease is None or lease < int(s) * 1_000_000 + int(us)
+    def reaped() -> bool:
+        return r.zscore("{kvg:b:gpu}:live", frozen.pod) is None
 
-    await wait_for(lapsed, 10.0, "the lease lapsed")
+    await wait_for(reaped, 10.0, "the frozen replica reaped by the other's heartbeats")
     assert pool.q - pool.in_use >= 1  # it still believes it holds headroom
-    other = await stores(cfg, lim)
-    taken = []
     while isinstance(h := await admit(other, lim), StoreHold):
         taken.append(h)
         assert len(taken) <= 10

@@ -2,11 +2,13 @@
 state machine drives 2–4 real store agents ("replicas", each with its own ``redis.asyncio``
 client) against one real ``redis-server``, with the base limits of one admission core.
 
-Rules: admit a request of a random size (``try_admit``, else ``await admit``), release a held
-request with random actual tokens (a refund or an overrun), a heartbeat (``tick``), a crash (the
-replica is dropped without ``close``: its requests vanish with it), a pause past the lease TTL
-(its heartbeat stops, the others reap it, then it resumes: its requests still run) and, in a
-smaller test, a restart of Redis that loses everything.
+Rules: admit a burst of requests of random sizes (``try_admit``, else ``await admit``),
+release running requests with random actual tokens (a refund or an overrun), a heartbeat
+(``tick``), a crash (the replica is dropped without ``close``: its requests vanish with it) and,
+in the examples drawn with slow faults, a pause past the lease TTL (its heartbeat stops, the
+others reap it and admit meanwhile, then it resumes: its requests still run) and a Redis stall
+(``DEBUG SLEEP`` while requests are decided: calls time out and run late); in a smaller test,
+also a restart of Redis that loses everything.
 
 Checked after every step (:meth:`StoreMachine.guarantees`):
 
@@ -23,6 +25,12 @@ Checked after every step (:meth:`StoreMachine.guarantees`):
   ``burst × (1 + Redis restarts) + rate × elapsed`` (elapsed: Redis server time since the test
   started; an overrun only charges the bucket more, so it is not added), plus one token for
   rounding.
+
+And at the end (:meth:`StoreMachine.teardown`): once every request ended and every replica left
+(the crashed ones reaped), nothing is allocated in Redis any more.
+
+Failures print the steps as they ran (no shrinking: the replicas race on real time);
+``KVGATE_STORE_EXAMPLES=200`` runs a longer hunt.
 """
 
 from __future__ import annotations
@@ -31,6 +39,7 @@ import asyncio
 import contextlib
 import itertools
 import os
+import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -52,7 +61,7 @@ from tests.store.redis_servers import RedisServer
 from kvgate import AdmissionController
 from kvgate.config import StoreConfig
 from kvgate.store import StoreRefusal
-from kvgate.store.redis_store import Pool, RedisStore, StoreHold
+from kvgate.store.redis_store import LIBRARY, Pool, RedisStore, StoreHold
 
 HEARTBEAT_S = 0.05
 TTL_S = 0.5
@@ -156,6 +165,8 @@ class StoreMachine(RuleBasedStateMachine):
         self.rates: dict[tuple[str, str], tuple[int, int]] = {}
         self.start_us = self._server_us()
         self.redis_restarts = 0
+        self.slowed = False
+        self.slow_faults = False
         # (replica, scope, epoch) of the scopes Redis lost: until the replica hears the new
         # epoch it still admits from the quota it held before the restart
         self.lost_epochs: set[tuple[int, str, str]] = set()
@@ -246,6 +257,7 @@ class StoreMachine(RuleBasedStateMachine):
         near_fraction=st.sampled_from([0.0, 0.1, 0.3]),
         token_factor=st.sampled_from([1, 10]),
         few_slots=st.booleans(),
+        slow_faults=st.booleans(),
     )
     def start(
         self,
@@ -254,7 +266,9 @@ class StoreMachine(RuleBasedStateMachine):
         near_fraction: float,
         token_factor: int,
         few_slots: bool,
+        slow_faults: bool,
     ) -> None:
+        self.slow_faults = slow_faults  # pauses and Redis stalls (they take real time)
         ctl = self.controller
         backend = scaled(BACKEND, token_factor)
         tenants = {name: scaled(limits, token_factor) for name, limits in TENANTS.items()}
@@ -328,9 +342,9 @@ class StoreMachine(RuleBasedStateMachine):
                     "inflight-tokens",
                     "backend-tpm",
                 }
-                if self.redis_restarts:
-                    # the first call after a restart fails (the library is gone): a replica
-                    # that never heard from Redis for a scope holds nothing to fall back on
+                if self.redis_restarts or self.slowed:
+                    # a call failed (the library lost by a restart, or Redis stalled): a
+                    # replica that never heard from Redis for a scope has nothing to fall back on
                     reasons.add("store-unavailable")
                 assert hold.reason in reasons, hold
                 continue
@@ -409,6 +423,7 @@ class StoreMachine(RuleBasedStateMachine):
         for rid in [rid for rid, req in self.requests.items() if req.replica is rep]:
             del self.requests[rid]
 
+    @precondition(lambda self: self.slow_faults)
     @rule(
         which=st.integers(0, 3),
         meanwhile=st.lists(
@@ -468,6 +483,35 @@ class StoreMachine(RuleBasedStateMachine):
 
         self.run(resume())
         self._admit_many([(rep, *ask) for ask in after])
+
+    @precondition(lambda self: self.slow_faults)
+    @rule(
+        sleep_ms=st.sampled_from([200, 600]),
+        asks=st.lists(
+            st.tuples(st.integers(0, 3), st.sampled_from(sorted(TENANTS)), st.booleans(),
+                      st.integers(1, 200)),
+            min_size=1,
+            max_size=8,
+        ),
+    )  # fmt: skip
+    def slow_redis(self, sleep_ms: int, asks: list[tuple[int, str, bool, int]]) -> None:
+        """Redis stalls (``DEBUG SLEEP``) while requests are decided: calls time out on the
+        replicas (600 ms: past the deadline and the lease TTL) and run late on the server."""
+        note(f"slow redis {sleep_ms} ms")
+        self.slowed = True
+        sleeper = self.server.client()
+        busy = threading.Thread(
+            target=sleeper.execute_command, args=("DEBUG", "SLEEP", str(sleep_ms / 1000))
+        )
+        busy.start()
+        time.sleep(0.02)  # (ordering only: DEBUG SLEEP first)
+        alive = self.alive()
+        self._admit_many([(alive[i % len(alive)], *ask) for i, *ask in asks])
+        self.run(asyncio.to_thread(busy.join))
+        sleeper.close()
+        if sleep_ms / 1000 > STALL_S:
+            # every lease may have lapsed on Redis's clock: any replica may have been reaped
+            self._stalled()
 
     @precondition(lambda self: self.restarts_allowed)
     @rule()
@@ -542,7 +586,46 @@ class StoreMachine(RuleBasedStateMachine):
             assert net <= bound, f"bucket {key}: {net} tokens > {bound:.1f} in {elapsed_s:.2f} s"
 
     def teardown(self) -> None:
-        async def go() -> None:
+        """Every request ends, every replica leaves (the crashed ones are reaped): then nothing
+        may stay allocated in Redis (a unit recorded for a replica that no longer knows it
+        holds it would be lost to every replica)."""
+
+        def idle(rep: Replica) -> bool:
+            return rep.store.state()["breaker"] == "closed" and all(
+                not sc.busy and all(p.q == 0 and p.rq == 0 for p in sc.pools.values())
+                for sc in rep.store.scopes.values()
+            )
+
+        async def drain() -> None:
+            for req in self.requests.values():
+                req.replica.store.release(req.hold, req.tokens, req.tokens)
+            self.requests.clear()
+            live = self.alive()
+            deadline = time.monotonic() + 20.0
+            while not all(idle(rep) for rep in live):
+                assert time.monotonic() < deadline, (
+                    "the replicas never gave their quotas back: "
+                    + repr(
+                        [
+                            (
+                                rep.store.state()["breaker"],
+                                {
+                                    sc.key: (
+                                        sc.busy,
+                                        {n: (p.q, p.in_use, p.rq) for n, p in sc.pools.items()},
+                                    )
+                                    for sc in rep.store.scopes.values()
+                                },
+                            )
+                            for rep in live
+                        ]
+                    )
+                )
+                for rep in live:
+                    rep.store.tick()
+                await asyncio.sleep(HEARTBEAT_S)
+
+        async def leave() -> None:
             for rep in self.replicas:
                 if rep.crashed:
                     with contextlib.suppress(Exception):
@@ -551,7 +634,22 @@ class StoreMachine(RuleBasedStateMachine):
                     await rep.store.close()
 
         try:
-            self.run(go())
+            if self.replicas:
+                self.r.function_load(LIBRARY, replace=True)  # (gone if Redis restarted last)
+                self.run(drain())
+                self.run(leave())
+                # the crashed replicas: reaped the way a live one reaps them (kvg_leave runs
+                # the same code as the reaping of an expired lease)
+                for rep in self.replicas:
+                    if rep.crashed:
+                        for sc in rep.store.scopes.values():
+                            self.r.fcall("kvg_leave", 2, sc.key, sc.key + ":live", rep.store.pod)
+                for state in self.r.scan_iter(match="{" + self.prefix + ":*", count=1000):
+                    if not state.endswith("}"):
+                        continue
+                    f = self.r.hgetall(state)
+                    assert not [k for k in f if k.startswith("q|")], (state, f)
+                    assert all(int(v) == 0 for k, v in f.items() if k.startswith("alloc|")), f
         finally:
             self.runner.close()
 
