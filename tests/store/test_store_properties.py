@@ -224,7 +224,27 @@ class StoreMachine(RuleBasedStateMachine):
         deadline = time.monotonic() + 10.0
         await asyncio.sleep(0)
         while any(sc.busy for rep in replicas for sc in rep.store.scopes.values()):
-            assert time.monotonic() < deadline, "a lane never went idle"
+            assert time.monotonic() < deadline, "a lane never went idle: " + repr(
+                [
+                    (
+                        rep.store.calls,
+                        rep.store.failures,
+                        {
+                            sc.key: (
+                                sc.wake,
+                                len(sc.admits),
+                                {
+                                    n: (p.q, p.in_use, p.rq, p.near, p.alloc, p.limit)
+                                    for n, p in sc.pools.items()
+                                },
+                            )
+                            for sc in rep.store.scopes.values()
+                            if sc.busy
+                        },
+                    )
+                    for rep in replicas
+                ]
+            )
             await asyncio.sleep(0.002)
 
     def _before_restart(self, rep: Replica) -> bool:
@@ -609,6 +629,8 @@ class StoreMachine(RuleBasedStateMachine):
                         [
                             (
                                 rep.store.state()["breaker"],
+                                rep.store.failures,
+                                rep.store.calls,
                                 {
                                     sc.key: (
                                         sc.busy,

@@ -1054,6 +1054,7 @@ class RedisStore:
                 if self._on_effective is not None:
                     self._on_effective(sc.name, *self.effective(sc.name))
         near_f = self.config.near_fraction
+        granted = reply.get("grants") or {}
         for name, (q, alloc, limit) in (reply.get("pools") or {}).items():
             pool = sc.pools.get(name)
             if pool is None:
@@ -1061,8 +1062,11 @@ class RedisStore:
             pool.q = pool.rq = int(q)
             pool.alloc, pool.limit = int(alloc), int(limit)
             pool.near = pool.limit - pool.alloc < max(near_f * pool.limit, sc.live)
-            if pool.near and pool.q > pool.in_use:
-                sc.wake = True  # near the limit: give the headroom back now, not at a heartbeat
+            if pool.near and pool.q > pool.in_use and not granted.get(name):
+                # near the limit: give the headroom back now, not at a heartbeat (but not a
+                # grant this very reply made: with two pools near their limits, each message
+                # would grant one and give the other back, back to back without end)
+                sc.wake = True
         for name, (avail, burst) in (reply.get("buckets") or {}).items():
             b = sc.buckets.get(name)
             if b is not None:
