@@ -558,12 +558,22 @@ def _settle(
     if queue is not None and queue.waiting:
         queue.notify()
     gw.metrics.settled(backend, tenant, reserved, actual, result, model, prompt)
-    log_access(
+    trace_only = None
+    if trace is not None:  # the trace shows what was charged, and when settlement ran
+        charged_prompt = min(int(prompt or 0), actual)
+        trace_only = {
+            "prompt": charged_prompt,
+            "completion": actual - charged_prompt,
+            "settle": (settling, time.perf_counter()),
+        }
+    _end_request(
         request,
         rid,
         started,
-        time.perf_counter(),
+        trace,
         route=route,
+        queue_wait=admitted - admitting,
+        reply=reply,
         status=reply.status if reply is not None else result.status,
         outcome=result.outcome,
         tenant=tenant,
@@ -573,25 +583,40 @@ def _settle(
         reserved=reserved,
         prompt=prompt,
         completion=result.completion_tokens,
-        queue_wait=admitted - admitting,
         ttft=result.ttft,
+        trace_only=trace_only,
+    )
+
+
+def _end_request(
+    request: web.BaseRequest,
+    rid: str,
+    started: float,
+    trace: Any,
+    *,
+    route: str,
+    queue_wait: float | None = None,
+    reply: Any = None,
+    trace_only: dict[str, Any] | None = None,
+    **fields: Any,
+) -> None:
+    """The end of a request's record: its access log line (:func:`log_access`, with ``route``,
+    ``queue_wait`` and ``reply``) and, when traced, the end of its trace
+    (:meth:`kvgate.tracing.RequestTrace.finish`) with the same ``fields`` (``status``,
+    ``outcome``, ``tenant``, ``backend``, ``model``, ``reason``, ``reserved``, ``prompt``,
+    ``completion``, ``ttft``), ``trace_only`` replacing or adding some for the trace."""
+    log_access(
+        request,
+        rid,
+        started,
+        time.perf_counter(),
+        route=route,
+        queue_wait=queue_wait,
         reply=reply,
+        **fields,
     )
     if trace is not None:
-        charged_prompt = min(int(prompt or 0), actual)
-        trace.finish(
-            status=reply.status if reply is not None else result.status,
-            outcome=result.outcome,
-            tenant=tenant,
-            backend=backend,
-            model=model,
-            reason=error_code,
-            reserved=reserved,
-            prompt=charged_prompt,
-            completion=actual - charged_prompt,
-            ttft=result.ttft,
-            settle=(settling, time.perf_counter()),
-        )
+        trace.finish(**(fields | trace_only if trace_only else fields))
 
 
 def _tagged(response: PreparedResponse, rid: str) -> PreparedResponse:
@@ -614,27 +639,19 @@ def _refused(
     its access log line (outcome ``rejected``, reason the error's code) and the end of its
     trace (``None``: not traced)."""
     reply = _tagged(error_response(request, err), rid)
-    log_access(
+    _end_request(
         request,
         rid,
         started,
-        time.perf_counter(),
+        trace,
         route=route,
+        reply=reply,
         status=err.status,
         outcome="rejected",
         tenant=tenant,
         model=model,
         reason=err.code,
-        reply=reply,
     )
-    if trace is not None:
-        trace.finish(
-            status=err.status,
-            outcome="rejected",
-            tenant=tenant,
-            model=model,
-            reason=err.code,
-        )
     return reply
 
 
@@ -666,12 +683,14 @@ def _refusal(
     now = time.perf_counter()
     gw.metrics.rejected(backend, tenant, reason, now - started, model)
     _tagged(response, rid)
-    log_access(
+    _end_request(
         request,
         rid,
         started,
-        now,
+        trace,
         route=route,
+        queue_wait=now - admitting,
+        reply=response,
         status=response.status,
         outcome="rejected",
         tenant=tenant,
@@ -679,19 +698,7 @@ def _refusal(
         model=model,
         reason=reason,
         reserved=tokens,
-        queue_wait=now - admitting,
-        reply=response,
     )
-    if trace is not None:
-        trace.finish(
-            status=response.status,
-            outcome="rejected",
-            tenant=tenant,
-            backend=backend,
-            model=model,
-            reason=reason,
-            reserved=tokens,
-        )
     return response
 
 
