@@ -448,7 +448,11 @@ def run_one(
                 ok = sum(s.ok for s in stats.values())
                 refused = sum(sum(s.statuses.values()) for s in stats.values())
                 gw = (
-                    f" scale={row.get('scale', 0):.2f} slots={row.get('concurrency_limit', 0):.0f}"
+                    f" scale={row.get('scale', 0):.2f} slots={row.get('slots_in_use', 0):.0f}"
+                    f"/{row.get('concurrency_limit', 0):.0f}"
+                    f" inflight={row.get('inflight_tokens', 0) / 1000:.0f}k"
+                    f"/{row.get('inflight_limit', 0) / 1000:.0f}k"
+                    f" run={row.get('running', 0):.0f} wait={row.get('waiting', 0):.0f}"
                     if gw_url
                     else ""
                 )
