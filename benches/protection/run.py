@@ -75,6 +75,8 @@ GW_SERIES = {
     "kvgate_inflight_token_limit": "inflight_limit",
     "kvgate_inflight_tokens": "inflight_tokens",
     "kvgate_slots_in_use": "slots_in_use",
+    "kvgate_prefill_tokens": "prefill_tokens",  # both lanes (critical and the others) summed
+    "kvgate_prefill_token_budget": "prefill_budget",
 }
 SIM_SERIES = {
     "vllm:kv_cache_usage_perc": "kv",
@@ -655,8 +657,19 @@ def table(rows: list[dict[str, Any]]) -> str:
 # --------------------------------------------------------------------------- plots
 
 
+def critical_streams(mix: dict[str, Any]) -> set[str]:
+    """Names of the mix's streams and bursts sent by a tenant of the critical class."""
+    tenants = mix.get("tenants") or {}
+    return {
+        str(s["name"])
+        for s in [*(mix.get("streams") or ()), *(mix.get("bursts") or ())]
+        if (tenants.get(s.get("tenant")) or {}).get("priority") == "critical"
+    }
+
+
 def plot_timeline(a: RunResult, d: RunResult, mix: dict[str, Any], path: Path) -> None:
-    """KV usage of (a) and (d), and (d)'s effective limits, over simulated time."""
+    """KV usage of (a) and (d), (d)'s effective limits, and (d)'s prompt tokens in prefill with
+    the critical class's TTFT, over simulated time."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -665,7 +678,7 @@ def plot_timeline(a: RunResult, d: RunResult, mix: dict[str, Any], path: Path) -
     profile = get_profile(mix["profile"])
     cap = profile.kv_blocks * profile.block_size
     burst_at = [float(b["at"]) for b in mix.get("bursts", ())]
-    fig, axes = plt.subplots(2, 1, figsize=(10, 7), sharex=True)
+    fig, axes = plt.subplots(3, 1, figsize=(10, 10), sharex=True)
     for ax, run, title in (
         (axes[0], a, "(a) straight to the engine"),
         (axes[1], d, "(d) kvgate: adaptation + tenants"),
@@ -710,7 +723,38 @@ def plot_timeline(a: RunResult, d: RunResult, mix: dict[str, Any], path: Path) -
         ax.set_title(f"{title} — {run.mode} mode")
         ax.legend(loc="lower right", fontsize=8)
         ax.grid(alpha=0.3)
-    axes[1].set_xlabel("simulated seconds")
+    # (d): prompt tokens in prefill (kvgate_prefill_tokens, both lanes) against the budget,
+    # and each critical request's TTFT at the time it was sent
+    ax = axes[2]
+    gw = [s for s in d.samples if "prefill_tokens" in s]
+    if gw:
+        tg = [s["t"] for s in gw]
+        ax.plot(tg, [s["prefill_tokens"] / 1000 for s in gw], label="prompt tokens in prefill (k)")
+        ax.plot(
+            tg,
+            [s.get("prefill_budget", 0) / 1000 for s in gw],
+            label="prefill budget per lane (k)",
+            ls="--",
+            lw=1.0,
+        )
+        ax.legend(loc="upper left", fontsize=8)
+    ax.set_ylabel("thousand tokens")
+    ax.grid(alpha=0.3)
+    crit = critical_streams(mix)
+    at: list[float] = []
+    ttft: list[float] = []
+    for name, c in d.classes.items():
+        if name in crit:
+            at.extend(c["ttft_at"])
+            ttft.extend(c["ttft"])
+    ax2 = ax.twinx()
+    ax2.scatter(at, ttft, s=5, color="crimson", alpha=0.6, label="critical TTFT (s)")
+    ax2.set_ylabel("critical TTFT (simulated s)", color="crimson")
+    ax2.legend(loc="upper right", fontsize=8)
+    for b in burst_at:
+        ax.axvspan(b, b + 2, color="orange", alpha=0.3)
+    ax.set_title(f"(d) prefill and critical latency — {d.mode} mode")
+    axes[2].set_xlabel("simulated seconds")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
