@@ -237,18 +237,20 @@ class Gateway:
         )
 
     def set_prefill_capacity(self, backend: str, kv_capacity_tokens: int | None) -> None:
-        """(Re)makes ``backend``'s prefill budget from its configuration and the engine's KV
-        capacity (tokens; start-up, discovery, reload). Tokens in prefill when it changes are
-        forgotten by the new gate (their tickets leave the old one)."""
+        """(Re)makes ``backend``'s prefill budget from its configuration, the prefill chunk the
+        engine stated at discovery and the engine's KV capacity (tokens; start-up, discovery,
+        reload). Tokens in prefill when it changes are forgotten by the new gate (their
+        tickets leave the old one)."""
         from kvgate.admission.prefill import gate_for
 
         b = self.backend_named(backend)
+        chunk = getattr(self.discovery.get(backend), "prefill_chunk_tokens", None)
         configured = getattr(b.config, "prefill_token_budget", None)
         if kv_capacity_tokens is None and b.config is not None:
             limit = b.config.inflight_token_limit
             if limit is not None:  # a configured budget is a share of the KV capacity
                 kv_capacity_tokens = int(limit / b.config.capacity_safety_factor)
-        gate = gate_for(configured, kv_capacity_tokens, self._notify_queue)
+        gate = gate_for(configured, kv_capacity_tokens, self._notify_queue, chunk)
         old = self.prefill.get(backend)
         if gate is None:
             self.prefill.pop(backend, None)

@@ -178,6 +178,78 @@ async def test_sglang(serve: Any) -> None:
     info = await asyncio.to_thread(discover_engine, url)
     assert (info.engine, info.slots, info.kv_capacity_tokens) == ("sglang", 48, 9000)
     assert info.models[0].context_window == 32768
+    assert info.prefill_chunk_tokens is None  # not stated
+
+
+@pytest.mark.parametrize(
+    ("server_info", "chunk", "source"),
+    [
+        # chunked prefill on: one chunk per step
+        (
+            {"chunked_prefill_size": 8192, "max_prefill_tokens": 16384},
+            8192,
+            "chunked_prefill_size",
+        ),
+        # -1 turns chunked prefill off: one prefill batch's token budget instead
+        ({"chunked_prefill_size": -1, "max_prefill_tokens": 16384}, 16384, "max_prefill_tokens"),
+        # the arguments nested under server_args (some versions)
+        ({"server_args": {"chunked_prefill_size": 4096}}, 4096, "chunked_prefill_size"),
+        # garbage is not a chunk
+        ({"chunked_prefill_size": "8192", "max_prefill_tokens": True}, None, None),
+    ],
+)
+async def test_sglang_prefill_chunk(
+    serve: Any, server_info: dict[str, Any], chunk: int | None, source: str | None
+) -> None:
+    """SGLang states how many prompt tokens it prefills in one step; kvgate sizes the default
+    prefill budget from it."""
+    url = await serve(
+        {
+            ("GET", "/v1/models"): (200, {"data": [{"id": "s", "owned_by": "sglang"}]}),
+            ("GET", "/get_server_info"): (200, {"max_running_requests": 8, **server_info}),
+        }
+    )
+    info = await asyncio.to_thread(discover_engine, url)
+    assert info.prefill_chunk_tokens == chunk
+    if source is None:
+        assert "prefill_chunk_tokens" not in info.sources
+        assert "prefill chunk" not in info.describe()
+    else:
+        assert info.sources["prefill_chunk_tokens"] == f"GET /get_server_info {source}"
+        assert f"prefill chunk: {chunk} tokens" in info.describe()
+
+
+def test_default_prefill_budget_is_twice_the_discovered_chunk() -> None:
+    """A backend without a configured prefill_token_budget gets twice the engine's stated chunk
+    (else 3 % of its KV capacity); a configured budget wins over both."""
+    from kvgate.config import Config
+    from kvgate.gateway_build import build_gateway
+    from kvgate.telemetry.discovery import EngineInfo
+
+    url = "http://127.0.0.1:9"
+
+    def budget(chunk: int | None, configured: int | None = None) -> int | None:
+        backend: dict[str, Any] = {
+            "name": "b0",
+            "url": url,
+            "models": [{"name": "m", "context_window": 8192}],
+            "max_concurrency": 4,
+        }
+        if configured is not None:
+            backend["prefill_token_budget"] = configured
+        config = Config.model_validate({"backends": [backend]})
+        info = EngineInfo(
+            url=url, engine="sglang", slots=4, kv_capacity_tokens=1_000_000,
+            prefill_chunk_tokens=chunk,
+        )  # fmt: skip
+        gw = build_gateway(config, poll=False, discovery={"b0": info})
+        gate = gw.prefill.get("b0")
+        return None if gate is None else gate.budget
+
+    assert budget(8192) == 16384
+    assert budget(None) == 30_000  # 3 % of 1,000,000 KV tokens
+    assert budget(8192, configured=5000) == 5000
+    assert budget(8192, configured=0) is None
 
 
 async def test_models_are_required(serve: Any) -> None:

@@ -47,7 +47,8 @@ MIN_BUDGET = 4096
 
 def default_budget(kv_capacity_tokens: int | None, chunk_tokens: int | None = None) -> int | None:
     """The prefill budget (tokens) of an engine: twice its per-step prefill chunk
-    (``chunk_tokens``, e.g. vLLM's ``max_num_batched_tokens``) when known, else
+    (``chunk_tokens``: SGLang's ``chunked_prefill_size``, the counterpart of vLLM's
+    ``max_num_batched_tokens``, which vLLM does not publish) when known, else
     :data:`CAPACITY_FRACTION` of its KV capacity, at least :data:`MIN_BUDGET`; ``None`` when
     neither is known."""
     if chunk_tokens:
@@ -61,12 +62,16 @@ def gate_for(
     configured: int | None,
     kv_capacity_tokens: int | None,
     on_leave: Callable[[], None] | None = None,
+    chunk_tokens: int | None = None,
 ) -> PrefillGate | None:
     """The gate of a backend: its configured ``prefill_token_budget`` (``0``: none), else
-    :func:`default_budget` of its KV capacity (tokens); ``None`` when there is no budget."""
+    :func:`default_budget` of the engine's prefill chunk or its KV capacity (tokens); ``None``
+    when there is no budget."""
     if configured == 0:
         return None
-    budget = configured if configured is not None else default_budget(kv_capacity_tokens)
+    budget = (
+        configured if configured is not None else default_budget(kv_capacity_tokens, chunk_tokens)
+    )
     return None if budget is None else PrefillGate(budget, on_leave)
 
 

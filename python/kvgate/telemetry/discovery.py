@@ -25,6 +25,10 @@ Where each value comes from (the first that answers wins):
   ``sglang:max_total_num_tokens`` or ``max_total_num_tokens`` of ``/get_server_info``; TGI
   ``tgi_batch_max_total_tokens``; llama.cpp slots × the slot context, or one slot context when
   the KV cache is unified (see :func:`llamacpp_unified`);
+- prefill chunk (tokens an engine prefills in one step, which sizes the default prefill budget,
+  :mod:`kvgate.admission.prefill`): SGLang ``chunked_prefill_size`` of ``/get_server_info``
+  (``-1`` or absent when chunked prefill is off: then ``max_prefill_tokens``, its token budget of
+  one prefill batch). vLLM, TGI and llama.cpp state none over HTTP;
 - chat template (llama.cpp ``GET /props`` ``chat_template``): prefixed with the BOS text when
   the engine adds BOS in front of the prompt (``POST /tokenize`` of an empty text with
   ``add_special`` answers one token), so the rendered template counts what the engine counts.
@@ -91,8 +95,9 @@ class ModelInfo:
 @dataclass(slots=True)
 class EngineInfo:
     """What one engine says about itself (``None`` = not stated). ``sources`` maps each field
-    (``engine``, ``slots``, ``kv_capacity_tokens``, ``kv_unified``, ``chat_template``) to the
-    endpoint and field it came from."""
+    (``engine``, ``slots``, ``kv_capacity_tokens``, ``kv_unified``, ``prefill_chunk_tokens``,
+    ``chat_template``) to the endpoint and field it came from. ``prefill_chunk_tokens``: prompt
+    tokens the engine prefills in one step (tokens)."""
 
     url: str
     engine: str | None = None
@@ -100,6 +105,7 @@ class EngineInfo:
     slots: int | None = None
     kv_capacity_tokens: int | None = None
     kv_unified: bool | None = None
+    prefill_chunk_tokens: int | None = None
     chat_template: str | None = None
     sources: dict[str, str] = field(default_factory=dict)
 
@@ -122,6 +128,11 @@ class EngineInfo:
         lines.append(f"KV capacity: {kv} tokens ({src.get('kv_capacity_tokens', 'not stated')})")
         if self.kv_unified is not None:
             lines.append(f"unified KV cache: {self.kv_unified} ({src.get('kv_unified', '')})")
+        if self.prefill_chunk_tokens is not None:
+            lines.append(
+                f"prefill chunk: {self.prefill_chunk_tokens} tokens "
+                f"({src.get('prefill_chunk_tokens', '')})"
+            )
         if self.chat_template is not None:
             lines.append(f"chat template: {src.get('chat_template', '')}")
         return "\n".join(lines)
@@ -285,6 +296,13 @@ def _sglang(info: EngineInfo, data: Any) -> None:
         for m in info.models:
             if m.context_window is None:
                 m.context_window, m.source = v, "GET /get_server_info context_length"
+    # one prefill step: the chunk when chunked prefill is on (SGLang's -1 turns it off), else
+    # the token budget of one prefill batch
+    for name in ("chunked_prefill_size", "max_prefill_tokens"):
+        if (v := _pos_int(args.get(name))) is not None:
+            info.prefill_chunk_tokens = v
+            info.sources["prefill_chunk_tokens"] = f"GET /get_server_info {name}"
+            break
     cap = _pos_int(data.get("max_total_num_tokens"))
     if info.kv_capacity_tokens is None and cap is not None:
         info.kv_capacity_tokens = cap
