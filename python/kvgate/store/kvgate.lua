@@ -62,6 +62,11 @@ local function fmt(x)
   return string.format('%.3f', x)
 end
 
+-- an integer as Redis stores it (a plain Lua number could be written as 1e+15)
+local function int(x)
+  return string.format('%d', x)
+end
+
 local function reap(state, live, now)
   local dead = redis.call('ZRANGEBYSCORE', live, '-inf', now, 'LIMIT', 0, 8)
   for _, pod in ipairs(dead) do
@@ -83,10 +88,17 @@ end
 local function effective_scale(state, live, msg)
   -- the most conservative live proposal (this replica's included)
   local s, shed = 1.0, false
-  for _, pod in ipairs(redis.call('ZRANGE', live, 0, -1)) do
-    local p = redis.call('HGET', state, 'prop|' .. pod)
-    if p then s = math.min(s, tonumber(p)) end
-    if redis.call('HGET', state, 'shed|' .. pod) == '1' then shed = true end
+  local pods = redis.call('ZRANGE', live, 0, -1)
+  local fields = {}
+  for _, pod in ipairs(pods) do
+    fields[#fields + 1] = 'prop|' .. pod
+    fields[#fields + 1] = 'shed|' .. pod
+  end
+  if #fields == 0 then return s, shed end
+  local vals = redis.call('HMGET', state, unpack(fields))
+  for i = 1, #fields, 2 do
+    if vals[i] then s = math.min(s, tonumber(vals[i])) end
+    if vals[i + 1] == '1' then shed = true end
   end
   return s, shed
 end
@@ -115,13 +127,17 @@ local function bucket_params(b, s)
   return interval, burst, burst * interval
 end
 
-local function bucket_tat(state, name, now, fill)
-  local tat = tonumber(redis.call('HGET', state, 'tat|' .. name) or '0')
-  return math.max(tat, now - fill)
-end
-
 local function bucket_available(tat, now, interval)
   return math.floor((now - tat) / interval + 1e-6)
+end
+
+-- fields read in one HMGET: returns a table name -> value (false when absent)
+local function hmget(state, names)
+  if #names == 0 then return {} end
+  local vals = redis.call('HMGET', state, unpack(names))
+  local out = {}
+  for i, name in ipairs(names) do out[name] = vals[i] end
+  return out
 end
 
 local function kvg_sync(keys, args)
@@ -132,7 +148,11 @@ local function kvg_sync(keys, args)
   local pod = msg.pod
   local now = now_us()
   local reply = {}
-  local epoch = redis.call('HGET', state, 'epoch')
+  -- every write of the call goes in one HSET at the end (`out`), the deletions in one HDEL
+  local out, del = {}, {}
+  local head = redis.call('HMGET', state, 'epoch', 'seq|' .. pod, 'heard', 'settle')
+  local epoch = head[1]
+  local settle = tonumber(head[4] or '0')
   if not epoch then
     epoch = msg.epoch
     redis.call('HSET', state, 'epoch', epoch)
@@ -141,28 +161,32 @@ local function kvg_sync(keys, args)
       -- Nothing is granted or admitted until the replicas holding quotas have re-asserted them
       -- (they speak every heartbeat, at most half a lease): else the first one back could be
       -- granted what the others still run
-      redis.call('HSET', state, 'settle', string.format('%.0f', now + msg.ttl / 2))
+      settle = now + msg.ttl / 2
+      redis.call('HSET', state, 'settle', string.format('%.0f', settle))
     end
   end
   reply.epoch = epoch
-  local last = num(redis.call('HGET', state, 'seq|' .. pod))
+  local last = num(head[2])
   if msg.seq <= last then
     reply.stale = true
     return cjson.encode(reply)
   end
-  redis.call('HSET', state, 'seq|' .. pod, msg.seq)
   -- a scope that heard nothing for over half a lease (Redis away or refusing writes, or every
   -- replica quiet: live holders speak every heartbeat, at most half a lease) moves the leases
   -- that ran when it went quiet on by that silence: the first replica back must not reap the
   -- others, whose requests still run, for a silence that was Redis's
-  local heard = tonumber(redis.call('HGET', state, 'heard') or '0')
+  local heard = tonumber(head[3] or '0')
   if heard > 0 and now - heard > msg.ttl / 2 then
     for _, other in ipairs(redis.call('ZRANGEBYSCORE', live, '(' .. fmt(heard), '+inf')) do
       redis.call('ZINCRBY', live, now - heard, other)
     end
   end
-  redis.call('HSET', state, 'heard', string.format('%.0f', now))
   reply.reaped = reap(state, live, now)
+  -- written after reaping: reaping this replica itself (frozen past its lease) drops its fields
+  out[#out + 1] = 'seq|' .. pod
+  out[#out + 1] = int(msg.seq)
+  out[#out + 1] = 'heard'
+  out[#out + 1] = string.format('%.0f', now)
   redis.call('ZADD', live, now + msg.ttl, pod)
   -- keep the scope for a while after its last replica left (its buckets' state matters)
   local keep_ms = math.floor(msg.ttl / 1000) * 4 + 180000
@@ -171,41 +195,44 @@ local function kvg_sync(keys, args)
 
   local s, shed = 1.0, false
   if msg.scale then
-    redis.call('HSET', state, 'prop|' .. pod, fmt(msg.scale))
-    redis.call('HSET', state, 'shed|' .. pod, msg.shed and '1' or '0')
+    redis.call('HSET', state, 'prop|' .. pod, fmt(msg.scale), 'shed|' .. pod, msg.shed and '1' or '0')
     s, shed = effective_scale(state, live, msg)
   end
   reply.scale = s
   reply.shed = shed
   reply.live = redis.call('ZCARD', live)
 
+  -- one read of every field the pools and buckets need (after reaping, which moves them)
+  local pools, buckets = msg.pools or {}, msg.buckets or {}
+  local names = {'held|' .. pod}
+  for name, _ in pairs(pools) do
+    names[#names + 1] = 'q|' .. name .. '|' .. pod
+    names[#names + 1] = 'alloc|' .. name
+  end
+  for name, _ in pairs(buckets) do names[#names + 1] = 'tat|' .. name end
+  local f = hmget(state, names)
+
   -- re-assert the replica's quotas, then compute the limits
-  local pools, limits, alloc, q = msg.pools or {}, {}, {}, {}
+  local limits, alloc, q = {}, {}, {}
   local held = {}
   for name, p in pairs(pools) do
-    local field = 'q|' .. name .. '|' .. pod
-    local rec = num(redis.call('HGET', state, field))
+    local rec = num(f['q|' .. name .. '|' .. pod])
     local want = p.q or 0
-    alloc[name] = num(redis.call('HGET', state, 'alloc|' .. name))
-    if want ~= rec then
-      alloc[name] = redis.call('HINCRBY', state, 'alloc|' .. name, want - rec)
-    end
+    alloc[name] = num(f['alloc|' .. name]) + (want - rec)
     q[name] = want
     limits[name] = pool_limit(p, s)
   end
 
-  local buckets, bstate = msg.buckets or {}, {}
+  local bstate = {}
   for name, b in pairs(buckets) do
     local interval, burst, fill = bucket_params(b, s)
-    local tat = bucket_tat(state, name, now, fill)
+    local tat = math.max(tonumber(f['tat|' .. name] or '0'), now - fill)
     if (b.ret or 0) > 0 then tat = math.max(tat - b.ret * interval, now - fill) end
     if (b.debt or 0) > 0 then tat = math.min(tat + b.debt * interval, now + fill) end
     bstate[name] = {tat = tat, interval = interval, burst = burst, fill = fill}
   end
 
-  local settle = tonumber(redis.call('HGET', state, 'settle') or '0')
   local settling = now < settle
-
   -- pass-through admissions, in arrival order, each all-or-nothing
   local admits = {}
   for i, a in ipairs(msg.admits or {}) do
@@ -291,34 +318,48 @@ local function kvg_sync(keys, args)
   for name, _ in pairs(pools) do
     local field = 'q|' .. name .. '|' .. pod
     if q[name] ~= 0 then
-      redis.call('HSET', state, field, q[name])
+      out[#out + 1] = field
+      out[#out + 1] = int(q[name])
       held[#held + 1] = name
     else
-      redis.call('HDEL', state, field)
+      del[#del + 1] = field
     end
-    redis.call('HSET', state, 'alloc|' .. name, alloc[name])
+    out[#out + 1] = 'alloc|' .. name
+    out[#out + 1] = int(alloc[name])
     out_pools[name] = {q[name], alloc[name], limits[name]}
   end
   -- a pool this message does not mention keeps its place while Redis records units of it for
   -- the replica (a late call's grant): reaping must give back every unit
-  local before = redis.call('HGET', state, 'held|' .. pod)
+  local before = f['held|' .. pod]
   if before then
+    local others, fields = {}, {}
     for _, name in ipairs(cjson.decode(before)) do
-      if not pools[name] and num(redis.call('HGET', state, 'q|' .. name .. '|' .. pod)) ~= 0 then
-        held[#held + 1] = name
+      if not pools[name] then
+        others[#others + 1] = name
+        fields[#fields + 1] = 'q|' .. name .. '|' .. pod
+      end
+    end
+    if #fields > 0 then
+      local vals = redis.call('HMGET', state, unpack(fields))
+      for i, name in ipairs(others) do
+        if num(vals[i]) ~= 0 then held[#held + 1] = name end
       end
     end
   end
   if #held > 0 then
-    redis.call('HSET', state, 'held|' .. pod, cjson.encode(held))
+    out[#out + 1] = 'held|' .. pod
+    out[#out + 1] = cjson.encode(held)
   else
-    redis.call('HDEL', state, 'held|' .. pod)
+    del[#del + 1] = 'held|' .. pod
   end
   local out_buckets = {}
   for name, st in pairs(bstate) do
-    redis.call('HSET', state, 'tat|' .. name, fmt(st.tat))
+    out[#out + 1] = 'tat|' .. name
+    out[#out + 1] = fmt(st.tat)
     out_buckets[name] = {bucket_available(st.tat, now, st.interval), st.burst}
   end
+  redis.call('HSET', state, unpack(out))
+  if #del > 0 then redis.call('HDEL', state, unpack(del)) end
   reply.pools = out_pools
   reply.buckets = out_buckets
   local encoded = cjson.encode(reply)
