@@ -29,6 +29,7 @@ __all__ = [
     "ModelRegistry",
     "NeverAdmissibleError",
     "OverReleaseError",
+    "QuotaLedger",
     "Rejection",
     "RequestAnalyzer",
     "Reservation",
@@ -1008,3 +1009,85 @@ def peek_model(body: bytes) -> str:
         AnalysisError: 400 ``invalid_json`` / ``invalid_type`` (non-object body or non-string
             model) / ``missing_required_parameter`` (no ``model``).
     """
+
+@final
+class QuotaLedger:
+    """A replica's quotas in a store shared by several gateway replicas (Redis), and the
+    admissions taken from them without a call to the store: the local fast path of
+    :class:`kvgate.store.redis_store.RedisStore`, whose agent talks to Redis and sizes the
+    quotas. Flat arrays indexed by small integers: scopes (a tenant or a backend: a lease, the
+    live replicas), pools (slots or in-flight tokens: quota ``q``, ``in_use``, demand ``taken``,
+    ``unit`` of the last request, ``near`` the limit, effective ``limit``, configured ``base``),
+    token buckets (``avail`` pre-debited tokens, ``taken``, grant ``chunk``, ``near``,
+    ``burst``), and plans (the parts one kind of request takes from). Used from one event loop.
+
+    Field numbers: pools ``0`` q, ``1`` in_use, ``2`` taken, ``3`` unit, ``4`` near (0/1),
+    ``5`` limit, ``6`` base; buckets ``0`` avail, ``1`` taken, ``2`` chunk, ``3`` near (0/1),
+    ``4`` burst.
+
+    Args:
+        chunk_fraction: ratio 0..1 of a limit ÷ live replicas a replica keeps beyond its use.
+        on_kick: called with a scope's index when the agent must tell Redis about it now (a
+            pool under its low-water mark, a bucket under a third of its grant, units given
+            back near a limit, an overrun); after the call that caused it, in order, repeats
+            kept.
+        on_active: called with a scope's index when an admission made it active (until
+            :meth:`set_active` clears the flag).
+
+    Raises:
+        ValueError: ``chunk_fraction`` outside 0..1; an unknown index or field number (every
+            method that takes one).
+    """
+
+    def __new__(
+        cls,
+        chunk_fraction: float,
+        *,
+        on_kick: Callable[[int], object] | None = None,
+        on_active: Callable[[int], object] | None = None,
+    ) -> Self: ...
+    def add_scope(self) -> int:
+        """A new scope (lease expired, one live replica, inactive); its index."""
+    def add_pool(self, scope: int, base: int) -> int:
+        """A new pool of ``scope`` with its configured limit ``base`` (units); its index."""
+    def add_bucket(self, scope: int, burst: int) -> int:
+        """A new token bucket of ``scope`` of ``burst`` tokens; its index."""
+    def add_plan(self, parts: list[tuple[int, list[tuple[bool, list[int]]], list[int]]]) -> int:
+        """A plan: per part ``(scope, [(counts_tokens, [pool, ...]), ...], [bucket, ...])``: a
+        request takes one unit (or its tokens when ``counts_tokens``) from the first pool of
+        each list with room, and its tokens from each bucket; its index."""
+    def clear_plans(self) -> None:
+        """Forgets every plan (the base limits changed); pools, buckets and holds stay."""
+    def pool_get(self, pool: int, field: int) -> int:
+        """A pool's field (see the class docstring)."""
+    def pool_set(self, pool: int, field: int, value: int) -> None:
+        """Sets a pool's field."""
+    def bucket_get(self, bucket: int, field: int) -> int:
+        """A bucket's field."""
+    def bucket_set(self, bucket: int, field: int, value: int) -> None:
+        """Sets a bucket's field."""
+    def scope_lease(self, scope: int) -> float:
+        """Until when (seconds of the clock passed to :meth:`try_admit`) the scope's lease runs."""
+    def set_scope_lease(self, scope: int, until: float) -> None:
+        """Sets the scope's lease end (seconds)."""
+    def scope_live(self, scope: int) -> int:
+        """Live replicas in the scope as the store last said."""
+    def set_scope_live(self, scope: int, live: int) -> None:
+        """Sets the scope's live replicas."""
+    def set_active(self, scope: int, active: bool) -> None:
+        """Sets the scope's active flag (the agent clears it when it stops heartbeating there)."""
+    def try_admit(self, plan: int, tokens: int, now: float) -> int | None:
+        """Takes ``tokens`` (prompt + reserved completion) for a request of ``plan`` at ``now``
+        (seconds): a hold id (never 0), or ``None`` with nothing taken when a scope's lease ran
+        out, a pool list has no room, or a bucket holds fewer tokens."""
+    def release(self, hold: int, reserved: int, actual: int) -> bool:
+        """Gives a hold back: its units to the pools, ``reserved - actual`` tokens to each
+        bucket (an overrun goes below zero). ``False`` (nothing changed) for a hold already
+        given back or unknown."""
+    def hold_parts(self, hold: int) -> tuple[list[tuple[int, int]], list[int]] | None:
+        """The ``(pool, units)`` and buckets of a hold not yet given back, else ``None``."""
+    @property
+    def admissions(self) -> int:
+        """Admissions counted (by :meth:`try_admit`, and by the agent's own)."""
+    @admissions.setter
+    def admissions(self, value: int) -> None: ...

@@ -11,6 +11,7 @@ pub mod clock;
 pub mod error;
 pub mod headers;
 pub mod priority;
+pub mod quota_ledger;
 pub mod shm;
 pub mod slots;
 pub mod sse;
@@ -22,6 +23,8 @@ mod python;
 mod python_analyze;
 #[cfg(feature = "python")]
 mod python_fast;
+#[cfg(feature = "python")]
+mod python_ledger;
 #[cfg(feature = "python")]
 mod python_sse;
 

@@ -1385,5 +1385,6 @@ pub fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Rejection>()?;
     crate::python_analyze::register(m)?;
     crate::python_sse::register(m)?;
+    crate::python_ledger::register(m)?;
     Ok(())
 }

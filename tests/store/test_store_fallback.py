@@ -25,6 +25,10 @@ from kvgate.config import StoreConfig
 from kvgate.store import StoreRefusal
 from kvgate.store.redis_store import RedisStore, StoreHold
 
+#: what an admission holds: a hold id of the replica's quota ledger (decided locally, in the
+#: Rust core) or a StoreHold (decided in Redis, or by a fallback policy)
+HOLDS = (StoreHold, int)
+
 
 @dataclass(frozen=True)
 class Ref:
@@ -121,7 +125,7 @@ async def test_never_reached_open_admits_everything(stores: Any) -> None:
     assert store.state()["breaker"] == "open"
     assert store.try_admit(lim.backend, lim.tenant, "standard", 10) is None
     holds = [await admit(store, lim, 10) for _ in range(5)]  # beyond the limit of 2
-    assert all(isinstance(h, StoreHold) for h in holds)
+    assert all(isinstance(h, HOLDS) for h in holds)
     assert store.degraded_admissions == 5
     for h in holds:
         store.release(h, 10, 10)
@@ -157,7 +161,7 @@ async def test_a_policy_per_limit_overrides_on_failure(stores: Any) -> None:
     cfg = config(unreachable(), on_failure="closed", policies={"backend-slots": "open"})
     lim2 = limits(tokens_per_minute=2**40)  # no backend bucket: slots only
     store2 = await stores(cfg, lim2)
-    assert isinstance(await admit(store2, lim2), StoreHold)
+    assert isinstance(await admit(store2, lim2), HOLDS)
 
 
 # --- a replica that learned its scopes, then lost Redis ----------------------------------------
@@ -169,7 +173,7 @@ async def learned(
     """A store that admitted ``n`` requests through Redis (it knows its scopes)."""
     store = await stores(config(server.url, **cfg), lim)
     holds = [await admit(store, lim) for _ in range(n)]
-    assert all(isinstance(h, StoreHold) for h in holds), holds
+    assert all(isinstance(h, HOLDS) for h in holds), holds
     await wait_for(lambda: not store.scopes["bgpu"].busy, 5.0, "the lane idle")
     return store, holds
 
@@ -190,7 +194,7 @@ async def test_share_keeps_at_most_the_limit_divided_among_live_replicas(
     store, holds = await learned(stores, redis_server, lim, 1, on_failure="share")
     assert store.scopes["bgpu"].live == 2
     first = await lose_redis(store, redis_server, lim)
-    assert isinstance(first, StoreHold)
+    assert isinstance(first, HOLDS)
     holds.append(first)
     pool = store.scopes["bgpu"].pools["burst"]
     ceiling = max(pool.q, 10 // 2)
@@ -204,7 +208,7 @@ async def test_share_keeps_at_most_the_limit_divided_among_live_replicas(
     assert (h.reason, h.scope, h.retry_after) == ("backend-slots", "backend", 0.05)
     assert store.degraded_admissions == len(holds) - 1
     store.release(holds.pop(), 1, 1)  # a slot back: admitted again
-    assert isinstance(await admit(store, lim), StoreHold)
+    assert isinstance(await admit(store, lim), HOLDS)
 
 
 async def test_share_bucket_is_the_rate_and_burst_divided_among_live_replicas(
@@ -223,7 +227,7 @@ async def test_share_bucket_is_the_rate_and_burst_divided_among_live_replicas(
     assert store.state()["breaker"] == "open"
     assert big.reason == "backend-tpm"
     ok = await admit(store, lim, 45)  # from the share (or what it held)
-    assert isinstance(ok, StoreHold)
+    assert isinstance(ok, HOLDS)
     again = await admit(store, lim, 45)
     assert isinstance(again, StoreRefusal)
     assert again.reason == "backend-tpm"
@@ -260,11 +264,11 @@ async def test_share_becomes_closed_after_max_degraded_s(
     first = await lose_redis(store, redis_server, lim)
     opened = store._breaker.opened_at
     assert opened is not None
-    assert isinstance(first, StoreHold)  # share: within its share
+    assert isinstance(first, HOLDS)  # share: within its share
     store.release(first, 1, 1)
     admitted = 0
     deadline = time.monotonic() + 10.0
-    while isinstance(h := await admit(store, lim), StoreHold):
+    while isinstance(h := await admit(store, lim), HOLDS):
         admitted += 1  # still share: one slot at a time, given back
         store.release(h, 1, 1)
         assert time.monotonic() < deadline, "share never turned into closed"
@@ -291,12 +295,12 @@ async def test_share_becomes_open_after_max_degraded_s_when_asked(
     holds.append(await lose_redis(store, redis_server, lim))
     opened = store._breaker.opened_at
     assert opened is not None
-    while isinstance(h := await admit(store, lim), StoreHold):
+    while isinstance(h := await admit(store, lim), HOLDS):
         holds.append(h)
     assert len(holds) <= 4  # share: at most the limit
     await wait_for(lambda: time.monotonic() - opened > 0.25, 5.0, "max_degraded_s over")
     more = [await admit(store, lim) for _ in range(6)]
-    assert all(isinstance(h, StoreHold) for h in more)  # open: beyond the limit
+    assert all(isinstance(h, HOLDS) for h in more)  # open: beyond the limit
 
 
 # --- a call that timed out on the replica but ran on the server ------------------------------
@@ -325,7 +329,7 @@ async def test_a_timed_out_admit_that_ran_late_is_given_back(
     state = "{kvg:b:gpu}"
     sc_key = "bgpu"
     running = await admit(store, lim)  # on the tenant's guarantee (1 slot)
-    assert isinstance(running, StoreHold)
+    assert isinstance(running, HOLDS)
     sc = store.scopes[sc_key]
 
     async def beat() -> None:
@@ -378,12 +382,12 @@ async def test_refunds_of_degraded_admissions_do_not_fill_the_shared_bucket(
     cfg = config(redis_server.url, on_failure="share", deadline_ms=100, background_deadline_ms=100)
     store = await stores(cfg, lim)
     first = await admit(store, lim, 90)  # through Redis: about 10 tokens left
-    assert isinstance(first, StoreHold)
+    assert isinstance(first, HOLDS)
     redis_server.pause()  # SIGSTOP: the state survives
     try:
         await wait_for(lambda: store.state()["breaker"] == "open", 10.0, "the breaker open")
         degraded = await admit(store, lim, 80)  # the replica's own bucket (share)
-        assert isinstance(degraded, StoreHold)
+        assert isinstance(degraded, HOLDS)
         assert store.degraded_admissions == 1
     finally:
         redis_server.resume()
@@ -411,10 +415,10 @@ async def test_a_replica_frozen_past_its_lease_admits_nothing_locally(
     cfg = config(redis_server.url, lease_ttl_s=0.3, chunk_fraction=1.0, on_failure="strict")
     frozen = await stores(cfg, lim)
     running = await admit(frozen, lim)
-    assert isinstance(running, StoreHold)
+    assert isinstance(running, HOLDS)
     other = await stores(cfg, lim)
     taken = [await admit(other, lim)]  # it holds a slot: it heartbeats the scope
-    assert isinstance(taken[0], StoreHold)
+    assert isinstance(taken[0], HOLDS)
     pool = frozen.scopes["bgpu"].pools["burst"]
     await wait_for(lambda: pool.q - pool.in_use >= 1, 5.0, "headroom held")
     # freeze: no more heartbeats; wait (bounded) until its lease ran out in Redis
@@ -427,7 +431,7 @@ async def test_a_replica_frozen_past_its_lease_admits_nothing_locally(
 
     await wait_for(reaped, 10.0, "the frozen replica reaped by the other's heartbeats")
     assert pool.q - pool.in_use >= 1  # it still believes it holds headroom
-    while isinstance(h := await admit(other, lim), StoreHold):
+    while isinstance(h := await admit(other, lim), HOLDS):
         taken.append(h)
         assert len(taken) <= 10
     assert len(taken) == 10  # the frozen replica was reaped: the whole pool

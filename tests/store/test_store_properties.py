@@ -131,10 +131,12 @@ class Request:
     """A request admitted by a replica and still running."""
 
     replica: Replica
-    hold: StoreHold
+    hold: Any  # what the store gave: a ledger hold id (int) or a StoreHold
     tokens: int
     survivor: bool = False  # ran when its replica's lease may have lapsed in Redis
     units: dict[tuple[str, str], int] = field(default_factory=dict)
+    #: the hold's pools and buckets, read when it was admitted
+    view: StoreHold | None = None
 
 
 def pool_key(pool: Pool) -> tuple[str, str]:
@@ -368,11 +370,12 @@ class StoreMachine(RuleBasedStateMachine):
                     reasons.add("store-unavailable")
                 assert hold.reason in reasons, hold
                 continue
-            assert isinstance(hold, StoreHold)
-            req = Request(rep, hold, tokens, survivor=id(rep) in survivors)
-            for pool, n in hold.pools:
+            view = rep.store.hold_view(hold)
+            assert isinstance(view, StoreHold), hold
+            req = Request(rep, hold, tokens, survivor=id(rep) in survivors, view=view)
+            for pool, n in view.pools:
                 req.units[pool_key(pool)] = req.units.get(pool_key(pool), 0) + n
-            for b in hold.buckets:
+            for b in view.buckets:
                 key = (b.scope.key, b.name)
                 self.admitted[key] = self.admitted.get(key, 0) + tokens
                 self.rates[key] = (b.rate, b.burst)
@@ -402,7 +405,8 @@ class StoreMachine(RuleBasedStateMachine):
         self.run(go())
         for req, actual in done:
             if actual < req.tokens:
-                for b in req.hold.buckets:
+                assert req.view is not None
+                for b in req.view.buckets:
                     key = (b.scope.key, b.name)
                     self.refunded[key] = self.refunded.get(key, 0) + req.tokens - actual
 

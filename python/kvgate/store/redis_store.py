@@ -9,8 +9,9 @@ How it works (docs/replicas.md):
   the only writer.
 - Each replica (one gateway process) holds *quotas*: units of each pool and pre-debited tokens
   of each bucket. An admission that fits in what the replica holds is decided here, without
-  Redis (:meth:`RedisStore.try_admit`); below a low-water mark the replica asks for more in the
-  background. Near a limit (less than ``near_fraction`` of it free) the replica gives back what
+  Redis (:meth:`RedisStore.try_admit`, in the Rust core: :class:`kvgate._core.QuotaLedger`
+  holds the quotas, the leases and what the requests took; the objects below are views of it);
+  below a low-water mark the replica asks for more in the background. Near a limit (less than ``near_fraction`` of it free) the replica gives back what
   it holds beyond its use and every admission is decided in Redis, atomically, coalesced with
   the other requests of the same scope waiting at that moment: the decision at the boundary is
   exact.
@@ -48,6 +49,7 @@ from typing import Any
 
 import orjson
 
+from kvgate._core import QuotaLedger
 from kvgate.store import StoreRefusal
 
 __all__ = ["RedisStore", "StoreHold", "load_library", "scope_key"]
@@ -61,6 +63,43 @@ LIBRARY_NAME = "kvgate"
 PLAIN, SCALED, BURST, GUARANTEE = "p", "s", "b", "g"
 #: a rate at or above this is "no limit" (the gateway registers unlimited TPM as 2**40)
 UNLIMITED_RATE = 2**40
+#: field numbers of a pool and of a bucket in :class:`kvgate._core.QuotaLedger`
+_Q, _IN_USE, _P_TAKEN, _UNIT, _P_NEAR, _LIMIT, _BASE = range(7)
+_AVAIL, _B_TAKEN, _CHUNK, _B_NEAR, _BURST = range(5)
+
+
+def _pool_field(n: int, doc: str) -> Any:
+    return property(
+        lambda self: self._l.pool_get(self._i, n),
+        lambda self, v: self._l.pool_set(self._i, n, int(v)),
+        doc=doc,
+    )
+
+
+def _pool_flag(n: int, doc: str) -> Any:
+    return property(
+        lambda self: bool(self._l.pool_get(self._i, n)),
+        lambda self, v: self._l.pool_set(self._i, n, 1 if v else 0),
+        doc=doc,
+    )
+
+
+def _bucket_field(n: int, doc: str) -> Any:
+    return property(
+        lambda self: self._l.bucket_get(self._i, n),
+        lambda self, v: self._l.bucket_set(self._i, n, int(v)),
+        doc=doc,
+    )
+
+
+def _bucket_flag(n: int, doc: str) -> Any:
+    return property(
+        lambda self: bool(self._l.bucket_get(self._i, n)),
+        lambda self, v: self._l.bucket_set(self._i, n, 1 if v else 0),
+        doc=doc,
+    )
+
+
 #: seconds a scope's state surely outlives its last reply (``kvgate.lua`` keeps it 180 s + 4
 #: leases after each message): a state missing sooner was lost by Redis, not expired
 STATE_KEPT_S = 170.0
@@ -104,23 +143,15 @@ class Pool:
         taken: units taken since the last heartbeat (demand).
     """
 
-    __slots__ = (
-        "alloc",
-        "base",
-        "g",
-        "gs",
-        "in_use",
-        "kind",
-        "limit",
-        "limit_name",
-        "name",
-        "near",
-        "q",
-        "rq",
-        "scope",
-        "taken",
-        "unit",
-    )
+    __slots__ = ("_i", "_l", "alloc", "g", "gs", "kind", "limit_name", "name", "rq", "scope")
+
+    q = _pool_field(_Q, "units this replica holds (its quota)")
+    in_use = _pool_field(_IN_USE, "units its requests hold")
+    taken = _pool_field(_P_TAKEN, "units taken since the last heartbeat (demand)")
+    unit = _pool_field(_UNIT, "units of the last request (tokens for an in-flight token budget)")
+    near = _pool_flag(_P_NEAR, "less than near_fraction of the limit is free")
+    limit = _pool_field(_LIMIT, "the effective limit as Redis last said")
+    base = _pool_field(_BASE, "the configured limit")
 
     def __init__(
         self,
@@ -133,12 +164,12 @@ class Pool:
         gs: int = 0,
     ) -> None:
         self.scope = scope
+        self._l = scope._l
+        self._i = self._l.add_pool(scope._i, base)
         self.name, self.limit_name, self.kind = name, limit_name, kind
-        self.base, self.g, self.gs = base, g, gs
-        self.q = self.in_use = self.alloc = self.taken = self.rq = 0
-        self.unit = 1  # units of the last request (tokens for an in-flight token budget)
+        self.g, self.gs = g, gs
+        self.alloc = self.rq = 0
         self.limit = base if kind != GUARANTEE else g
-        self.near = False
 
     def spec(self) -> dict[str, Any]:
         """The pool as ``kvg_sync`` reads it."""
@@ -165,30 +196,32 @@ class Bucket:
     """
 
     __slots__ = (
-        "avail",
-        "burst",
-        "chunk",
+        "_i",
+        "_l",
         "fallback",
         "global_avail",
         "limit_name",
         "name",
-        "near",
         "rate",
         "scaled",
         "scope",
-        "taken",
     )
+
+    avail = _bucket_field(_AVAIL, "pre-debited tokens this replica holds (negative: an overrun)")
+    taken = _bucket_field(_B_TAKEN, "tokens taken since the last heartbeat (demand)")
+    chunk = _bucket_field(_CHUNK, "the grant size (tokens; 0 = not sized yet)")
+    near = _bucket_flag(_B_NEAR, "the global bucket holds less than near_fraction of its burst")
+    burst = _bucket_field(_BURST, "the bucket's size (tokens)")
 
     def __init__(
         self, scope: Scope, name: str, limit_name: str, rate: int, burst: int, scaled: bool
     ) -> None:
         self.scope = scope
+        self._l = scope._l
+        self._i = self._l.add_bucket(scope._i, burst)
         self.name, self.limit_name = name, limit_name
-        self.rate, self.burst, self.scaled = rate, burst, scaled
-        self.avail = self.taken = 0
+        self.rate, self.scaled = rate, scaled
         self.global_avail = burst
-        self.chunk = 0
-        self.near = False
         self.fallback: Any = None
 
     def spec(self, ret: int, debt: int) -> dict[str, Any]:
@@ -221,6 +254,8 @@ class Scope:
     """One tenant's or one backend's limits, as this replica holds them."""
 
     __slots__ = (
+        "_i",
+        "_l",
         "admits",
         "buckets",
         "busy",
@@ -228,8 +263,6 @@ class Scope:
         "hb_due",
         "key",
         "kind",
-        "lease_until",
-        "live",
         "name",
         "pools",
         "scale",
@@ -238,21 +271,39 @@ class Scope:
         "wake",
     )
 
-    def __init__(self, prefix: str, kind: str, name: str) -> None:
+    def __init__(self, prefix: str, kind: str, name: str, ledger: Any) -> None:
+        self._l = ledger
+        self._i = ledger.add_scope()
         self.kind, self.name = kind, name
         self.key = scope_key(prefix, kind, name)
         self.pools: dict[str, Pool] = {}
         self.buckets: dict[str, Bucket] = {}
         self.seq = 0
         self.epoch: str | None = None
-        self.lease_until = 0.0
-        self.live = 1
         self.scale = 1.0
         self.shed = False
         self.busy = False
         self.wake = False
         self.hb_due = False
         self.admits: list[_Admit] = []
+
+    @property
+    def lease_until(self) -> float:
+        """Until when (``time.monotonic()`` seconds) this replica may admit from its quotas."""
+        return float(self._l.scope_lease(self._i))
+
+    @lease_until.setter
+    def lease_until(self, value: float) -> None:
+        self._l.set_scope_lease(self._i, float(value))
+
+    @property
+    def live(self) -> int:
+        """Live replicas in the scope as Redis last said."""
+        return int(self._l.scope_live(self._i))
+
+    @live.setter
+    def live(self, value: int) -> None:
+        self._l.set_scope_live(self._i, int(value))
 
     def holds(self) -> bool:
         """Whether this replica holds anything in the scope (then it heartbeats there)."""
@@ -346,6 +397,12 @@ class RedisStore:
         self.scopes: dict[str, Scope] = {}
         self._active: set[Scope] = set()
         self._parts: dict[tuple[int, int, bool], list[_Part]] = {}
+        # the quotas, leases and holds of the local fast path (Rust); scopes by ledger index
+        self._ledger = QuotaLedger(
+            config.chunk_fraction, on_kick=self._kick_at, on_active=self._active_at
+        )
+        self._scope_at: list[Scope] = []
+        self._plan_ids: dict[tuple[int, int, bool], int] = {}
         self._breaker = _Breaker(config.breaker_failures)
         self._ttl = config.ttl_s
         self._deadline = config.deadline_ms / 1000.0
@@ -356,13 +413,26 @@ class RedisStore:
         self._closed = False
         self._loaded = False
         self.calls = 0
-        #: admissions this store granted (local or in Redis, fallbacks included)
-        self.admissions = 0
         self.failures: dict[str, int] = {"timeout": 0, "error": 0, "stale": 0}
         self.amnesia = 0
         self.reaped = 0
         self.degraded_admissions = 0
         self._last_failure = ""
+
+    @property
+    def admissions(self) -> int:
+        """Admissions this store granted (local or in Redis, fallbacks included)."""
+        return int(self._ledger.admissions)
+
+    @admissions.setter
+    def admissions(self, value: int) -> None:
+        self._ledger.admissions = int(value)
+
+    def _kick_at(self, i: int) -> None:
+        self._kick(self._scope_at[i])
+
+    def _active_at(self, i: int) -> None:
+        self._active.add(self._scope_at[i])
 
     # ---- set-up -----------------------------------------------------------------------------
     def _make_client(self) -> Any:
@@ -427,7 +497,8 @@ class RedisStore:
         key = kind + name
         sc = self.scopes.get(key)
         if sc is None:
-            sc = self.scopes[key] = Scope(self.prefix, kind, name)
+            sc = self.scopes[key] = Scope(self.prefix, kind, name, self._ledger)
+            self._scope_at.append(sc)
         return sc
 
     def _plan(self, backend: Any, tenant: Any, priority: str) -> list[_Part]:
@@ -487,6 +558,16 @@ class RedisStore:
             )
         parts.append(_Part(sc, alts, buckets))
         self._parts[key] = parts
+        self._plan_ids[key] = self._ledger.add_plan(
+            [
+                (
+                    part.scope._i,
+                    [(t, [p._i for p in pools]) for t, pools in part.alts],
+                    [b._i for b in part.buckets],
+                )
+                for part in parts
+            ]
+        )
         return parts
 
     def _pool(
@@ -513,26 +594,40 @@ class RedisStore:
         """Forgets the request plans (a reload or a discovered engine limit changed the base
         limits); what is held is kept and re-asserted with the new limits."""
         self._parts.clear()
+        self._plan_ids.clear()
+        self._ledger.clear_plans()
 
     # ---- the local fast path ----------------------------------------------------------------
     def try_admit(self, backend: Any, tenant: Any, priority: str, tokens: int) -> Any | None:
-        """A :class:`StoreHold` taken from this replica's quotas, without Redis, or ``None``
-        when one of them is short (then :meth:`admit`), the lease ran out, or Redis is away.
+        """A hold taken from this replica's quotas, without Redis (an ``int``: its id in the
+        ledger, given back by :meth:`release`), or ``None`` when one of them is short (then
+        :meth:`admit`), the lease ran out, or Redis is away. The decision is the Rust ledger's
+        (:class:`kvgate._core.QuotaLedger`), by the rules of :meth:`_local_picks` and
+        :meth:`_take`.
 
         Args:
             tokens: prompt + reserved completion (tokens).
         """
         if self._breaker.opened_at is not None:
             return None
-        parts = self._plan(backend, tenant, priority)
-        now = time.monotonic()
-        picks: list[tuple[Pool, int]] = []
-        for part in parts:
-            got = self._local_picks(part, tokens, now)
-            if got is None:
-                return None
-            picks.extend(got)
-        return self._take(parts, picks, tokens)
+        key = (backend.id, tenant.id, priority == "sheddable")
+        plan = self._plan_ids.get(key)
+        if plan is None:
+            self._plan(backend, tenant, priority)
+            plan = self._plan_ids[key]
+        return self._ledger.try_admit(plan, tokens, time.monotonic())
+
+    def hold_view(self, hold: Any) -> StoreHold | None:
+        """The pools (with units) and buckets of a hold :meth:`try_admit` gave (an ``int``) as
+        a :class:`StoreHold`, or ``None`` once it was given back; any other hold as it is."""
+        if type(hold) is not int:
+            return hold  # type: ignore[no-any-return]
+        got = self._ledger.hold_parts(hold)
+        if got is None:
+            return None
+        pools = {p._i: p for sc in self.scopes.values() for p in sc.pools.values()}
+        buckets = {b._i: b for sc in self.scopes.values() for b in sc.buckets.values()}
+        return StoreHold([(pools[i], n) for i, n in got[0]], [buckets[i] for i in got[1]])
 
     @staticmethod
     def _local_picks(part: _Part, tokens: int, now: float) -> list[tuple[Pool, int]] | None:
@@ -595,6 +690,9 @@ class RedisStore:
         Args:
             reserved: the tokens reserved at admission; ``actual``: the tokens charged.
         """
+        if type(hold) is int:  # taken by try_admit, in the ledger
+            self._ledger.release(hold, reserved, actual)
+            return
         if type(hold) is not StoreHold:
             return
         for pool, n in hold.pools:
@@ -1185,6 +1283,7 @@ class RedisStore:
                 or (sc.kind == "b" and sc.name in self._props)
             ):
                 self._active.discard(sc)
+                self._ledger.set_active(sc._i, False)  # the next admission re-activates it
                 continue
             sc.hb_due = True
             self._kick(sc)

@@ -1,0 +1,700 @@
+//! A replica's quotas in a store shared by several gateway replicas: the local fast path of
+//! `kvgate.store.redis_store.RedisStore` (its agent, in Python, talks to Redis and sizes the
+//! quotas; this ledger decides the admissions that fit in them, with no Redis call).
+//!
+//! The ledger holds, in flat arrays indexed by small integers:
+//!
+//! * scopes (a tenant or a backend): the lease (`lease_until`, seconds of the monotonic clock
+//!   the caller passes as `now`), the live replicas as Redis last said, an `active` flag;
+//! * pools (slots, or the in-flight token budget, of a scope): `q` units this replica holds
+//!   (its quota), `in_use` units its requests hold, `taken` units taken since the agent last
+//!   read them (demand), `unit` (units of the last request), `near` (the pool is near its
+//!   limit across the replicas), `limit` (effective, as Redis last said; 0 = not known yet) and
+//!   `base` (configured);
+//! * token buckets of a scope: `avail` pre-debited tokens (negative: an overrun not yet
+//!   charged), `taken`, `chunk` (the grant size; 0 = not sized yet), `near`, `burst`;
+//! * plans: for one kind of request (a tenant on a backend, one priority class), the parts it
+//!   takes from: per scope, alternatives of pools (a slot, or its tokens, from the first pool of
+//!   the list with room) and the buckets that pay its tokens.
+//!
+//! [`QuotaLedger::try_admit`] takes a request's units from every part, or nothing: it fails when
+//! a scope's lease ran out, a pool list has no room, or a bucket holds fewer tokens than the
+//! request. What it took is a hold, given back once by [`QuotaLedger::release`] (slots at once;
+//! `reserved - actual` tokens to each bucket: a refund, or an overrun below zero). Both record
+//! the scopes the agent must tell Redis about now ("kicks": a pool under its low-water mark, a
+//! bucket under a third of its grant, anything given back near a limit) and the scopes that
+//! became active, for the agent to read after the call. The rules are those of the agent's
+//! Python code for the same paths (`_take`, `_headroom`, `_first_chunk`, `release`), which the
+//! agent still uses where Redis decides.
+
+/// One scope (a tenant's or a backend's limits) as this replica holds it.
+#[derive(Debug, Clone, Default)]
+pub struct ScopeState {
+    /// Until when (seconds, the caller's monotonic clock) the replica's lease lets it admit
+    /// from its quotas without Redis.
+    pub lease_until: f64,
+    /// Live replicas in the scope as Redis last said (at least 1 when used).
+    pub live: i64,
+    /// Whether the agent knows the scope is active (set by an admission, cleared by the agent).
+    pub active: bool,
+}
+
+/// Field numbers of a pool for [`QuotaLedger::pool_get`] / [`QuotaLedger::pool_set`].
+pub mod pool_field {
+    /// Units this replica holds (its quota).
+    pub const Q: u8 = 0;
+    /// Units its requests hold.
+    pub const IN_USE: u8 = 1;
+    /// Units taken since the agent last reset it (demand).
+    pub const TAKEN: u8 = 2;
+    /// Units of the last request.
+    pub const UNIT: u8 = 3;
+    /// 1 when the pool is near its limit across the replicas, else 0.
+    pub const NEAR: u8 = 4;
+    /// The effective limit as Redis last said (0 = not known yet).
+    pub const LIMIT: u8 = 5;
+    /// The configured limit.
+    pub const BASE: u8 = 6;
+}
+
+/// Field numbers of a bucket for [`QuotaLedger::bucket_get`] / [`QuotaLedger::bucket_set`].
+pub mod bucket_field {
+    /// Pre-debited tokens this replica holds (negative: an overrun not yet charged).
+    pub const AVAIL: u8 = 0;
+    /// Tokens taken since the agent last reset it (demand).
+    pub const TAKEN: u8 = 1;
+    /// The grant size (tokens; 0 = not sized yet).
+    pub const CHUNK: u8 = 2;
+    /// 1 when the global bucket is near empty, else 0.
+    pub const NEAR: u8 = 3;
+    /// The bucket's size (tokens).
+    pub const BURST: u8 = 4;
+}
+
+#[derive(Debug, Clone, Default)]
+struct PoolState {
+    scope: u32,
+    q: i64,
+    in_use: i64,
+    taken: i64,
+    unit: i64,
+    near: bool,
+    limit: i64,
+    base: i64,
+}
+
+#[derive(Debug, Clone, Default)]
+struct BucketState {
+    scope: u32,
+    avail: i64,
+    taken: i64,
+    chunk: i64,
+    near: bool,
+    burst: i64,
+}
+
+/// Pool alternatives of one part: a request takes one unit (a slot) or its tokens (an
+/// in-flight token budget) from the first pool of `pools` with room.
+#[derive(Debug, Clone)]
+pub struct Alternative {
+    /// Takes the request's tokens rather than one unit.
+    pub counts_tokens: bool,
+    /// Pool indices, tried in order.
+    pub pools: Vec<u32>,
+}
+
+/// One scope's share of a request.
+#[derive(Debug, Clone)]
+pub struct Part {
+    /// The scope's index.
+    pub scope: u32,
+    /// Every alternative must find room.
+    pub alts: Vec<Alternative>,
+    /// Buckets paying the request's tokens.
+    pub buckets: Vec<u32>,
+}
+
+/// What a hold took: (pool index, units) pairs and bucket indices.
+pub type HoldParts = (Vec<(u32, i64)>, Vec<u32>);
+
+#[derive(Debug, Default)]
+struct HoldSlot {
+    generation: u32,
+    held: bool,
+    picks: Vec<(u32, i64)>,
+    buckets: Vec<u32>,
+}
+
+/// Why an index or a hold was not accepted.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum LedgerError {
+    /// No scope, pool, bucket or plan with that index, or an unknown field number.
+    BadIndex(&'static str, u64),
+}
+
+impl std::fmt::Display for LedgerError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::BadIndex(what, i) => write!(f, "no {what} {i} in the quota ledger"),
+        }
+    }
+}
+
+impl std::error::Error for LedgerError {}
+
+/// A replica's quotas and the admissions taken from them (see the module docs). Not shared
+/// between threads: one per store agent, used from its event loop.
+#[derive(Debug)]
+pub struct QuotaLedger {
+    scopes: Vec<ScopeState>,
+    pools: Vec<PoolState>,
+    buckets: Vec<BucketState>,
+    plans: Vec<Vec<Part>>,
+    holds: Vec<HoldSlot>,
+    free: Vec<u32>,
+    chunk_fraction: f64,
+    /// Admissions taken by [`Self::try_admit`] (the agent adds its own).
+    pub admissions: i64,
+    kicks: Vec<u32>,
+    activated: Vec<u32>,
+}
+
+impl QuotaLedger {
+    /// An empty ledger; `chunk_fraction` (ratio 0..1) sizes the headroom a replica keeps: that
+    /// fraction of a limit ÷ live replicas.
+    #[must_use]
+    pub fn new(chunk_fraction: f64) -> Self {
+        Self {
+            scopes: Vec::new(),
+            pools: Vec::new(),
+            buckets: Vec::new(),
+            plans: Vec::new(),
+            holds: Vec::new(),
+            free: Vec::new(),
+            chunk_fraction,
+            admissions: 0,
+            kicks: Vec::new(),
+            activated: Vec::new(),
+        }
+    }
+
+    /// Adds a scope (lease expired, one live replica, inactive); returns its index.
+    pub fn add_scope(&mut self) -> u32 {
+        self.scopes.push(ScopeState {
+            lease_until: 0.0,
+            live: 1,
+            active: false,
+        });
+        (self.scopes.len() - 1) as u32
+    }
+
+    /// Adds a pool of `scope` with its configured limit `base` (units); returns its index.
+    ///
+    /// # Errors
+    /// [`LedgerError::BadIndex`] for an unknown scope.
+    pub fn add_pool(&mut self, scope: u32, base: i64) -> Result<u32, LedgerError> {
+        self.scope(scope)?;
+        self.pools.push(PoolState {
+            scope,
+            unit: 1,
+            base,
+            ..PoolState::default()
+        });
+        Ok((self.pools.len() - 1) as u32)
+    }
+
+    /// Adds a token bucket of `scope` of `burst` tokens; returns its index.
+    ///
+    /// # Errors
+    /// [`LedgerError::BadIndex`] for an unknown scope.
+    pub fn add_bucket(&mut self, scope: u32, burst: i64) -> Result<u32, LedgerError> {
+        self.scope(scope)?;
+        self.buckets.push(BucketState {
+            scope,
+            burst,
+            ..BucketState::default()
+        });
+        Ok((self.buckets.len() - 1) as u32)
+    }
+
+    /// Adds a plan (the parts a kind of request takes from); returns its index.
+    ///
+    /// # Errors
+    /// [`LedgerError::BadIndex`] when a part names an unknown scope, pool or bucket.
+    pub fn add_plan(&mut self, parts: Vec<Part>) -> Result<u32, LedgerError> {
+        for part in &parts {
+            self.scope(part.scope)?;
+            for alt in &part.alts {
+                for &p in &alt.pools {
+                    if p as usize >= self.pools.len() {
+                        return Err(LedgerError::BadIndex("pool", u64::from(p)));
+                    }
+                }
+            }
+            for &b in &part.buckets {
+                if b as usize >= self.buckets.len() {
+                    return Err(LedgerError::BadIndex("bucket", u64::from(b)));
+                }
+            }
+        }
+        self.plans.push(parts);
+        Ok((self.plans.len() - 1) as u32)
+    }
+
+    /// Forgets every plan (the base limits changed); pools, buckets and holds stay.
+    pub fn clear_plans(&mut self) {
+        self.plans.clear();
+    }
+
+    /// A scope's state.
+    ///
+    /// # Errors
+    /// [`LedgerError::BadIndex`] for an unknown scope.
+    pub fn scope(&self, i: u32) -> Result<&ScopeState, LedgerError> {
+        self.scopes
+            .get(i as usize)
+            .ok_or(LedgerError::BadIndex("scope", u64::from(i)))
+    }
+
+    /// A scope's state, to change it.
+    ///
+    /// # Errors
+    /// [`LedgerError::BadIndex`] for an unknown scope.
+    pub fn scope_mut(&mut self, i: u32) -> Result<&mut ScopeState, LedgerError> {
+        self.scopes
+            .get_mut(i as usize)
+            .ok_or(LedgerError::BadIndex("scope", u64::from(i)))
+    }
+
+    /// A pool's field ([`pool_field`]).
+    ///
+    /// # Errors
+    /// [`LedgerError::BadIndex`] for an unknown pool or field.
+    pub fn pool_get(&self, i: u32, field: u8) -> Result<i64, LedgerError> {
+        let p = self
+            .pools
+            .get(i as usize)
+            .ok_or(LedgerError::BadIndex("pool", u64::from(i)))?;
+        Ok(match field {
+            pool_field::Q => p.q,
+            pool_field::IN_USE => p.in_use,
+            pool_field::TAKEN => p.taken,
+            pool_field::UNIT => p.unit,
+            pool_field::NEAR => i64::from(p.near),
+            pool_field::LIMIT => p.limit,
+            pool_field::BASE => p.base,
+            _ => return Err(LedgerError::BadIndex("pool field", u64::from(field))),
+        })
+    }
+
+    /// Sets a pool's field ([`pool_field`]; `NEAR`: non-zero = true).
+    ///
+    /// # Errors
+    /// [`LedgerError::BadIndex`] for an unknown pool or field.
+    pub fn pool_set(&mut self, i: u32, field: u8, value: i64) -> Result<(), LedgerError> {
+        let p = self
+            .pools
+            .get_mut(i as usize)
+            .ok_or(LedgerError::BadIndex("pool", u64::from(i)))?;
+        match field {
+            pool_field::Q => p.q = value,
+            pool_field::IN_USE => p.in_use = value,
+            pool_field::TAKEN => p.taken = value,
+            pool_field::UNIT => p.unit = value,
+            pool_field::NEAR => p.near = value != 0,
+            pool_field::LIMIT => p.limit = value,
+            pool_field::BASE => p.base = value,
+            _ => return Err(LedgerError::BadIndex("pool field", u64::from(field))),
+        }
+        Ok(())
+    }
+
+    /// A bucket's field ([`bucket_field`]).
+    ///
+    /// # Errors
+    /// [`LedgerError::BadIndex`] for an unknown bucket or field.
+    pub fn bucket_get(&self, i: u32, field: u8) -> Result<i64, LedgerError> {
+        let b = self
+            .buckets
+            .get(i as usize)
+            .ok_or(LedgerError::BadIndex("bucket", u64::from(i)))?;
+        Ok(match field {
+            bucket_field::AVAIL => b.avail,
+            bucket_field::TAKEN => b.taken,
+            bucket_field::CHUNK => b.chunk,
+            bucket_field::NEAR => i64::from(b.near),
+            bucket_field::BURST => b.burst,
+            _ => return Err(LedgerError::BadIndex("bucket field", u64::from(field))),
+        })
+    }
+
+    /// Sets a bucket's field ([`bucket_field`]; `NEAR`: non-zero = true).
+    ///
+    /// # Errors
+    /// [`LedgerError::BadIndex`] for an unknown bucket or field.
+    pub fn bucket_set(&mut self, i: u32, field: u8, value: i64) -> Result<(), LedgerError> {
+        let b = self
+            .buckets
+            .get_mut(i as usize)
+            .ok_or(LedgerError::BadIndex("bucket", u64::from(i)))?;
+        match field {
+            bucket_field::AVAIL => b.avail = value,
+            bucket_field::TAKEN => b.taken = value,
+            bucket_field::CHUNK => b.chunk = value,
+            bucket_field::NEAR => b.near = value != 0,
+            bucket_field::BURST => b.burst = value,
+            _ => return Err(LedgerError::BadIndex("bucket field", u64::from(field))),
+        }
+        Ok(())
+    }
+
+    /// Units a replica keeps beyond its use in `pool`: `chunk_fraction` of the limit ÷ live
+    /// replicas, within room for two requests of the last size and half of its even share,
+    /// at least one; none near the limit.
+    fn headroom(&self, pool: &PoolState) -> i64 {
+        if pool.near {
+            return 0;
+        }
+        let limit = if pool.limit != 0 {
+            pool.limit
+        } else {
+            pool.base
+        };
+        let live = self.scopes[pool.scope as usize].live.max(1);
+        let share = (self.chunk_fraction * limit as f64 / live as f64) as i64;
+        share
+            .max(2 * pool.unit)
+            .min(limit.div_euclid(2 * live))
+            .max(1)
+    }
+
+    /// The grant size of a bucket before the agent measured its demand: eight requests of
+    /// `tokens`, within `chunk_fraction` of the burst ÷ live replicas, at least one.
+    fn first_chunk(&self, b: &BucketState, tokens: i64) -> i64 {
+        let live = self.scopes[b.scope as usize].live.max(1);
+        let share = (self.chunk_fraction * b.burst as f64 / live as f64) as i64;
+        (8 * tokens).min(share).max(1)
+    }
+
+    fn activate(&mut self, scope: u32) {
+        let s = &mut self.scopes[scope as usize];
+        if !s.active {
+            s.active = true;
+            self.activated.push(scope);
+        }
+    }
+
+    /// Takes `tokens` (prompt + reserved completion) for a request of `plan` from this
+    /// replica's quotas at `now` (seconds, the clock of the leases): a hold id, or `None`
+    /// (nothing taken) when a lease ran out, a pool list has no room or a bucket is short.
+    ///
+    /// # Errors
+    /// [`LedgerError::BadIndex`] for an unknown plan.
+    pub fn try_admit(
+        &mut self,
+        plan: u32,
+        tokens: i64,
+        now: f64,
+    ) -> Result<Option<u64>, LedgerError> {
+        let parts = self
+            .plans
+            .get(plan as usize)
+            .ok_or(LedgerError::BadIndex("plan", u64::from(plan)))?;
+        let slot = if let Some(free) = self.free.pop() {
+            free
+        } else {
+            // generations start at 1: no hold id is 0 (falsy in Python)
+            self.holds.push(HoldSlot {
+                generation: 1,
+                ..HoldSlot::default()
+            });
+            (self.holds.len() - 1) as u32
+        };
+        let mut picks = std::mem::take(&mut self.holds[slot as usize].picks);
+        let mut buckets = std::mem::take(&mut self.holds[slot as usize].buckets);
+        picks.clear();
+        buckets.clear();
+        let mut fits = true;
+        'parts: for part in parts {
+            if now >= self.scopes[part.scope as usize].lease_until {
+                fits = false;
+                break;
+            }
+            for alt in &part.alts {
+                let n = if alt.counts_tokens { tokens } else { 1 };
+                let room = alt.pools.iter().find(|&&p| {
+                    let pool = &self.pools[p as usize];
+                    pool.q - pool.in_use >= n
+                });
+                if let Some(&p) = room {
+                    picks.push((p, n));
+                } else {
+                    fits = false;
+                    break 'parts;
+                }
+            }
+            for &b in &part.buckets {
+                if self.buckets[b as usize].avail < tokens {
+                    fits = false;
+                    break 'parts;
+                }
+            }
+        }
+        if !fits {
+            let h = &mut self.holds[slot as usize];
+            h.picks = picks;
+            h.buckets = buckets;
+            self.free.push(slot);
+            return Ok(None);
+        }
+        self.admissions += 1;
+        for &(p, n) in &picks {
+            let pool = &mut self.pools[p as usize];
+            pool.in_use += n;
+            pool.taken += n;
+            pool.unit = n;
+            let pool = &self.pools[p as usize];
+            if pool.q - pool.in_use < (self.headroom(pool) + 1) / 2 {
+                self.kicks.push(pool.scope);
+            }
+        }
+        let plan_i = plan as usize;
+        for pi in 0..self.plans[plan_i].len() {
+            let scope = self.plans[plan_i][pi].scope;
+            self.activate(scope);
+            for bi in 0..self.plans[plan_i][pi].buckets.len() {
+                let b = self.plans[plan_i][pi].buckets[bi];
+                let chunk = if self.buckets[b as usize].chunk == 0 {
+                    self.first_chunk(&self.buckets[b as usize], tokens)
+                } else {
+                    self.buckets[b as usize].chunk
+                };
+                let bucket = &mut self.buckets[b as usize];
+                bucket.avail -= tokens;
+                bucket.taken += tokens;
+                bucket.chunk = chunk;
+                buckets.push(b);
+                if bucket.avail <= bucket.chunk.div_euclid(3) && !bucket.near {
+                    self.kicks.push(scope);
+                }
+            }
+        }
+        let h = &mut self.holds[slot as usize];
+        h.picks = picks;
+        h.buckets = buckets;
+        h.held = true;
+        Ok(Some(u64::from(h.generation) << 32 | u64::from(slot)))
+    }
+
+    /// Gives back hold `hold`: its units to the pools at once and `reserved - actual` tokens to
+    /// each bucket (tokens; an overrun goes below zero, charged by the agent's next message).
+    /// Returns `false` (and changes nothing) for a hold already given back or unknown.
+    pub fn release(&mut self, hold: u64, reserved: i64, actual: i64) -> bool {
+        let slot = (hold & 0xffff_ffff) as usize;
+        let generation = (hold >> 32) as u32;
+        let Some(h) = self.holds.get_mut(slot) else {
+            return false;
+        };
+        if !h.held || h.generation != generation {
+            return false;
+        }
+        h.held = false;
+        h.generation = h.generation.wrapping_add(1).max(1);
+        let picks = std::mem::take(&mut h.picks);
+        let buckets = std::mem::take(&mut h.buckets);
+        for &(p, n) in &picks {
+            let pool = &mut self.pools[p as usize];
+            pool.in_use = (pool.in_use - n).max(0);
+            if pool.near {
+                self.kicks.push(pool.scope);
+            }
+        }
+        let diff = reserved - actual;
+        for &b in &buckets {
+            let bucket = &mut self.buckets[b as usize];
+            bucket.avail += diff;
+            if diff < 0 || bucket.near {
+                self.kicks.push(bucket.scope);
+            }
+        }
+        let h = &mut self.holds[slot];
+        h.picks = picks;
+        h.buckets = buckets;
+        self.free.push(slot as u32);
+        true
+    }
+
+    /// The units (pool index, units) and buckets of a hold not yet given back.
+    #[must_use]
+    pub fn hold_parts(&self, hold: u64) -> Option<HoldParts> {
+        let h = self.holds.get((hold & 0xffff_ffff) as usize)?;
+        (h.held && h.generation == (hold >> 32) as u32)
+            .then(|| (h.picks.clone(), h.buckets.clone()))
+    }
+
+    /// Whether the last calls left scopes to kick or newly active scopes to read.
+    #[must_use]
+    pub fn has_events(&self) -> bool {
+        !self.kicks.is_empty() || !self.activated.is_empty()
+    }
+
+    /// The scopes to tell Redis about now, in order (a scope may repeat), since the last call.
+    pub fn take_kicks(&mut self) -> Vec<u32> {
+        std::mem::take(&mut self.kicks)
+    }
+
+    /// The scopes that became active since the last call.
+    pub fn take_activated(&mut self) -> Vec<u32> {
+        std::mem::take(&mut self.activated)
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::many_single_char_names)]
+mod tests {
+    use super::*;
+
+    fn one_scope(q: i64, avail: i64) -> (QuotaLedger, u32, u32, u32, u32) {
+        let mut l = QuotaLedger::new(0.01);
+        let s = l.add_scope();
+        l.scope_mut(s).unwrap().lease_until = 100.0;
+        let p = l.add_pool(s, 10).unwrap();
+        l.pool_set(p, pool_field::Q, q).unwrap();
+        let b = l.add_bucket(s, 1000).unwrap();
+        l.bucket_set(b, bucket_field::AVAIL, avail).unwrap();
+        let plan = l
+            .add_plan(vec![Part {
+                scope: s,
+                alts: vec![Alternative {
+                    counts_tokens: false,
+                    pools: vec![p],
+                }],
+                buckets: vec![b],
+            }])
+            .unwrap();
+        (l, s, p, b, plan)
+    }
+
+    #[test]
+    fn admits_within_the_quota_and_gives_back_once() {
+        let (mut l, s, p, b, plan) = one_scope(2, 300);
+        let h1 = l.try_admit(plan, 100, 1.0).unwrap().unwrap();
+        let h2 = l.try_admit(plan, 100, 1.0).unwrap().unwrap();
+        assert!(h1 != 0 && h2 != 0, "no hold id is 0");
+        assert_eq!(l.try_admit(plan, 100, 1.0).unwrap(), None, "no third slot");
+        assert_eq!(l.pool_get(p, pool_field::IN_USE).unwrap(), 2);
+        assert_eq!(l.bucket_get(b, bucket_field::AVAIL).unwrap(), 100);
+        assert_eq!(l.take_activated(), vec![s]);
+        assert!(l.release(h1, 100, 40));
+        assert!(!l.release(h1, 100, 40), "a hold is given back once");
+        assert_eq!(l.pool_get(p, pool_field::IN_USE).unwrap(), 1);
+        assert_eq!(l.bucket_get(b, bucket_field::AVAIL).unwrap(), 160);
+        // an overrun goes below what was reserved and asks for a message at once
+        l.take_kicks();
+        assert!(l.release(h2, 100, 300));
+        assert_eq!(l.bucket_get(b, bucket_field::AVAIL).unwrap(), -40);
+        assert_eq!(l.take_kicks(), vec![s]);
+        assert_eq!(l.admissions, 2);
+    }
+
+    #[test]
+    fn nothing_is_taken_when_any_part_is_short() {
+        let (mut l, _s, p, b, plan) = one_scope(5, 50);
+        assert_eq!(l.try_admit(plan, 100, 1.0).unwrap(), None, "bucket short");
+        assert_eq!(l.pool_get(p, pool_field::IN_USE).unwrap(), 0);
+        assert_eq!(l.bucket_get(b, bucket_field::AVAIL).unwrap(), 50);
+        assert_eq!(l.try_admit(plan, 10, 200.0).unwrap(), None, "lease ran out");
+        assert_eq!(l.admissions, 0);
+    }
+
+    #[test]
+    fn a_stale_hold_id_releases_nothing() {
+        let (mut l, _s, p, _b, plan) = one_scope(1, 1000);
+        let h = l.try_admit(plan, 1, 1.0).unwrap().unwrap();
+        assert!(l.release(h, 1, 1));
+        // the slot is reused by the next hold: the old id must not free it
+        let h2 = l.try_admit(plan, 1, 1.0).unwrap().unwrap();
+        assert_ne!(h, h2);
+        assert!(!l.release(h, 1, 1));
+        assert_eq!(l.pool_get(p, pool_field::IN_USE).unwrap(), 1);
+        assert!(l.release(h2, 1, 1));
+        assert!(!l.release(u64::MAX, 1, 1));
+    }
+
+    #[test]
+    fn first_pool_with_room_and_low_water_kick() {
+        let mut l = QuotaLedger::new(0.0);
+        let s = l.add_scope();
+        l.scope_mut(s).unwrap().lease_until = 10.0;
+        let g = l.add_pool(s, 100).unwrap();
+        let burst = l.add_pool(s, 100).unwrap();
+        l.pool_set(g, pool_field::Q, 1).unwrap();
+        l.pool_set(burst, pool_field::Q, 3).unwrap();
+        let plan = l
+            .add_plan(vec![Part {
+                scope: s,
+                alts: vec![Alternative {
+                    counts_tokens: false,
+                    pools: vec![g, burst],
+                }],
+                buckets: vec![],
+            }])
+            .unwrap();
+        l.try_admit(plan, 5, 0.0).unwrap().unwrap();
+        assert_eq!(l.pool_get(g, pool_field::IN_USE).unwrap(), 1);
+        // headroom 2 (two requests of one unit) → low-water mark 1: q - in_use = 0 < 1
+        assert_eq!(l.take_kicks(), vec![s]);
+        l.try_admit(plan, 5, 0.0).unwrap().unwrap();
+        assert_eq!(l.pool_get(burst, pool_field::IN_USE).unwrap(), 1);
+        assert!(l.take_kicks().is_empty(), "2 left of 3: above the mark");
+    }
+
+    #[test]
+    fn tokens_alternative_and_first_chunk() {
+        let mut l = QuotaLedger::new(0.5);
+        let s = l.add_scope();
+        l.scope_mut(s).unwrap().lease_until = 10.0;
+        let inflight = l.add_pool(s, 1_000_000).unwrap();
+        l.pool_set(inflight, pool_field::Q, 1000).unwrap();
+        let b = l.add_bucket(s, 10_000).unwrap();
+        l.bucket_set(b, bucket_field::AVAIL, 5000).unwrap();
+        let plan = l
+            .add_plan(vec![Part {
+                scope: s,
+                alts: vec![Alternative {
+                    counts_tokens: true,
+                    pools: vec![inflight],
+                }],
+                buckets: vec![b],
+            }])
+            .unwrap();
+        let h = l.try_admit(plan, 400, 0.0).unwrap().unwrap();
+        assert_eq!(l.pool_get(inflight, pool_field::IN_USE).unwrap(), 400);
+        assert_eq!(l.pool_get(inflight, pool_field::UNIT).unwrap(), 400);
+        // eight requests of 400 = 3,200 within half of the burst (5,000)
+        assert_eq!(l.bucket_get(b, bucket_field::CHUNK).unwrap(), 3200);
+        assert_eq!(l.hold_parts(h), Some((vec![(inflight, 400)], vec![b])));
+        assert!(l.try_admit(plan, 700, 0.0).unwrap().is_none(), "600 left");
+    }
+
+    #[test]
+    fn bad_indices_are_errors() {
+        let mut l = QuotaLedger::new(0.01);
+        assert!(l.add_pool(3, 1).is_err());
+        assert!(l.try_admit(0, 1, 0.0).is_err());
+        let s = l.add_scope();
+        assert!(l
+            .add_plan(vec![Part {
+                scope: s,
+                alts: vec![Alternative {
+                    counts_tokens: false,
+                    pools: vec![9]
+                }],
+                buckets: vec![]
+            }])
+            .is_err());
+        assert!(l.pool_get(0, 0).is_err());
+        let p = l.add_pool(s, 1).unwrap();
+        assert!(l.pool_get(p, 99).is_err());
+    }
+}
