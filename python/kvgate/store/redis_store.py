@@ -68,36 +68,19 @@ _Q, _IN_USE, _P_TAKEN, _UNIT, _P_NEAR, _LIMIT, _BASE = range(7)
 _AVAIL, _B_TAKEN, _CHUNK, _B_NEAR, _BURST = range(5)
 
 
-def _pool_field(n: int, doc: str) -> Any:
-    return property(
-        lambda self: self._l.pool_get(self._i, n),
-        lambda self, v: self._l.pool_set(self._i, n, int(v)),
-        doc=doc,
-    )
+def _ledger_field(kind: str, n: int, doc: str, flag: bool = False) -> Any:
+    """A property reading and writing field ``n`` of this object's entry in the ledger
+    (``kind``: ``pool`` or ``bucket``); a ``flag`` reads as a bool."""
+    get_name, set_name = kind + "_get", kind + "_set"
 
+    def get(self: Any) -> Any:
+        value = getattr(self._l, get_name)(self._i, n)
+        return bool(value) if flag else value
 
-def _pool_flag(n: int, doc: str) -> Any:
-    return property(
-        lambda self: bool(self._l.pool_get(self._i, n)),
-        lambda self, v: self._l.pool_set(self._i, n, 1 if v else 0),
-        doc=doc,
-    )
+    def put(self: Any, value: Any) -> None:
+        getattr(self._l, set_name)(self._i, n, (1 if value else 0) if flag else int(value))
 
-
-def _bucket_field(n: int, doc: str) -> Any:
-    return property(
-        lambda self: self._l.bucket_get(self._i, n),
-        lambda self, v: self._l.bucket_set(self._i, n, int(v)),
-        doc=doc,
-    )
-
-
-def _bucket_flag(n: int, doc: str) -> Any:
-    return property(
-        lambda self: bool(self._l.bucket_get(self._i, n)),
-        lambda self, v: self._l.bucket_set(self._i, n, 1 if v else 0),
-        doc=doc,
-    )
+    return property(get, put, doc=doc)
 
 
 #: seconds a scope's state surely outlives its last reply (``kvgate.lua`` keeps it 180 s + 4
@@ -145,13 +128,17 @@ class Pool:
 
     __slots__ = ("_i", "_l", "alloc", "g", "gs", "kind", "limit_name", "name", "rq", "scope")
 
-    q = _pool_field(_Q, "units this replica holds (its quota)")
-    in_use = _pool_field(_IN_USE, "units its requests hold")
-    taken = _pool_field(_P_TAKEN, "units taken since the last heartbeat (demand)")
-    unit = _pool_field(_UNIT, "units of the last request (tokens for an in-flight token budget)")
-    near = _pool_flag(_P_NEAR, "less than near_fraction of the limit is free")
-    limit = _pool_field(_LIMIT, "the effective limit as Redis last said")
-    base = _pool_field(_BASE, "the configured limit")
+    q = _ledger_field("pool", _Q, "units this replica holds (its quota)")
+    in_use = _ledger_field("pool", _IN_USE, "units its requests hold")
+    taken = _ledger_field("pool", _P_TAKEN, "units taken since the last heartbeat (demand)")
+    unit = _ledger_field(
+        "pool", _UNIT, "units of the last request (tokens for an in-flight token budget)"
+    )
+    near = _ledger_field(
+        "pool", _P_NEAR, flag=True, doc="less than near_fraction of the limit is free"
+    )
+    limit = _ledger_field("pool", _LIMIT, "the effective limit as Redis last said")
+    base = _ledger_field("pool", _BASE, "the configured limit")
 
     def __init__(
         self,
@@ -207,11 +194,18 @@ class Bucket:
         "scope",
     )
 
-    avail = _bucket_field(_AVAIL, "pre-debited tokens this replica holds (negative: an overrun)")
-    taken = _bucket_field(_B_TAKEN, "tokens taken since the last heartbeat (demand)")
-    chunk = _bucket_field(_CHUNK, "the grant size (tokens; 0 = not sized yet)")
-    near = _bucket_flag(_B_NEAR, "the global bucket holds less than near_fraction of its burst")
-    burst = _bucket_field(_BURST, "the bucket's size (tokens)")
+    avail = _ledger_field(
+        "bucket", _AVAIL, "pre-debited tokens this replica holds (negative: an overrun)"
+    )
+    taken = _ledger_field("bucket", _B_TAKEN, "tokens taken since the last heartbeat (demand)")
+    chunk = _ledger_field("bucket", _CHUNK, "the grant size (tokens; 0 = not sized yet)")
+    near = _ledger_field(
+        "bucket",
+        _B_NEAR,
+        flag=True,
+        doc="the global bucket holds less than near_fraction of its burst",
+    )
+    burst = _ledger_field("bucket", _BURST, "the bucket's size (tokens)")
 
     def __init__(
         self, scope: Scope, name: str, limit_name: str, rate: int, burst: int, scaled: bool
