@@ -1052,10 +1052,15 @@ class QuotaLedger:
         """A new pool of ``scope`` with its configured limit ``base`` (units); its index."""
     def add_bucket(self, scope: int, burst: int) -> int:
         """A new token bucket of ``scope`` of ``burst`` tokens; its index."""
-    def add_plan(self, parts: list[tuple[int, list[tuple[bool, list[int]]], list[int]]]) -> int:
+    def add_plan(
+        self,
+        parts: list[tuple[int, list[tuple[bool, list[int]]], list[int]]],
+        key: int | None = None,
+    ) -> int:
         """A plan: per part ``(scope, [(counts_tokens, [pool, ...]), ...], [bucket, ...])``: a
         request takes one unit (or its tokens when ``counts_tokens``) from the first pool of
-        each list with room, and its tokens from each bucket; its index."""
+        each list with room, and its tokens from each bucket; its index. With ``key`` (an
+        integer ≥ 0) :meth:`try_admit_key` finds it too."""
     def clear_plans(self) -> None:
         """Forgets every plan (the base limits changed); pools, buckets and holds stay."""
     def pool_get(self, pool: int, field: int) -> int:
@@ -1080,6 +1085,9 @@ class QuotaLedger:
         """Takes ``tokens`` (prompt + reserved completion) for a request of ``plan`` at ``now``
         (seconds): a hold id (never 0), or ``None`` with nothing taken when a scope's lease ran
         out, a pool list has no room, or a bucket holds fewer tokens."""
+    def try_admit_key(self, key: int, tokens: int, now: float) -> int | None:
+        """:meth:`try_admit` for the plan added with ``key``. Raises ``KeyError`` when no plan
+        has that key (since the last :meth:`clear_plans`)."""
     def release(self, hold: int, reserved: int, actual: int) -> bool:
         """Gives a hold back: its units to the pools, ``reserved - actual`` tokens to each
         bucket (an overrun goes below zero). ``False`` (nothing changed) for a hold already

@@ -1,6 +1,6 @@
 //! pyo3 binding of the store's quota ledger (`rust/src/quota_ledger.rs`): `QuotaLedger`.
 
-use pyo3::exceptions::PyValueError;
+use pyo3::exceptions::{PyKeyError, PyValueError};
 use pyo3::prelude::*;
 
 use crate::quota_ledger::{Alternative, HoldParts, LedgerError, Part, QuotaLedger};
@@ -87,7 +87,8 @@ impl PyQuotaLedger {
         self.inner.add_bucket(scope, burst).map_err(err)
     }
 
-    fn add_plan(&mut self, parts: Vec<PartSpec>) -> PyResult<u32> {
+    #[pyo3(signature = (parts, key=None))]
+    fn add_plan(&mut self, parts: Vec<PartSpec>, key: Option<u64>) -> PyResult<u32> {
         let parts = parts
             .into_iter()
             .map(|(scope, alts, buckets)| Part {
@@ -101,8 +102,8 @@ impl PyQuotaLedger {
                     .collect(),
                 buckets,
             })
-            .collect();
-        self.inner.add_plan(parts).map_err(err)
+            .collect::<Vec<_>>();
+        self.inner.add_plan(&parts, key).map_err(err)
     }
 
     fn clear_plans(&mut self) {
@@ -154,6 +155,21 @@ impl PyQuotaLedger {
             .inner
             .try_admit(plan, tokens, now)
             .map_err(err)?;
+        Self::dispatch(slf)?;
+        Ok(got)
+    }
+
+    fn try_admit_key(
+        slf: &Bound<'_, Self>,
+        key: u64,
+        tokens: i64,
+        now: f64,
+    ) -> PyResult<Option<u64>> {
+        let got = match slf.borrow_mut().inner.try_admit_key(key, tokens, now) {
+            Ok(got) => got,
+            Err(LedgerError::NoPlan(key)) => return Err(PyKeyError::new_err(key)),
+            Err(e) => return Err(err(e)),
+        };
         Self::dispatch(slf)?;
         Ok(got)
     }

@@ -27,6 +27,8 @@
 //! Python code for the same paths (`_take`, `_headroom`, `_first_chunk`, `release`), which the
 //! agent still uses where Redis decides.
 
+use std::collections::HashMap;
+
 /// One scope (a tenant's or a backend's limits) as this replica holds it.
 #[derive(Debug, Clone, Default)]
 pub struct ScopeState {
@@ -130,12 +132,15 @@ struct HoldSlot {
 pub enum LedgerError {
     /// No scope, pool, bucket or plan with that index, or an unknown field number.
     BadIndex(&'static str, u64),
+    /// No plan with that key.
+    NoPlan(u64),
 }
 
 impl std::fmt::Display for LedgerError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             Self::BadIndex(what, i) => write!(f, "no {what} {i} in the quota ledger"),
+            Self::NoPlan(key) => write!(f, "no plan with key {key} in the quota ledger"),
         }
     }
 }
@@ -149,7 +154,13 @@ pub struct QuotaLedger {
     scopes: Vec<ScopeState>,
     pools: Vec<PoolState>,
     buckets: Vec<BucketState>,
-    plans: Vec<Vec<Part>>,
+    /// Every plan, encoded one after the other: `[parts, (scope, alternatives, (counts
+    /// tokens, pools, pool...)..., buckets, bucket...)...]` (one contiguous read per request).
+    code: Vec<u32>,
+    /// Where each plan starts in `code`, by plan index.
+    plans: Vec<u32>,
+    /// Where each keyed plan starts in `code`, by key.
+    by_key: HashMap<u64, u32>,
     holds: Vec<HoldSlot>,
     free: Vec<u32>,
     chunk_fraction: f64,
@@ -168,7 +179,9 @@ impl QuotaLedger {
             scopes: Vec::new(),
             pools: Vec::new(),
             buckets: Vec::new(),
+            code: Vec::new(),
             plans: Vec::new(),
+            by_key: HashMap::new(),
             holds: Vec::new(),
             free: Vec::new(),
             chunk_fraction,
@@ -217,12 +230,13 @@ impl QuotaLedger {
         Ok((self.buckets.len() - 1) as u32)
     }
 
-    /// Adds a plan (the parts a kind of request takes from); returns its index.
+    /// Adds a plan (the parts a kind of request takes from), found again by its index (the
+    /// result) and, with a `key`, by [`Self::try_admit_key`].
     ///
     /// # Errors
     /// [`LedgerError::BadIndex`] when a part names an unknown scope, pool or bucket.
-    pub fn add_plan(&mut self, parts: Vec<Part>) -> Result<u32, LedgerError> {
-        for part in &parts {
+    pub fn add_plan(&mut self, parts: &[Part], key: Option<u64>) -> Result<u32, LedgerError> {
+        for part in parts {
             self.scope(part.scope)?;
             for alt in &part.alts {
                 for &p in &alt.pools {
@@ -237,13 +251,31 @@ impl QuotaLedger {
                 }
             }
         }
-        self.plans.push(parts);
+        let start = self.code.len() as u32;
+        self.code.push(parts.len() as u32);
+        for part in parts {
+            self.code.push(part.scope);
+            self.code.push(part.alts.len() as u32);
+            for alt in &part.alts {
+                self.code.push(u32::from(alt.counts_tokens));
+                self.code.push(alt.pools.len() as u32);
+                self.code.extend_from_slice(&alt.pools);
+            }
+            self.code.push(part.buckets.len() as u32);
+            self.code.extend_from_slice(&part.buckets);
+        }
+        self.plans.push(start);
+        if let Some(key) = key {
+            self.by_key.insert(key, start);
+        }
         Ok((self.plans.len() - 1) as u32)
     }
 
     /// Forgets every plan (the base limits changed); pools, buckets and holds stay.
     pub fn clear_plans(&mut self) {
+        self.code.clear();
         self.plans.clear();
+        self.by_key.clear();
     }
 
     /// A scope's state.
@@ -396,10 +428,37 @@ impl QuotaLedger {
         tokens: i64,
         now: f64,
     ) -> Result<Option<u64>, LedgerError> {
-        let parts = self
+        let start = *self
             .plans
             .get(plan as usize)
             .ok_or(LedgerError::BadIndex("plan", u64::from(plan)))?;
+        Ok(self.admit_at(start as usize, tokens, now))
+    }
+
+    /// [`Self::try_admit`] for the plan added with `key`.
+    ///
+    /// # Errors
+    /// [`LedgerError::NoPlan`] when no plan has that key (since the last
+    /// [`Self::clear_plans`]).
+    pub fn try_admit_key(
+        &mut self,
+        key: u64,
+        tokens: i64,
+        now: f64,
+    ) -> Result<Option<u64>, LedgerError> {
+        let start = *self.by_key.get(&key).ok_or(LedgerError::NoPlan(key))?;
+        Ok(self.admit_at(start as usize, tokens, now))
+    }
+
+    fn admit_at(&mut self, start: usize, tokens: i64, now: f64) -> Option<u64> {
+        // the plan's code is read while the pools and buckets change: moved out meanwhile
+        let code = std::mem::take(&mut self.code);
+        let got = self.admit_code(&code, start, tokens, now);
+        self.code = code;
+        got
+    }
+
+    fn admit_code(&mut self, code: &[u32], start: usize, tokens: i64, now: f64) -> Option<u64> {
         let slot = if let Some(free) = self.free.pop() {
             free
         } else {
@@ -415,14 +474,21 @@ impl QuotaLedger {
         picks.clear();
         buckets.clear();
         let mut fits = true;
-        'parts: for part in parts {
-            if now >= self.scopes[part.scope as usize].lease_until {
+        let mut i = start + 1;
+        'parts: for _ in 0..code[start] {
+            let scope = code[i] as usize;
+            if now >= self.scopes[scope].lease_until {
                 fits = false;
                 break;
             }
-            for alt in &part.alts {
-                let n = if alt.counts_tokens { tokens } else { 1 };
-                let room = alt.pools.iter().find(|&&p| {
+            let alts = code[i + 1];
+            i += 2;
+            for _ in 0..alts {
+                let n = if code[i] != 0 { tokens } else { 1 };
+                let count = code[i + 1] as usize;
+                let pools = &code[i + 2..i + 2 + count];
+                i += 2 + count;
+                let room = pools.iter().find(|&&p| {
                     let pool = &self.pools[p as usize];
                     pool.q - pool.in_use >= n
                 });
@@ -433,19 +499,21 @@ impl QuotaLedger {
                     break 'parts;
                 }
             }
-            for &b in &part.buckets {
+            let count = code[i] as usize;
+            for &b in &code[i + 1..i + 1 + count] {
                 if self.buckets[b as usize].avail < tokens {
                     fits = false;
                     break 'parts;
                 }
             }
+            i += 1 + count;
         }
         if !fits {
             let h = &mut self.holds[slot as usize];
             h.picks = picks;
             h.buckets = buckets;
             self.free.push(slot);
-            return Ok(None);
+            return None;
         }
         self.admissions += 1;
         for &(p, n) in &picks {
@@ -458,12 +526,17 @@ impl QuotaLedger {
                 self.kicks.push(pool.scope);
             }
         }
-        let plan_i = plan as usize;
-        for pi in 0..self.plans[plan_i].len() {
-            let scope = self.plans[plan_i][pi].scope;
+        let mut i = start + 1;
+        for _ in 0..code[start] {
+            let scope = code[i];
             self.activate(scope);
-            for bi in 0..self.plans[plan_i][pi].buckets.len() {
-                let b = self.plans[plan_i][pi].buckets[bi];
+            let alts = code[i + 1];
+            i += 2;
+            for _ in 0..alts {
+                i += 2 + code[i + 1] as usize;
+            }
+            let count = code[i] as usize;
+            for &b in &code[i + 1..i + 1 + count] {
                 let chunk = if self.buckets[b as usize].chunk == 0 {
                     self.first_chunk(&self.buckets[b as usize], tokens)
                 } else {
@@ -478,12 +551,13 @@ impl QuotaLedger {
                     self.kicks.push(scope);
                 }
             }
+            i += 1 + count;
         }
         let h = &mut self.holds[slot as usize];
         h.picks = picks;
         h.buckets = buckets;
         h.held = true;
-        Ok(Some(u64::from(h.generation) << 32 | u64::from(slot)))
+        Some(u64::from(h.generation) << 32 | u64::from(slot))
     }
 
     /// Gives back hold `hold`: its units to the pools at once and `reserved - actual` tokens to
@@ -563,14 +637,17 @@ mod tests {
         let b = l.add_bucket(s, 1000).unwrap();
         l.bucket_set(b, bucket_field::AVAIL, avail).unwrap();
         let plan = l
-            .add_plan(vec![Part {
-                scope: s,
-                alts: vec![Alternative {
-                    counts_tokens: false,
-                    pools: vec![p],
+            .add_plan(
+                &[Part {
+                    scope: s,
+                    alts: vec![Alternative {
+                        counts_tokens: false,
+                        pools: vec![p],
+                    }],
+                    buckets: vec![b],
                 }],
-                buckets: vec![b],
-            }])
+                None,
+            )
             .unwrap();
         (l, s, p, b, plan)
     }
@@ -631,14 +708,17 @@ mod tests {
         l.pool_set(g, pool_field::Q, 1).unwrap();
         l.pool_set(burst, pool_field::Q, 3).unwrap();
         let plan = l
-            .add_plan(vec![Part {
-                scope: s,
-                alts: vec![Alternative {
-                    counts_tokens: false,
-                    pools: vec![g, burst],
+            .add_plan(
+                &[Part {
+                    scope: s,
+                    alts: vec![Alternative {
+                        counts_tokens: false,
+                        pools: vec![g, burst],
+                    }],
+                    buckets: vec![],
                 }],
-                buckets: vec![],
-            }])
+                None,
+            )
             .unwrap();
         l.try_admit(plan, 5, 0.0).unwrap().unwrap();
         assert_eq!(l.pool_get(g, pool_field::IN_USE).unwrap(), 1);
@@ -659,14 +739,17 @@ mod tests {
         let b = l.add_bucket(s, 10_000).unwrap();
         l.bucket_set(b, bucket_field::AVAIL, 5000).unwrap();
         let plan = l
-            .add_plan(vec![Part {
-                scope: s,
-                alts: vec![Alternative {
-                    counts_tokens: true,
-                    pools: vec![inflight],
+            .add_plan(
+                &[Part {
+                    scope: s,
+                    alts: vec![Alternative {
+                        counts_tokens: true,
+                        pools: vec![inflight],
+                    }],
+                    buckets: vec![b],
                 }],
-                buckets: vec![b],
-            }])
+                None,
+            )
             .unwrap();
         let h = l.try_admit(plan, 400, 0.0).unwrap().unwrap();
         assert_eq!(l.pool_get(inflight, pool_field::IN_USE).unwrap(), 400);
@@ -678,20 +761,49 @@ mod tests {
     }
 
     #[test]
+    fn keyed_plans_until_cleared() {
+        let mut l = QuotaLedger::new(0.01);
+        let s = l.add_scope();
+        l.scope_mut(s).unwrap().lease_until = 10.0;
+        let p = l.add_pool(s, 10).unwrap();
+        l.pool_set(p, pool_field::Q, 5).unwrap();
+        let part = |pool| Part {
+            scope: s,
+            alts: vec![Alternative {
+                counts_tokens: false,
+                pools: vec![pool],
+            }],
+            buckets: vec![],
+        };
+        assert_eq!(l.try_admit_key(7, 1, 0.0), Err(LedgerError::NoPlan(7)));
+        l.add_plan(&[part(p)], Some(7)).unwrap();
+        let h = l.try_admit_key(7, 1, 0.0).unwrap().unwrap();
+        assert_eq!(l.pool_get(p, pool_field::IN_USE).unwrap(), 1);
+        l.clear_plans();
+        assert_eq!(l.try_admit_key(7, 1, 0.0), Err(LedgerError::NoPlan(7)));
+        // a hold outlives the plans it came from
+        assert!(l.release(h, 1, 1));
+        assert_eq!(l.pool_get(p, pool_field::IN_USE).unwrap(), 0);
+    }
+
+    #[test]
     fn bad_indices_are_errors() {
         let mut l = QuotaLedger::new(0.01);
         assert!(l.add_pool(3, 1).is_err());
         assert!(l.try_admit(0, 1, 0.0).is_err());
         let s = l.add_scope();
         assert!(l
-            .add_plan(vec![Part {
-                scope: s,
-                alts: vec![Alternative {
-                    counts_tokens: false,
-                    pools: vec![9]
+            .add_plan(
+                &[Part {
+                    scope: s,
+                    alts: vec![Alternative {
+                        counts_tokens: false,
+                        pools: vec![9]
+                    }],
+                    buckets: vec![]
                 }],
-                buckets: vec![]
-            }])
+                None
+            )
             .is_err());
         assert!(l.pool_get(0, 0).is_err());
         let p = l.add_pool(s, 1).unwrap();

@@ -88,6 +88,11 @@ def _ledger_field(kind: str, n: int, doc: str, flag: bool = False) -> Any:
 STATE_KEPT_S = 170.0
 
 
+def _plan_key(backend: int, tenant: int, sheddable: bool) -> int:
+    """The ledger's key of the request plan of ``tenant`` on ``backend`` (core ids)."""
+    return backend << 33 | tenant << 1 | sheddable
+
+
 def scope_key(prefix: str, kind: str, name: str) -> str:
     """The hash-tagged key of a scope: ``{<prefix>:<t|b>:<name>}`` (every key of a scope hashes
     to the same Redis Cluster slot)."""
@@ -396,7 +401,6 @@ class RedisStore:
             config.chunk_fraction, on_kick=self._kick_at, on_active=self._active_at
         )
         self._scope_at: list[Scope] = []
-        self._plan_ids: dict[tuple[int, int, bool], int] = {}
         self._breaker = _Breaker(config.breaker_failures)
         self._ttl = config.ttl_s
         self._deadline = config.deadline_ms / 1000.0
@@ -552,7 +556,7 @@ class RedisStore:
             )
         parts.append(_Part(sc, alts, buckets))
         self._parts[key] = parts
-        self._plan_ids[key] = self._ledger.add_plan(
+        self._ledger.add_plan(
             [
                 (
                     part.scope._i,
@@ -560,7 +564,8 @@ class RedisStore:
                     [b._i for b in part.buckets],
                 )
                 for part in parts
-            ]
+            ],
+            _plan_key(backend.id, tenant.id, sheddable),
         )
         return parts
 
@@ -588,7 +593,6 @@ class RedisStore:
         """Forgets the request plans (a reload or a discovered engine limit changed the base
         limits); what is held is kept and re-asserted with the new limits."""
         self._parts.clear()
-        self._plan_ids.clear()
         self._ledger.clear_plans()
 
     # ---- the local fast path ----------------------------------------------------------------
@@ -604,12 +608,12 @@ class RedisStore:
         """
         if self._breaker.opened_at is not None:
             return None
-        key = (backend.id, tenant.id, priority == "sheddable")
-        plan = self._plan_ids.get(key)
-        if plan is None:
+        key = _plan_key(backend.id, tenant.id, priority == "sheddable")
+        try:
+            return self._ledger.try_admit_key(key, tokens, time.monotonic())
+        except KeyError:  # the first request of its kind since the start or a reload
             self._plan(backend, tenant, priority)
-            plan = self._plan_ids[key]
-        return self._ledger.try_admit(plan, tokens, time.monotonic())
+            return self._ledger.try_admit_key(key, tokens, time.monotonic())
 
     def hold_view(self, hold: Any) -> StoreHold | None:
         """The pools (with units) and buckets of a hold :meth:`try_admit` gave (an ``int``) as
@@ -742,7 +746,10 @@ class RedisStore:
         try:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(self._deadline):
-                    answers = list(await asyncio.gather(*(a.future for a in waits)))
+                    if len(waits) == 1:  # the usual case: one scope near its limit
+                        answers = [await waits[0].future]
+                    else:
+                        answers = list(await asyncio.gather(*(a.future for a in waits)))
         except asyncio.CancelledError:
             # the caller went away (its client disconnected) while Redis decided: what was
             # taken here goes back now, what Redis admits later becomes quota (_apply)
