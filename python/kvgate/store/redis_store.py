@@ -401,6 +401,8 @@ class RedisStore:
             config.chunk_fraction, on_kick=self._kick_at, on_active=self._active_at
         )
         self._scope_at: list[Scope] = []
+        self._pool_at: list[Pool] = []
+        self._bucket_at: list[Bucket] = []
         self._breaker = _Breaker(config.breaker_failures)
         self._ttl = config.ttl_s
         self._deadline = config.deadline_ms / 1000.0
@@ -575,6 +577,7 @@ class RedisStore:
         pool = sc.pools.get(name)
         if pool is None:
             pool = sc.pools[name] = Pool(sc, name, limit_name, kind, base, g, gs)
+            self._pool_at.append(pool)
         else:  # a reload changed the limit: keep what is held
             pool.base, pool.g, pool.gs = base, g, gs
         return pool
@@ -585,6 +588,7 @@ class RedisStore:
         b = sc.buckets.get(name)
         if b is None:
             b = sc.buckets[name] = Bucket(sc, name, limit_name, rate, burst, scaled)
+            self._bucket_at.append(b)
         else:
             b.rate, b.burst, b.scaled = rate, burst, scaled
         return b
@@ -623,9 +627,9 @@ class RedisStore:
         got = self._ledger.hold_parts(hold)
         if got is None:
             return None
-        pools = {p._i: p for sc in self.scopes.values() for p in sc.pools.values()}
-        buckets = {b._i: b for sc in self.scopes.values() for b in sc.buckets.values()}
-        return StoreHold([(pools[i], n) for i, n in got[0]], [buckets[i] for i in got[1]])
+        return StoreHold(
+            [(self._pool_at[i], n) for i, n in got[0]], [self._bucket_at[i] for i in got[1]]
+        )
 
     @staticmethod
     def _local_picks(part: _Part, tokens: int, now: float) -> list[tuple[Pool, int]] | None:
