@@ -1220,6 +1220,13 @@ Gateway notes (found with this benchmark):
    lowered only by what the engine holds beyond kvgate's own requests (its external KV
    occupancy), so (d) runs with the article's watermarks ({high:g} / {low:g}) and the previous
    0.95 / 0.85 is a variant.
+3. Changed — the scale used to bind every class alike: between the watermarks it held the
+   standard documents in kvgate's queue (and shedding, once on, kept them at the floor while
+   KV usage hovered in the band) although the in-flight budget already kept the engine safe.
+   Under memory pressure the sheddable class now gives way first: the scale binds it always,
+   critical and standard only at or above the high watermark when the in-flight budget cannot
+   guard the engine's memory (stale metrics, an engine queue, no stated KV capacity); see
+   `docs/adaptive.md`.
 
 ![KV usage and effective limits](protection/protection_timeline.png)
 ![goodput and p99 TTFT per run](protection/protection_bars.png)
@@ -1298,7 +1305,8 @@ def findings(mix: dict[str, Any], rows: list[dict[str, Any]], best: float | None
         crit = d["done_by_class"]["critical"]
         shed = d["done_by_class"]["sheddable"]
         out.append(
-            f"- (d) adaptation + tenants (base in-flight budget "
+            f"- (d) adaptation + tenants (base slots {mix['runs']['adaptive']['max_concurrency']}, "
+            f"base in-flight budget "
             f"{mix['runs']['adaptive']['inflight_fraction']:g} × KV capacity, watermarks "
             f"{mix['runs']['adaptive']['adaptive']['high']:g} / "
             f"{mix['runs']['adaptive']['adaptive']['low']:g}, TPM bucket "
