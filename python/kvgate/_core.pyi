@@ -212,6 +212,10 @@ class AdaptiveLaw:
     def shedding(self) -> bool:
         """Whether the sheddable class should be shed."""
     @property
+    def overloaded(self) -> bool:
+        """Whether the last reading was at or above the high watermark (or missing): the
+        scale then binds every class, not only ``sheddable``."""
+    @property
     def high(self) -> float: ...
     @property
     def low(self) -> float: ...
@@ -307,6 +311,9 @@ class AdmissionController:
     pool first and the guarantees (proportionally) only when nothing else is left.
     ``critical``/``standard`` requests use the tenant's guarantee, then the burst pool;
     ``sheddable`` requests use only the burst pool and are refused (``shed``) while shedding.
+    The scale binds ``sheddable`` requests always (they fit under the scaled limit counting
+    every class's slots) and ``critical``/``standard`` ones only while the backend is
+    overloaded (:meth:`set_overload`); otherwise those keep the base concurrency and TPM.
 
     Backend and tenant ids (``backend``/``tenant`` arguments) are ints in ``0..2**32``: a bool
     or another type is a ``TypeError``, an int outside that range an ``OverflowError`` (both
@@ -451,6 +458,11 @@ class AdmissionController:
         an unknown backend."""
     def set_shedding(self, backend: int, on: bool) -> None:
         """Turns shedding of the sheddable class on or off."""
+    def set_overload(self, backend: int, on: bool) -> None:
+        """Marks the backend overloaded (KV pressure at or above the adaptive law's high
+        watermark, or stale metrics) or not (the initial state). While overloaded the scale
+        binds every class; otherwise only the ``sheddable`` class, and ``critical`` /
+        ``standard`` requests keep the base concurrency and TPM."""
     def admit(
         self, backend: int, tenant: int, priority: PriorityClass | int, tokens: int
     ) -> Reservation | Rejection:
@@ -465,7 +477,9 @@ class AdmissionController:
     def reclaim_dead(self) -> int:
         """Gives back what dead attached processes held; returns the slots reclaimed."""
     def backend_state(self, backend: int) -> dict[str, object]:
-        """Snapshot: name, scale, shedding, max_concurrency, effective_concurrency, in_use,
+        """Snapshot: name, scale, shedding, overloaded, max_concurrency,
+        effective_concurrency (scaled: the limit of ``sheddable`` requests, and of every class
+        while overloaded), in_use,
         guaranteed_slots (sum of the guarantees that apply to this backend), burst_pool, burst_in_use, tokens_per_minute,
         effective_tokens_per_minute, burst_tokens, effective_burst_tokens, available_tokens,
         time_to_full (s), inflight_tokens, inflight_token_limit (base budget, ``None`` =

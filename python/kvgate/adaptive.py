@@ -6,7 +6,10 @@ readings for every backend and feeds each one through that backend's
 0.70 → back to base, linear in between, decreases at once, recovery at a bounded rate per second,
 engine queue deeper than ``waiting_threshold`` counts as pressure). The resulting scale is written
 to the admission core (``set_scale``: concurrency and TPM together) and the law's shedding flag
-switches the ``sheddable`` class off and on (``set_shedding``).
+switches the ``sheddable`` class off and on (``set_shedding``). The scale binds the ``sheddable``
+class always; ``critical`` and ``standard`` only while the law reads pressure at or above the
+high watermark (``set_overload``) and the in-flight budget does not already guard the engine's
+memory (:meth:`AdaptiveSink._memory_guarded`): low-priority work gives way first.
 
 The in-flight token budget is not scaled: it already is the engine's KV memory (its capacity ×
 ``capacity_safety_factor``, or the configured budget), so scaling it by KV pressure as well
@@ -127,7 +130,14 @@ class AdaptiveSink:
             scale, shed_in_force = store.propose(name, scale, shed_in_force)
         ctl.set_scale(backend.id, scale)
         backend.bound_by = self._binding(law, scale, kv_usage, waiting)
-        if scale > before and self._gw.queue:
+        # Under the high watermark the scale binds only the sheddable class: critical and
+        # standard keep the base limits (low-priority work gives way first). At or above it,
+        # they feel it too unless the in-flight budget already guards the engine's memory.
+        st = ctl.backend_state(backend.id)
+        overloaded = bool(law.overloaded) and not self._memory_guarded(law, st, kv_usage, waiting)
+        was_overloaded = bool(st["overloaded"])
+        ctl.set_overload(backend.id, overloaded)
+        if (scale > before or (was_overloaded and not overloaded)) and self._gw.queue:
             self._gw.queue.notify()  # limits grew: waiters may fit now
         ctl.set_shedding(backend.id, shed_in_force)
         if bool(law.shedding) != was_shedding:
@@ -141,6 +151,31 @@ class AdaptiveSink:
             )
             if law.shedding and self._on_shed is not None:
                 self._on_shed(name)
+
+    def _memory_guarded(
+        self, law: Any, st: dict[str, Any], kv_usage: float | None, waiting: int
+    ) -> bool:
+        """Whether a KV reading at or above the high watermark is already answered by the
+        in-flight token budget, so that the scale need not bind the critical and standard
+        classes (the sheddable class is shed either way).
+
+        True when the backend has an in-flight budget and the engine states its KV capacity
+        (tokens: vLLM's ``num_gpu_blocks × block_size``, SGLang's ``max_total_num_tokens``,
+        ...): every request is then admitted against that budget less the engine's external
+        KV occupancy, which counts exactly the memory the watermark only approximates. False
+        with a missing reading (stale metrics), when the engine's waiting requests exceed
+        ``waiting_threshold`` (a queue, not memory: only a smaller concurrency helps), or
+        without a stated capacity (the watermark is then the only memory guard).
+        """
+        if kv_usage is None or waiting > law.waiting_threshold:
+            return False
+        if st["inflight_token_limit"] is None:
+            return False
+        name = st["name"]
+        cap = self._capacity.get(name)
+        if cap is None:
+            cap = getattr(self._gw.discovery.get(name), "kv_capacity_tokens", None)
+        return bool(cap)
 
     @staticmethod
     def _binding(law: Any, scale: float, kv_usage: float | None, waiting: int) -> str:

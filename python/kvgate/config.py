@@ -271,7 +271,10 @@ class AdaptiveConfig(_Model):
 
     ``high`` / ``low``: KV-usage watermarks (ratio 0..1): at or above ``high`` the concurrency
     and TPM limits are at ``floor`` × base and sheddable traffic is shed; below ``low`` they grow
-    back to base at ``recovery_per_second`` (fraction of base per second). The in-flight token
+    back to base at ``recovery_per_second`` (fraction of base per second). The scaled limits
+    bind the sheddable class always, critical and standard only at or above ``high`` and only
+    when the engine states no KV capacity or its queue is over ``waiting_threshold`` (else the
+    in-flight budget guards their memory): low-priority work gives way first. The in-flight token
     budget is never scaled: the engine's KV occupancy beyond kvgate's in-flight tokens is taken
     from it instead (:mod:`kvgate.adaptive`). ``waiting_threshold``: engine queue depth above
     which the backend counts as under pressure. ``poll_interval``, ``stale_after`` and

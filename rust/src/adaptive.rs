@@ -9,7 +9,10 @@
 //! * decreases apply at once; increases are bounded to `recovery_per_second` per second of the
 //!   clock (no snap back);
 //! * shedding (of the `sheddable` class) turns on at `p >= high` and off only when `p < low`
-//!   (hysteresis).
+//!   (hysteresis);
+//! * the backend is overloaded while `p >= high` (or the reading is missing): only then does the
+//!   scale bind the `critical` and `standard` classes too (between the watermarks it binds the
+//!   `sheddable` class alone, so low-priority work gives way first).
 
 use crate::error::CoreError;
 
@@ -81,6 +84,7 @@ pub struct AdaptiveLaw {
     params: LawParams,
     scale: f64,
     shedding: bool,
+    overloaded: bool,
     last_ns: Option<u64>,
 }
 
@@ -92,6 +96,7 @@ impl AdaptiveLaw {
             params,
             scale: 1.0,
             shedding: false,
+            overloaded: false,
             last_ns: None,
         })
     }
@@ -109,6 +114,12 @@ impl AdaptiveLaw {
     /// Whether the sheddable class is being shed.
     pub fn shedding(&self) -> bool {
         self.shedding
+    }
+
+    /// Whether the last reading was at or above the high watermark, or missing: the scale then
+    /// binds every class, not only `sheddable`.
+    pub fn overloaded(&self) -> bool {
+        self.overloaded
     }
 
     /// The pressure for a reading; `None` for a missing reading.
@@ -153,7 +164,9 @@ impl AdaptiveLaw {
         } else {
             self.scale = (self.scale + self.params.recovery_per_second * dt).min(target);
         }
-        match self.pressure(kv_usage, waiting) {
+        let pressure = self.pressure(kv_usage, waiting);
+        self.overloaded = pressure.map_or(true, |p| p >= self.params.high);
+        match pressure {
             None => self.shedding = true,
             Some(p) if p >= self.params.high => self.shedding = true,
             Some(p) if p < self.params.low => self.shedding = false,
@@ -200,10 +213,15 @@ mod tests {
         // Into the band: shedding on only at high, off only below low.
         l.update(Some(0.86), 0, 101 * S).unwrap();
         assert!(l.shedding());
+        assert!(l.overloaded());
         l.update(Some(0.75), 0, 102 * S).unwrap();
         assert!(l.shedding());
+        // overload has no hysteresis: only the sheddable class feels the band
+        assert!(!l.overloaded());
         l.update(Some(0.69), 0, 103 * S).unwrap();
         assert!(!l.shedding());
+        l.update(None, 0, 104 * S).unwrap();
+        assert!(l.overloaded() && l.shedding());
     }
 
     #[test]

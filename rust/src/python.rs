@@ -579,6 +579,11 @@ impl AdaptiveLaw {
     }
 
     #[getter]
+    fn overloaded(&self) -> bool {
+        self.law.overloaded()
+    }
+
+    #[getter]
     fn high(&self) -> f64 {
         self.law.params().high
     }
@@ -1067,6 +1072,14 @@ impl AdmissionController {
         Ok(self.core.set_shedding(backend, on)?)
     }
 
+    fn set_overload(
+        &self,
+        #[pyo3(from_py_with = backend_id_arg)] backend: u32,
+        on: bool,
+    ) -> PyResult<()> {
+        Ok(self.core.set_overload(backend, on)?)
+    }
+
     // `admit(backend, tenant, priority, tokens)` is a hand-written CPython entry point, installed
     // on the type at module initialisation (`python_fast.rs`).
 
@@ -1198,6 +1211,7 @@ impl AdmissionController {
         d.set_item("name", s.name)?;
         d.set_item("scale", s.scale)?;
         d.set_item("shedding", s.shedding)?;
+        d.set_item("overloaded", s.overloaded)?;
         d.set_item("max_concurrency", s.max_concurrency)?;
         d.set_item("effective_concurrency", s.effective_concurrency)?;
         d.set_item("in_use", s.in_use)?;

@@ -60,7 +60,9 @@ def test_targets_on_the_real_run(real: dict[str, Any]) -> None:
     assert lines == [
         "- (d) 0 OOM where (a) has ≥ 1: (a) 1 OOM, (d) 0 OOM — met",
         "- (d) goodput ≥ 95% of the best static (c-static-1): 950 / 968 tok/s = 98% — met",
-        "- (d) completed ≥ 95% of the best static's: 811 / 956 = 85% — NOT met",
+        # critical + standard: 453 + 114 of 453 + 114 (only sheddable requests were refused)
+        "- (d) completed ≥ 95% of the best static's, critical + standard (only sheddable work "
+        "may be given up): 567 / 567 = 100% — met (all classes: 811 / 956 = 85%)",
         "- (d) standard p99 TTFT no worse than the best static's: 28.67 s vs 16.85 s — NOT met",
         "- critical p99 TTFT during the burst within 1.5× of no burst (chat sent in the burst "
         "window, (d) vs (d) without the burst): 0.94 s (n=100) vs 2.28 s (n=100) = 0.41× — met",
@@ -72,7 +74,10 @@ def test_target_notes_give_margins_and_the_p99_rank(real: dict[str, Any]) -> Non
     assert "OOMs: (a) 1, (d) 0" in notes
     # 950/968 = 98.2%; 0.95 / 0.982 = 0.968 → it could fall by 3%
     assert "goodput: 98% of the best static against the 95% bar (it could fall by 3%" in notes
-    assert "completed: 85% of the best static against the 95% bar" in notes
+    assert (
+        "completed (critical + standard): 100% of the best static against the 95% bar "
+        "(all classes: 85%)" in notes
+    )
     assert "standard p99: 1.70× the best static's" in notes
     # 0.945 / 2.282 = 0.414; 1.5 / 0.414 = 3.6
     assert "burst p99: 0.41× against the 1.5× bar ((d)'s burst p99 could grow 3.6×" in notes
@@ -192,6 +197,60 @@ def test_one_pass_picks_the_best_static_not_the_last() -> None:
     notes = prot.target_notes(rows, "oom", 0.9)
     assert "burst p99: 3.00× against the 1.5× bar (it would have to fall to 50% of itself" in notes
     assert "d-adaptive: n=5, sorted index 4, the largest of 5" in notes
+
+
+def _with_class(run: Any, name: str, ok: int, sent: int, reasons: dict[str, int]) -> Any:
+    run.classes[name] = {
+        "sent": sent,
+        "ok": ok,
+        "errors": 0,
+        "statuses": {"503": sent - ok} if sent > ok else {},
+        "reasons": reasons,
+        "completion_tokens": 0,
+        "ttft": [],
+        "ttft_at": [],
+    }
+    return run
+
+
+def test_completed_target_spares_only_the_sheddable_class() -> None:
+    mix = MIX | {
+        "tenants": MIX["tenants"]
+        | {
+            "docs": {"key": "sk-d", "priority": "standard"},
+            "batch": {"key": "sk-b", "priority": "sheddable"},
+        },
+        "streams": [
+            *MIX["streams"],
+            {"name": "docs", "tenant": "docs"},
+            {"name": "embed", "tenant": "batch"},
+        ],
+    }
+    static = _with_class(_run("c-static-1", "static", 9_000), "docs", 20, 20, {})
+    _with_class(static, "embed", 40, 40, {})
+    # (d) sheds half the sheddable class and completes every other request: met on
+    # critical + standard (35 / 35) although all classes give 55 / 75 = 73%
+    shed = _with_class(_run("d-adaptive", "adaptive", 9_000), "docs", 20, 20, {})
+    _with_class(shed, "embed", 20, 40, {"shed": 20})
+    rows = [prot.summarize(r, mix) for r in (static, shed)]
+    assert rows[1]["refused_by_class"] == {
+        "critical": {},
+        "standard": {},
+        "sheddable": {"shed": 20},
+    }
+    line = prot.targets(rows, "oom", 1.0)[1]
+    assert line == (
+        "- (d) completed ≥ 95% of the best static's, critical + standard (only sheddable work "
+        "may be given up): 35 / 35 = 100% — met (all classes: 55 / 75 = 73%)"
+    )
+    # losing standard work is not met: 15 + 15 of 35 = 86%
+    lost = _with_class(_run("d-adaptive", "adaptive", 9_000), "docs", 15, 20, {"queued": 5})
+    _with_class(lost, "embed", 40, 40, {})
+    rows = [prot.summarize(r, mix) for r in (static, lost)]
+    assert prot.targets(rows, "oom", 1.0)[1].startswith(
+        "- (d) completed ≥ 95% of the best static's, critical + standard (only sheddable work "
+        "may be given up): 30 / 35 = 86% — NOT met"
+    )
 
 
 def test_a_one_pass_ties_go_to_the_first_static() -> None:

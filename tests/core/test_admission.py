@@ -113,9 +113,17 @@ def test_backend_tpm_and_scale(ctl: AdmissionController) -> None:
     assert r2.reason == "inflight-tokens"
     r.release()
     ctl.set_inflight_external(b, 0)
+    # The scale binds standard requests only while the backend is overloaded.
+    ctl.set_overload(b, True)
+    assert ctl.backend_state(b)["overloaded"]
     held = [ctl.admit(b, t, "standard", 1) for _ in range(5)]
     assert all(h.admitted for h in held)
     assert ctl.admit(b, t, "standard", 1).reason == "backend-slots"
+    ctl.set_overload(b, False)
+    extra = ctl.admit(b, t, "standard", 1)  # the base 10 slots
+    assert extra.admitted
+    extra.release()
+    ctl.set_overload(b, True)
     ctl.set_scale(b, 1.0)
     assert ctl.admit(b, t, "standard", 1).admitted
 

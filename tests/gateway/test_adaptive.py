@@ -10,7 +10,7 @@ import contextlib
 import itertools
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import aiohttp
@@ -202,6 +202,67 @@ async def test_limits_follow_the_law_as_kv_usage_walks() -> None:
         await until(lambda: not ctl.backend_state(0)["shedding"], timeout=2)
 
 
+async def test_low_priority_work_gives_way_first() -> None:
+    # Between the watermarks the scaled-down limit binds the sheddable class only; above the
+    # high one the sheddable class is shed while standard keeps its base slots as long as the
+    # in-flight budget guards the engine's memory (capacity stated); an engine queue over
+    # waiting_threshold (not memory) makes the scale bind standard too.
+    calm = {"stale_after": 5.0}
+    async with run_scripted() as (eng, _):
+        eng.num_gpu_blocks = 100_000  # 1.6M tokens: the in-flight budget does not bind here
+        cfg = backend("b0", eng.url, max_concurrency=4, capacity_safety_factor=1.0, adaptive=calm)
+        async with serve(cfg) as (url, gw), aiohttp.ClientSession() as s:
+            ctl = gw.controller
+
+            def in_use(n: int) -> Callable[[], bool]:
+                return lambda: ctl.backend_state(0)["in_use"] == n
+
+            def hold(key: str) -> asyncio.Task[tuple[int, str | None]]:
+                return asyncio.create_task(ask(s, url, key, max_tokens=999))
+
+            eng.kv_usage = 0.78  # scale 0.787: 3 of the 4 slots for the sheddable class
+            await until(lambda: ctl.backend_state(0)["inflight_token_limit"] == 1_600_000)
+            await until(lambda: ctl.backend_state(0)["effective_concurrency"] == 3)
+            st = ctl.backend_state(0)
+            assert (st["shedding"], st["overloaded"]) == (False, False)
+            held = [hold("sk-online"), hold("sk-online")]
+            await until(in_use(2))
+            held.append(hold("sk-offline"))
+            await until(in_use(3))
+            # the sheddable class fits under 3 counting every class's slots
+            assert await ask(s, url, "sk-offline") == (503, "backend-slots")
+            held.append(hold("sk-online"))  # standard: the base 4
+            await until(in_use(4))
+            assert await ask(s, url, "sk-online") == (503, "backend-slots")
+            eng.hold.set()
+            assert [r[0] for r in await asyncio.gather(*held)] == [200] * 4
+            await until(in_use(0))
+
+            eng.hold = asyncio.Event()
+            eng.kv_usage = 0.9  # the floor (limit 2) and shedding; memory guarded by the budget
+            await until(lambda: ctl.backend_state(0)["scale"] == 0.6, timeout=2)
+            st = ctl.backend_state(0)
+            assert (st["effective_concurrency"], st["shedding"], st["overloaded"]) == (
+                2,
+                True,
+                False,
+            )
+            assert await ask(s, url, "sk-offline") == (503, "shed")
+            held = [hold("sk-online") for _ in range(3)]  # over the scaled 2
+            await until(in_use(3))
+            eng.waiting = 20  # a queue in the engine: the scale binds standard too
+            await until(lambda: ctl.backend_state(0)["overloaded"], timeout=2)
+            assert await ask(s, url, "sk-online") == (503, "backend-slots")
+            eng.waiting = 0
+            await until(lambda: not ctl.backend_state(0)["overloaded"], timeout=2)
+            held.append(hold("sk-online"))
+            await until(in_use(4))
+            eng.hold.set()
+            assert [r[0] for r in await asyncio.gather(*held)] == [200] * 4
+            await until(in_use(0))
+            assert ctl.backend_state(0)["inflight_tokens"] == 0
+
+
 async def test_configured_inflight_budget_wins_over_discovery() -> None:
     async with (
         run_scripted() as (eng, _),
@@ -228,7 +289,8 @@ async def test_stale_metrics_fail_safe_and_recover(failure: str) -> None:
                 mx.mode = failure
             await until(lambda: gw.backends[0].stale, timeout=5)
             st = ctl.backend_state(0)
-            assert (st["scale"], st["shedding"]) == (0.6, True)
+            # no reading: the scale binds every class, not only the sheddable one
+            assert (st["scale"], st["shedding"], st["overloaded"]) == (0.6, True, True)
             async with aiohttp.ClientSession() as s:
                 assert (await ask(s, url, "sk-online"))[0] == 200  # still served
                 assert await ask(s, url, "sk-offline") == (503, "shed")

@@ -4,7 +4,7 @@
 use std::sync::atomic::Ordering;
 
 use super::region::{read_name, write_name, Names, LIVE, MAX_NAME_LEN, TOMBSTONE};
-use super::{Admission, SCALE_ONE};
+use super::{Admission, OVERLOAD_BIT, SCALE_ONE, SHED_BIT};
 use crate::error::{check_amount, CoreError, MAX_AMOUNT};
 use crate::priority::Priority;
 use crate::slots::UNLIMITED;
@@ -605,9 +605,25 @@ impl Admission {
 
     /// Turns shedding of the sheddable class on a backend on or off.
     pub fn set_shedding(&self, id: u32, on: bool) -> Result<(), CoreError> {
-        self.backend(id)?
-            .shedding
-            .store(u64::from(on), Ordering::Release);
+        set_bit(&self.backend(id)?.shedding, SHED_BIT, on);
         Ok(())
+    }
+
+    /// Marks a backend overloaded (its KV pressure at or above the adaptive law's high
+    /// watermark, or its metrics stale) or not. While overloaded the scale binds every class;
+    /// otherwise it binds only the `sheddable` class, and `critical` / `standard` requests keep
+    /// the base concurrency and TPM (see [`class_ppm`](super::class_ppm)). Off initially.
+    pub fn set_overload(&self, id: u32, on: bool) -> Result<(), CoreError> {
+        set_bit(&self.backend(id)?.shedding, OVERLOAD_BIT, on);
+        Ok(())
+    }
+}
+
+/// Sets (`on`) or clears one bit of a flag word.
+fn set_bit(word: &std::sync::atomic::AtomicU64, bit: u64, on: bool) {
+    if on {
+        word.fetch_or(bit, Ordering::AcqRel);
+    } else {
+        word.fetch_and(!bit, Ordering::AcqRel);
     }
 }

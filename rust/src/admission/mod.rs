@@ -15,7 +15,12 @@
 //! shrinks the limit, the burst pool shrinks first; guarantees shrink (proportionally) only when
 //! the limit is below their sum. `critical` and `standard` requests use the tenant's guaranteed
 //! slots first, then the burst pool; `sheddable` requests use only the burst pool and are refused
-//! as a whole while the backend is shedding. The scale applies to concurrency and TPM only: the
+//! as a whole while the backend is shedding. The scale binds the `sheddable` class always (its
+//! requests fit under the scaled limit counting every class's slots) and `critical` /
+//! `standard` only while the backend is overloaded ([`Admission::set_overload`]: KV pressure at
+//! or above the high watermark); between the watermarks they keep the base limits
+//! ([`class_ppm`]). The scale applies to
+//! concurrency and TPM only: the
 //! in-flight token budget in force is the base budget less the engine's external KV occupancy
 //! ([`Admission::set_inflight_external`]), for every request, guaranteed slot or not.
 //!
@@ -51,6 +56,10 @@ use crate::token_bucket::TokenBucket;
 use region::{Layout, Names, Storage};
 
 const SCALE_ONE: u64 = 1_000_000; // scale is stored in parts per million
+/// Bit of a backend's flag word: the `sheddable` class is shed.
+const SHED_BIT: u64 = 1;
+/// Bit of a backend's flag word: the backend is overloaded, the scale binds every class.
+const OVERLOAD_BIT: u64 = 2;
 /// Retry-after hint (ns) when a refusal depends on the adaptive scale (shed, scaled-down limit).
 const SCALE_RETRY_NS: u64 = 1_000_000_000;
 /// Retry-after hint (ns) for slot refusals before any hold time has been measured.
@@ -179,6 +188,23 @@ fn scaled(base: u64, ppm: u64) -> u64 {
     ((u128::from(base) * u128::from(ppm) / u128::from(SCALE_ONE)) as u64).max(1)
 }
 
+/// The scale (parts per million) a request of `priority` is admitted at, given the backend's
+/// scale `ppm` and whether it is overloaded ([`Admission::set_overload`]): under memory
+/// pressure the low-priority work gives way first. The `sheddable` class always feels the
+/// scale (between the watermarks it fills at most the scaled limit, counting the slots every
+/// class holds, so it gives way as pressure rises); `critical` and `standard` feel it only while
+/// the backend is overloaded (KV pressure at or above the high watermark, or stale metrics),
+/// else they keep the base limits. The in-flight token budget (the engine's KV memory) binds
+/// every class.
+#[inline]
+pub(crate) fn class_ppm(ppm: u64, priority: Priority, overloaded: bool) -> u64 {
+    if priority == Priority::Sheddable || overloaded {
+        ppm
+    } else {
+        SCALE_ONE
+    }
+}
+
 impl Admission {
     /// Takes `tokens` from bucket `tb` (effective `rate` / `burst`) at `now` (the tick-resolution
     /// clock), or returns the retry-after hint (ns).
@@ -251,11 +277,16 @@ impl Admission {
         if tokens > b.inflight.limit() {
             return refuse(Reason::InflightTokens, None);
         }
-        if priority == Priority::Sheddable && b.shedding.load(Ordering::Acquire) != 0 {
+        let flags = b.shedding.load(Ordering::Acquire);
+        if priority == Priority::Sheddable && flags & SHED_BIT != 0 {
             return refuse(Reason::Shed, Some(SCALE_RETRY_NS));
         }
         let now = self.clock.now_ns();
-        let ppm = b.scale_ppm.load(Ordering::Acquire);
+        let ppm = class_ppm(
+            b.scale_ppm.load(Ordering::Acquire),
+            priority,
+            flags & OVERLOAD_BIT != 0,
+        );
         let rmw = self.rmw;
 
         // Tenant concurrency.

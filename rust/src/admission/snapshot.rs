@@ -5,7 +5,7 @@ use std::sync::atomic::Ordering;
 
 use super::config::GuaranteedBackends;
 use super::region::read_name;
-use super::{scaled, Admission, SCALE_ONE};
+use super::{scaled, Admission, OVERLOAD_BIT, SCALE_ONE, SHED_BIT};
 use crate::error::CoreError;
 use crate::priority::Priority;
 use crate::slots::UNLIMITED;
@@ -19,6 +19,8 @@ pub struct BackendSnapshot {
     pub scale: f64,
     /// Whether the sheddable class is shed.
     pub shedding: bool,
+    /// Whether the backend is overloaded: the scale binds every class, not only `sheddable`.
+    pub overloaded: bool,
     /// Base concurrency limit.
     pub max_concurrency: u64,
     /// Scaled concurrency limit.
@@ -117,7 +119,8 @@ impl Admission {
         Ok(BackendSnapshot {
             name: read_name(&b.name),
             scale: ppm as f64 / SCALE_ONE as f64,
-            shedding: b.shedding.load(Ordering::Acquire) != 0,
+            shedding: b.shedding.load(Ordering::Acquire) & SHED_BIT != 0,
+            overloaded: b.shedding.load(Ordering::Acquire) & OVERLOAD_BIT != 0,
             max_concurrency: conc,
             effective_concurrency: eff,
             in_use: b.in_use.load(Ordering::Acquire),

@@ -131,6 +131,8 @@ proptest::proptest! {
                     y.set_scale(b, scale).unwrap();
                     x.set_shedding(b, n % 2 == 0).unwrap();
                     y.set_shedding(b, n % 2 == 0).unwrap();
+                    x.set_overload(b, n % 3 == 0).unwrap();
+                    y.set_overload(b, n % 3 == 0).unwrap();
                     // external KV occupancy: none, some, or above the whole budget
                     let external = [0, n / 2, n][k];
                     x.set_inflight_external(b, external).unwrap();
@@ -246,12 +248,74 @@ fn guarantees_and_burst_pool_under_scale() {
     assert!(a.admit(b, batch, Priority::Sheddable, 1).unwrap().is_err());
     a.release(&g1, None).unwrap();
     assert!(a.admit(b, gold, Priority::Critical, 1).unwrap().is_ok());
-    // Scale 0.25: limit 1 < guarantees 2 -> gold keeps only 1 (already held 2).
+    // Scale 0.25 while overloaded (the scale binds critical too): limit 1 < guarantees 2 ->
+    // gold keeps only 1 (already held 2).
     a.set_scale(b, 0.25).unwrap();
+    a.set_overload(b, true).unwrap();
     assert_eq!(a.backend_state(b).unwrap().burst_pool, 0);
     assert!(a.admit(b, gold, Priority::Critical, 1).unwrap().is_err());
     assert!(a.set_scale(b, 0.0).is_err());
     assert!(a.set_scale(b, 1.5).is_err());
+}
+
+#[test]
+fn between_the_watermarks_the_scale_binds_the_sheddable_class_first() {
+    // Scale 0.5, not overloaded: sheddable fits under 0.5 × 4 = 2 slots counting every class's,
+    // critical and standard keep all 4 (shedding or not); once overloaded, the scaled limit
+    // binds them too.
+    let (a, _mc, b) = setup(); // 4 slots, 6,000 TPM, 1,000 in-flight tokens
+    let std_t = tenant(&a, "std", Priority::Standard, 0, None);
+    let batch = tenant(&a, "batch", Priority::Sheddable, 0, None);
+    a.set_scale(b, 0.5).unwrap();
+    let s1 = a.admit(b, batch, Priority::Sheddable, 10).unwrap().unwrap();
+    let d1 = a.admit(b, std_t, Priority::Standard, 10).unwrap().unwrap();
+    // 2 held (one of each): the sheddable class is at its scaled limit
+    let r = a
+        .admit(b, batch, Priority::Sheddable, 10)
+        .unwrap()
+        .unwrap_err();
+    assert_eq!(r.reason, Reason::BackendSlots);
+    // standard keeps the base limit: 4 in all
+    let d2 = a.admit(b, std_t, Priority::Standard, 10).unwrap().unwrap();
+    let d3 = a.admit(b, std_t, Priority::Standard, 10).unwrap().unwrap();
+    let r = a
+        .admit(b, std_t, Priority::Standard, 10)
+        .unwrap()
+        .unwrap_err();
+    assert_eq!(r.reason, Reason::BackendSlots);
+    // TPM: standard is charged at the base rate (6,000/min), sheddable at the scaled one
+    assert_eq!((d1.backend_rate, s1.backend_rate), (6000, 3000));
+    for tk in [&s1, &d1, &d2] {
+        a.release(tk, None).unwrap();
+    }
+    // Shedding: sheddable refused as a whole, standard still at the base rate and limit
+    a.set_shedding(b, true).unwrap();
+    let r = a
+        .admit(b, batch, Priority::Sheddable, 10)
+        .unwrap()
+        .unwrap_err();
+    assert_eq!(r.reason, Reason::Shed);
+    let d2 = a.admit(b, std_t, Priority::Standard, 10).unwrap().unwrap();
+    assert_eq!(d2.backend_rate, 6000);
+    a.release(&d2, None).unwrap();
+    // Overloaded: standard held to the scaled 2 (1 held: d3) at the scaled rate
+    a.set_overload(b, true).unwrap();
+    let s = a.backend_state(b).unwrap();
+    assert!(s.shedding && s.overloaded);
+    let d4 = a.admit(b, std_t, Priority::Standard, 10).unwrap().unwrap();
+    assert_eq!(d4.backend_rate, 3000);
+    let r = a
+        .admit(b, std_t, Priority::Standard, 10)
+        .unwrap()
+        .unwrap_err();
+    assert_eq!(r.reason, Reason::BackendSlots);
+    a.release(&d3, None).unwrap();
+    a.release(&d4, None).unwrap();
+    // the two flags are independent bits: overload off leaves shedding on
+    a.set_overload(b, false).unwrap();
+    let s = a.backend_state(b).unwrap();
+    assert!(s.shedding && !s.overloaded);
+    assert_eq!((s.in_use, s.inflight_tokens, s.burst_in_use), (0, 0, 0));
 }
 
 #[test]
@@ -263,6 +327,7 @@ fn the_scale_leaves_the_inflight_budget_alone() {
     let std_t = tenant(&a, "std", Priority::Standard, 0, None);
     let long = a.admit(b, std_t, Priority::Standard, 700).unwrap().unwrap();
     a.set_scale(b, 0.6).unwrap(); // the floor: 0.6 × 1000 = 600 < 700 held
+    a.set_overload(b, true).unwrap(); // overloaded: the scale binds standard too
     let s = a.backend_state(b).unwrap();
     assert_eq!(
         (s.effective_concurrency, s.effective_inflight_token_limit),
