@@ -220,7 +220,7 @@ class RustRun:
 
 def parse_rust(output: str) -> RustRun:
     """The figures of the ``rust admit+release: ...`` and ``rust floor: ...`` lines printed by
-    the ignored cargo tests (``rust/src/admission.rs`` ``bench_admit_release`` and
+    the ignored cargo tests (``rust/src/admission/tests.rs`` ``bench_admit_release`` and
     ``bench_floor_primitives``). Raises BenchError when either is absent."""
     m = RUST_LINE.search(output)
     if m is None:

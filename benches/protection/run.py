@@ -1249,7 +1249,7 @@ Targets ({mode} pass):
 
 Gateway notes (found with this benchmark):
 
-1. Fixed — `rust/src/admission.rs`, `Admission::admit`: the in-flight token check used the
+1. Fixed — `rust/src/admission/mod.rs`, `Admission::admit`: the in-flight token check used the
    adaptively scaled budget for every request, including one that had just taken its tenant's
    guaranteed slot. While the long generations held their reservations and the scale was below
    1, the scaled budget fell under the tokens in flight and the critical tenant's ~560-token
@@ -1275,9 +1275,9 @@ Gateway notes (found with this benchmark):
 ![KV usage and effective limits](protection/protection_timeline.png)
 ![goodput and p99 TTFT per run](protection/protection_bars.png)
 
-Measured on the shared 2-core machine (load average {load_text} at the end, other jobs running;
-the simulator's clock stretches when the CPU is short, so figures move by some percent between
-runs); whole command: {total:.0f} s wall.
+Measured on a 2-core machine (load average {load_text} at the end; the simulator's clock
+stretches when the CPU is short, so figures move by some percent between runs); whole command:
+{total:.0f} s wall.
 """
 
 
