@@ -179,6 +179,13 @@ def replace_section(text: str, heading: str, body: str) -> str:
     return "".join(lines[:start]) + block + ("\n" + tail if tail else "")
 
 
+def write_section(path: Path, heading: str, body: str) -> None:
+    """Replaces (or appends) the section ``heading`` of the results file at ``path`` with
+    ``body`` (:func:`replace_section`); a missing file starts as ``# Benchmark results``."""
+    old = path.read_text() if path.exists() else "# Benchmark results\n"
+    path.write_text(replace_section(old, heading, body))
+
+
 def load_stats(path: Path) -> tuple[dict[str, Stat], dict[str, Any]]:
     """Read a ``--benchmark-json`` file: {test name: Stat} and the machine_info block."""
     data = json.loads(path.read_text())

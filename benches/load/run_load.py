@@ -45,6 +45,9 @@ ROOT = HERE.parents[1]
 OUT = ROOT / "benches" / ".out"
 RESULTS = ROOT / "benches" / "RESULTS.md"
 SECTION = "## Gateway load"
+sys.path.insert(0, str(HERE.parent))
+import core_results  # noqa: E402
+
 LITELLM_VENV = OUT / "litellm-venv"
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
@@ -398,14 +401,8 @@ def machine_notes(server_cpu: str, client_cpu: str, load_start: tuple, load_end:
 
 
 def write_section(text: str) -> None:
-    old = RESULTS.read_text() if RESULTS.exists() else "# Benchmark results\n"
-    start = old.find(SECTION)
-    if start == -1:
-        new = old.rstrip("\n") + "\n\n" + text
-    else:
-        nxt = old.find("\n## ", start + len(SECTION))
-        new = old[:start] + text.rstrip("\n") + ("\n\n" + old[nxt + 1 :] if nxt != -1 else "")
-    RESULTS.write_text(new.rstrip("\n") + "\n")
+    """Replaces (or appends) :data:`SECTION` in ``benches/RESULTS.md``."""
+    core_results.write_section(RESULTS, SECTION, text)
 
 
 def target_rows(

@@ -35,6 +35,9 @@ import aiohttp
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benches" / "RESULTS.md"
 SECTION = "## Memory per stream"
+sys.path.insert(0, str(ROOT / "benches"))
+import core_results  # noqa: E402
+
 BARE = ROOT / "benches" / "load" / "bare_proxy.py"
 MODEL = "fast"
 TARGET_KIB = 64.0
@@ -315,14 +318,8 @@ def render(
 
 
 def write_section(text: str) -> None:
-    old = RESULTS.read_text() if RESULTS.exists() else "# Benchmark results\n"
-    start = old.find(SECTION)
-    if start == -1:
-        new = old.rstrip("\n") + "\n\n" + text
-    else:
-        nxt = old.find("\n## ", start + len(SECTION))
-        new = old[:start] + text.rstrip("\n") + ("\n\n" + old[nxt + 1 :] if nxt != -1 else "")
-    RESULTS.write_text(new.rstrip("\n") + "\n")
+    """Replaces (or appends) :data:`SECTION` in ``benches/RESULTS.md``."""
+    core_results.write_section(RESULTS, SECTION, text)
 
 
 def main() -> None:

@@ -62,7 +62,9 @@ import yaml
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
 sys.path.insert(0, str(ROOT / "python"))
+sys.path.insert(0, str(HERE.parent))
 
+from core_results import replace_section  # noqa: E402
 from kvgate.demo import free_port, stop_all, wait_http  # noqa: E402
 from kvgate.loadgen import Burst, ClassStats, Stream, TrafficMix, drive, percentile  # noqa: E402
 from kvgate.sim.profiles import get_profile  # noqa: E402
@@ -1170,19 +1172,6 @@ def readme_block(rows: list[dict[str, Any]], verdict: list[str]) -> str:
 
 {chr(10).join(verdict)}
 """
-
-
-def replace_section(text: str, heading: str, body: str) -> str:
-    """``text`` with the ``## `` section titled ``heading`` replaced by ``body`` (appended when
-    absent); other sections are untouched."""
-    lines = text.splitlines(keepends=True)
-    start = next((i for i, ln in enumerate(lines) if ln.rstrip() == heading), None)
-    block = body.rstrip("\n") + "\n"
-    if start is None:
-        return text.rstrip("\n") + "\n\n" + block
-    end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
-    tail = "".join(lines[end:])
-    return "".join(lines[:start]) + block + ("\n" + tail if tail else "")
 
 
 def section_text(

@@ -61,6 +61,9 @@ from realengine.make_model import SLOW, TINY, write_model  # noqa: E402
 
 RESULTS = ROOT / "benches" / "RESULTS.md"
 SECTION = "## Real engine (llama-server)"
+sys.path.insert(0, str(ROOT / "benches"))
+import core_results  # noqa: E402
+
 BUILD_SCRIPT = ROOT / "scripts" / "build-llama-server.sh"
 MODELS = {"tiny": TINY, "slow": SLOW}
 STARTUP_S = 120.0
@@ -196,14 +199,7 @@ def render(
 def write_section(text: str) -> None:
     """Replace (or append) :data:`SECTION` in ``benches/RESULTS.md``: from its heading to the
     next ``## `` heading."""
-    old = RESULTS.read_text() if RESULTS.exists() else "# Benchmark results\n"
-    start = old.find(SECTION)
-    if start == -1:
-        new = old.rstrip("\n") + "\n\n" + text
-    else:
-        nxt = old.find("\n## ", start + len(SECTION))
-        new = old[:start] + text.rstrip("\n") + ("\n\n" + old[nxt + 1 :] if nxt != -1 else "")
-    RESULTS.write_text(new.rstrip("\n") + "\n")
+    core_results.write_section(RESULTS, SECTION, text)
 
 
 # ---- processes -----------------------------------------------------------------------------

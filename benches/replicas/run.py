@@ -82,9 +82,11 @@ RESULTS = ROOT / "benches" / "RESULTS.md"
 SECTION = "## Several replicas (Redis store)"
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(HERE.parent / "load"))
+sys.path.insert(0, str(HERE.parent))
 
 from run_load import Server, free_port, run_wrk, tree_cpu_seconds  # noqa: E402
 
+import core_results  # noqa: E402
 from kvgate.loadgen import percentile  # noqa: E402
 
 KEY = "sk-bench-replicas"
@@ -1332,14 +1334,7 @@ def render(
 
 def write_section(text: str) -> None:
     """Replaces the section in ``benches/RESULTS.md`` (appended when absent)."""
-    old = RESULTS.read_text() if RESULTS.exists() else "# Benchmark results\n"
-    start = old.find(SECTION)
-    if start == -1:
-        new = old.rstrip("\n") + "\n\n" + text
-    else:
-        nxt = old.find("\n## ", start + len(SECTION))
-        new = old[:start] + text.rstrip("\n") + ("\n\n" + old[nxt + 1 :] if nxt != -1 else "")
-    RESULTS.write_text(new.rstrip("\n") + "\n")
+    core_results.write_section(RESULTS, SECTION, text)
 
 
 def machine_notes(load_start: tuple[float, ...], load_end: tuple[float, ...], redis: str) -> str:
