@@ -126,6 +126,14 @@ impl PyQuotaLedger {
         self.inner.bucket_set(bucket, field, value).map_err(err)
     }
 
+    fn pool_headroom(&self, pool: u32) -> PyResult<i64> {
+        self.inner.pool_headroom(pool).map_err(err)
+    }
+
+    fn bucket_first_chunk(&self, bucket: u32, tokens: i64) -> PyResult<i64> {
+        self.inner.bucket_first_chunk(bucket, tokens).map_err(err)
+    }
+
     fn scope_lease(&self, scope: u32) -> PyResult<f64> {
         Ok(self.inner.scope(scope).map_err(err)?.lease_until)
     }

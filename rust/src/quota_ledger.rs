@@ -408,6 +408,30 @@ impl QuotaLedger {
         (8 * tokens).min(share).max(1)
     }
 
+    /// Units this replica keeps beyond its use in pool `i` (see `headroom`).
+    ///
+    /// # Errors
+    /// [`LedgerError::BadIndex`] for an unknown pool.
+    pub fn pool_headroom(&self, i: u32) -> Result<i64, LedgerError> {
+        let pool = self
+            .pools
+            .get(i as usize)
+            .ok_or(LedgerError::BadIndex("pool", u64::from(i)))?;
+        Ok(self.headroom(pool))
+    }
+
+    /// The first grant size of bucket `i` for requests of `tokens` (see `first_chunk`).
+    ///
+    /// # Errors
+    /// [`LedgerError::BadIndex`] for an unknown bucket.
+    pub fn bucket_first_chunk(&self, i: u32, tokens: i64) -> Result<i64, LedgerError> {
+        let b = self
+            .buckets
+            .get(i as usize)
+            .ok_or(LedgerError::BadIndex("bucket", u64::from(i)))?;
+        Ok(self.first_chunk(b, tokens))
+    }
+
     fn activate(&mut self, scope: u32) {
         let s = &mut self.scopes[scope as usize];
         if !s.active {

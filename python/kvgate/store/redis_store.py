@@ -673,15 +673,10 @@ class RedisStore:
         return StoreHold(picks, buckets)
 
     def _headroom(self, pool: Pool) -> int:
-        """Units this replica keeps beyond its use: ``chunk_fraction`` of the limit ÷ live
-        replicas, at least one; none near the limit."""
-        if pool.near:
-            return 0
-        limit = pool.limit or pool.base
-        live = max(1, pool.scope.live)
-        share = int(self.config.chunk_fraction * limit / live)
-        # room for two requests of the last size, within half of this replica's even share
-        return max(1, min(max(share, 2 * pool.unit), limit // (2 * live)))
+        """Units this replica keeps beyond its use (the ledger's rule, the same for the local
+        fast path): ``chunk_fraction`` of the limit ÷ live replicas, at least one; none near
+        the limit."""
+        return int(self._ledger.pool_headroom(pool._i))
 
     def release(self, hold: Any, reserved: int, actual: int) -> None:
         """Gives back a :class:`StoreHold`: its slots and in-flight tokens at once (to this
@@ -777,10 +772,9 @@ class RedisStore:
         return local
 
     def _first_chunk(self, b: Bucket, tokens: int) -> int:
-        """The grant size before a heartbeat measured the demand: eight requests of this size,
-        within ``chunk_fraction`` of the burst ÷ live replicas."""
-        share = int(self.config.chunk_fraction * b.burst / max(1, b.scope.live))
-        return max(1, min(8 * tokens, share))
+        """The grant size before a heartbeat measured the demand (the ledger's rule): eight
+        requests of this size, within ``chunk_fraction`` of the burst ÷ live replicas."""
+        return int(self._ledger.bucket_first_chunk(b._i, tokens))
 
     def _give_back(self, waits: list[_Admit], local: StoreHold, tokens: int) -> None:
         """A request that will not run: what it took goes back to this replica's quotas (and to
