@@ -739,15 +739,21 @@ class RedisStore:
             part.scope.admits.append(adm)
             self._active.add(part.scope)
             waits.append(adm)
-            self._kick(part.scope)
         local = self._take(local_parts, local_picks, tokens)
         answers: list[Any] = []
         try:
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(self._deadline):
-                    if len(waits) == 1:  # the usual case: one scope near its limit
-                        answers = [await waits[0].future]
-                    else:
+            if len(waits) == 1 and not waits[0].scope.busy:
+                # the usual case: one scope near its limit and no message of it in flight:
+                # this coroutine sends the message itself (no task to start, no future to
+                # wake: a decision in Redis costs one round trip and little else)
+                await self._send_now(waits[0].scope)
+                fut = waits[0].future
+                answers = [fut.result() if fut.done() and not fut.cancelled() else None]
+            else:
+                for adm in waits:
+                    self._kick(adm.scope)
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(self._deadline):
                         answers = list(await asyncio.gather(*(a.future for a in waits)))
         except asyncio.CancelledError:
             # the caller went away (its client disconnected) while Redis decided: what was
@@ -914,6 +920,28 @@ class RedisStore:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
+    async def _send_now(self, sc: Scope) -> None:
+        """One message of ``sc`` sent from the caller's coroutine (``sc`` has none in flight);
+        what queued meanwhile goes on in a lane task (:meth:`_kick`). The message's own
+        deadline bounds the wait."""
+        sc.busy = True
+        try:
+            sc.wake = False
+            built = self._compose(sc)
+            if built is not None:
+                await self._send(sc, *built)
+        except Exception:  # the scope must never stay ``busy``
+            logger.exception("store: a message to %s failed", sc.key)
+        finally:
+            sc.busy = False
+            if self._breaker.opened_at is not None:
+                for adm in sc.admits:
+                    if not adm.future.done():
+                        adm.future.set_result(None)
+                sc.admits.clear()
+            elif sc.wake or sc.admits:
+                self._kick(sc)
+
     async def _lane(self, sc: Scope) -> None:
         try:
             while True:
@@ -1078,6 +1106,11 @@ class RedisStore:
                     # not run, so the same message goes again once the library is loaded
                     await load_library(client, self.config.cluster)
                     raw = await client.fcall("kvg_sync", 3, key, key + ":live", op, payload)
+        except asyncio.CancelledError:
+            # the sender went away (its client disconnected, the replica closes): the call may
+            # still run on the server
+            self._unknown_outcome(sc, msg, admits)
+            raise
         except TimeoutError:
             kind = "timeout"
             self._last_failure = f"no answer within {deadline * 1000:g} ms"
@@ -1097,25 +1130,30 @@ class RedisStore:
             self.failures[kind] += 1
             if self._metrics is not None:
                 self._metrics.store_failures.labels(kind).inc()
-            for adm in admits:
-                if not adm.future.done():
-                    adm.future.set_result(None)  # unknown outcome: the caller falls back
-            for name in msg["pools"]:
-                pool = sc.pools.get(name)
-                if pool is not None:
-                    # the call may still run (a grant, an admission): Redis may then record
-                    # more than this replica holds, so the pool is re-asserted with the
-                    # next messages until a reply tells what Redis records
-                    pool.rq = max(pool.rq, pool.q + 1)
+            self._unknown_outcome(sc, msg, admits)
             if self._breaker.failed(time.monotonic()):
                 self._opened()
-            # a scope whose call failed stays active: while the breaker is open, its heartbeat
-            # is the probe that closes it (see :meth:`tick`)
-            self._active.add(sc)
             return
         if self._breaker.succeeded():
             self._closed_again()
         self._apply(sc, reply, sent, admits, debts)
+
+    def _unknown_outcome(self, sc: Scope, msg: dict[str, Any], admits: list[_Admit]) -> None:
+        """A message without a usable reply (failed, timed out, stale, or its sender
+        cancelled): its admissions fall back, and its pools are re-asserted until a reply tells
+        what Redis records."""
+        for adm in admits:
+            if not adm.future.done():
+                adm.future.set_result(None)  # unknown outcome: the caller falls back
+        for name in msg["pools"]:
+            pool = sc.pools.get(name)
+            if pool is not None:
+                # the call may still run (a grant, an admission): Redis may then record more
+                # than this replica holds, so the pool is re-asserted with the next messages
+                pool.rq = max(pool.rq, pool.q + 1)
+        # a scope whose call failed stays active: while the breaker is open, its heartbeat is
+        # the probe that closes it (see :meth:`tick`)
+        self._active.add(sc)
 
     def _apply(
         self,
