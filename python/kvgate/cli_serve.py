@@ -237,7 +237,6 @@ def run(args: argparse.Namespace) -> int:
     try:
         if args.config:
             config = load_config(args.config)
-            discovery = discover_unset_slots(config)
         elif args.upstream:
             config, discovery = _config_from_flags(args)
         else:
@@ -265,6 +264,8 @@ def run(args: argparse.Namespace) -> int:
         return _apply_overrides(reloaded, args)
 
     if config.workers <= 1:
+        # (with workers, the master asks once its metrics folder is set: see _serve_workers)
+        discovery.update(discover_unset_slots(config))
         return _serve_single(
             config, args.grace, config_path=args.config, overrides=overrides, discovery=discovery
         )
@@ -319,13 +320,12 @@ def discover_unset_slots(config: Any) -> dict[str, Any]:
     that cannot be asked (``GET /v1/models`` fails: unreachable, an error status) is left out
     with one warning line: its slot limit is :data:`~kvgate.config.DEFAULT_SLOTS` until a poll
     reports the engine's slots. Raises nothing."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    from kvgate.telemetry.discovery import DiscoveryError, discover_engine
-
     unset = [b for b in config.backends if b.max_concurrency is None]
     if not unset:
         return {}
+    from concurrent.futures import ThreadPoolExecutor
+
+    from kvgate.telemetry.discovery import DiscoveryError, discover_engine
 
     def ask(b: Any) -> tuple[str, Any]:
         try:
@@ -614,6 +614,10 @@ def _serve_workers(
 
     from kvgate import CoreError
     from kvgate.gateway_build import build_controller, check_startup
+
+    # asked here, not before: discovery imports prometheus_client (its metrics parser), which
+    # must first see the metrics folder set above
+    discovery = {**discover_unset_slots(config), **(discovery or {})}
 
     # what each worker would refuse (limits, tokenizers, templates), found once here instead of
     # by every worker; and the port: the workers share it with SO_REUSEPORT, which would also

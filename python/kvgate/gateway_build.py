@@ -20,7 +20,7 @@ from kvgate.app import Backend, Gateway, ModelRoute, Tenant
 if TYPE_CHECKING:
     from kvgate.config import Config
 
-__all__ = ["UNLIMITED_TPM", "apply_config", "build_controller", "build_gateway"]
+__all__ = ["UNLIMITED_TPM", "apply_config", "build_controller", "build_gateway", "slot_limit"]
 
 logger = logging.getLogger("kvgate.gateway")
 

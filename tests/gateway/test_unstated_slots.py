@@ -26,7 +26,16 @@ from kvgate.sim import SimConfig
 from kvgate.sim.server import run_sim
 
 from .conftest import sha
-from .helpers import free_port, start_kvgate, stderr_so_far, stop_process, until, wait_http_up
+from .helpers import (
+    free_port,
+    get_text,
+    metric,
+    start_kvgate,
+    stderr_so_far,
+    stop_process,
+    until,
+    wait_http_up,
+)
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "metrics"
 SIM = SimConfig.from_profile("tiny", speed=1, seed=5, max_num_seqs=7)
@@ -124,8 +133,8 @@ def test_the_quick_start_and_files_share_the_default() -> None:
 @pytest.mark.parametrize("workers", [1, 2])
 async def test_serve_takes_the_engines_batch_limit(tmp_path: Path, workers: int) -> None:
     """The simulator states 7 slots: the backend's slot limit is 7 (with ``--workers 2`` too:
-    the master builds the shared core); a burst of 12 runs at most 7 at once (the rest wait in
-    the queue), all finish, nothing stays held."""
+    the master builds the shared core, and the workers' metrics are still summed); a burst of
+    12 runs at most 7 at once (the rest wait in the queue), all finish, nothing stays held."""
     async with run_sim(SIM) as sim:
         data = {"backends": [backend("sim", sim.url)], "tenants": [tenant()], "workers": workers}
         async with serving(tmp_path, data) as (url, _):
@@ -152,6 +161,12 @@ async def test_serve_takes_the_engines_batch_limit(tmp_path: Path, workers: int)
                 return int(by_name(await admin_state(url))["sim"]["in_use"]) == 0
 
             await until(released, timeout=10)
+
+            async def counted() -> bool:  # every worker's requests, whichever one answers
+                text = await get_text(url + "/metrics")
+                return metric(text, "kvgate_requests_total", backend="sim") == 12
+
+            await until(counted, timeout=10)
 
 
 async def test_an_engine_that_cannot_be_asked_gets_64(tmp_path: Path) -> None:
@@ -232,8 +247,8 @@ async def test_guaranteed_slots_above_the_engines_limit_win() -> None:
 
 async def test_a_reload_keeps_the_engines_limit() -> None:
     """A reload keeps an unset limit the engine's (7), raises it to new guarantees and lowers
-    it back when they go; a configured limit replaces it, and leaving it out again returns to
-    the engine's."""
+    it back when they go; a configured limit replaces it (and may drop below the guarantees
+    the same reload removes), and leaving it out again returns to the engine's."""
     async with run_sim(SIM) as sim:
 
         def config(b: dict[str, Any], **t: Any) -> Config:
@@ -257,6 +272,12 @@ async def test_a_reload_keeps_the_engines_limit() -> None:
         apply_config(gateway, config(backend("sim", sim.url, max_concurrency=5)))
         assert slots() == 5
         assert "sim" not in gateway.engine_slots  # polls leave a configured limit alone
+        # a configured limit lowered with the guarantees that held it up, in one reload
+        apply_config(
+            gateway, config(backend("sim", sim.url, max_concurrency=10), guaranteed_slots=10)
+        )
+        apply_config(gateway, config(backend("sim", sim.url, max_concurrency=4)))
+        assert (slots(), ctl.backend_state(0)["guaranteed_slots"]) == (4, 0)
         apply_config(gateway, config(backend("sim", sim.url)))
         assert slots() == 7
         async with run_gateway(gateway) as url:
