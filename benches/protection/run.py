@@ -234,8 +234,9 @@ def gateway_config(
         "url": sim_url,
         "engine": "vllm",
         "models": [{"name": model, "context_window": context}],
-        "max_concurrency": int(spec["max_concurrency"]),
     }
+    if spec.get("max_concurrency") is not None:  # null: the engine's own batch limit
+        backend["max_concurrency"] = int(spec["max_concurrency"])
     if kind == "count_limit":
         # no in-flight budget: set one no request can reach (else capacity discovery sets one)
         backend["inflight_token_limit"] = 10**15

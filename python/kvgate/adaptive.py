@@ -242,17 +242,22 @@ class AdaptiveSink:
         self._correct_inflight(b, reading)
 
     def _discover_slots(self, b: Any, reading: EngineReading) -> None:
-        """The quick start's slot limit follows the engine's own (llama.cpp ``/slots``), e.g.
-        after the engine restarted with another ``--parallel``; only when the limit in force
-        is the one discovered from the engine, never a configured one."""
+        """A slot limit left to the engine (the quick start's, or a backend without
+        ``max_concurrency``) follows the engine's own (llama.cpp ``/slots``), e.g. after the
+        engine restarted with another ``--parallel``, never below the guaranteed slots of the
+        tenants that use the backend; a configured limit never changes here."""
         slots = reading.slots
         known = self._gw.engine_slots.get(b.name)
         if not slots or known is None or slots == known:
             return
         self._gw.engine_slots[b.name] = slots
-        self._gw.controller.update_backend(b.id, max_concurrency=slots)
+        ctl = self._gw.controller
+        limit = max(slots, int(ctl.backend_state(b.id)["guaranteed_slots"]))
+        ctl.update_backend(b.id, max_concurrency=limit)
         self._gw.store.reload()
-        logger.info("backend %s: slot limit %d (the engine's slots, was %d)", b.name, slots, known)
+        logger.info(
+            "backend %s: slot limit %d (the engine's %d slots, was %d)", b.name, limit, slots, known
+        )
 
     def _discover_capacity(self, b: Any, reading: EngineReading) -> None:
         cap = reading.kv_capacity_tokens

@@ -199,7 +199,9 @@ class Gateway:
     #: backend name → what the engine said about itself at start-up
     #: (:class:`kvgate.telemetry.discovery.EngineInfo`; ``kvgate serve --upstream``)
     discovery: dict[str, Any] = field(default_factory=dict)
-    #: backend name → its slot limit, where that limit is the engine's own (discovered)
+    #: backend name → the engine's slot count (discovered; 64 where it states none) that the
+    #: backend's slot limit follows (at least the guaranteed slots of its tenants), for the
+    #: backends whose limit is the engine's own rather than configured
     engine_slots: dict[str, int] = field(init=False, default_factory=dict)
     poller: Any = field(init=False, default=None)
     queue: Any = field(init=False, default=None)

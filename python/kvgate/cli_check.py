@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from kvgate.config import Config, ConfigError, load_config
+from kvgate.config import DEFAULT_SLOTS, Config, ConfigError, load_config
 
 __all__ = ["add_arguments", "run", "summary", "warnings"]
 
@@ -43,8 +43,13 @@ def summary(cfg: Config) -> str:
             else "adaptive off"
         )
         models = ", ".join(f"{m.name} (context {m.context_window})" for m in b.models)
+        concurrency = (
+            f"concurrency {b.max_concurrency}"
+            if b.max_concurrency is not None
+            else f"concurrency the engine's batch limit (else {DEFAULT_SLOTS})"
+        )
         lines.append(
-            f"backend {b.name} [{b.engine}, {b.mode}] {b.url}: concurrency {b.max_concurrency}, "
+            f"backend {b.name} [{b.engine}, {b.mode}] {b.url}: {concurrency}, "
             f"{tpm}, {inflight}, {adaptive}; models: {models}"
         )
     for t in cfg.tenants:

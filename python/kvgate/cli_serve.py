@@ -28,7 +28,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["add_arguments", "remove_stale_state", "run"]
+from kvgate.config import DEFAULT_SLOTS
+
+__all__ = ["add_arguments", "discover_unset_slots", "remove_stale_state", "run"]
 
 logger = logging.getLogger("kvgate.serve")
 
@@ -47,7 +49,7 @@ QUICK_START = (
 )
 #: Fallbacks when the engine does not state its own batch limit / for the TPM bucket; the quick
 #: start's queue wait (seconds) for a request the limits refuse.
-QUICK_DEFAULTS = {"max_concurrency": 64, "tpm": 1_000_000, "max_wait": 30.0}
+QUICK_DEFAULTS = {"max_concurrency": DEFAULT_SLOTS, "tpm": 1_000_000, "max_wait": 30.0}
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
@@ -262,6 +264,8 @@ def run(args: argparse.Namespace) -> int:
         return _apply_overrides(reloaded, args)
 
     if config.workers <= 1:
+        # (with workers, the master asks once its metrics folder is set: see _serve_workers)
+        discovery.update(discover_unset_slots(config))
         return _serve_single(
             config, args.grace, config_path=args.config, overrides=overrides, discovery=discovery
         )
@@ -305,6 +309,55 @@ def _apply_overrides(config: Any, args: argparse.Namespace) -> Any:
         return Config.model_validate({**config.model_dump(), **update})
     except ValidationError as exc:
         raise ConfigError(issues_from(exc), "from the command line") from None
+
+
+def discover_unset_slots(config: Any) -> dict[str, Any]:
+    """What the engines of the backends without ``max_concurrency`` say about themselves:
+    backend name → :class:`~kvgate.telemetry.discovery.EngineInfo`, whose ``slots`` (the
+    engine's own batch limit) becomes the backend's slot limit
+    (:func:`kvgate.gateway_build.slot_limit`). Backends with a configured ``max_concurrency``
+    are not asked. The engines are asked at once (a small thread pool), 2 s per request. One
+    that cannot be asked (``GET /v1/models`` fails: unreachable, an error status) is left out
+    with one warning line: its slot limit is :data:`~kvgate.config.DEFAULT_SLOTS` until a poll
+    reports the engine's slots. Raises nothing."""
+    unset = [b for b in config.backends if b.max_concurrency is None]
+    if not unset:
+        return {}
+    from concurrent.futures import ThreadPoolExecutor
+
+    from kvgate.telemetry.discovery import DiscoveryError, discover_engine
+
+    def ask(b: Any) -> tuple[str, Any]:
+        try:
+            info = discover_engine(b.url, metrics_url=b.effective_metrics_url, timeout=2.0)
+        except (DiscoveryError, OSError) as exc:
+            logger.warning(
+                "backend %s: cannot ask the engine for its batch limit (%s); slot limit %d "
+                "until it states one",
+                b.name,
+                exc,
+                DEFAULT_SLOTS,
+            )
+            return b.name, None
+        if info.slots:
+            logger.info(
+                "backend %s: slot limit from the engine's batch limit, %d (%s)",
+                b.name,
+                info.slots,
+                info.sources.get("slots", "stated"),
+            )
+        else:
+            logger.info(
+                "backend %s: the engine (%s) states no batch limit; slot limit %d",
+                b.name,
+                info.engine or "unknown",
+                DEFAULT_SLOTS,
+            )
+        return b.name, info
+
+    with ThreadPoolExecutor(max_workers=min(8, len(unset))) as pool:
+        answers = list(pool.map(ask, unset))
+    return {name: info for name, info in answers if info is not None}
 
 
 def _config_from_flags(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
@@ -562,6 +615,10 @@ def _serve_workers(
     from kvgate import CoreError
     from kvgate.gateway_build import build_controller, check_startup
 
+    # asked here, not before: discovery imports prometheus_client (its metrics parser), which
+    # must first see the metrics folder set above
+    discovery = {**discover_unset_slots(config), **(discovery or {})}
+
     # what each worker would refuse (limits, tokenizers, templates), found once here instead of
     # by every worker; and the port: the workers share it with SO_REUSEPORT, which would also
     # let them join another gateway's workers on it, so it must be free first
@@ -571,7 +628,7 @@ def _serve_workers(
         shutil.rmtree(prom_dir, ignore_errors=True)
         return 2
     try:
-        controller = build_controller(config, shm_name=shm_name, create=True)
+        controller = build_controller(config, shm_name=shm_name, create=True, discovery=discovery)
     except (CoreError, ValueError, OSError) as exc:
         print(f"kvgate serve: cannot start: {exc}", file=sys.stderr)
         shutil.rmtree(prom_dir, ignore_errors=True)

@@ -20,8 +20,9 @@ Cross-field rules (checked once the fields themselves are valid), each with its 
 - names (backends, tenants, models in a backend) are unique;
 - adaptive ``low < high``; ``stale_after ≥ poll_interval``; ``scrape_timeout < poll_interval``;
 - ``default_max_tokens < context_window``; ``burst_tokens`` needs ``tokens_per_minute``;
-- a tenant's ``guaranteed_slots ≤ max_concurrency`` (its own cap), and on each backend the
-  guaranteed slots of the tenants that may use it sum to at most its ``max_concurrency``;
+- a tenant's ``guaranteed_slots ≤ max_concurrency`` (its own cap), and on each backend that
+  sets ``max_concurrency`` the guaranteed slots of the tenants that may use it sum to at most
+  that (a backend without one gets a slot limit of at least that sum at start-up);
 - backends a tenant names, and ``anonymous_tenant``, exist;
 - an API-key hash belongs to one tenant only and is not the admin key;
 - ``timeouts.first_byte`` and ``timeouts.idle`` are ≤ ``timeouts.total``;
@@ -58,6 +59,7 @@ from kvgate._core import MAX_AMOUNT, MAX_PROCS
 from kvgate.tls import server_context
 
 __all__ = [
+    "DEFAULT_SLOTS",
     "AdaptiveConfig",
     "BackendConfig",
     "Config",
@@ -68,10 +70,16 @@ __all__ = [
     "TLSConfig",
     "TenantConfig",
     "TimeoutsConfig",
+    "guarantees_by_backend",
     "issues_from",
     "load_config",
     "parse_config",
 ]
+
+#: A backend's slot limit (concurrent requests) when neither the configuration
+#: (``max_concurrency``) nor the engine states one: vLLM states no batch limit over HTTP.
+#: Shared by the quick start (``kvgate serve --upstream``) and file configurations.
+DEFAULT_SLOTS = 64
 
 Mode = Literal["enforce", "shadow"]
 Priority = Literal["critical", "standard", "sheddable"]
@@ -297,7 +305,12 @@ class BackendConfig(_Model):
 
     ``url``: the engine's base URL (``http://host:port``, no ``/v1``). ``metrics_url`` defaults to
     ``url + "/metrics"`` (trtllm-serve: set ``/prometheus/metrics``), ``health_url`` to
-    ``url + "/health"``. ``max_concurrency``: base concurrency limit (slots).
+    ``url + "/health"``. ``max_concurrency``: base concurrency limit (slots); ``None`` (left
+    out) = the engine's own batch limit, asked when kvgate starts (llama.cpp ``/props``
+    ``total_slots``, SGLang ``max_running_requests``, TGI ``max_concurrent_requests``) and
+    followed when later polls report another (llama.cpp ``/slots``); 64 where the engine
+    states none (vLLM) or cannot be reached at start, until it states one; never below the
+    guaranteed slots of the tenants that use the backend.
     ``tokens_per_minute`` / ``burst_tokens``: base TPM token bucket (``None`` = no TPM limit;
     burst defaults to one minute's worth). ``inflight_token_limit``: tokens (prompt + reserved
     completion) in flight; ``None`` = the engine's stated KV capacity ×
@@ -323,7 +336,7 @@ class BackendConfig(_Model):
     metrics_url: str | None = None
     health_url: str | None = None
     models: list[ModelConfig] = Field(min_length=1)
-    max_concurrency: Int = Field(ge=1, le=MAX_AMOUNT)
+    max_concurrency: Int | None = Field(None, ge=1, le=MAX_AMOUNT)
     tokens_per_minute: Int | None = Field(None, ge=1, le=MAX_AMOUNT)
     burst_tokens: Int | None = Field(None, ge=1, le=MAX_AMOUNT)
     inflight_token_limit: Int | None = Field(None, ge=1, le=MAX_AMOUNT)
@@ -702,6 +715,21 @@ def _dupes(names: list[str]) -> Iterator[tuple[int, str, int]]:
             seen[n] = i
 
 
+def guarantees_by_backend(cfg: Config) -> dict[str, list[tuple[str, int]]]:
+    """Backend name → ``[(tenant name, guaranteed slots)]`` of the tenants with guaranteed
+    slots that may use that backend (its ``backends``, or every backend without them), in file
+    order. Their sum is the least slot limit the backend can have. One pass over the tenants
+    (not backends × tenants: a file may have thousands of tenants)."""
+    users_of: dict[str, list[tuple[str, int]]] = {b.name: [] for b in cfg.backends}
+    for tn in cfg.tenants:
+        if tn.guaranteed_slots:
+            names = users_of if tn.backends is None else dict.fromkeys(tn.backends)
+            for name in names:
+                if name in users_of:
+                    users_of[name].append((tn.name, tn.guaranteed_slots))
+    return users_of
+
+
 def _cross_field_issues(cfg: Config) -> Iterator[tuple[str, str]]:
     t = cfg.timeouts
     for field_name in ("first_byte", "idle"):
@@ -760,15 +788,10 @@ def _cross_field_issues(cfg: Config) -> Iterator[tuple[str, str]]:
             if key == cfg.admin_key_sha256:
                 yield f"{p}.api_key_sha256[{ki}]", "the same key hash is the admin key"
 
-    # one pass over the tenants with a guarantee (not backends × tenants: thousands of keys)
-    users_of: dict[str, list[tuple[str, int]]] = {b.name: [] for b in cfg.backends}
-    for tn in cfg.tenants:
-        if tn.guaranteed_slots:
-            names = users_of if tn.backends is None else dict.fromkeys(tn.backends)
-            for name in names:
-                if name in users_of:
-                    users_of[name].append((tn.name, tn.guaranteed_slots))
+    users_of = guarantees_by_backend(cfg)
     for bi, b in enumerate(cfg.backends):
+        if b.max_concurrency is None:  # its slot limit is raised to the sum at start-up
+            continue
         users = users_of[b.name]
         total = sum(n for _, n in users)
         if total > b.max_concurrency:

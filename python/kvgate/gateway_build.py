@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -19,7 +20,7 @@ from kvgate.app import Backend, Gateway, ModelRoute, Tenant
 if TYPE_CHECKING:
     from kvgate.config import Config
 
-__all__ = ["UNLIMITED_TPM", "apply_config", "build_controller", "build_gateway"]
+__all__ = ["UNLIMITED_TPM", "apply_config", "build_controller", "build_gateway", "slot_limit"]
 
 logger = logging.getLogger("kvgate.gateway")
 
@@ -28,9 +29,31 @@ logger = logging.getLogger("kvgate.gateway")
 UNLIMITED_TPM = 2**40
 
 
-def _backend_limits(b: Any) -> dict[str, Any]:
+def slot_limit(b: Any, guaranteed: int, stated: int | None) -> int:
+    """The slot limit (concurrent requests) of backend ``b`` (a
+    :class:`~kvgate.config.BackendConfig`): its ``max_concurrency`` when configured; else the
+    engine's own batch limit ``stated`` (slots: llama.cpp ``total_slots``, SGLang
+    ``max_running_requests``, TGI ``max_concurrent_requests``; ``None`` when the engine states
+    none, as vLLM, or could not be asked), else :data:`~kvgate.config.DEFAULT_SLOTS`; in both
+    cases at least ``guaranteed``, the guaranteed slots of the tenants that use the backend."""
+    from kvgate.config import DEFAULT_SLOTS
+
+    if b.max_concurrency is not None:
+        return int(b.max_concurrency)
+    return max(stated or DEFAULT_SLOTS, guaranteed)
+
+
+def _guaranteed_sums(config: Config) -> dict[str, int]:
+    """Backend name → the guaranteed slots of the tenants that use it (summed)."""
+    from kvgate.config import guarantees_by_backend
+
+    return {name: sum(n for _, n in users) for name, users in guarantees_by_backend(config).items()}
+
+
+def _backend_limits(b: Any, slots: int) -> dict[str, Any]:
+    """The core's backend arguments; ``slots`` is the slot limit in force (:func:`slot_limit`)."""
     return {
-        "max_concurrency": b.max_concurrency,
+        "max_concurrency": slots,
         "tokens_per_minute": b.tokens_per_minute or UNLIMITED_TPM,
         "burst_tokens": b.burst_tokens,
         "inflight_token_limit": b.inflight_token_limit,
@@ -79,7 +102,13 @@ def _capacity_counts(config: Config) -> tuple[int, int, int]:
     return n_backends, len(tenants), guarantees
 
 
-def build_controller(config: Config, *, shm_name: str | None = None, create: bool = True) -> Any:
+def build_controller(
+    config: Config,
+    *,
+    shm_name: str | None = None,
+    create: bool = True,
+    discovery: Mapping[str, Any] | None = None,
+) -> Any:
     """The admission core for ``config``.
 
     The core's region is sized here, once, for twice the configured backends, tenants and
@@ -91,6 +120,9 @@ def build_controller(config: Config, *, shm_name: str | None = None, create: boo
         config: the validated configuration.
         shm_name: a shared-memory region name (``--workers N``), or ``None`` for a private one.
         create: create (master) or attach to (worker) the named region.
+        discovery: backend name → what its engine said about itself
+            (:class:`~kvgate.telemetry.discovery.EngineInfo`): its ``slots`` is the slot limit
+            of a backend without ``max_concurrency`` (:func:`slot_limit`).
 
     Raises:
         kvgate.SharedStateError: the region cannot be created or attached.
@@ -113,8 +145,12 @@ def build_controller(config: Config, *, shm_name: str | None = None, create: boo
         # replacement attaches): each entry is a ledger of 8 bytes per tenant
         processes=min(MAX_PROCS, 2 * (config.workers + 1)),
     )
+    guaranteed = _guaranteed_sums(config)
+    found = discovery or {}
     for b in config.backends:
-        controller.add_backend(b.name, **_backend_limits(b))
+        stated = getattr(found.get(b.name), "slots", None)
+        slots = slot_limit(b, guaranteed[b.name], stated)
+        controller.add_backend(b.name, **_backend_limits(b, slots))
     for t in _tenants_of(config):
         controller.add_tenant(t.name, **_tenant_limits(t, controller))
     return controller
@@ -178,13 +214,17 @@ def build_gateway(
         poll: start engine metrics pollers (adaptive limits, health checks) with the app.
         controller: use this admission core instead of building one (tests, embedding).
         discovery: backend name → :class:`~kvgate.telemetry.discovery.EngineInfo` (the quick
-            start's discovery): its KV capacity × ``capacity_safety_factor`` is the backend's
+            start's discovery, and ``kvgate serve --config``'s for backends without
+            ``max_concurrency``): its KV capacity × ``capacity_safety_factor`` is the backend's
             in-flight token budget from the start when the configuration sets none (the poller
-            keeps it current), a slot limit equal to the engine's slots follows the engine's
-            slot count on later polls, and ``/admin/state`` shows it.
+            keeps it current), its slots are the slot limit of a backend without
+            ``max_concurrency`` (:func:`slot_limit`), a slot limit that is the engine's follows
+            the engine's slot count on later polls, and ``/admin/state`` shows it.
     """
     if controller is None:
-        controller = build_controller(config, shm_name=shm_name, create=shm_name is None)
+        controller = build_controller(
+            config, shm_name=shm_name, create=shm_name is None, discovery=discovery
+        )
     backends: list[Backend] = []
     models: dict[str, ModelRoute] = {}
     for b in config.backends:
@@ -232,10 +272,15 @@ def build_gateway(
     if config.store is not None:
         gateway.store = _redis_store(gateway, config.store)
         gateway.metrics.store_gauges.store = gateway.store
+    from kvgate.config import DEFAULT_SLOTS
+
     for b in config.backends:
         found = gateway.discovery.get(b.name)
         gateway.set_prefill_capacity(b.name, getattr(found, "kv_capacity_tokens", None))
-        if found is not None and found.slots == b.max_concurrency:
+        if b.max_concurrency is None:
+            # polls keep it the engine's (64 until the engine states a batch limit)
+            gateway.engine_slots[b.name] = getattr(found, "slots", None) or DEFAULT_SLOTS
+        elif found is not None and found.slots == b.max_concurrency:
             gateway.engine_slots[b.name] = b.max_concurrency  # polls keep it the engine's
         cap = getattr(found, "kv_capacity_tokens", None)
         if cap and b.inflight_token_limit is None:
@@ -348,6 +393,7 @@ def apply_config(gateway: Gateway, new: Config) -> None:
     from kvgate.config import ConfigError
 
     # every limit is tried on a scratch core first, so a refusal leaves the running one as it is
+    # (a slot limit left to the engine is at least the guarantees, whatever the engine states)
     build_controller(new)
     old = gateway.config
     if old is not None:
@@ -402,11 +448,32 @@ def apply_config(gateway: Gateway, new: Config) -> None:
                 )
             ]
         )
+    from kvgate.config import DEFAULT_SLOTS
+
+    guaranteed = _guaranteed_sums(new)
+    slot_limits: dict[int, int] = {}
     for b in new.backends:
-        limits = _backend_limits(b)
+        if b.max_concurrency is None:
+            # the limit stays the engine's: what it stated at start or on a later poll
+            stated = gateway.engine_slots.get(b.name)
+            if stated is None:
+                stated = getattr(gateway.discovery.get(b.name), "slots", None) or DEFAULT_SLOTS
+            gateway.engine_slots[b.name] = stated
+        else:
+            stated = None
+            if gateway.engine_slots.get(b.name) != b.max_concurrency:
+                gateway.engine_slots.pop(b.name, None)  # a configured limit: polls keep out
+        bid = ctl.backend_id(b.name)
+        slots = slot_limit(b, guaranteed[b.name], stated)
+        limits = _backend_limits(b, slots)
         if limits["inflight_token_limit"] is None and gateway.discovered_capacity.get(b.name):
             limits["inflight_token_limit"] = gateway.discovered_capacity[b.name]
-        ctl.update_backend(ctl.backend_id(b.name), **limits)
+        # the core refuses a slot limit below the guarantees it holds now; one that only the
+        # new tenants' smaller guarantees allow is set once they are in place (below)
+        held = int(ctl.backend_state(bid)["guaranteed_slots"])
+        limits["max_concurrency"] = max(slots, held)
+        ctl.update_backend(bid, **limits)
+        slot_limits[bid] = slots
     for tid in removed_ids:
         ctl.remove_tenant(tid)
     for t in new_tenants:
@@ -415,6 +482,9 @@ def apply_config(gateway: Gateway, new: Config) -> None:
             ctl.add_tenant(t.name, **_tenant_limits(t, ctl))
         else:
             ctl.update_tenant(tid, **_tenant_limits(t, ctl))
+    for bid, slots in slot_limits.items():
+        if ctl.backend_state(bid)["max_concurrency"] != slots:
+            ctl.update_backend(bid, max_concurrency=slots)
     for backend, b in zip(gateway.backends, new.backends, strict=True):
         backend.config = b
     if old is not None:  # the listening socket and the workers stay those of the start

@@ -285,3 +285,19 @@ def test_render_of_a_one_pass_results_json_uses_the_best_static(
     assert "best static (c-static-0.9): 88 / 90 tok/s = 98% — met" in results
     assert "best F = 0.9" in results
     assert (out / "benches" / "protection" / "protection_timeline.png").stat().st_size > 0
+
+
+def test_the_latency_target_run_leaves_the_slot_limit_to_the_engine() -> None:
+    """(e) sets no max_concurrency (the engine's batch limit is asked at start); (d) keeps its
+    configured 256. Both configurations validate."""
+    from kvgate.config import Config
+
+    mix = prot.load_mix(ROOT / "benches/protection/mix.yaml")
+    variant = next(v for v in mix["runs"]["adaptive_variants"] if v["name"] == "e-slo")
+    args = {"sim_url": "http://127.0.0.1:1", "port": 0, "model": "m", "context": 4096}
+    e = prot.gateway_config(mix, "adaptive", capacity=100_000, overrides=variant, **args)
+    d = prot.gateway_config(mix, "adaptive", capacity=100_000, **args)
+    assert "max_concurrency" not in e["backends"][0]
+    assert Config.model_validate(e).backends[0].max_concurrency is None
+    assert Config.model_validate(e).slo is not None
+    assert Config.model_validate(d).backends[0].max_concurrency == 256

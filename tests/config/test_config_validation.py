@@ -250,12 +250,9 @@ def test_field_rule(path: str, value: Any, expected: list[tuple[str, str]]) -> N
 
 def test_required_fields() -> None:
     data = base()
-    del data["backends"][0]["max_concurrency"]
+    del data["backends"][0]["max_concurrency"]  # optional: the engine's own batch limit
     del data["backends"][0]["models"][0]["context_window"]
-    assert issues_of(data) == [
-        ("backends[0].models[0].context_window", "is required"),
-        ("backends[0].max_concurrency", "is required"),
-    ]
+    assert issues_of(data) == [("backends[0].models[0].context_window", "is required")]
     assert issues_of({"tenants": []}) == [("backends", "is required")]
 
 
@@ -605,7 +602,6 @@ def test_check_config_suggests_the_nearest_field_name(
         f"kvgate: invalid configuration {path}:\n"
         "  backends[0].models[0].context_window: is required\n"
         "  backends[0].models[0].context_windows: unknown field; did you mean `context_window`?\n"
-        "  backends[0].max_concurrency: is required\n"
         "  backends[0].adaptive.hihg: unknown field; did you mean `high`?\n"
         "  backends[0].max_concurency: unknown field; did you mean `max_concurrency`?\n"
         "  tenants[0].priorty: unknown field; did you mean `priority`?\n"
