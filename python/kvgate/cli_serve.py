@@ -610,7 +610,12 @@ def _serve_workers(
     shm_name = f"kvgate-{master}-{int(time.time())}"
     prom_dir = tempfile.mkdtemp(prefix=f"kvgate-prom-{master}-")
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = prom_dir
+    import prometheus_client.values
     from prometheus_client import multiprocess
+
+    # and if something imported it already (the quick start's discovery reads the engine's
+    # metrics with its parser), choose again: metrics made from now on take this class
+    prometheus_client.values.ValueClass = prometheus_client.values.get_value_class()
 
     from kvgate import CoreError
     from kvgate.gateway_build import build_controller, check_startup

@@ -516,3 +516,38 @@ async def test_two_workers_serve_https(tmp_path: Path) -> None:
         finally:
             err = await stop_process(gw)
         assert gw.returncode == 0, err.decode(errors="replace")[-2000:]
+
+
+async def test_quick_start_with_workers_sums_every_workers_counters() -> None:
+    """``kvgate serve --upstream URL --workers 2``: the quick start asks the engine before the
+    workers start (and so imports prometheus_client first); the counters on ``/metrics`` are
+    still every worker's, summed: requests on fresh connections, spread over both workers,
+    all counted."""
+    async with run_upstream() as up:
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        proc = await start_kvgate(
+            "serve", "--upstream", up.url, "--model", "replay", "--port", str(port),
+            "--no-adaptive", "--workers", "2",
+        )  # fmt: skip
+        try:
+            await wait_http_up(url + "/healthz")
+            await until(lambda: len(children(proc.pid)) == 2)
+            sent = 24
+            connector = aiohttp.TCPConnector(force_close=True)  # a new connection each time
+            async with aiohttp.ClientSession(connector=connector) as s:
+                for i in range(sent):
+                    async with s.post(
+                        url + "/v1/chat/completions", json=chat("replay", f"hi {i}", max_tokens=5)
+                    ) as r:
+                        assert r.status == 200, await r.text()
+                        await r.read()
+
+            async def counted() -> bool:
+                text = await get_text(url + "/metrics")
+                by_backend = samples(text, "kvgate_requests_total")
+                return sum(v for rows in by_backend.values() for _, v in rows) == sent
+
+            await until(counted, timeout=15, interval=0.2)
+        finally:
+            await stop_process(proc)
