@@ -329,7 +329,9 @@ def discover_unset_slots(config: Any) -> dict[str, Any]:
 
     def ask(b: Any) -> tuple[str, Any]:
         try:
-            info = discover_engine(b.url, metrics_url=b.effective_metrics_url, timeout=2.0)
+            info = discover_engine(
+                b.url, metrics_url=b.effective_metrics_url, timeout=2.0, api_key=b.api_key
+            )
         except (DiscoveryError, OSError) as exc:
             logger.warning(
                 "backend %s: cannot ask the engine for its batch limit (%s); slot limit %d "

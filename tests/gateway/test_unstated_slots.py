@@ -358,3 +358,38 @@ async def test_polls_follow_the_engines_slots_above_the_guarantees() -> None:
             slots[0] = 12
             await until(lambda: limit(own) == 12, timeout=10)
             assert limit(configured) == 6
+
+
+async def test_an_engine_with_an_api_key_is_asked_with_the_backends_key(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An engine started with an API key refuses every question without it: start-up asks
+    with the backend's key (``api_key_env``) and takes the 5 slots it states, no warning."""
+
+    async def guarded(request: web.Request) -> web.Response:
+        if request.headers.get("Authorization") != "Bearer engine-key":
+            return web.json_response({"error": {"message": "Invalid API Key"}}, status=401)
+        if request.path == "/v1/models":
+            data = [{"id": SIM.model, "object": "model", "owned_by": "llamacpp"}]
+            return web.json_response({"object": "list", "data": data})
+        if request.path == "/props":
+            return web.json_response({"total_slots": 5})
+        return web.json_response({"error": {"message": "not found"}}, status=404)
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", guarded)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    engine = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    monkeypatch.setenv("KVGATE_TEST_ENGINE_KEY", "engine-key")
+    data = {
+        "backends": [backend("keyed", engine, api_key_env="KVGATE_TEST_ENGINE_KEY")],
+        "tenants": [tenant()],
+    }
+    try:
+        async with serving(tmp_path, data) as (url, proc):
+            assert by_name(await admin_state(url))["keyed"]["max_concurrency"] == 5
+            assert b"cannot ask the engine" not in stderr_so_far(proc)
+    finally:
+        await runner.cleanup()

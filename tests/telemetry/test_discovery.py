@@ -327,3 +327,36 @@ def test_slot_limit_follows_the_engines_slots_on_each_poll() -> None:
         gw = gateway(configured)
         AdaptiveSink(gw).on_reading("b0", reading, 0.0)
         assert gw.controller.backend_state(gw.backends[0].id)["max_concurrency"] == after
+
+
+async def test_an_engine_with_an_api_key_is_asked_with_it() -> None:
+    """An engine started with an API key answers nothing without it (``/v1/models`` 401); with
+    ``api_key`` every question carries ``Authorization: Bearer <key>`` and the engine's slots
+    are found."""
+    seen: list[str | None] = []
+    routes = _llamacpp(slot_ctx=4096, n_ctx_train=32768, slots=6)
+
+    async def handler(request: web.Request) -> web.Response:
+        seen.append(request.headers.get("Authorization"))
+        if request.headers.get("Authorization") != "Bearer engine-key":
+            return web.json_response({"error": {"message": "Invalid API Key"}}, status=401)
+        status, body = routes.get((request.method, request.path), (404, {"error": "nf"}))
+        return web.json_response(body, status=status)
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", handler)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    try:
+        with pytest.raises(DiscoveryError, match="401"):
+            await asyncio.to_thread(discover_engine, url)
+        seen.clear()
+        info = await asyncio.to_thread(discover_engine, url, api_key="engine-key")
+        assert (info.engine, info.slots) == ("llamacpp", 6)
+        assert info.kv_capacity_tokens == 6 * 4096
+        assert set(seen) == {"Bearer engine-key"}  # every question carried it
+    finally:
+        await runner.cleanup()

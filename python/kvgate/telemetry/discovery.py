@@ -138,10 +138,27 @@ class EngineInfo:
         return "\n".join(lines)
 
 
-def _get(url: str, timeout: float) -> bytes | None:
+@dataclass(frozen=True, slots=True)
+class _Http:
+    """How to ask one engine: seconds per request, and the headers every request carries (the
+    engine's API key, for engines started with one)."""
+
+    timeout: float
+    headers: dict[str, str]
+
+    def request(self, url: str, data: bytes | None = None) -> urllib.request.Request:
+        headers = dict(self.headers)
+        if data is not None:
+            headers["Content-Type"] = "application/json"
+        return urllib.request.Request(
+            url, data=data, headers=headers, method="POST" if data is not None else "GET"
+        )
+
+
+def _get(url: str, http: _Http) -> bytes | None:
     """The body of a 200 answer, or ``None`` (any error: the endpoint is optional)."""
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as resp:
+        with urllib.request.urlopen(http.request(url), timeout=http.timeout) as resp:
             return resp.read() if resp.status == 200 else None
     except (OSError, ValueError):
         return None
@@ -196,7 +213,7 @@ def _models(data: Any, info: EngineInfo) -> None:
             info.sources["engine"] = f"GET /v1/models owned_by {owner!r}"
 
 
-def _props(base: str, info: EngineInfo, timeout: float, props: dict[str, Any]) -> int | None:
+def _props(base: str, info: EngineInfo, http: _Http, props: dict[str, Any]) -> int | None:
     """Slots, slot context and chat template from llama.cpp's ``GET /props`` (also served by
     ``kvgate sim``); returns the slot context (tokens) or ``None``."""
     if (v := _pos_int(props.get("total_slots"))) is not None:
@@ -212,7 +229,7 @@ def _props(base: str, info: EngineInfo, timeout: float, props: dict[str, Any]) -
     template = props.get("chat_template")
     if isinstance(template, str) and template.strip():
         bos = props.get("bos_token")
-        if _adds_bos(base, timeout) and isinstance(bos, str) and bos and "{" not in bos:
+        if _adds_bos(base, http) and isinstance(bos, str) and bos and "{" not in bos:
             info.chat_template = bos + template
             info.sources["chat_template"] = (
                 "GET /props chat_template, after the BOS the engine adds (POST /tokenize)"
@@ -223,11 +240,11 @@ def _props(base: str, info: EngineInfo, timeout: float, props: dict[str, Any]) -
     return slot_ctx
 
 
-def _llamacpp_kv(base: str, info: EngineInfo, timeout: float, slot_ctx: int | None) -> None:
+def _llamacpp_kv(base: str, info: EngineInfo, http: _Http, slot_ctx: int | None) -> None:
     """llama.cpp KV capacity: ``GET /slots`` (slot count and contexts when ``/props`` said
     nothing), then :func:`llamacpp_unified`."""
     snapshot: SlotsSnapshot | None = None
-    raw = _get(base + "/slots", timeout)
+    raw = _get(base + "/slots", http)
     if raw is not None:
         try:
             snapshot = parse_llamacpp_slots(raw)
@@ -254,17 +271,12 @@ def _llamacpp_kv(base: str, info: EngineInfo, timeout: float, slot_ctx: int | No
         info.sources["kv_capacity_tokens"] = "slots × slot context"
 
 
-def _adds_bos(base: str, timeout: float) -> bool:
+def _adds_bos(base: str, http: _Http) -> bool:
     """llama.cpp: whether tokenizing with special tokens adds BOS (``POST /tokenize`` of an
     empty text answers one token then)."""
-    req = urllib.request.Request(
-        base + "/tokenize",
-        data=b'{"content": "", "add_special": true}',
-        headers={"Content-Type": "application/json"},
-        method="POST",
-    )
+    req = http.request(base + "/tokenize", b'{"content": "", "add_special": true}')
     try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
+        with urllib.request.urlopen(req, timeout=http.timeout) as resp:
             data = orjson.loads(resp.read())
     except (OSError, ValueError):
         return False
@@ -310,7 +322,11 @@ def _sglang(info: EngineInfo, data: Any) -> None:
 
 
 def discover_engine(
-    url: str, *, metrics_url: str | None = None, timeout: float = 5.0
+    url: str,
+    *,
+    metrics_url: str | None = None,
+    timeout: float = 5.0,
+    api_key: str | None = None,
 ) -> EngineInfo:
     """Ask the engine at ``url`` (base URL, no ``/v1``) what it serves; see the module docstring.
 
@@ -318,18 +334,21 @@ def discover_engine(
         url: the engine's base URL.
         metrics_url: its Prometheus endpoint (default ``url + "/metrics"``).
         timeout: seconds per HTTP request.
+        api_key: sent as ``Authorization: Bearer <key>`` with every request (an engine started
+            with an API key refuses requests without it, its ``/v1/models`` included).
 
     Raises:
         DiscoveryError: ``GET /v1/models`` cannot be read.
     """
     base = url.rstrip("/")
     info = EngineInfo(url=base)
+    http = _Http(timeout, {"Authorization": f"Bearer {api_key}"} if api_key else {})
     try:
-        with urllib.request.urlopen(base + "/v1/models", timeout=timeout) as resp:
+        with urllib.request.urlopen(http.request(base + "/v1/models"), timeout=timeout) as resp:
             models = orjson.loads(resp.read())
     except (OSError, ValueError) as exc:
         raise DiscoveryError(f"cannot list models at {base}/v1/models: {exc}") from None
-    metrics = _get(metrics_url or base + "/metrics", timeout)
+    metrics = _get(metrics_url or base + "/metrics", http)
     if metrics is not None:
         try:
             info.engine = detect_engine(parse_samples(metrics)[0])
@@ -339,21 +358,21 @@ def discover_engine(
     _models(models, info)
     if info.engine in (None, "llamacpp", "vllm"):
         # llama.cpp's /props; kvgate sim (vLLM metrics) serves one too
-        props = _json(_get(base + "/props", timeout))
+        props = _json(_get(base + "/props", http))
         if isinstance(props, dict) and "total_slots" in props:
             if info.engine is None:
                 info.engine, info.sources["engine"] = "llamacpp", "GET /props total_slots"
-            slot_ctx = _props(base, info, timeout, props)
+            slot_ctx = _props(base, info, http, props)
             if info.engine == "llamacpp":
-                _llamacpp_kv(base, info, timeout, slot_ctx)
+                _llamacpp_kv(base, info, http, slot_ctx)
     if info.engine in (None, "tgi"):
-        data = _json(_get(base + "/info", timeout))
+        data = _json(_get(base + "/info", http))
         if isinstance(data, dict) and "max_concurrent_requests" in data:
             if info.engine is None:
                 info.engine, info.sources["engine"] = "tgi", "GET /info max_concurrent_requests"
             _tgi(info, data)
     if info.engine in (None, "sglang"):
-        data = _json(_get(base + "/get_server_info", timeout))
+        data = _json(_get(base + "/get_server_info", http))
         if isinstance(data, dict):
             if info.engine is None and "max_running_requests" in data:
                 info.engine, info.sources["engine"] = "sglang", "GET /get_server_info"
