@@ -258,6 +258,7 @@ class Scope:
         "admits",
         "buckets",
         "busy",
+        "contended",
         "epoch",
         "hb_due",
         "key",
@@ -282,6 +283,9 @@ class Scope:
         self.scale = 1.0
         self.shed = False
         self.busy = False
+        #: requests queued behind this scope's last message: the next decision goes through
+        #: the lane task, which sends the following message as soon as a reply is in
+        self.contended = False
         self.wake = False
         self.hb_due = False
         self.admits: list[_Admit] = []
@@ -742,11 +746,12 @@ class RedisStore:
         local = self._take(local_parts, local_picks, tokens)
         answers: list[Any] = []
         try:
-            if len(waits) == 1 and not waits[0].scope.busy:
-                # the usual case: one scope near its limit and no message of it in flight:
-                # this coroutine sends the message itself (no task to start, no future to
-                # wake: a decision in Redis costs one round trip and little else)
-                await self._send_now(waits[0].scope)
+            sc = waits[0].scope if len(waits) == 1 else None
+            if sc is not None and not sc.busy and not sc.contended:
+                # the usual case: one scope near its limit, no message of it in flight, none
+                # queued behind the last one: this coroutine sends the message itself (no task
+                # to start, no future to wake: a decision costs one round trip and little else)
+                await self._send_now(sc)
                 fut = waits[0].future
                 answers = [fut.result() if fut.done() and not fut.cancelled() else None]
             else:
@@ -754,7 +759,10 @@ class RedisStore:
                     self._kick(adm.scope)
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(self._deadline):
-                        answers = list(await asyncio.gather(*(a.future for a in waits)))
+                        if len(waits) == 1:
+                            answers = [await waits[0].future]
+                        else:
+                            answers = list(await asyncio.gather(*(a.future for a in waits)))
         except asyncio.CancelledError:
             # the caller went away (its client disconnected) while Redis decided: what was
             # taken here goes back now, what Redis admits later becomes quota (_apply)
@@ -934,6 +942,7 @@ class RedisStore:
             logger.exception("store: a message to %s failed", sc.key)
         finally:
             sc.busy = False
+            sc.contended = bool(sc.admits)
             if self._breaker.opened_at is not None:
                 for adm in sc.admits:
                     if not adm.future.done():
@@ -950,6 +959,7 @@ class RedisStore:
                 if built is None:
                     break
                 await self._send(sc, *built)
+                sc.contended = len(built[1]) > 1 or bool(sc.admits)
                 if not (sc.wake or sc.admits) or self._breaker.opened_at is not None:
                     break
         except Exception:  # a lane must never die with ``busy`` set
