@@ -1359,7 +1359,7 @@ def findings(mix: dict[str, Any], rows: list[dict[str, Any]], best: float | None
     for name, what in (
         ("d-adaptive-0.95-0.85", "the previous watermarks, 0.95 / 0.85"),
         ("d-adaptive-no-prefill-budget", "without the prefill budget"),
-        ("e-slo", "latency targets, no configured concurrency"),
+        ("e-slo", "latency targets, no `max_concurrency` configured: the engine's own batch limit"),
     ):
         v = get(name)
         if v and d:
