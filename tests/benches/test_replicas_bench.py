@@ -155,7 +155,9 @@ def results() -> tuple[object, object, object, object]:
             "one": [("ok", 0.0005), ("ok", 0.0004), ("rejected", 0.0006)],
             "far": [("ok", 0.0001), ("ok", 0.0001), ("ok", 0.0001)],
         },
-        iso=([0.0004, 0.0003, 0.0002], [0.0001] * 3, 90.0),
+        ping_quiet=[0.00015] * 3,
+        quiet_gap=0.01,
+        iso=([0.0004, 0.0003, 0.0002], [0.0002] * 3, [0.0001] * 3, 90.0),
     )
     kills = [rb.KillTrial(429, 2.9, 3.1, 100, 4, 2, 4, None)]
     micro = rb.MicroResult(
@@ -187,10 +189,13 @@ def test_summary_and_verdicts() -> None:
     assert (p50[1], p50[3]) == ("1.100 ms", "**not met**")
     assert p50[2].startswith("≤ 0.500 ms")
     quiet = next(r for k, r in rows.items() if "nothing else: p50" in k)
-    # 0.4 ms added against one idle round trip (0.1 ms) + 0.2 ms
+    # 0.4 ms added against one round trip at the same pace (0.15 ms, not the idle 0.1) + 0.2 ms
     assert (quiet[1], quiet[3]) == ("0.400 ms", "**not met**")
+    assert quiet[2] == "≤ 0.350 ms (PING p50 at the same pace 0.150 + 0.2)"
     iso = next(r for k, r in rows.items() if k.startswith("the store alone"))
-    assert (iso[1], iso[3]) == ("0.300 / 0.400 ms", "met")  # ≤ 0.1 + 0.2 ms, ≤ 5 ms
+    # against the PINGs at the decisions' pace (0.2 ms), not the back-to-back ones (0.1 ms)
+    assert (iso[1], iso[3]) == ("0.300 / 0.400 ms", "met")
+    assert iso[2].startswith("≤ 0.400 ms (asyncio PING p50 at the same pace 0.200 + 0.2)")
     kill = next(r for k, r in rows.items() if k.startswith("kill -9"))
     assert (kill[1], kill[3]) == ("3.10 s", "met")
     micro = [r for k, r in rows.items() if k.startswith("store try_admit")]
@@ -237,10 +242,10 @@ def test_store_alone_decides_every_admission_in_redis(tmp_path: Path) -> None:
 
     require_redis()
     with start_redis(tmp_path / "redis") as server:
-        decisions, pings, fcall_us = asyncio.run(rb.store_decisions(server.url, 20))
+        decisions, paced, pings, fcall_us = asyncio.run(rb.store_decisions(server.url, 20))
         # every admission of the two stores went to Redis (none was local) and was answered
         assert len(decisions) == 20
-        assert len(pings) == 20
+        assert len(paced) == len(pings) == 20
         assert fcall_us is not None
         assert fcall_us > 0
         # each store released what it took: nothing is left allocated in Redis
