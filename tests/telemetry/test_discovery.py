@@ -360,3 +360,19 @@ async def test_an_engine_with_an_api_key_is_asked_with_it() -> None:
         assert set(seen) == {"Bearer engine-key"}  # every question carried it
     finally:
         await runner.cleanup()
+
+
+@pytest.mark.parametrize("stated", [0, -4, "4", True, 4.0, None, [4], 2**63])
+async def test_a_garbage_slot_count_is_not_a_slot_limit(serve: Any, stated: Any) -> None:
+    """``total_slots`` that is not a positive integer the core can hold (zero, negative, a
+    string, a bool, a float, a list, more than 2**62) states nothing: the slot limit falls
+    back to the default instead of failing the start."""
+    routes = _llamacpp(slot_ctx=4096, n_ctx_train=32768)
+    props = dict(routes[("GET", "/props")][1])
+    props["total_slots"] = stated
+    routes[("GET", "/props")] = (200, props)
+    routes[("GET", "/slots")] = (404, {"error": "nf"})
+    url = await serve(routes)
+    info = await asyncio.to_thread(discover_engine, url)
+    assert info.engine == "llamacpp"
+    assert info.slots is None

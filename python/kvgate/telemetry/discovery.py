@@ -47,6 +47,7 @@ from typing import Any
 
 import orjson
 
+from kvgate._core import MAX_AMOUNT
 from kvgate.telemetry.engine_metrics import (
     MetricsError,
     SlotsSnapshot,
@@ -174,7 +175,11 @@ def _json(body: bytes | None) -> Any:
 
 
 def _pos_int(value: Any) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+    """A count an engine states: a positive integer the admission core can hold (at most
+    ``MAX_AMOUNT``), else ``None`` (garbage, or nothing stated)."""
+    if isinstance(value, int) and not isinstance(value, bool) and 0 < value <= MAX_AMOUNT:
+        return value
+    return None
 
 
 def llamacpp_unified(slots: int, slot_n_ctx: int, n_ctx_train: int | None) -> bool:
