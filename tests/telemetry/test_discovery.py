@@ -22,8 +22,18 @@ Routes = dict[tuple[str, str], tuple[int, Any]]
 async def serve() -> AsyncIterator[Any]:
     runners: list[web.AppRunner] = []
 
-    async def start(routes: Routes) -> str:
+    async def start(
+        routes: Routes, *, api_key: str | None = None, seen: list[str | None] | None = None
+    ) -> str:
+        """An engine answering ``routes``; with ``api_key``, 401 to any request without it
+        (``seen`` collects every request's ``Authorization`` header)."""
+
         async def handler(request: web.Request) -> web.Response:
+            auth = request.headers.get("Authorization")
+            if seen is not None:
+                seen.append(auth)
+            if api_key is not None and auth != f"Bearer {api_key}":
+                return web.json_response({"error": {"message": "Invalid API Key"}}, status=401)
             status, body = routes.get((request.method, request.path), (404, {"error": "nf"}))
             if isinstance(body, str):
                 return web.Response(status=status, text=body)
@@ -329,37 +339,20 @@ def test_slot_limit_follows_the_engines_slots_on_each_poll() -> None:
         assert gw.controller.backend_state(gw.backends[0].id)["max_concurrency"] == after
 
 
-async def test_an_engine_with_an_api_key_is_asked_with_it() -> None:
+async def test_an_engine_with_an_api_key_is_asked_with_it(serve: Any) -> None:
     """An engine started with an API key answers nothing without it (``/v1/models`` 401); with
     ``api_key`` every question carries ``Authorization: Bearer <key>`` and the engine's slots
     are found."""
     seen: list[str | None] = []
     routes = _llamacpp(slot_ctx=4096, n_ctx_train=32768, slots=6)
-
-    async def handler(request: web.Request) -> web.Response:
-        seen.append(request.headers.get("Authorization"))
-        if request.headers.get("Authorization") != "Bearer engine-key":
-            return web.json_response({"error": {"message": "Invalid API Key"}}, status=401)
-        status, body = routes.get((request.method, request.path), (404, {"error": "nf"}))
-        return web.json_response(body, status=status)
-
-    app = web.Application()
-    app.router.add_route("*", "/{tail:.*}", handler)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    url = f"http://127.0.0.1:{runner.addresses[0][1]}"
-    try:
-        with pytest.raises(DiscoveryError, match="401"):
-            await asyncio.to_thread(discover_engine, url)
-        seen.clear()
-        info = await asyncio.to_thread(discover_engine, url, api_key="engine-key")
-        assert (info.engine, info.slots) == ("llamacpp", 6)
-        assert info.kv_capacity_tokens == 6 * 4096
-        assert set(seen) == {"Bearer engine-key"}  # every question carried it
-    finally:
-        await runner.cleanup()
+    url = await serve(routes, api_key="engine-key", seen=seen)
+    with pytest.raises(DiscoveryError, match="401"):
+        await asyncio.to_thread(discover_engine, url)
+    seen.clear()
+    info = await asyncio.to_thread(discover_engine, url, api_key="engine-key")
+    assert (info.engine, info.slots) == ("llamacpp", 6)
+    assert info.kv_capacity_tokens == 6 * 4096
+    assert set(seen) == {"Bearer engine-key"}  # every question carried it
 
 
 @pytest.mark.parametrize("stated", [0, -4, "4", True, 4.0, None, [4], 2**63])
