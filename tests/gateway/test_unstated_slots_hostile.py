@@ -1,0 +1,158 @@
+"""Backends without ``max_concurrency`` in front of engines that misbehave when ``kvgate serve
+--config`` asks them for their batch limit: engines that accept the connection and never
+answer, drip their answer byte by byte, redirect elsewhere, or send a body too large to hold.
+The start stays short however many such engines there are, and their slot limit is the default
+(64)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from aiohttp import web
+
+from kvgate.cli_serve import DISCOVERY_SECONDS, discover_unset_slots
+from kvgate.config import parse_config
+from kvgate.telemetry.discovery import MAX_BODY_BYTES, DiscoveryError, discover_engine
+
+from .test_unstated_slots import admin_state, backend, by_name, serving, tenant
+
+MODELS = {"object": "list", "data": [{"id": "m", "object": "model", "owned_by": "llamacpp"}]}
+
+
+@contextlib.asynccontextmanager
+async def hung_engine() -> AsyncIterator[tuple[str, list[int]]]:
+    """A TCP server that accepts every connection and never answers; its URL and the count of
+    connections it accepted."""
+    accepted = [0]
+    held: list[asyncio.StreamWriter] = []
+
+    async def accept(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        accepted[0] += 1
+        held.append(writer)
+
+    server = await asyncio.start_server(accept, "127.0.0.1", 0, backlog=512)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}", accepted
+    finally:
+        for w in held:
+            w.close()
+        server.close()
+        await server.wait_closed()
+
+
+@contextlib.asynccontextmanager
+async def engine(routes: dict[str, Any]) -> AsyncIterator[str]:
+    """An aiohttp stand-in: path → handler."""
+    app = web.Application()
+    for path, handler in routes.items():
+        app.router.add_route("*", path, handler)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        yield f"http://127.0.0.1:{runner.addresses[0][1]}"
+    finally:
+        await runner.cleanup()
+
+
+async def test_many_hung_engines_delay_the_start_by_the_deadline_only() -> None:
+    """100 backends whose engine accepts the connection and never answers: each request gives
+    up after 2 s, and all of them together after ``DISCOVERY_SECONDS`` (asked 8 at a time
+    they took 2 s per 8 backends, 26 s here)."""
+    async with hung_engine() as (url, accepted):
+        cfg = parse_config(
+            {
+                "backends": [backend(f"b{i}", url) for i in range(100)],
+                "tenants": [tenant()],
+            }
+        )
+        started = time.monotonic()
+        found = await asyncio.to_thread(discover_unset_slots, cfg)
+        took = time.monotonic() - started
+    assert found == {}
+    assert accepted[0] >= 32  # they were asked
+    assert took < DISCOVERY_SECONDS + 5, took
+
+
+async def test_an_answer_dripping_forever_is_dropped_at_the_deadline() -> None:
+    """``/v1/models`` answers its headers, then one byte every 0.2 s without end: each read
+    returns before the 2 s timeout, so only the deadline ends it (it never ended before)."""
+
+    async def drip(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "application/json"})
+        await resp.prepare(request)
+        with contextlib.suppress(ConnectionError):
+            await resp.write(b'{"object": "list", "data": [')
+            while True:
+                await resp.write(b" ")
+                await asyncio.sleep(0.2)
+        return resp
+
+    async with engine({"/v1/models": drip}) as url:
+        started = time.monotonic()
+        with pytest.raises(DiscoveryError, match="deadline"):
+            await asyncio.to_thread(
+                discover_engine, url, timeout=2.0, deadline=time.monotonic() + 1.5
+            )
+        assert time.monotonic() - started < 10
+
+
+async def test_a_redirect_is_not_followed_with_the_key() -> None:
+    """An engine whose ``/v1/models`` redirects to another host: the backend's engine key is
+    not sent there (urllib's redirect kept the ``Authorization`` header); the engine cannot be
+    asked."""
+    seen: list[str | None] = []
+
+    async def elsewhere(request: web.Request) -> web.Response:
+        seen.append(request.headers.get("Authorization"))
+        return web.json_response(MODELS)
+
+    async with engine({"/{tail:.*}": elsewhere}) as other:
+
+        async def moved(request: web.Request) -> web.Response:
+            raise web.HTTPFound(other + request.path)
+
+        async with engine({"/{tail:.*}": moved}) as url:
+            with pytest.raises(DiscoveryError, match="302"):
+                await asyncio.to_thread(discover_engine, url, timeout=2.0, api_key="sk-engine")
+    assert seen == []
+
+
+async def test_a_body_too_large_is_no_answer() -> None:
+    """``/props`` stating 5 slots inside a body over ``MAX_BODY_BYTES`` (a chat template of
+    that size): not read past the cap, so no slot count is taken from it."""
+    huge = b'{"total_slots": 5, "chat_template": "' + b"x" * (MAX_BODY_BYTES + 1) + b'"}'
+
+    async def models(request: web.Request) -> web.Response:
+        return web.json_response(MODELS)
+
+    async def props(request: web.Request) -> web.Response:
+        return web.Response(body=huge, content_type="application/json")
+
+    async with engine({"/v1/models": models, "/props": props}) as url:
+        info = await asyncio.to_thread(discover_engine, url, timeout=5.0)
+    assert info.slots is None
+    assert info.chat_template is None
+
+
+async def test_serve_starts_soon_in_front_of_hung_engines(tmp_path: Path) -> None:
+    """``kvgate serve --config`` with 80 backends whose engines never answer: up and serving
+    within the discovery deadline (plus the process start), every slot limit 64."""
+    async with hung_engine() as (url, _):
+        data = {
+            "backends": [backend(f"b{i}", url) for i in range(80)],
+            "tenants": [tenant()],
+        }
+        started = time.monotonic()
+        async with serving(tmp_path, data) as (gw, _):
+            took = time.monotonic() - started
+            backends = by_name(await admin_state(gw))
+    assert {b["max_concurrency"] for b in backends.values()} == {64}
+    assert took < DISCOVERY_SECONDS + 10, took
