@@ -13,14 +13,27 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import openai
 import pytest
 from aiohttp import web
 
 from kvgate.cli_serve import DISCOVERY_SECONDS, discover_unset_slots
 from kvgate.config import parse_config
+from kvgate.gateway_build import build_gateway
+from kvgate.server import run_gateway
 from kvgate.telemetry.discovery import MAX_BODY_BYTES, DiscoveryError, discover_engine
 
-from .test_unstated_slots import admin_state, backend, by_name, serving, tenant
+from .helpers import until
+from .test_unstated_slots import (
+    FIXTURES,
+    KEY,
+    SIM,
+    admin_state,
+    backend,
+    by_name,
+    serving,
+    tenant,
+)
 
 MODELS = {"object": "list", "data": [{"id": "m", "object": "model", "owned_by": "llamacpp"}]}
 
@@ -156,3 +169,125 @@ async def test_serve_starts_soon_in_front_of_hung_engines(tmp_path: Path) -> Non
             backends = by_name(await admin_state(gw))
     assert {b["max_concurrency"] for b in backends.values()} == {64}
     assert took < DISCOVERY_SECONDS + 10, took
+
+
+# ---- a slot count that changes wildly between polls ------------------------------------------
+
+
+@contextlib.asynccontextmanager
+async def held_llamacpp(slots: list[int], release: asyncio.Event) -> AsyncIterator[str]:
+    """A llama-server stand-in stating ``slots[0]`` slots (``/props``, ``/slots``; the test
+    changes it), with llama.cpp's metrics (no KV gauge, so polls read ``/slots``); each chat
+    completion is answered once ``release`` is set."""
+    prom = (FIXTURES / "llamacpp-mainline-no-kv-metrics.prom").read_text()
+
+    async def models(request: web.Request) -> web.Response:
+        data = [{"id": SIM.model, "object": "model", "owned_by": "llamacpp"}]
+        return web.json_response({"object": "list", "data": data})
+
+    async def props(request: web.Request) -> web.Response:
+        return web.json_response({"total_slots": slots[0]})
+
+    async def slot_list(request: web.Request) -> web.Response:
+        entries = [{"id": i, "n_ctx": 1024, "is_processing": False} for i in range(slots[0])]
+        return web.json_response(entries)
+
+    async def metrics(request: web.Request) -> web.Response:
+        return web.Response(text=prom)
+
+    async def health(request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def chat(request: web.Request) -> web.Response:
+        await request.read()
+        await release.wait()
+        return web.json_response(
+            {
+                "id": "c",
+                "object": "chat.completion",
+                "created": 0,
+                "model": SIM.model,
+                "choices": [
+                    {
+                        "index": 0,
+                        "message": {"role": "assistant", "content": "ok"},
+                        "finish_reason": "stop",
+                    }
+                ],
+                "usage": {"prompt_tokens": 5, "completion_tokens": 1, "total_tokens": 6},
+            }
+        )
+
+    async with engine(
+        {
+            "/v1/models": models,
+            "/props": props,
+            "/slots": slot_list,
+            "/metrics": metrics,
+            "/health": health,
+            "/v1/chat/completions": chat,
+        }
+    ) as url:
+        yield url
+
+
+async def test_waiters_get_the_slots_a_poll_adds() -> None:
+    """The engine states 1 slot, one request holds it and two wait in the queue; the engine
+    then states 10: the waiters are admitted at that poll, not when the first request ends
+    (nothing woke the queue when a poll raised the limit). 0 slots is no statement (the limit
+    stays); 10,000 and then 1 are followed; all finish and nothing stays held."""
+    slots = [1]
+    release = asyncio.Event()
+    async with held_llamacpp(slots, release) as url:
+        adaptive = {"enabled": True, "poll_interval": 0.05, "stale_after": 2.0}
+        cfg = parse_config(
+            {
+                "backends": [backend("own", url, engine="llamacpp", adaptive=adaptive)],
+                "tenants": [tenant()],
+            }
+        )
+        discovery = await asyncio.to_thread(discover_unset_slots, cfg)
+        gateway = build_gateway(cfg, poll=True, discovery=discovery)
+        ctl = gateway.controller
+        bid = ctl.backend_id("own")
+
+        def state(field: str) -> int:
+            return int(ctl.backend_state(bid)[field])
+
+        assert state("max_concurrency") == 1
+        async with run_gateway(gateway) as gw:
+            client = openai.AsyncOpenAI(base_url=gw + "/v1", api_key=KEY, max_retries=0)
+
+            async def one(i: int) -> str:
+                r = await client.chat.completions.create(
+                    model=SIM.model,
+                    messages=[{"role": "user", "content": f"request {i}"}],
+                    max_tokens=10,
+                )
+                return str(r.choices[0].finish_reason)
+
+            try:
+                first = asyncio.create_task(one(0))
+                await until(lambda: state("in_use") == 1, timeout=10)
+                others = [asyncio.create_task(one(i)) for i in (1, 2)]
+                assert gateway.queue is not None
+                await until(lambda: len(gateway.queue) == 2, timeout=10)
+                slots[0] = 0  # no statement: the limit stays
+                await asyncio.sleep(0)  # (the wait below also covers polls of the 0)
+                slots[0] = 10
+                await until(lambda: state("max_concurrency") == 10, timeout=10)
+                await until(lambda: state("in_use") == 3, timeout=5)
+                assert len(gateway.queue) == 0
+                slots[0] = 10_000
+                await until(lambda: state("max_concurrency") == 10_000, timeout=10)
+                slots[0] = 1
+                await until(lambda: state("max_concurrency") == 1, timeout=10)
+                late = asyncio.create_task(one(3))  # over the limit of 1 now: it waits
+                await until(lambda: len(gateway.queue) == 1, timeout=10)
+                assert state("in_use") == 3
+                release.set()
+                assert await asyncio.gather(first, *others, late) == ["stop"] * 4
+                await until(lambda: state("in_use") == 0, timeout=10)
+            finally:
+                release.set()
+                await client.close()
