@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
+import signal
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -175,10 +177,14 @@ async def test_serve_starts_soon_in_front_of_hung_engines(tmp_path: Path) -> Non
 
 
 @contextlib.asynccontextmanager
-async def held_llamacpp(slots: list[int], release: asyncio.Event) -> AsyncIterator[str]:
+async def held_llamacpp(
+    slots: list[int], release: asyncio.Event, at_engine: list[int] | None = None
+) -> AsyncIterator[str]:
     """A llama-server stand-in stating ``slots[0]`` slots (``/props``, ``/slots``; the test
     changes it), with llama.cpp's metrics (no KV gauge, so polls read ``/slots``); each chat
-    completion is answered once ``release`` is set."""
+    completion is answered once ``release`` is set. ``at_engine``: chat requests at the engine
+    now, and the most at once."""
+    count = at_engine if at_engine is not None else [0, 0]
     prom = (FIXTURES / "llamacpp-mainline-no-kv-metrics.prom").read_text()
 
     async def models(request: web.Request) -> web.Response:
@@ -200,7 +206,12 @@ async def held_llamacpp(slots: list[int], release: asyncio.Event) -> AsyncIterat
 
     async def chat(request: web.Request) -> web.Response:
         await request.read()
-        await release.wait()
+        count[0] += 1
+        count[1] = max(count[1], count[0])
+        try:
+            await release.wait()
+        finally:
+            count[0] -= 1
         return web.json_response(
             {
                 "id": "c",
@@ -290,4 +301,75 @@ async def test_waiters_get_the_slots_a_poll_adds() -> None:
                 await until(lambda: state("in_use") == 0, timeout=10)
             finally:
                 release.set()
+                await client.close()
+
+
+async def test_sighup_flips_between_set_and_unset_with_requests_in_flight(tmp_path: Path) -> None:
+    """``kvgate serve --config`` in front of an engine stating 2 slots, ``max_concurrency``
+    left out: 2 requests held at the engine, 2 waiting. A SIGHUP with ``max_concurrency: 4``
+    admits the waiters at once; a SIGHUP leaving it out again brings back the engine's 2 with
+    4 in flight, so a fifth request waits until the in-flight ones end. The engine never holds
+    more requests than the limit in force when they were admitted; nothing stays held."""
+    slots = [2]
+    release = asyncio.Event()
+    at_engine = [0, 0]  # now, most at once
+
+    async with held_llamacpp(slots, release, at_engine) as url:
+        data: dict[str, Any] = {"backends": [backend("own", url)], "tenants": [tenant()]}
+        async with serving(tmp_path, data) as (gw, proc):
+            path = tmp_path / "kvgate.yaml"
+            original = path.read_text()
+
+            async def own(field: str) -> int:
+                return int(by_name(await admin_state(gw))["own"][field])
+
+            async def reload(text: str, limit: int) -> None:
+                path.write_text(text)
+                proc.send_signal(signal.SIGHUP)
+
+                async def applied() -> bool:
+                    return await own("max_concurrency") == limit
+
+                await until(applied, timeout=10)
+
+            assert await own("max_concurrency") == 2
+            client = openai.AsyncOpenAI(base_url=gw + "/v1", api_key=KEY, max_retries=0)
+
+            async def one(i: int) -> str:
+                r = await client.chat.completions.create(
+                    model=SIM.model,
+                    messages=[{"role": "user", "content": f"request {i}"}],
+                    max_tokens=10,
+                )
+                return str(r.choices[0].finish_reason)
+
+            tasks: list[asyncio.Task[str]] = []
+            try:
+                tasks += [asyncio.create_task(one(i)) for i in range(4)]
+                await until(lambda: at_engine[0] == 2, timeout=10)
+                assert at_engine[1] == 2
+                configured = json.loads(original)
+                configured["backends"][0]["max_concurrency"] = 4
+                await reload(json.dumps(configured), 4)
+                await until(lambda: at_engine[0] == 4, timeout=10)
+                await reload(original, 2)  # left out again: the engine's 2
+                tasks.append(asyncio.create_task(one(4)))
+
+                async def queued() -> bool:
+                    state = await admin_state(gw)
+                    return sum(int(t["queue_depth"]) for t in state["tenants"]) == 1
+
+                await until(queued, timeout=10)
+                assert (at_engine[0], at_engine[1]) == (4, 4)
+                release.set()
+                assert await asyncio.gather(*tasks) == ["stop"] * 5
+                assert at_engine[1] == 4
+
+                async def released() -> bool:
+                    return await own("in_use") == 0
+
+                await until(released, timeout=10)
+            finally:
+                release.set()
+                await asyncio.gather(*tasks, return_exceptions=True)
                 await client.close()
