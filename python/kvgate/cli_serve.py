@@ -55,6 +55,8 @@ LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 #: limit for at most this long in all (seconds), with at most this many requests at once.
 DISCOVERY_SECONDS = 5.0
 DISCOVERY_THREADS = 32
+#: The quick start asks its one engine for at most this long in all (seconds; 5 s a request).
+QUICK_DISCOVERY_SECONDS = 15.0
 
 
 def _int_in(lo: int, hi: int) -> Callable[[str], int]:
@@ -381,10 +383,12 @@ def _config_from_flags(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
 
     Every value a flag does not give comes from the engine: models (``GET /v1/models``), each
     model's context window, the concurrency limit (the engine's own batch limit), the engine
-    type, and, with ``--tokenizer``, the chat template the engine renders (llama.cpp). The
-    implicit ``anonymous`` tenant may wait ``--max-wait`` seconds (default 30) in the priority
-    queue, so a burst larger than the engine's slots waits instead of being refused. What was
-    discovered is printed, one line per fact with its source.
+    type, and, with ``--tokenizer``, the chat template the engine renders (llama.cpp), asked
+    for :data:`QUICK_DISCOVERY_SECONDS` at most (an engine that never finishes its answers
+    counts as unreachable). The implicit ``anonymous`` tenant may wait ``--max-wait`` seconds
+    (default 30) in the priority queue, so a burst larger than the engine's slots waits
+    instead of being refused. What was discovered is printed, one line per fact with its
+    source.
 
     Raises:
         kvgate.config.ConfigError: the engine lists no models (or cannot be reached and no
@@ -395,7 +399,7 @@ def _config_from_flags(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
 
     url = args.upstream.rstrip("/")
     try:
-        info = discover_engine(url)
+        info = discover_engine(url, deadline=time.monotonic() + QUICK_DISCOVERY_SECONDS)
     except DiscoveryError as exc:
         if not args.model:
             raise ConfigError([("", str(exc))]) from None

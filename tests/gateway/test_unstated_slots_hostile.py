@@ -373,3 +373,35 @@ async def test_sighup_flips_between_set_and_unset_with_requests_in_flight(tmp_pa
                 release.set()
                 await asyncio.gather(*tasks, return_exceptions=True)
                 await client.close()
+
+
+async def test_the_quick_start_gives_up_on_an_engine_that_never_finishes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``kvgate serve --upstream URL --model m`` in front of an engine whose ``/v1/models``
+    drips forever: given up at the quick start's deadline (it waited forever), served with
+    ``--model`` as given and the default slot limit."""
+    import argparse
+
+    from kvgate import cli_serve
+
+    async def drip(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "application/json"})
+        await resp.prepare(request)
+        with contextlib.suppress(ConnectionError):
+            while True:
+                await resp.write(b" ")
+                await asyncio.sleep(0.2)
+        return resp
+
+    monkeypatch.setattr(cli_serve, "QUICK_DISCOVERY_SECONDS", 1.0)
+    parser = argparse.ArgumentParser()
+    cli_serve.add_arguments(parser)
+    async with engine({"/{tail:.*}": drip}) as url:
+        args = parser.parse_args(["--upstream", url, "--model", "m"])
+        config, found = await asyncio.wait_for(
+            asyncio.to_thread(cli_serve._config_from_flags, args), timeout=30
+        )
+    assert [m.name for m in config.backends[0].models] == ["m"]
+    assert config.backends[0].max_concurrency == 64
+    assert found["default"].slots is None
