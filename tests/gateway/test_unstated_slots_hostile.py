@@ -178,13 +178,17 @@ async def test_serve_starts_soon_in_front_of_hung_engines(tmp_path: Path) -> Non
 
 @contextlib.asynccontextmanager
 async def held_llamacpp(
-    slots: list[int], release: asyncio.Event, at_engine: list[int] | None = None
+    slots: list[int],
+    release: asyncio.Event,
+    at_engine: list[int] | None = None,
+    n_ctx: list[int] | None = None,
 ) -> AsyncIterator[str]:
     """A llama-server stand-in stating ``slots[0]`` slots (``/props``, ``/slots``; the test
-    changes it), with llama.cpp's metrics (no KV gauge, so polls read ``/slots``); each chat
-    completion is answered once ``release`` is set. ``at_engine``: chat requests at the engine
-    now, and the most at once."""
+    changes it) of ``n_ctx[0]`` tokens each (default 1024), with llama.cpp's metrics (no KV
+    gauge, so polls read ``/slots``); each chat completion is answered once ``release`` is
+    set. ``at_engine``: chat requests at the engine now, and the most at once."""
     count = at_engine if at_engine is not None else [0, 0]
+    context = n_ctx if n_ctx is not None else [1024]
     prom = (FIXTURES / "llamacpp-mainline-no-kv-metrics.prom").read_text()
 
     async def models(request: web.Request) -> web.Response:
@@ -195,7 +199,9 @@ async def held_llamacpp(
         return web.json_response({"total_slots": slots[0]})
 
     async def slot_list(request: web.Request) -> web.Response:
-        entries = [{"id": i, "n_ctx": 1024, "is_processing": False} for i in range(slots[0])]
+        entries = [
+            {"id": i, "n_ctx": context[0], "is_processing": False} for i in range(slots[0])
+        ]
         return web.json_response(entries)
 
     async def metrics(request: web.Request) -> web.Response:
@@ -298,6 +304,57 @@ async def test_waiters_get_the_slots_a_poll_adds() -> None:
                 assert state("in_use") == 3
                 release.set()
                 assert await asyncio.gather(first, *others, late) == ["stop"] * 4
+                await until(lambda: state("in_use") == 0, timeout=10)
+            finally:
+                release.set()
+                await client.close()
+
+
+async def test_waiters_get_the_kv_capacity_a_poll_adds() -> None:
+    """The engine's 10 slots of 10 tokens (KV capacity 100, in-flight budget 90) hold one
+    request of 10 + 40 tokens; a second waits for the budget. The slots grow to 1000 tokens
+    each: the waiter is admitted at that poll, not when the first request ends."""
+    slots, n_ctx = [10], [10]
+    release = asyncio.Event()
+    async with held_llamacpp(slots, release, n_ctx=n_ctx) as url:
+        adaptive = {"enabled": True, "poll_interval": 0.05, "stale_after": 2.0}
+        cfg = parse_config(
+            {
+                "backends": [backend("own", url, engine="llamacpp", adaptive=adaptive)],
+                "tenants": [tenant()],
+            }
+        )
+        discovery = await asyncio.to_thread(discover_unset_slots, cfg)
+        assert discovery["own"].kv_capacity_tokens == 100
+        gateway = build_gateway(cfg, poll=True, discovery=discovery)
+        ctl = gateway.controller
+        bid = ctl.backend_id("own")
+
+        def state(field: str) -> int:
+            return int(ctl.backend_state(bid)[field])
+
+        async with run_gateway(gateway) as gw:
+            client = openai.AsyncOpenAI(base_url=gw + "/v1", api_key=KEY, max_retries=0)
+
+            async def one(i: int) -> str:
+                r = await client.chat.completions.create(
+                    model=SIM.model,
+                    messages=[{"role": "user", "content": f"request {i}"}],
+                    max_tokens=40,
+                )
+                return str(r.choices[0].finish_reason)
+
+            try:
+                tasks = [asyncio.create_task(one(0))]
+                await until(lambda: state("in_use") == 1, timeout=10)
+                tasks.append(asyncio.create_task(one(1)))
+                assert gateway.queue is not None
+                await until(lambda: len(gateway.queue) == 1, timeout=10)
+                n_ctx[0] = 1000
+                await until(lambda: state("inflight_token_limit") == 9000, timeout=10)
+                await until(lambda: state("in_use") == 2, timeout=5)
+                release.set()
+                assert await asyncio.gather(*tasks) == ["stop"] * 2
                 await until(lambda: state("in_use") == 0, timeout=10)
             finally:
                 release.set()
