@@ -199,9 +199,7 @@ async def held_llamacpp(
         return web.json_response({"total_slots": slots[0]})
 
     async def slot_list(request: web.Request) -> web.Response:
-        entries = [
-            {"id": i, "n_ctx": context[0], "is_processing": False} for i in range(slots[0])
-        ]
+        entries = [{"id": i, "n_ctx": context[0], "is_processing": False} for i in range(slots[0])]
         return web.json_response(entries)
 
     async def metrics(request: web.Request) -> web.Response:
