@@ -245,7 +245,8 @@ class AdaptiveSink:
         """A slot limit left to the engine (the quick start's, or a backend without
         ``max_concurrency``) follows the engine's own (llama.cpp ``/slots``), e.g. after the
         engine restarted with another ``--parallel``, never below the guaranteed slots of the
-        tenants that use the backend; a configured limit never changes here."""
+        tenants that use the backend (queued requests that now fit are admitted at once); a
+        configured limit never changes here."""
         slots = reading.slots
         known = self._gw.engine_slots.get(b.name)
         if not slots or known is None or slots == known:
@@ -255,6 +256,7 @@ class AdaptiveSink:
         limit = max(slots, int(ctl.backend_state(b.id)["guaranteed_slots"]))
         ctl.update_backend(b.id, max_concurrency=limit)
         self._gw.store.reload()
+        self._gw._notify_queue()  # a higher limit: waiters may fit now
         logger.info(
             "backend %s: slot limit %d (the engine's %d slots, was %d)", b.name, limit, slots, known
         )
@@ -270,6 +272,7 @@ class AdaptiveSink:
         self._gw.set_prefill_capacity(b.name, cap)
         self._gw.controller.update_backend(b.id, inflight_token_limit=budget)
         self._gw.store.reload()
+        self._gw._notify_queue()  # a larger budget: waiters may fit now
         logger.info(
             "backend %s: in-flight token budget %d (engine KV capacity %d × %.2f)",
             b.name,

@@ -51,6 +51,12 @@ QUICK_START = (
 #: start's queue wait (seconds) for a request the limits refuse.
 QUICK_DEFAULTS = {"max_concurrency": DEFAULT_SLOTS, "tpm": 1_000_000, "max_wait": 30.0}
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+#: ``serve --config`` asks the engines of backends without ``max_concurrency`` for their batch
+#: limit for at most this long in all (seconds), with at most this many requests at once.
+DISCOVERY_SECONDS = 5.0
+DISCOVERY_THREADS = 32
+#: The quick start asks its one engine for at most this long in all (seconds; 5 s a request).
+QUICK_DISCOVERY_SECONDS = 15.0
 
 
 def _int_in(lo: int, hi: int) -> Callable[[str], int]:
@@ -316,10 +322,13 @@ def discover_unset_slots(config: Any) -> dict[str, Any]:
     backend name → :class:`~kvgate.telemetry.discovery.EngineInfo`, whose ``slots`` (the
     engine's own batch limit) becomes the backend's slot limit
     (:func:`kvgate.gateway_build.slot_limit`). Backends with a configured ``max_concurrency``
-    are not asked. The engines are asked at once (a small thread pool), 2 s per request. One
-    that cannot be asked (``GET /v1/models`` fails: unreachable, an error status) is left out
-    with one warning line: its slot limit is :data:`~kvgate.config.DEFAULT_SLOTS` until a poll
-    reports the engine's slots. Raises nothing."""
+    are not asked. The engines are asked at once (up to :data:`DISCOVERY_THREADS` at a time),
+    2 s per request and :data:`DISCOVERY_SECONDS` for all of them together, so engines that
+    hang or answer slowly delay the start by that much at most, however many. One that cannot
+    be asked in that time (``GET /v1/models`` fails: unreachable, an error status, a redirect,
+    no answer) is left out with one warning line: its slot limit is
+    :data:`~kvgate.config.DEFAULT_SLOTS` until a poll reports the engine's slots. Raises
+    nothing."""
     unset = [b for b in config.backends if b.max_concurrency is None]
     if not unset:
         return {}
@@ -327,10 +336,16 @@ def discover_unset_slots(config: Any) -> dict[str, Any]:
 
     from kvgate.telemetry.discovery import DiscoveryError, discover_engine
 
+    deadline = time.monotonic() + DISCOVERY_SECONDS
+
     def ask(b: Any) -> tuple[str, Any]:
         try:
             info = discover_engine(
-                b.url, metrics_url=b.effective_metrics_url, timeout=2.0, api_key=b.api_key
+                b.url,
+                metrics_url=b.effective_metrics_url,
+                timeout=2.0,
+                api_key=b.api_key,
+                deadline=deadline,
             )
         except (DiscoveryError, OSError) as exc:
             logger.warning(
@@ -357,7 +372,7 @@ def discover_unset_slots(config: Any) -> dict[str, Any]:
             )
         return b.name, info
 
-    with ThreadPoolExecutor(max_workers=min(8, len(unset))) as pool:
+    with ThreadPoolExecutor(max_workers=min(DISCOVERY_THREADS, len(unset))) as pool:
         answers = list(pool.map(ask, unset))
     return {name: info for name, info in answers if info is not None}
 
@@ -368,10 +383,12 @@ def _config_from_flags(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
 
     Every value a flag does not give comes from the engine: models (``GET /v1/models``), each
     model's context window, the concurrency limit (the engine's own batch limit), the engine
-    type, and, with ``--tokenizer``, the chat template the engine renders (llama.cpp). The
-    implicit ``anonymous`` tenant may wait ``--max-wait`` seconds (default 30) in the priority
-    queue, so a burst larger than the engine's slots waits instead of being refused. What was
-    discovered is printed, one line per fact with its source.
+    type, and, with ``--tokenizer``, the chat template the engine renders (llama.cpp), asked
+    for :data:`QUICK_DISCOVERY_SECONDS` at most (an engine that never finishes its answers
+    counts as unreachable). The implicit ``anonymous`` tenant may wait ``--max-wait`` seconds
+    (default 30) in the priority queue, so a burst larger than the engine's slots waits
+    instead of being refused. What was discovered is printed, one line per fact with its
+    source.
 
     Raises:
         kvgate.config.ConfigError: the engine lists no models (or cannot be reached and no
@@ -382,7 +399,7 @@ def _config_from_flags(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
 
     url = args.upstream.rstrip("/")
     try:
-        info = discover_engine(url)
+        info = discover_engine(url, deadline=time.monotonic() + QUICK_DISCOVERY_SECONDS)
     except DiscoveryError as exc:
         if not args.model:
             raise ConfigError([("", str(exc))]) from None

@@ -380,8 +380,8 @@ def apply_config(gateway: Gateway, new: Config) -> None:
     streams are untouched); new tenants are added; tenants no longer in the file are removed
     (their keys stop working at once; their requests in flight finish and release as usual,
     and their id in the core is reused only once they hold nothing); keys, priority classes
-    and wait times are replaced at once. Backends and models cannot be added or removed by a
-    reload (restart for that).
+    and wait times are replaced at once; queued requests that fit the new limits are admitted
+    at once. Backends and models cannot be added or removed by a reload (restart for that).
 
     Raises:
         kvgate.config.ConfigError: the backends or models differ from the running set, or the
@@ -501,6 +501,7 @@ def apply_config(gateway: Gateway, new: Config) -> None:
     gateway.store.reload()
     gateway.timeouts = new.timeouts
     _set_tenants(gateway, new)
+    gateway._notify_queue()  # limits that grew: waiters may fit now
     logger.info(
         "configuration reloaded: %d backends, %d tenants", len(new.backends), len(_tenants_of(new))
     )

@@ -34,12 +34,15 @@ Where each value comes from (the first that answers wins):
   ``add_special`` answers one token), so the rendered template counts what the engine counts.
 
 Errors: only ``GET /v1/models`` is required (:class:`DiscoveryError` when it cannot be read);
-every other endpoint is optional and a failure there just leaves the value unknown.
+every other endpoint is optional and a failure there just leaves the value unknown. A redirect
+is an error (the engine's API key is not sent to wherever an answer points), and so is a body
+over :data:`MAX_BODY_BYTES` or one still arriving at the caller's deadline.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 import urllib.error
 import urllib.request
 from dataclasses import asdict, dataclass, field
@@ -58,6 +61,7 @@ from kvgate.telemetry.engine_metrics import (
 )
 
 __all__ = [
+    "MAX_BODY_BYTES",
     "DiscoveryError",
     "EngineInfo",
     "ModelInfo",
@@ -66,6 +70,20 @@ __all__ = [
 ]
 
 logger = logging.getLogger("kvgate.discovery")
+
+#: The largest answer read from one endpoint (bytes): a larger one counts as no answer. A
+#: llama.cpp ``/props`` with its chat template, or a ``/metrics`` page, is well under 1 MiB.
+MAX_BODY_BYTES = 16 * 1024 * 1024
+
+
+class _NoRedirect(urllib.request.HTTPRedirectHandler):
+    """A 3xx answer is an error, not followed (urllib would send the API key along)."""
+
+    def redirect_request(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+
+_OPENER = urllib.request.build_opener(_NoRedirect)
 
 # ``owned_by`` of GET /v1/models → engine (llama.cpp writes "llamacpp", vLLM "vllm", SGLang
 # "sglang"; TGI "text-generation-inference")
@@ -141,11 +159,13 @@ class EngineInfo:
 
 @dataclass(frozen=True, slots=True)
 class _Http:
-    """How to ask one engine: seconds per request, and the headers every request carries (the
-    engine's API key, for engines started with one)."""
+    """How to ask one engine: seconds per request, the headers every request carries (the
+    engine's API key, for engines started with one), and the ``time.monotonic()`` after which
+    no request starts and a body still arriving is dropped (``None``: no deadline)."""
 
     timeout: float
     headers: dict[str, str]
+    deadline: float | None = None
 
     def request(self, url: str, data: bytes | None = None) -> urllib.request.Request:
         headers = dict(self.headers)
@@ -155,14 +175,39 @@ class _Http:
             url, data=data, headers=headers, method="POST" if data is not None else "GET"
         )
 
+    def fetch(self, url: str, data: bytes | None = None) -> tuple[int, bytes]:
+        """The status and body of one answer (at most :data:`MAX_BODY_BYTES`).
+
+        Raises:
+            OSError: unreachable, an error status or a redirect (``HTTPError``), a timeout, or
+                the deadline passed.
+            ValueError: a body over :data:`MAX_BODY_BYTES`.
+        """
+        timeout = self.timeout
+        if self.deadline is not None:
+            timeout = min(timeout, self.deadline - time.monotonic())
+            if timeout <= 0:
+                raise TimeoutError("the discovery deadline passed")
+        with _OPENER.open(self.request(url, data), timeout=timeout) as resp:
+            chunks: list[bytes] = []
+            size = 0
+            while chunk := resp.read1(64 * 1024):
+                size += len(chunk)
+                if size > MAX_BODY_BYTES:
+                    raise ValueError(f"{url}: answer over {MAX_BODY_BYTES} bytes")
+                if self.deadline is not None and time.monotonic() > self.deadline:
+                    raise TimeoutError(f"{url}: answer still arriving at the discovery deadline")
+                chunks.append(chunk)
+            return int(resp.status), b"".join(chunks)
+
 
 def _get(url: str, http: _Http) -> bytes | None:
     """The body of a 200 answer, or ``None`` (any error: the endpoint is optional)."""
     try:
-        with urllib.request.urlopen(http.request(url), timeout=http.timeout) as resp:
-            return resp.read() if resp.status == 200 else None
+        status, body = http.fetch(url)
     except (OSError, ValueError):
         return None
+    return body if status == 200 else None
 
 
 def _json(body: bytes | None) -> Any:
@@ -279,10 +324,9 @@ def _llamacpp_kv(base: str, info: EngineInfo, http: _Http, slot_ctx: int | None)
 def _adds_bos(base: str, http: _Http) -> bool:
     """llama.cpp: whether tokenizing with special tokens adds BOS (``POST /tokenize`` of an
     empty text answers one token then)."""
-    req = http.request(base + "/tokenize", b'{"content": "", "add_special": true}')
     try:
-        with urllib.request.urlopen(req, timeout=http.timeout) as resp:
-            data = orjson.loads(resp.read())
+        _, body = http.fetch(base + "/tokenize", b'{"content": "", "add_special": true}')
+        data = orjson.loads(body)
     except (OSError, ValueError):
         return False
     tokens = data.get("tokens") if isinstance(data, dict) else None
@@ -332,6 +376,7 @@ def discover_engine(
     metrics_url: str | None = None,
     timeout: float = 5.0,
     api_key: str | None = None,
+    deadline: float | None = None,
 ) -> EngineInfo:
     """Ask the engine at ``url`` (base URL, no ``/v1``) what it serves; see the module docstring.
 
@@ -341,16 +386,18 @@ def discover_engine(
         timeout: seconds per HTTP request.
         api_key: sent as ``Authorization: Bearer <key>`` with every request (an engine started
             with an API key refuses requests without it, its ``/v1/models`` included).
+        deadline: a ``time.monotonic()`` value: no request starts after it, and an answer still
+            arriving then counts as none (``None``: each request has ``timeout`` seconds, and
+            an engine that answers every endpoint slowly takes several timeouts in all).
 
     Raises:
-        DiscoveryError: ``GET /v1/models`` cannot be read.
+        DiscoveryError: ``GET /v1/models`` cannot be read (also when the deadline passed).
     """
     base = url.rstrip("/")
     info = EngineInfo(url=base)
-    http = _Http(timeout, {"Authorization": f"Bearer {api_key}"} if api_key else {})
+    http = _Http(timeout, {"Authorization": f"Bearer {api_key}"} if api_key else {}, deadline)
     try:
-        with urllib.request.urlopen(http.request(base + "/v1/models"), timeout=timeout) as resp:
-            models = orjson.loads(resp.read())
+        models = orjson.loads(http.fetch(base + "/v1/models")[1])
     except (OSError, ValueError) as exc:
         raise DiscoveryError(f"cannot list models at {base}/v1/models: {exc}") from None
     metrics = _get(metrics_url or base + "/metrics", http)
