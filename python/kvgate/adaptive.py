@@ -256,7 +256,7 @@ class AdaptiveSink:
         limit = max(slots, int(ctl.backend_state(b.id)["guaranteed_slots"]))
         ctl.update_backend(b.id, max_concurrency=limit)
         self._gw.store.reload()
-        self._gw._notify_queue()  # a higher limit: waiters may fit now
+        self._gw.notify_waiters()  # a higher limit: waiters may fit now
         logger.info(
             "backend %s: slot limit %d (the engine's %d slots, was %d)", b.name, limit, slots, known
         )
@@ -272,7 +272,7 @@ class AdaptiveSink:
         self._gw.set_prefill_capacity(b.name, cap)
         self._gw.controller.update_backend(b.id, inflight_token_limit=budget)
         self._gw.store.reload()
-        self._gw._notify_queue()  # a larger budget: waiters may fit now
+        self._gw.notify_waiters()  # a larger budget: waiters may fit now
         logger.info(
             "backend %s: in-flight token budget %d (engine KV capacity %d × %.2f)",
             b.name,

@@ -252,14 +252,16 @@ class Gateway:
             limit = b.config.inflight_token_limit
             if limit is not None:  # a configured budget is a share of the KV capacity
                 kv_capacity_tokens = int(limit / b.config.capacity_safety_factor)
-        gate = gate_for(configured, kv_capacity_tokens, self._notify_queue, chunk)
+        gate = gate_for(configured, kv_capacity_tokens, self.notify_waiters, chunk)
         old = self.prefill.get(backend)
         if gate is None:
             self.prefill.pop(backend, None)
         elif old is None or old.budget != gate.budget:
             self.prefill[backend] = gate
 
-    def _notify_queue(self) -> None:
+    def notify_waiters(self) -> None:
+        """Wakes the priority wait queue (if anyone waits) to try its waiters again: call it
+        when a limit grew (a poll, a reload, the prefill budget freed tokens)."""
         if self.queue is not None and self.queue.waiting:
             self.queue.notify()
 

@@ -315,7 +315,7 @@ def _slo_controller(gateway: Gateway, slo: Any) -> Any:
         interval_s=slo.interval_s,
         window_s=slo.window_s,
         min_samples=slo.min_samples,
-        on_raise=gateway._notify_queue,
+        on_raise=gateway.notify_waiters,
     )
 
 
@@ -501,7 +501,7 @@ def apply_config(gateway: Gateway, new: Config) -> None:
     gateway.store.reload()
     gateway.timeouts = new.timeouts
     _set_tenants(gateway, new)
-    gateway._notify_queue()  # limits that grew: waiters may fit now
+    gateway.notify_waiters()  # limits that grew: waiters may fit now
     logger.info(
         "configuration reloaded: %d backends, %d tenants", len(new.backends), len(_tenants_of(new))
     )
