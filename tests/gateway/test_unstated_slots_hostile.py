@@ -27,12 +27,13 @@ from kvgate.telemetry.discovery import MAX_BODY_BYTES, DiscoveryError, discover_
 
 from .helpers import until
 from .test_unstated_slots import (
-    FIXTURES,
     KEY,
     SIM,
     admin_state,
     backend,
     by_name,
+    engine,
+    llamacpp,
     serving,
     tenant,
 )
@@ -60,21 +61,6 @@ async def hung_engine() -> AsyncIterator[tuple[str, list[int]]]:
             w.close()
         server.close()
         await server.wait_closed()
-
-
-@contextlib.asynccontextmanager
-async def engine(routes: dict[str, Any]) -> AsyncIterator[str]:
-    """An aiohttp stand-in: path → handler."""
-    app = web.Application()
-    for path, handler in routes.items():
-        app.router.add_route("*", path, handler)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    try:
-        await web.TCPSite(runner, "127.0.0.1", 0).start()
-        yield f"http://127.0.0.1:{runner.addresses[0][1]}"
-    finally:
-        await runner.cleanup()
 
 
 async def test_many_hung_engines_delay_the_start_by_the_deadline_only() -> None:
@@ -176,76 +162,6 @@ async def test_serve_starts_soon_in_front_of_hung_engines(tmp_path: Path) -> Non
 # ---- a slot count that changes wildly between polls ------------------------------------------
 
 
-@contextlib.asynccontextmanager
-async def held_llamacpp(
-    slots: list[int],
-    release: asyncio.Event,
-    at_engine: list[int] | None = None,
-    n_ctx: list[int] | None = None,
-) -> AsyncIterator[str]:
-    """A llama-server stand-in stating ``slots[0]`` slots (``/props``, ``/slots``; the test
-    changes it) of ``n_ctx[0]`` tokens each (default 1024), with llama.cpp's metrics (no KV
-    gauge, so polls read ``/slots``); each chat completion is answered once ``release`` is
-    set. ``at_engine``: chat requests at the engine now, and the most at once."""
-    count = at_engine if at_engine is not None else [0, 0]
-    context = n_ctx if n_ctx is not None else [1024]
-    prom = (FIXTURES / "llamacpp-mainline-no-kv-metrics.prom").read_text()
-
-    async def models(request: web.Request) -> web.Response:
-        data = [{"id": SIM.model, "object": "model", "owned_by": "llamacpp"}]
-        return web.json_response({"object": "list", "data": data})
-
-    async def props(request: web.Request) -> web.Response:
-        return web.json_response({"total_slots": slots[0]})
-
-    async def slot_list(request: web.Request) -> web.Response:
-        entries = [{"id": i, "n_ctx": context[0], "is_processing": False} for i in range(slots[0])]
-        return web.json_response(entries)
-
-    async def metrics(request: web.Request) -> web.Response:
-        return web.Response(text=prom)
-
-    async def health(request: web.Request) -> web.Response:
-        return web.json_response({"status": "ok"})
-
-    async def chat(request: web.Request) -> web.Response:
-        await request.read()
-        count[0] += 1
-        count[1] = max(count[1], count[0])
-        try:
-            await release.wait()
-        finally:
-            count[0] -= 1
-        return web.json_response(
-            {
-                "id": "c",
-                "object": "chat.completion",
-                "created": 0,
-                "model": SIM.model,
-                "choices": [
-                    {
-                        "index": 0,
-                        "message": {"role": "assistant", "content": "ok"},
-                        "finish_reason": "stop",
-                    }
-                ],
-                "usage": {"prompt_tokens": 5, "completion_tokens": 1, "total_tokens": 6},
-            }
-        )
-
-    async with engine(
-        {
-            "/v1/models": models,
-            "/props": props,
-            "/slots": slot_list,
-            "/metrics": metrics,
-            "/health": health,
-            "/v1/chat/completions": chat,
-        }
-    ) as url:
-        yield url
-
-
 async def test_waiters_get_the_slots_a_poll_adds() -> None:
     """The engine states 1 slot, one request holds it and two wait in the queue; the engine
     then states 10: the waiters are admitted at that poll, not when the first request ends
@@ -253,7 +169,7 @@ async def test_waiters_get_the_slots_a_poll_adds() -> None:
     stays); 10,000 and then 1 are followed; all finish and nothing stays held."""
     slots = [1]
     release = asyncio.Event()
-    async with held_llamacpp(slots, release) as url:
+    async with llamacpp(slots, release) as url:
         adaptive = {"enabled": True, "poll_interval": 0.05, "stale_after": 2.0}
         cfg = parse_config(
             {
@@ -314,7 +230,7 @@ async def test_waiters_get_the_kv_capacity_a_poll_adds() -> None:
     each: the waiter is admitted at that poll, not when the first request ends."""
     slots, n_ctx = [10], [10]
     release = asyncio.Event()
-    async with held_llamacpp(slots, release, n_ctx=n_ctx) as url:
+    async with llamacpp(slots, release, n_ctx=n_ctx) as url:
         adaptive = {"enabled": True, "poll_interval": 0.05, "stale_after": 2.0}
         cfg = parse_config(
             {
@@ -369,7 +285,7 @@ async def test_sighup_flips_between_set_and_unset_with_requests_in_flight(tmp_pa
     release = asyncio.Event()
     at_engine = [0, 0]  # now, most at once
 
-    async with held_llamacpp(slots, release, at_engine) as url:
+    async with llamacpp(slots, release, at_engine) as url:
         data: dict[str, Any] = {"backends": [backend("own", url)], "tenants": [tenant()]}
         async with serving(tmp_path, data) as (gw, proc):
             path = tmp_path / "kvgate.yaml"
