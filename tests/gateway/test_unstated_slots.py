@@ -68,18 +68,26 @@ def by_name(state: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return {b["name"]: b for b in state["backends"]}
 
 
+async def chat_once(
+    client: openai.AsyncOpenAI, i: int, max_tokens: int, *, ignore_eos: bool = False
+) -> str:
+    """Chat request ``i`` of the simulator's model through the official client; its finish
+    reason."""
+    r = await client.chat.completions.create(
+        model=SIM.model,
+        messages=[{"role": "user", "content": f"request {i}"}],
+        max_tokens=max_tokens,
+        extra_body={"ignore_eos": True} if ignore_eos else None,
+    )
+    return str(r.choices[0].finish_reason)
+
+
 async def burst(url: str, n: int, *, max_tokens: int = 30) -> list[str]:
     """``n`` concurrent chat requests through the official client; their finish reasons."""
     client = openai.AsyncOpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=60)
 
     async def one(i: int) -> str:
-        r = await client.chat.completions.create(
-            model=SIM.model,
-            messages=[{"role": "user", "content": f"request {i}"}],
-            max_tokens=max_tokens,
-            extra_body={"ignore_eos": True},
-        )
-        return str(r.choices[0].finish_reason)
+        return await chat_once(client, i, max_tokens, ignore_eos=True)
 
     try:
         return await asyncio.gather(*(one(i) for i in range(n)))

@@ -28,10 +28,10 @@ from kvgate.telemetry.discovery import MAX_BODY_BYTES, DiscoveryError, discover_
 from .helpers import until
 from .test_unstated_slots import (
     KEY,
-    SIM,
     admin_state,
     backend,
     by_name,
+    chat_once,
     engine,
     llamacpp,
     serving,
@@ -190,12 +190,7 @@ async def test_waiters_get_the_slots_a_poll_adds() -> None:
             client = openai.AsyncOpenAI(base_url=gw + "/v1", api_key=KEY, max_retries=0)
 
             async def one(i: int) -> str:
-                r = await client.chat.completions.create(
-                    model=SIM.model,
-                    messages=[{"role": "user", "content": f"request {i}"}],
-                    max_tokens=10,
-                )
-                return str(r.choices[0].finish_reason)
+                return await chat_once(client, i, 10)
 
             try:
                 first = asyncio.create_task(one(0))
@@ -251,12 +246,7 @@ async def test_waiters_get_the_kv_capacity_a_poll_adds() -> None:
             client = openai.AsyncOpenAI(base_url=gw + "/v1", api_key=KEY, max_retries=0)
 
             async def one(i: int) -> str:
-                r = await client.chat.completions.create(
-                    model=SIM.model,
-                    messages=[{"role": "user", "content": f"request {i}"}],
-                    max_tokens=40,
-                )
-                return str(r.choices[0].finish_reason)
+                return await chat_once(client, i, 40)
 
             try:
                 tasks = [asyncio.create_task(one(0))]
@@ -307,12 +297,7 @@ async def test_sighup_flips_between_set_and_unset_with_requests_in_flight(tmp_pa
             client = openai.AsyncOpenAI(base_url=gw + "/v1", api_key=KEY, max_retries=0)
 
             async def one(i: int) -> str:
-                r = await client.chat.completions.create(
-                    model=SIM.model,
-                    messages=[{"role": "user", "content": f"request {i}"}],
-                    max_tokens=10,
-                )
-                return str(r.choices[0].finish_reason)
+                return await chat_once(client, i, 10)
 
             tasks: list[asyncio.Task[str]] = []
             try:
