@@ -751,7 +751,8 @@ class RedisStore:
                 # the usual case: one scope near its limit, no message of it in flight, none
                 # queued behind the last one: this coroutine sends the message itself (no task
                 # to start, no future to wake: a decision costs one round trip and little else)
-                await self._send_now(sc)
+                sc.busy = True
+                await self._lane(sc, once=True)
                 fut = waits[0].future
                 answers = [fut.result() if fut.done() and not fut.cancelled() else None]
             else:
@@ -928,30 +929,11 @@ class RedisStore:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _send_now(self, sc: Scope) -> None:
-        """One message of ``sc`` sent from the caller's coroutine (``sc`` has none in flight);
-        what queued meanwhile goes on in a lane task (:meth:`_kick`). The message's own
-        deadline bounds the wait."""
-        sc.busy = True
-        try:
-            sc.wake = False
-            built = self._compose(sc)
-            if built is not None:
-                await self._send(sc, *built)
-        except Exception:  # the scope must never stay ``busy``
-            logger.exception("store: a message to %s failed", sc.key)
-        finally:
-            sc.busy = False
-            sc.contended = bool(sc.admits)
-            if self._breaker.opened_at is not None:
-                for adm in sc.admits:
-                    if not adm.future.done():
-                        adm.future.set_result(None)
-                sc.admits.clear()
-            elif sc.wake or sc.admits:
-                self._kick(sc)
-
-    async def _lane(self, sc: Scope) -> None:
+    async def _lane(self, sc: Scope, once: bool = False) -> None:
+        """Sends ``sc``'s messages, one in flight, while there is something to say (``sc.busy``
+        is set by the caller). ``once``: one message, from the caller's own coroutine; what
+        queued meanwhile goes on in a lane task (:meth:`_kick`). Each message's own deadline
+        bounds the wait."""
         try:
             while True:
                 sc.wake = False
@@ -960,17 +942,19 @@ class RedisStore:
                     break
                 await self._send(sc, *built)
                 sc.contended = len(built[1]) > 1 or bool(sc.admits)
-                if not (sc.wake or sc.admits) or self._breaker.opened_at is not None:
+                if once or not (sc.wake or sc.admits) or self._breaker.opened_at is not None:
                     break
         except Exception:  # a lane must never die with ``busy`` set
             logger.exception("store: lane %s failed", sc.key)
         finally:
             sc.busy = False
-            for adm in sc.admits if self._breaker.opened_at is not None else ():
-                if not adm.future.done():
-                    adm.future.set_result(None)
             if self._breaker.opened_at is not None:
+                for adm in sc.admits:
+                    if not adm.future.done():
+                        adm.future.set_result(None)
                 sc.admits.clear()
+            elif once and (sc.wake or sc.admits):
+                self._kick(sc)
 
     def _compose(self, sc: Scope) -> tuple[dict[str, Any], list[_Admit], dict[str, int]] | None:
         """The next message of ``sc``: re-asserted quotas (lowered where this replica holds
