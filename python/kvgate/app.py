@@ -1,18 +1,18 @@
-"""Composition root: the :class:`Gateway` state and its HTTP endpoints (served by :mod:`kvgate.server`).
+"""The :class:`Gateway` state (what every request needs, built by :mod:`kvgate.gateway_build`)
+and the gateway's own HTTP endpoints (served by :mod:`kvgate.server`).
 
-Only this module sees every part: the Rust admission core (``kvgate._core``), the per-model
-request analysers, the backends and their upstream session, tenants, metrics and the engine
-metrics pollers. Handlers (:mod:`kvgate.proxy.handler`) hold no policy of their own.
+The state: the Rust admission core (``kvgate._core``), the per-model request analysers, the
+backends and their upstream session, the tenant table, the wait queue, the store, metrics and
+the engine metrics pollers. It holds no request policy: a request's stages are functions of
+their own modules that read it (:mod:`kvgate.proxy.handler` calls them in order).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 import hmac
 import logging
-import math
 import time
 import urllib.parse
 from collections.abc import Awaitable, Callable
@@ -23,21 +23,19 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from kvgate import AnalysisError, ModelRegistry, dashboard
-from kvgate._core import peek_model
-from kvgate.admission.refusal import Refusal
-from kvgate.admission.retry_hint import SLOT_REASONS, RunningRequests
+from kvgate import ModelRegistry, dashboard
+from kvgate.admission.identity import TenantTable, api_key
+from kvgate.admission.retry_hint import RunningRequests
 from kvgate.config import TimeoutsConfig
 from kvgate.errors import GatewayError
 from kvgate.metrics import GatewayMetrics
 from kvgate.proxy.deadline import Watchdog
-from kvgate.proxy.prepared import PreparedResponse, Reply, connection_header, error_response
+from kvgate.proxy.prepared import Reply, error_response
 from kvgate.proxy.routes import normalize_path
 from kvgate.store import LocalStore
 from kvgate.usage import usage_reply
 
 __all__ = [
-    "PRIORITY_CLASSES",
     "Backend",
     "Gateway",
     "ModelRoute",
@@ -45,34 +43,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger("kvgate.gateway")
-
-PRIORITY_CLASSES = ("critical", "standard", "sheddable")
-PRIORITY_HEADER = "x-kvgate-priority"
-MAX_WAIT_HEADER = "x-kvgate-max-wait-ms"
-#: refusals that time alone lifts (a token bucket refilling), not a release
-_REFILL_REASONS = frozenset({"tenant-tpm", "backend-tpm"})
-
-
-class _ShadowAdmission:
-    """What a request refused in shadow mode runs with: it holds nothing and releases nothing
-    (the refusal was counted in ``kvgate_shadow_rejections_total``)."""
-
-    __slots__ = ()
-    admitted = True
-
-    def release(self, actual_tokens: int | None = None) -> None:
-        """Nothing to give back."""
-
-
-SHADOW_ADMISSION = _ShadowAdmission()
-
-
-class _NeverFits(Exception):
-    """Raised from a queued ``try_admit`` whose request can never be admitted."""
-
-    def __init__(self, rejection: Any) -> None:
-        super().__init__(rejection.reason)
-        self.rejection = rejection
 
 
 @dataclass(slots=True)
@@ -217,14 +187,13 @@ class Gateway:
     slo: Any = None
     #: OpenTelemetry traces (:class:`kvgate.tracing.Tracing`, config ``tracing``), or ``None``
     tracing: Any = None
-    #: the pending timed ``queue.notify()`` (a token bucket refills with time, not on releases)
-    _queue_wakeup: asyncio.TimerHandle | None = field(init=False, default=None)
-    _by_hash: dict[bytes, Tenant] = field(init=False, default_factory=dict)
+    #: who is calling: the tenants by API key (:class:`kvgate.admission.identity.TenantTable`)
+    identity: TenantTable = field(init=False)
 
     def __post_init__(self) -> None:
         from kvgate.admission.wait_queue import PriorityWaitQueue
 
-        self.set_tenants(self.tenants, self.anonymous)
+        self.identity = TenantTable(self.tenants, self.anonymous)
         # one JSON parse per request: the registry picks the model's analyser itself
         self.registry = ModelRegistry([m.analyzer for m in self.models.values()])
         self.metrics = GatewayMetrics(self.read_state, lambda: int(self.controller.leaks))
@@ -299,209 +268,10 @@ class Gateway:
         cfg = self.config
         return cfg.other_routes if cfg is not None else "refuse"
 
-    def shadow(self, backend: Backend, tenant: Tenant) -> bool:
-        """Whether refusals for this tenant on this backend are only counted (``mode: shadow``
-        on the gateway, the backend or the tenant)."""
-        if tenant.shadow:
-            return True
-        cfg = self.config
-        return cfg is not None and (
-            cfg.mode == "shadow" or (backend.config is not None and backend.config.mode == "shadow")
-        )
-
-    def max_wait(self, request: web.BaseRequest, tenant: Tenant) -> float:
-        """Seconds a refused request may wait: the tenant's ``max_wait_ms``, shortened (never
-        lengthened) by the client's ``x-kvgate-max-wait-ms`` header (milliseconds, fractions
-        allowed; a value that is not a finite number is ignored)."""
-        wait_ms = float(tenant.max_wait_ms)
-        if wait_ms <= 0:  # the header can only shorten it
-            return 0.0
-        asked = request.headers.get(MAX_WAIT_HEADER)
-        if asked is not None:
-            with contextlib.suppress(ValueError):
-                value = float(asked)  # milliseconds, fractions allowed ("1500.5")
-                if math.isfinite(value):
-                    wait_ms = min(wait_ms, max(0.0, value))
-        return wait_ms / 1000.0
-
-    def refusal_stands(
-        self, request: web.BaseRequest, backend: Backend, tenant: Tenant, refusal: Any
-    ) -> bool:
-        """Whether the core's refusal on the fast path is the answer as it is (decided without
-        an await): not in shadow mode, and waiting could not change it — no wait queue, never
-        admissible, a shed class, or no wait allowed for this tenant and request. Otherwise
-        :meth:`admit_slow` decides."""
-        return not self.shadow(backend, tenant) and self._waiting_cannot_help(
-            request, tenant, refusal
-        )
-
-    def _waiting_cannot_help(self, request: web.BaseRequest, tenant: Tenant, refusal: Any) -> bool:
-        """No wait queue, no wait allowed, never admissible, or a shed class (the cheapest
-        checks first: this runs on every refusal)."""
-        return (
-            self.queue is None
-            or tenant.max_wait_ms <= 0
-            or refusal.never
-            or refusal.reason == "shed"
-            or self.max_wait(request, tenant) <= 0
-        )
-
-    async def admit_slow(
-        self,
-        request: web.BaseRequest,
-        backend: Backend,
-        tenant: Tenant,
-        priority: str,
-        tokens: int,
-        refusal: Any,
-        gate: Callable[[], Any] | None = None,
-    ) -> Any:
-        """Admission when the fast path did not admit: shadow mode, then the priority wait
-        queue (critical before standard before sheddable, fair between tenants, bounded).
-
-        Args:
-            refusal: the core's ``Rejection`` from the fast path, or ``None`` when the fast path
-                was skipped because requests are queued.
-            gate: checks after the core admitted (the prefill budget, latency targets; no
-                await): ``None`` to go on, or a refusal (the core's reservation is then given
-                back and the request waits again).
-
-        Returns:
-            A ``Reservation``, the shadow admission, or a refusal (``Rejection`` /
-            :class:`Refusal`) whose ``reason`` names what refused it.
-        """
-        if refusal is None:
-            # the fast path was skipped because others are queued: what can never fit, and a
-            # shed class, must still be answered at once, not parked behind them
-            refusal = self._refuse_without_queueing(backend, tenant, priority, tokens)
-        if self.shadow(backend, tenant):
-            # a shadow request never waits, not even behind queued ones: the core decides now,
-            # and a refusal is only counted
-            if refusal is None:
-                decision = self.controller.admit(backend.id, tenant.id, priority, tokens)
-                if decision.admitted:
-                    return decision
-                refusal = decision
-            self.metrics.shadow_rejections.labels(refusal.reason).inc()
-            return SHADOW_ADMISSION
-        queue = self.queue
-        if refusal is None and queue is None:  # no queue configured: decide now
-            decision = self.controller.admit(backend.id, tenant.id, priority, tokens)
-            if decision.admitted and gate is not None:
-                extra = gate()
-                if extra is not None:
-                    decision.release(0)
-                    return extra
-            return decision
-        if refusal is not None and self._waiting_cannot_help(request, tenant, refusal):
-            return refusal
-        wait = self.max_wait(request, tenant)
-        from kvgate.admission.wait_queue import QueueFull, Shed, WaitTimeout
-
-        last: list[Any] = [refusal]
-        controller = self.controller
-
-        def try_admit() -> Any:
-            decision = controller.admit(backend.id, tenant.id, priority, tokens)
-            if decision.admitted:
-                if gate is not None:
-                    extra = gate()
-                    if extra is not None:
-                        decision.release(0)
-                        last[0] = extra
-                        return None
-                return decision
-            last[0] = decision
-            if decision.never:  # limits shrank by a reload: leave the queue, don't block it
-                raise _NeverFits(decision)
-            if decision.reason in _REFILL_REASONS and decision.retry_after is not None:
-                # nothing is released when a bucket refills: look again when it has
-                self._wake_queue_after(decision.retry_after)
-            return None
-
-        try:
-            return await queue.wait(
-                tenant=tenant.name,
-                priority=priority,
-                max_wait=wait,
-                try_admit=try_admit,
-                backend=backend.name,
-            )
-        except _NeverFits as never:
-            return never.rejection
-        except WaitTimeout:
-            if last[0] is not None:
-                if self.shadow(backend, tenant):
-                    self.metrics.shadow_rejections.labels(last[0].reason).inc()
-                    return SHADOW_ADMISSION
-                return last[0]
-            return Refusal("queued", retry_after=self._queue_retry(backend))
-        except QueueFull:
-            return Refusal("queue-full", retry_after=self._queue_retry(backend))
-        except Shed:
-            return Refusal("shed")
-
-    def _wake_queue_after(self, delay: float) -> None:
-        """Run ``queue.notify()`` in ``delay`` seconds, once: a waiter refused by a token bucket
-        fits again when the bucket has refilled, which no release announces. Only the earliest
-        pending wake-up is kept (the waiter it wakes schedules the next one if it still does not
-        fit)."""
-        loop = asyncio.get_running_loop()
-        when = loop.time() + delay
-        pending = self._queue_wakeup
-        if pending is not None:
-            if pending.when() <= when:
-                return
-            pending.cancel()
-        self._queue_wakeup = loop.call_at(when, self._queue_wakeup_due)
-
-    def _queue_wakeup_due(self) -> None:
-        self._queue_wakeup = None
-        if self.queue is not None:
-            self.queue.notify()
-
-    def retry_hint(self, backend: Backend) -> float:
-        """kvgate's own wait hint (seconds) for a request the engine of ``backend`` refused
-        with 429 or 503: the same estimate a request refused by the wait queue gets
-        (:meth:`_queue_retry`). The relay sends the longer of it and the engine's."""
-        return self._queue_retry(backend)
-
-    def _queue_retry(self, backend: Backend) -> float:
-        """Seconds until a request refused by the queue (``queued``, ``queue-full``) may get a
-        turn, when this worker runs no request on the backend (else :meth:`slot_hint` decides):
-        the backend's expected time to the next slot release (its hold-time EWMA ÷ slots in
-        use, 1 s hold when nothing finished yet — the core's rule) for each request queued
-        ahead, plus one."""
-        st = self.controller.backend_state(backend.id)
-        hold = st["hold_time_ewma"] or 1.0
-        per_slot = hold / max(1, st["in_use"])
-        ahead = self.queue.waiting if self.queue is not None else 0
-        return max(0.001, per_slot * (ahead + 1))
-
-    def _refuse_without_queueing(
-        self, backend: Backend, tenant: Tenant, priority: str, tokens: int
-    ) -> Refusal | None:
-        """The refusal a request gets without waiting, judged from the core's base limits
-        (the same never-admissible rules ``admit`` applies first), or ``None``."""
-        b = self.controller.backend_state(backend.id)
-        t = self.controller.tenant_state(tenant.id)
-        if t["burst_tokens"] is not None and tokens > t["burst_tokens"]:
-            return Refusal("tenant-tpm", scope="tenant", retry_after=None, never=True)
-        if tokens > b["burst_tokens"]:
-            return Refusal("backend-tpm", retry_after=None, never=True)
-        if b["inflight_token_limit"] is not None and tokens > b["inflight_token_limit"]:
-            return Refusal("inflight-tokens", retry_after=None, never=True)
-        if priority == "sheddable" and b["shedding"]:
-            return Refusal("shed")
-        return None
-
     def set_tenants(self, tenants: list[Tenant], anonymous: Tenant | None) -> None:
         """Replace the tenant table (start-up and reload): keys, classes, wait times."""
-        by_hash: dict[bytes, Tenant] = {}
-        for tenant in tenants:
-            for digest in tenant.key_hashes:
-                by_hash[bytes.fromhex(digest)] = tenant
-        self.tenants, self.anonymous, self._by_hash = tenants, anonymous, by_hash
+        self.tenants, self.anonymous = tenants, anonymous
+        self.identity.replace(tenants, anonymous)
 
     def backend_named(self, name: str) -> Backend:
         """The backend called ``name`` (``KeyError`` if none)."""
@@ -510,247 +280,10 @@ class Gateway:
                 return b
         raise KeyError(name)
 
-    # ---- identification -------------------------------------------------------------------
-    def authenticate(self, request: web.BaseRequest) -> tuple[Tenant, str]:
-        """The tenant of a request and its priority class.
-
-        The key comes from ``Authorization: Bearer <key>`` (or, without a Bearer authorization,
-        ``api-key``); it is hashed with SHA-256 and the digest is looked up in a dict of the
-        declared digests: one lookup whatever the number of tenants and keys. A lookup's timing
-        can only tell an attacker about the digest of the key they sent, never about a declared
-        key (finding a key from its SHA-256 digest is a preimage attack), so no constant-time
-        comparison against every digest is needed. Only a request with no key runs as the anonymous tenant; when no tenant
-        has a key, keys are not read and every request is the anonymous tenant's. A request may
-        lower its priority with ``x-kvgate-priority``; a higher value is ignored.
-
-        Raises:
-            GatewayError: 401 ``invalid_api_key`` for a key that matches no tenant, and for a
-                request with no key when there is no anonymous tenant.
-        """
-        tenant: Tenant | None = None
-        # no keys configured: whatever key a client sends, it is the anonymous tenant
-        key = _api_key(request) if self._by_hash else None
-        if key:
-            digest = hashlib.sha256(key.encode("utf-8", "surrogatepass")).digest()
-            tenant = self._by_hash.get(digest)
-            if tenant is None:
-                raise GatewayError(
-                    401,
-                    "Incorrect API key provided.",
-                    "invalid_request_error",
-                    code="invalid_api_key",
-                )
-        if tenant is None:
-            tenant = self.anonymous
-        if tenant is None:
-            raise GatewayError(
-                401,
-                "You didn't provide an API key. Send it as 'Authorization: Bearer <key>'.",
-                "invalid_request_error",
-                code="invalid_api_key",
-            )
-        priority = tenant.priority
-        asked = request.headers.get(PRIORITY_HEADER)
-        if asked in PRIORITY_CLASSES and PRIORITY_CLASSES.index(asked) > PRIORITY_CLASSES.index(
-            priority
-        ):
-            priority = asked
-        return tenant, priority
-
-    # ---- analysis and routing -------------------------------------------------------------
-    def analyze_now(self, route: str, body: bytes) -> tuple[ModelRoute, Any]:
-        """Analyse the body on the event loop with the model's Rust analyser (one JSON parse;
-        the registry picks the model's analyser). For small bodies (a few µs); large ones go
-        through :meth:`analyze_in_thread`.
-
-        Raises:
-            GatewayError: 400 invalid body / context overflow, 404 unknown model.
-        """
-        try:
-            analysis = self.registry.analyze(route, body)
-        except AnalysisError as err:
-            raise GatewayError(err.status, err.message, err.type, err.param, err.code) from None
-        return self.models[analysis.model], analysis
-
-    async def analyze_in_thread(self, route: str, body: bytes) -> tuple[ModelRoute, Any]:
-        """:meth:`analyze_now` in the default thread pool (GIL released), for large bodies, so
-        the event loop never waits on a tokenizer.
-
-        Raises:
-            GatewayError: 400 invalid body / context overflow, 404 unknown model.
-        """
-        loop = asyncio.get_running_loop()
-        try:
-            analysis = await loop.run_in_executor(None, self.registry.analyze, route, body)
-        except AnalysisError as err:
-            raise GatewayError(err.status, err.message, err.type, err.param, err.code) from None
-        return self.models[analysis.model], analysis
-
-    def pick_backend(self, model: ModelRoute, tenant: Tenant) -> Backend:
-        """The healthy replica with the most headroom (free slot ratio, then lower KV usage),
-        among the model's backends the tenant may use (``Tenant.backends``).
-
-        Raises:
-            GatewayError: 404 ``model_not_found`` when none of the model's backends is open to
-                the tenant (as OpenAI answers a model the key has no access to); 503
-                ``backend_unavailable`` when none of those is healthy.
-        """
-        candidates = model.backends
-        if tenant.backends is not None:
-            candidates = [b for b in candidates if b.name in tenant.backends]
-            if not candidates:
-                raise GatewayError(
-                    404,
-                    f"The model `{model.name}` does not exist or you do not have access to it.",
-                    "invalid_request_error",
-                    param="model",
-                    code="model_not_found",
-                )
-        if len(candidates) == 1:
-            only = candidates[0]
-            if only.healthy:
-                return only
-        healthy = [b for b in candidates if b.healthy]
-        if not healthy:
-            raise GatewayError(
-                503,
-                f"No healthy backend serves `{model.name}` right now.",
-                "server_error",
-                code="backend_unavailable",
-                headers={"Retry-After": "1"},
-            )
-        if len(healthy) == 1:
-            return healthy[0]
-
-        def headroom(b: Backend) -> tuple[float, float]:
-            st = self.controller.backend_state(b.id)
-            limit = max(1, st["effective_concurrency"])
-            return ((limit - st["in_use"]) / limit, -(b.kv_usage or 0.0))
-
-        return max(healthy, key=headroom)
-
-    def model_of(self, body: bytes) -> ModelRoute | None:
-        """The served model a forwarded request's JSON body names in ``model`` (read in Rust,
-        every other field skipped), or ``None`` when the body is empty, not a JSON object, or
-        names no model.
-
-        Raises:
-            GatewayError: 404 ``model_not_found`` for a model no backend serves.
-        """
-        if not body:
-            return None
-        try:
-            name = peek_model(body)
-        except AnalysisError:
-            return None
-        model = self.models.get(name)
-        if model is None:
-            raise GatewayError(
-                404,
-                f"The model `{name}` does not exist or you do not have access to it.",
-                "invalid_request_error",
-                param="model",
-                code="model_not_found",
-            )
-        return model
-
-    def pick_any_backend(self, tenant: Tenant) -> Backend:
-        """For a request that names no model: the healthy backend with the most headroom (free
-        slot ratio, then lower KV usage) among those the tenant may use (``Tenant.backends``).
-
-        Raises:
-            GatewayError: 503 ``backend_unavailable`` when none of them is healthy.
-        """
-        healthy = [
-            b
-            for b in self.backends
-            if b.healthy and (tenant.backends is None or b.name in tenant.backends)
-        ]
-        if not healthy:
-            raise GatewayError(
-                503,
-                "No healthy backend is open to this tenant right now.",
-                "server_error",
-                code="backend_unavailable",
-                headers={"Retry-After": "1"},
-            )
-
-        def headroom(b: Backend) -> tuple[float, float]:
-            st = self.controller.backend_state(b.id)
-            limit = max(1, st["effective_concurrency"])
-            return ((limit - st["in_use"]) / limit, -(b.kv_usage or 0.0))
-
-        return max(healthy, key=headroom)
-
-    # ---- responses ------------------------------------------------------------------------
-    def rejection_response(
-        self,
-        request: web.BaseRequest,
-        decision: Any,
-        backend: Backend,
-        tenant: Tenant,
-        model: ModelRoute | None,
-        requested: int,
-    ) -> tuple[PreparedResponse, str]:
-        """429 (tenant over quota, or a request that can never fit) or 503 (backend saturated /
-        class shed) with OpenAI's error
-        body, ``Retry-After`` (computed; omitted with ``x-should-retry: false`` when it can never
-        be admitted), the ``x-ratelimit-*`` headers and ``x-kvgate-reject-reason``, serialized
-        whole in Rust (:meth:`kvgate._core.AdmissionController.refusal_response`). Returns it and
-        the refusal's reason (for the metrics).
-
-        A refusal that waits for a slot (``tenant-concurrency``, ``backend-slots``,
-        ``inflight-tokens``, ``queued``, ``queue-full``) gets its hint (seconds) from the
-        requests this worker is running (:meth:`slot_hint`)."""
-        decision = self.slot_hint(decision, backend, tenant)
-        # status, OpenAI error body, x-ratelimit-*, Retry-After / retry-after-ms (or
-        # x-should-retry: false), the reason, Content-Length, Date: one call, one buffer
-        connection = connection_header(request)
-        status, reason, raw = self.controller.refusal_response(
-            backend.id,
-            tenant.id,
-            decision,
-            model.name if model is not None else None,
-            tenant.name,
-            requested,
-            connection,
-        )
-        return PreparedResponse(status, raw, connection), reason
-
-    def slot_hint(self, decision: Any, backend: Backend, tenant: Tenant) -> Any:
-        """``decision`` with its retry hint computed from the requests holding the slots
-        (:class:`~kvgate.admission.retry_hint.RunningRequests`), when it is a refusal that waits
-        for a slot: for ``tenant-concurrency`` the tenant's own running requests, for
-        ``backend-slots`` / ``inflight-tokens`` the backend's, for ``queued`` / ``queue-full``
-        the backend's with every request queued in this worker counted ahead. Otherwise, or
-        when this worker runs no request in that scope (with ``--workers N`` the slots may be
-        held through other workers), ``decision`` as it is (the core's hint: its hold-time
-        average ÷ slots in use). Runs on refusals only."""
-        reason = decision.reason
-        if reason not in SLOT_REASONS or decision.never:
-            return decision
-        if reason == "tenant-concurrency":
-            hint = self.running.hint(backend.id, tenant=tenant.id)
-        elif reason in ("queued", "queue-full"):
-            ahead = self.queue.waiting if self.queue is not None else 0
-            hint = self.running.hint(backend.id, ahead=ahead)
-        else:
-            hint = self.running.hint(backend.id)
-        if hint is None:
-            return decision
-        return Refusal(reason, scope=decision.scope, retry_after=hint)
-
     # ---- state ----------------------------------------------------------------------------
     def read_state(self) -> list[tuple[str, dict[str, Any]]]:
         """``[(backend name, core state dict)]`` for metrics and ``/admin/state``."""
         return [(b.name, self.controller.backend_state(b.id)) for b in self.backends]
-
-
-def _api_key(request: web.BaseRequest) -> str | None:
-    auth = request.headers.get("Authorization", "")
-    if auth[:7].lower() == "bearer ":
-        return auth[7:].strip() or None
-    return request.headers.get("api-key") or None
 
 
 # ---- HTTP endpoints besides inference ----------------------------------------------------
@@ -809,7 +342,7 @@ def admin_denied(gw: Gateway, request: web.BaseRequest) -> Reply | None:
     """The 401 (``invalid_api_key``, OpenAI's error shape) for an admin endpoint asked without
     the admin key (``Authorization: Bearer`` or ``api-key``, :func:`admin_key_ok`); ``None``
     when the key matches or none is configured."""
-    return None if admin_key_ok(gw, _api_key(request)) else admin_refusal(request)
+    return None if admin_key_ok(gw, api_key(request.headers)) else admin_refusal(request)
 
 
 async def handle_admin_usage(gw: Gateway, request: web.BaseRequest) -> Reply:
@@ -875,7 +408,7 @@ async def handle_admin_state(gw: Gateway, request: web.BaseRequest) -> Reply:
     with Redis: this replica's id, breaker, counters and each active scope's mode, live
     replicas and quotas).
     Needs the admin key (``Authorization: Bearer``) when ``admin_key_sha256`` is configured."""
-    if not admin_key_ok(gw, _api_key(request)):
+    if not admin_key_ok(gw, api_key(request.headers)):
         return admin_refusal(request)
     return web.Response(
         body=orjson.dumps(admin_state(gw), option=orjson.OPT_NON_STR_KEYS),
@@ -901,7 +434,7 @@ def _bound_by(b: Backend, st: dict[str, Any]) -> dict[str, str]:
 def _dashboard_key(request: web.BaseRequest) -> str | None:
     """The admin key a dashboard request carries: ``Authorization: Bearer`` (or ``api-key``),
     else the dashboard's cookie."""
-    key = _api_key(request)
+    key = api_key(request.headers)
     if key is None:
         cookie = request.cookies.get(dashboard.COOKIE)
         key = urllib.parse.unquote(cookie) if cookie else None

@@ -26,6 +26,7 @@ from tests.gateway.helpers import until
 from kvgate.config import Config
 from kvgate.proxy.assemble import ChunkAssembler, ResponsesAssembler, SSELines
 from kvgate.proxy.handler import rewrite_body
+from kvgate.routing import analyze_now
 from kvgate.sim import SimConfig, run_sim
 
 FIXTURES = Path(__file__).parent.parent / "fixtures" / "responses"
@@ -471,8 +472,8 @@ async def test_assembled_answer_without_usage_is_charged_from_its_text(gateway_f
         calls = [c["message"]["tool_calls"][0]["function"] for c in answer["choices"]]
         assert calls == [c["message"]["tool_calls"][0]["function"] for c in TOOLS_JSON["choices"]]
         text = "".join(f["name"] + f["arguments"] for f in calls)
-        _, analysis = gw.gateway.analyze_now(
-            "/v1/chat/completions", orjson.dumps({**body, "max_tokens": 50})
+        _, analysis = analyze_now(
+            gw.gateway, "/v1/chat/completions", orjson.dumps({**body, "max_tokens": 50})
         )
         m = gw.gateway.metrics
         m.flush()

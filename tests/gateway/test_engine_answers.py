@@ -31,6 +31,7 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from kvgate.config import Config
+from kvgate.routing import analyze_now
 
 from .conftest import config_for, sha
 from .helpers import (
@@ -210,7 +211,7 @@ async def test_an_error_event_after_tokens_charges_prompt_and_delivered(gateway_
 
     async with raw_engine(script) as engine, gateway_for(tenant_config(engine.url, "m")) as gw:
         body = orjson.dumps(chat("m", "hello there", max_tokens=20, stream=True))
-        _, analysis = gw.gateway.analyze_now("/v1/chat/completions", body)
+        _, analysis = analyze_now(gw.gateway, "/v1/chat/completions", body)
         async with (
             aiohttp.ClientSession() as s,
             s.post(

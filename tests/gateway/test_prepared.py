@@ -446,12 +446,12 @@ async def test_unparsable_requests_get_openai_errors(gw, raw: bytes) -> None:
 
 
 async def test_an_unexpected_failure_is_a_500_in_openai_shape(gw, monkeypatch) -> None:
-    from kvgate.app import Gateway
+    from kvgate.admission.identity import TenantTable
 
-    def boom(self, request):  # type: ignore[no-untyped-def]
+    def boom(self, headers):  # type: ignore[no-untyped-def]
         raise RuntimeError("secret internals")
 
-    monkeypatch.setattr(Gateway, "authenticate", boom)
+    monkeypatch.setattr(TenantTable, "identify", boom)
     reader, writer = await _connect(gw.url)
     try:
         writer.write(_post())

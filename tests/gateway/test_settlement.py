@@ -12,6 +12,8 @@ import socket
 import openai
 import orjson
 
+from kvgate.routing import analyze_now
+
 from .conftest import config_for
 from .fake_upstream import run_upstream
 from .helpers import chat, raw_chat_request, until
@@ -32,7 +34,7 @@ async def test_non_streamed_answer_without_usage_is_charged_from_its_text(gatewa
         assert answer.usage is None
         assert up.requests[-1]["n"] == 2
         body = orjson.dumps({"model": "nousage", "messages": messages, "max_tokens": 50, "n": 2})
-        _, analysis = gw.gateway.analyze_now("/v1/chat/completions", body)
+        _, analysis = analyze_now(gw.gateway, "/v1/chat/completions", body)
         # both choices' text: 12 words and a tool call, 69 bytes = 18 tokens by the byte estimate
         # the gateway uses without a tokenizer
         text = "word " * 12 + "f" + '{"a": 1}'

@@ -42,8 +42,19 @@ from __future__ import annotations
 import time
 from bisect import bisect_right
 from collections import deque
+from typing import Any
 
-__all__ = ["COLD_HOLD", "MAX_HINT", "MIN_HINT", "SLOT_REASONS", "RunningRequests"]
+from kvgate.admission.refusal import Refusal
+
+__all__ = [
+    "COLD_HOLD",
+    "MAX_HINT",
+    "MIN_HINT",
+    "SLOT_REASONS",
+    "RunningRequests",
+    "queue_retry",
+    "slot_hint",
+]
 
 #: Refusal reasons that end when a running request ends (their hint comes from here).
 SLOT_REASONS = frozenset(
@@ -219,3 +230,46 @@ class RunningRequests:
             holds = sorted(stats.holds)
             return holds[len(holds) // 2]
         return max(remaining[-1], COLD_HOLD)
+
+
+def queue_retry(controller: Any, backend_id: int, queued: int) -> float:
+    """Seconds until a request refused by the wait queue (``queued``, ``queue-full``) may get
+    a turn when this worker runs no request on the backend (else :func:`slot_hint` decides):
+    the backend's expected time to the next slot release (its hold-time average ÷ slots in use,
+    a 1 s hold when nothing finished yet — the core's own rule) for each of the ``queued``
+    requests ahead, plus one. Also kvgate's own hint for a request the engine refused with 429
+    or 503 (the relay sends the longer of it and the engine's).
+
+    Args:
+        controller: the admission core (its ``backend_state``: ``hold_time_ewma`` seconds,
+            ``in_use`` slots).
+        queued: requests waiting in this worker's queue.
+    """
+    st = controller.backend_state(backend_id)
+    hold = st["hold_time_ewma"] or 1.0
+    per_slot = hold / max(1, st["in_use"])
+    return max(0.001, per_slot * (queued + 1))
+
+
+def slot_hint(
+    decision: Any, running: RunningRequests, backend_id: int, tenant_id: int, queued: int
+) -> Any:
+    """``decision`` with its retry hint computed from the requests holding the slots
+    (:class:`RunningRequests`), when it is a refusal that waits for a slot: for
+    ``tenant-concurrency`` the tenant's own running requests, for ``backend-slots`` /
+    ``inflight-tokens`` the backend's, for ``queued`` / ``queue-full`` the backend's with the
+    ``queued`` requests of this worker's queue counted ahead. Otherwise, or when this worker
+    runs no request in that scope (with ``--workers N`` the slots may be held through other
+    workers), ``decision`` as it is (the core's hint). Runs on refusals only."""
+    reason = decision.reason
+    if reason not in SLOT_REASONS or decision.never:
+        return decision
+    if reason == "tenant-concurrency":
+        hint = running.hint(backend_id, tenant=tenant_id)
+    elif reason in ("queued", "queue-full"):
+        hint = running.hint(backend_id, ahead=queued)
+    else:
+        hint = running.hint(backend_id)
+    if hint is None:
+        return decision
+    return Refusal(reason, scope=decision.scope, retry_after=hint)

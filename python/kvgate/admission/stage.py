@@ -4,14 +4,15 @@ store (docs/admission.md).
 1. The core decides at once (no await) when nobody is queued: this process's (or host's) view of
    every limit, the never-admissible sizes, shedding.
 2. A refusal that waiting can change goes to the priority wait queue
-   (:meth:`kvgate.app.Gateway.admit_slow`); shadow mode only counts it.
+   (:func:`kvgate.admission.waiting.wait_for_admission`); shadow mode
+   (:mod:`kvgate.admission.shadow`) only counts it.
 3. With a store shared by several replicas (``store:``), what the core admitted must also fit
    in the limits across the replicas: the store's quotas decide locally when they can, Redis
    otherwise (:mod:`kvgate.store`). A store refusal gives the core reservation back; a tenant
    that may wait waits for the store's hint (bounded by its wait time) and asks again.
 
 The result is what the request runs with (released once, by settlement) or the refusal to
-answer with. No HTTP here beyond reading the request's wait header.
+answer with. No HTTP here: the client's wait header comes in as its value.
 """
 
 from __future__ import annotations
@@ -22,11 +23,12 @@ from typing import TYPE_CHECKING, Any
 
 from kvgate._core import Reservation
 from kvgate.admission.refusal import Refusal
+from kvgate.admission.retry_hint import queue_retry
+from kvgate.admission.shadow import SHADOW_ADMISSION, in_shadow
+from kvgate.admission.waiting import max_wait, refusal_stands, wait_for_admission
 from kvgate.store import StoreRefusal
 
 if TYPE_CHECKING:
-    from aiohttp import web
-
     from kvgate.app import Backend, Gateway, Tenant
 
 __all__ = ["Extras", "StoreAdmission", "admit", "holds_slot"]
@@ -107,16 +109,17 @@ class Extras:
 
 async def admit(
     gw: Gateway,
-    request: web.BaseRequest,
     backend: Backend,
     tenant: Tenant,
     priority: str,
     tokens: int,
     prompt_tokens: int = 0,
+    asked_wait_ms: str | None = None,
 ) -> tuple[Any, Extras | None]:
     """Admits a request of ``tokens`` (prompt + reserved completion; ``prompt_tokens`` of them
     its prompt) for ``tenant`` at ``priority`` on ``backend``, through the core, the latency
-    targets and the prefill budget, the wait queue and the store.
+    targets and the prefill budget, the wait queue and the store. ``asked_wait_ms``: the
+    client's ``x-kvgate-max-wait-ms`` value (it may shorten the tenant's wait), or ``None``.
 
     Returns:
         What the request runs with (``.admitted`` true, ``.release(actual_tokens)``) and its
@@ -132,11 +135,11 @@ async def admit(
 
         def check() -> Any:
             if slo is not None and not slo.allow(backend.name, priority):
-                return Refusal("slo-limit", retry_after=gw.retry_hint(backend))
+                return Refusal("slo-limit", retry_after=_retry_hint(gw, backend))
             if gate is not None:
                 ticket = gate.enter(prompt_tokens, priority)
                 if ticket is None:
-                    return Refusal("prefill-tokens", retry_after=gw.retry_hint(backend))
+                    return Refusal("prefill-tokens", retry_after=_retry_hint(gw, backend))
                 held[0] = ticket
             return None
 
@@ -152,9 +155,9 @@ async def admit(
             decision.release(0)
             decision = extra
     if decision is None or not decision.admitted:
-        if decision is None or not gw.refusal_stands(request, backend, tenant, decision):
-            decision = await gw.admit_slow(
-                request, backend, tenant, priority, tokens, decision, check
+        if decision is None or not refusal_stands(gw, backend, tenant, decision, asked_wait_ms):
+            decision = await wait_for_admission(
+                gw, backend, tenant, priority, tokens, decision, check, asked_wait_ms
             )
         if not decision.admitted:
             return decision, None
@@ -165,7 +168,7 @@ async def admit(
     hold = store.try_admit(backend, tenant, priority, tokens)
     if hold is None:
         try:
-            hold = await _admit_in_store(gw, request, backend, tenant, priority, tokens)
+            hold = await _admit_in_store(gw, backend, tenant, priority, tokens, asked_wait_ms)
         except asyncio.CancelledError:
             # the client went away while the store decided: nothing ran, nothing is charged
             decision.release(0)
@@ -176,10 +179,8 @@ async def admit(
             decision.release(0)
             if extras is not None:
                 extras.finish(0)
-            if gw.shadow(backend, tenant):
+            if in_shadow(gw.config, backend, tenant):
                 gw.metrics.shadow_rejections.labels(hold.reason).inc()
-                from kvgate.app import SHADOW_ADMISSION
-
                 return SHADOW_ADMISSION, None
             return hold, None
     return StoreAdmission(decision, hold, store, tokens), extras
@@ -187,11 +188,11 @@ async def admit(
 
 async def _admit_in_store(
     gw: Gateway,
-    request: web.BaseRequest,
     backend: Backend,
     tenant: Tenant,
     priority: str,
     tokens: int,
+    asked_wait_ms: str | None,
 ) -> Any:
     """The store's decision when this replica's quotas are short; a refusal with a retry hint
     is asked again after the hint while the tenant's wait time lasts."""
@@ -199,7 +200,7 @@ async def _admit_in_store(
     result = await store.admit(backend, tenant, priority, tokens)
     if type(result) is not StoreRefusal or result.never:
         return result
-    wait = gw.max_wait(request, tenant) if tenant.max_wait_ms > 0 else 0.0
+    wait = max_wait(tenant, asked_wait_ms)
     if wait <= 0:
         return result
     give_up = time.monotonic() + wait
@@ -210,3 +211,10 @@ async def _admit_in_store(
         await asyncio.sleep(min(left, max(0.005, result.retry_after or 0.05)))
         result = await store.admit(backend, tenant, priority, tokens)
     return result
+
+
+def _retry_hint(gw: Gateway, backend: Backend) -> float:
+    """kvgate's own wait hint (seconds) for a request refused by the prefill budget or the
+    latency targets: the wait queue's (:func:`kvgate.admission.retry_hint.queue_retry`)."""
+    queue = gw.queue
+    return queue_retry(gw.controller, backend.id, queue.waiting if queue is not None else 0)

@@ -194,6 +194,7 @@ class PriorityWaitQueue(Generic[T]):
         "_on_wait",
         "_redrain",
         "_seq",
+        "_wakeup",
         "waiting",
     )
 
@@ -223,6 +224,8 @@ class PriorityWaitQueue(Generic[T]):
         self._seq = 0
         self._draining = False
         self._redrain = False
+        #: the pending timed :meth:`notify` (:meth:`notify_after`)
+        self._wakeup: asyncio.TimerHandle | None = None
 
     # ------------------------------------------------------------------ config / inspection
 
@@ -401,6 +404,24 @@ class PriorityWaitQueue(Generic[T]):
                 self._drain()
         finally:
             self._draining = False
+
+    def notify_after(self, delay: float) -> None:
+        """:meth:`notify` in ``delay`` seconds (on the running loop): a waiter refused by a token
+        bucket fits again when the bucket has refilled, which no release announces. Only the
+        earliest pending wake-up is kept (the waiter it wakes schedules the next one if it
+        still does not fit)."""
+        loop = asyncio.get_running_loop()
+        when = loop.time() + delay
+        pending = self._wakeup
+        if pending is not None:
+            if pending.when() <= when:
+                return
+            pending.cancel()
+        self._wakeup = loop.call_at(when, self._wakeup_due)
+
+    def _wakeup_due(self) -> None:
+        self._wakeup = None
+        self.notify()
 
     def shed(self, priority: str = "sheddable", backend: str | None = None) -> int:
         """Answer every queued waiter of one class with :class:`Shed` at once — only those

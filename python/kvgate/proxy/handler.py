@@ -2,7 +2,11 @@
 
 :func:`handle_inference` serves the inference routes, :func:`handle_forward` any other route
 when the gateway's ``other_routes`` is ``forward`` (the route is decided before either is
-called, by :mod:`kvgate.proxy.routes`).
+called, by :mod:`kvgate.proxy.routes`). Each stage is a call into its own module, in order:
+:mod:`kvgate.admission.identity` (who), :mod:`kvgate.routing` (what it asks, which backend),
+:mod:`kvgate.admission.stage` (admitted, waited for, or refused), :mod:`kvgate.proxy.relay`
+(forwarded and relayed), then settlement here; this module holds the HTTP around them (the
+body, the refusal answers, the access log line) and no admission policy.
 
 Order (docs/admission.md): the body-size cap is checked from ``Content-Length`` before a byte of
 the body is read (413), then the tenant is identified (401), the request analysed by the Rust
@@ -32,11 +36,14 @@ from kvgate.accesslog import (
     upstream_trace_headers,
     with_request_id,
 )
+from kvgate.admission.retry_hint import queue_retry, slot_hint
 from kvgate.admission.stage import admit, holds_slot
+from kvgate.admission.waiting import MAX_WAIT_HEADER
 from kvgate.errors import GatewayError
-from kvgate.proxy.prepared import PreparedResponse, Reply, error_response
+from kvgate.proxy.prepared import PreparedResponse, Reply, connection_header, error_response
 from kvgate.proxy.relay import RelayResult, relay
 from kvgate.proxy.routes import normalize_path
+from kvgate.routing import analyze_in_thread, analyze_now, model_of, pick_any_backend, pick_backend
 
 if TYPE_CHECKING:
     from kvgate.app import Gateway
@@ -359,14 +366,14 @@ async def handle_inference(gw: Gateway, request: web.BaseRequest, route: str) ->
             body = await read_body(request, gw.max_body_bytes, gw.timeouts.client_body)
         if trace is not None:
             trace.body_read = time.perf_counter()
-        tenant, priority = gw.authenticate(request)
+        tenant, priority = gw.identity.identify(request.headers)
         if trace is not None:
             trace.authenticated = time.perf_counter()
         if len(body) < INLINE_ANALYSIS_BYTES:
-            model, analysis = gw.analyze_now(route, body)
+            model, analysis = analyze_now(gw, route, body)
         else:
-            model, analysis = await gw.analyze_in_thread(route, body)
-        backend = gw.pick_backend(model, tenant)
+            model, analysis = await analyze_in_thread(gw, route, body)
+        backend = pick_backend(gw, model, tenant)
         if trace is not None:
             trace.analysed = time.perf_counter()
     except GatewayError as err:
@@ -418,7 +425,7 @@ async def handle_inference(gw: Gateway, request: web.BaseRequest, route: str) ->
             responses=route == RESPONSES_ROUTE,
             api_key=backend.api_key,
             assemble=assemble,
-            retry_hint=partial(gw.retry_hint, backend),
+            retry_hint=partial(_engine_retry_hint, gw, backend.id),
             extra_headers=upstream_headers,
         )
         return reply
@@ -508,8 +515,9 @@ async def _admission(
         trace.admitting = admitting
     try:
         decision, extras = await admit(
-            gw, request, backend, tenant, priority, tokens, prompt_tokens
-        )
+            gw, backend, tenant, priority, tokens, prompt_tokens,
+            request.headers.get(MAX_WAIT_HEADER),
+        )  # fmt: skip
     except asyncio.CancelledError:  # the client left while its request waited
         if trace is not None:
             _left_waiting(trace, tenant, backend, model, tokens)
@@ -666,9 +674,9 @@ def _refusal(
     who: tuple[Any, Any, Any],
     trace: Any = None,
 ) -> PreparedResponse:
-    """The answer to an admission refusal (429/503, :meth:`kvgate.app.Gateway.rejection_response`)
-    with its request id; counts it in the metrics and writes its access log line (outcome
-    ``rejected``, the refusal's reason, the tokens it asked for, the time it spent in admission).
+    """The answer to an admission refusal (429/503, :func:`_refusal_response`) with its
+    request id; counts it in the metrics and writes its access log line (outcome ``rejected``,
+    the refusal's reason, the tokens it asked for, the time it spent in admission).
 
     Args:
         decision: the refusal (the core's ``Rejection`` or the gateway's ``Refusal``).
@@ -679,7 +687,7 @@ def _refusal(
     """
     started, admitting = times
     tenant, backend, model = who
-    response, reason = gw.rejection_response(request, decision, backend, tenant, model, tokens)
+    response, reason = _refusal_response(gw, request, decision, backend, tenant, model, tokens)
     now = time.perf_counter()
     gw.metrics.rejected(backend, tenant, reason, now - started, model)
     _tagged(response, rid)
@@ -700,6 +708,57 @@ def _refusal(
         reserved=tokens,
     )
     return response
+
+
+def _refusal_response(
+    gw: Gateway,
+    request: web.BaseRequest,
+    decision: Any,
+    backend: Any,
+    tenant: Any,
+    model: Any,
+    requested: int,
+) -> tuple[PreparedResponse, str]:
+    """429 (tenant over quota, or a request that can never fit) or 503 (backend saturated /
+    class shed) with OpenAI's error body, ``Retry-After`` (computed; omitted with
+    ``x-should-retry: false`` when it can never be admitted), the ``x-ratelimit-*`` headers and
+    ``x-kvgate-reject-reason``, serialized whole in Rust
+    (:meth:`kvgate._core.AdmissionController.refusal_response`). Returns it and the refusal's
+    reason (for the metrics).
+
+    A refusal that waits for a slot (``tenant-concurrency``, ``backend-slots``,
+    ``inflight-tokens``, ``queued``, ``queue-full``) gets its hint (seconds) from the requests
+    this worker is running (:func:`kvgate.admission.retry_hint.slot_hint`).
+
+    Args:
+        decision: the refusal (the core's ``Rejection`` or a :class:`Refusal`).
+        model: the request's model route, or ``None`` (a forwarded request that names none).
+        requested: the tokens it asked to reserve.
+    """
+    queue = gw.queue
+    queued = queue.waiting if queue is not None else 0
+    decision = slot_hint(decision, gw.running, backend.id, tenant.id, queued)
+    # status, OpenAI error body, x-ratelimit-*, Retry-After / retry-after-ms (or
+    # x-should-retry: false), the reason, Content-Length, Date: one call, one buffer
+    connection = connection_header(request)
+    status, reason, raw = gw.controller.refusal_response(
+        backend.id,
+        tenant.id,
+        decision,
+        model.name if model is not None else None,
+        tenant.name,
+        requested,
+        connection,
+    )
+    return PreparedResponse(status, raw, connection), reason
+
+
+def _engine_retry_hint(gw: Gateway, backend_id: int) -> float:
+    """kvgate's own wait hint (seconds) for a request the engine refused with 429 or 503: the
+    wait queue's (:func:`kvgate.admission.retry_hint.queue_retry`); the relay sends the longer
+    of it and the engine's."""
+    queue = gw.queue
+    return queue_retry(gw.controller, backend_id, queue.waiting if queue is not None else 0)
 
 
 def _actual_tokens(analysis: Any, result: RelayResult) -> int:
@@ -754,11 +813,11 @@ async def handle_forward(gw: Gateway, request: web.BaseRequest) -> Reply:
             body = await read_body(request, gw.max_body_bytes, gw.timeouts.client_body)
         if trace is not None:
             trace.body_read = time.perf_counter()
-        tenant, priority = gw.authenticate(request)
+        tenant, priority = gw.identity.identify(request.headers)
         if trace is not None:
             trace.authenticated = time.perf_counter()
-        model = gw.model_of(body)
-        backend = gw.pick_backend(model, tenant) if model else gw.pick_any_backend(tenant)
+        model = model_of(gw, body)
+        backend = pick_backend(gw, model, tenant) if model else pick_any_backend(gw, tenant)
         if trace is not None:
             trace.analysed = time.perf_counter()
     except GatewayError as err:

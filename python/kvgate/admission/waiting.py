@@ -1,0 +1,192 @@
+"""Waiting for admission: what a request the admission core refused does next (no HTTP here).
+
+A refusal stands as the answer at once (no await) when waiting cannot change it: no wait queue,
+no wait allowed for the tenant or asked by the client, a request that can never fit, or a shed
+class. Otherwise the request waits in the priority wait queue
+(:class:`kvgate.admission.wait_queue.PriorityWaitQueue`: critical before standard before
+sheddable, fair between tenants, bounded) until the core admits it or its wait time is up.
+In shadow mode (:mod:`kvgate.admission.shadow`) it never waits: a refusal is only counted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from kvgate.admission.refusal import Refusal
+from kvgate.admission.retry_hint import queue_retry
+from kvgate.admission.shadow import SHADOW_ADMISSION, in_shadow
+
+if TYPE_CHECKING:
+    from kvgate.app import Backend, Gateway, Tenant
+
+__all__ = ["MAX_WAIT_HEADER", "max_wait", "refusal_stands", "wait_for_admission"]
+
+#: the request header that shortens (never lengthens) the tenant's wait, in milliseconds
+MAX_WAIT_HEADER = "x-kvgate-max-wait-ms"
+#: refusals that time alone lifts (a token bucket refilling), not a release
+_REFILL_REASONS = frozenset({"tenant-tpm", "backend-tpm"})
+
+
+class _NeverFits(Exception):
+    """Raised from a queued ``try_admit`` whose request can never be admitted."""
+
+    def __init__(self, rejection: Any) -> None:
+        super().__init__(rejection.reason)
+        self.rejection = rejection
+
+
+def max_wait(tenant: Tenant, asked_ms: str | None) -> float:
+    """Seconds a refused request may wait: the tenant's ``max_wait_ms``, shortened (never
+    lengthened) by the client's :data:`MAX_WAIT_HEADER` value ``asked_ms`` (milliseconds,
+    fractions allowed; a value that is not a finite number is ignored; ``None``: not sent)."""
+    wait_ms = float(tenant.max_wait_ms)
+    if wait_ms <= 0:  # the header can only shorten it
+        return 0.0
+    if asked_ms is not None:
+        with contextlib.suppress(ValueError):
+            value = float(asked_ms)  # milliseconds, fractions allowed ("1500.5")
+            if math.isfinite(value):
+                wait_ms = min(wait_ms, max(0.0, value))
+    return wait_ms / 1000.0
+
+
+def refusal_stands(
+    gw: Gateway, backend: Backend, tenant: Tenant, refusal: Any, asked_ms: str | None
+) -> bool:
+    """Whether the core's refusal on the fast path is the answer as it is (decided without an
+    await): not in shadow mode, and waiting could not change it. Otherwise
+    :func:`wait_for_admission` decides."""
+    return not in_shadow(gw.config, backend, tenant) and _waiting_cannot_help(
+        gw, tenant, refusal, asked_ms
+    )
+
+
+def _waiting_cannot_help(gw: Gateway, tenant: Tenant, refusal: Any, asked_ms: str | None) -> bool:
+    """No wait queue, no wait allowed, never admissible, or a shed class (the cheapest checks
+    first: this runs on every refusal)."""
+    return (
+        gw.queue is None
+        or tenant.max_wait_ms <= 0
+        or refusal.never
+        or refusal.reason == "shed"
+        or max_wait(tenant, asked_ms) <= 0
+    )
+
+
+async def wait_for_admission(
+    gw: Gateway,
+    backend: Backend,
+    tenant: Tenant,
+    priority: str,
+    tokens: int,
+    refusal: Any,
+    gate: Callable[[], Any] | None = None,
+    asked_ms: str | None = None,
+) -> Any:
+    """Admission when the core's fast path did not admit: shadow mode, then the priority wait
+    queue.
+
+    Args:
+        tokens: prompt + reserved completion (tokens).
+        refusal: the core's ``Rejection`` from the fast path, or ``None`` when the fast path
+            was skipped because requests are queued.
+        gate: checks after the core admitted (the prefill budget, latency targets; no await):
+            ``None`` to go on, or a refusal (the core's reservation is then given back and the
+            request waits again).
+        asked_ms: the client's :data:`MAX_WAIT_HEADER` value, or ``None``.
+
+    Returns:
+        A ``Reservation``, the shadow admission, or a refusal (``Rejection`` / :class:`Refusal`)
+        whose ``reason`` names what refused it.
+    """
+    from kvgate.admission.wait_queue import QueueFull, Shed, WaitTimeout
+
+    controller = gw.controller
+    if refusal is None:
+        # the fast path was skipped because others are queued: what can never fit, and a shed
+        # class, must still be answered at once, not parked behind them
+        refusal = _refuse_without_queueing(controller, backend, tenant, priority, tokens)
+    if in_shadow(gw.config, backend, tenant):
+        # a shadow request never waits, not even behind queued ones: the core decides now, and
+        # a refusal is only counted
+        if refusal is None:
+            decision = controller.admit(backend.id, tenant.id, priority, tokens)
+            if decision.admitted:
+                return decision
+            refusal = decision
+        gw.metrics.shadow_rejections.labels(refusal.reason).inc()
+        return SHADOW_ADMISSION
+    queue = gw.queue
+    if refusal is None and queue is None:  # no queue configured: decide now
+        decision = controller.admit(backend.id, tenant.id, priority, tokens)
+        if decision.admitted and gate is not None:
+            extra = gate()
+            if extra is not None:
+                decision.release(0)
+                return extra
+        return decision
+    if refusal is not None and _waiting_cannot_help(gw, tenant, refusal, asked_ms):
+        return refusal
+    assert queue is not None  # _waiting_cannot_help is true without a queue
+    last: list[Any] = [refusal]
+
+    def try_admit() -> Any:
+        decision = controller.admit(backend.id, tenant.id, priority, tokens)
+        if decision.admitted:
+            if gate is not None:
+                extra = gate()
+                if extra is not None:
+                    decision.release(0)
+                    last[0] = extra
+                    return None
+            return decision
+        last[0] = decision
+        if decision.never:  # limits shrank by a reload: leave the queue, don't block it
+            raise _NeverFits(decision)
+        if decision.reason in _REFILL_REASONS and decision.retry_after is not None:
+            # nothing is released when a bucket refills: look again when it has
+            queue.notify_after(decision.retry_after)
+        return None
+
+    try:
+        return await queue.wait(
+            tenant=tenant.name,
+            priority=priority,
+            max_wait=max_wait(tenant, asked_ms),
+            try_admit=try_admit,
+            backend=backend.name,
+        )
+    except _NeverFits as never:
+        return never.rejection
+    except WaitTimeout:
+        if last[0] is not None:
+            if in_shadow(gw.config, backend, tenant):  # a reload set shadow mode meanwhile
+                gw.metrics.shadow_rejections.labels(last[0].reason).inc()
+                return SHADOW_ADMISSION
+            return last[0]
+        return Refusal("queued", retry_after=queue_retry(controller, backend.id, queue.waiting))
+    except QueueFull:
+        return Refusal("queue-full", retry_after=queue_retry(controller, backend.id, queue.waiting))
+    except Shed:
+        return Refusal("shed")
+
+
+def _refuse_without_queueing(
+    controller: Any, backend: Backend, tenant: Tenant, priority: str, tokens: int
+) -> Refusal | None:
+    """The refusal a request gets without waiting, judged from the core's base limits (the
+    same never-admissible rules the core's ``admit`` applies first), or ``None``."""
+    b = controller.backend_state(backend.id)
+    t = controller.tenant_state(tenant.id)
+    if t["burst_tokens"] is not None and tokens > t["burst_tokens"]:
+        return Refusal("tenant-tpm", scope="tenant", retry_after=None, never=True)
+    if tokens > b["burst_tokens"]:
+        return Refusal("backend-tpm", retry_after=None, never=True)
+    if b["inflight_token_limit"] is not None and tokens > b["inflight_token_limit"]:
+        return Refusal("inflight-tokens", retry_after=None, never=True)
+    if priority == "sheddable" and b["shedding"]:
+        return Refusal("shed")
+    return None
