@@ -805,6 +805,7 @@ def seeded_store(n: int, tokens: int = 100) -> tuple[Any, Any, list[Any], list[i
     """A :class:`~kvgate.store.redis_store.RedisStore` (no Redis client) whose quotas and tokens
     are seeded for ``n`` tenants on one backend, as if Redis had granted them; its ``_kick``
     (what would send a message to Redis) only counts. Returns (store, backend, tenants, kicks)."""
+    from kvgate.app import Backend, Tenant
     from kvgate.config import StoreConfig
     from kvgate.store.redis_store import RedisStore
 
@@ -815,8 +816,9 @@ def seeded_store(n: int, tokens: int = 100) -> tuple[Any, Any, list[Any], list[i
         kicks[0] += 1
 
     store._kick = kick  # type: ignore[method-assign]
-    backend = SimpleNamespace(id=0, name="bench")
-    tenants = [SimpleNamespace(id=i, name=f"tenant-{i}") for i in range(n)]
+    # the gateway's own tenant and backend objects (slotted dataclasses)
+    backend = Backend(name="bench", url="http://127.0.0.1:1", id=0, models=[], metrics_url="")
+    tenants = [Tenant(id=i, name=f"tenant-{i}") for i in range(n)]
     far = time.monotonic() + 10**7
     for t in tenants:
         for part in store._plan(backend, t, "standard"):
@@ -906,7 +908,7 @@ def micro_phase(ops: int, repeats: int, seed: int = 1) -> MicroResult:
     for t in tenants:
         store.release(store.try_admit(backend, t, "standard", 100), 100, 100)
     # the tenant objects belong to the gateway, not the store
-    own = sum(sys.getsizeof(t) + sys.getsizeof(t.__dict__) + sys.getsizeof(t.name) for t in tenants)
+    own = sum(sys.getsizeof(t) + sys.getsizeof(t.name) for t in tenants)
     after = tracemalloc.get_traced_memory()[0]
     tracemalloc.stop()
     return MicroResult(ns, missed, kicks, (after - before - own) / big, ops)
