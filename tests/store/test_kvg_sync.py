@@ -57,8 +57,8 @@ class Pod:
 
 
 def call(r: redis.Redis, msg: dict[str, Any], op: str | None = None) -> dict[str, Any]:
-    op = op or f"{STATE}:op:{msg['pod']}:{next(_ops)}"
-    raw = r.fcall("kvg_sync", 3, STATE, LIVE, op, json.dumps(msg))
+    op = op or f"{msg['pod']}:{next(_ops)}"
+    raw = r.fcall("kvg_sync", 2, STATE, LIVE, json.dumps(msg), op)
     reply = json.loads(raw)
     assert_alloc_is_sum_of_quotas(r)
     return reply
@@ -82,12 +82,15 @@ def assert_alloc_is_sum_of_quotas(r: redis.Redis) -> None:
 
 
 def holdings(r: redis.Redis) -> dict[str, str]:
-    """The scope's fields but sequence numbers, the time it last heard a message and zero
-    allocations (what a refused admit must leave as it was)."""
+    """The scope's fields but sequence numbers, the last operation and reply of each replica,
+    the times it last heard a message and pushed its expiry back, and zero allocations (what a
+    refused admit must leave as it was)."""
     return {
         k: v
         for k, v in fields(r).items()
-        if not k.startswith("seq|") and k != "heard" and not (k.startswith("alloc|") and v == "0")
+        if not k.startswith(("seq|", "op|", "rep|"))
+        and k not in ("heard", "kept")
+        and not (k.startswith("alloc|") and v == "0")
     }
 
 
@@ -299,14 +302,40 @@ def test_a_stale_sequence_number_changes_nothing(r: redis.Redis) -> None:
 
 def test_a_duplicate_operation_id_returns_the_first_reply(r: redis.Redis) -> None:
     a = Pod(r, "a")
-    op = f"{STATE}:op:a:dup"
+    op = "a:dup"
     first = a.sync(op=op, pools={"conc": plain(10, 0)}, grants={"conc": 4})
     assert first["grants"]["conc"] == 4
     before = fields(r)
     again = a.sync(op=op, pools={"conc": plain(10, 0)}, grants={"conc": 6})  # a newer seq
     assert again == first
     assert fields(r) == before
-    assert 0 < r.ttl(op) <= 30
+    # kept in the scope's own hash (no key of its own), for the replica's last operation only
+    assert set(r.keys("*")) <= {STATE, LIVE}
+    later = a.sync(pools={"conc": plain(10, 4)}, grants={"conc": 2})
+    assert later != first
+    assert later["grants"]["conc"] == 2
+    assert fields(r)["op|a"] != op
+
+
+def test_an_operation_named_by_a_third_key_as_earlier_replicas_do_is_applied_once(
+    r: redis.Redis,
+) -> None:
+    a = Pod(r, "a")
+    msg = a.msg(None, pools={"conc": plain(10, 0)}, grants={"conc": 3})
+    op_key = STATE + ":op:a:7"
+    first = json.loads(r.fcall("kvg_sync", 3, STATE, LIVE, op_key, json.dumps(msg)))
+    assert first["grants"]["conc"] == 3
+    again = json.loads(r.fcall("kvg_sync", 3, STATE, LIVE, op_key, json.dumps(msg)))
+    assert again == first
+    assert quota(r, "conc", "a") == 3
+    assert not r.exists(op_key)  # the reply lives in the scope's hash, not under that key
+
+
+def test_a_call_without_an_operation_id_is_refused(r: redis.Redis) -> None:
+    msg = Pod(r, "a").msg(None, pools={"conc": plain(10, 0)}, grants={"conc": 3})
+    with pytest.raises(redis.ResponseError, match="no operation id"):
+        r.fcall("kvg_sync", 2, STATE, LIVE, json.dumps(msg))
+    assert not r.exists(STATE)
 
 
 # --- reaping and leaving ---------------------------------------------------------------------
@@ -356,12 +385,21 @@ def test_kvg_leave_gives_the_quotas_back_at_once(r: redis.Redis) -> None:
 
 
 def test_the_scope_expires_after_its_last_message(r: redis.Redis) -> None:
+    # kept at least 180 s after each message: pushed back to 4 leases + 190 s at most every 10 s
     a = Pod(r, "a", ttl_us=3_000_000)
     a.sync(pools={"conc": plain(10, 1)})
-    keep_ms = 3_000 * 4 + 180_000
+    keep_ms = 3_000 * 4 + 190_000
     for key in (STATE, LIVE):
         assert keep_ms - 5_000 < r.pttl(key) <= keep_ms
-    r.pexpire(STATE, 1)  # the next message renews it
+    for key in (STATE, LIVE):
+        r.pexpire(key, 185_000)  # as if the last push was 5 s ago: not pushed again yet
+    a.sync(pools={"conc": plain(10, 1)})
+    assert 180_000 < r.pttl(STATE) <= 185_000
+    r.hset(STATE, "kept", "0")  # as if the last push was long ago: this message pushes it
+    a.sync(pools={"conc": plain(10, 1)})
+    for key in (STATE, LIVE):
+        assert keep_ms - 5_000 < r.pttl(key) <= keep_ms
+    r.pexpire(STATE, 1)  # lost: the next message makes it again, with its expiry
     wait_until(lambda: r.pttl(STATE) < 0 or r.exists(STATE) == 0, 5.0, "the state expired")
     a.sync(pools={"conc": plain(10, 1)})
     assert keep_ms - 5_000 < r.pttl(STATE) <= keep_ms

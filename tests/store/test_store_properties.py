@@ -589,7 +589,7 @@ class StoreMachine(RuleBasedStateMachine):
         # Redis: alloc == sum of the quotas, in every scope
         for state in self.r.scan_iter(match="{" + self.prefix + ":*", count=1000):
             if not state.endswith("}"):
-                continue  # the live set and the op keys
+                continue  # the live sets
             f = self.r.hgetall(state)
             sums: dict[str, int] = {}
             allocs: dict[str, int] = {}

@@ -5,7 +5,6 @@
 -- one Redis Cluster slot:
 --   KEYS[1] = {<prefix>:<t|b>:<name>}          HASH  the scope's state (fields below)
 --   KEYS[2] = {<prefix>:<t|b>:<name>}:live     ZSET  replica id -> lease expiry (server µs)
---   KEYS[3] = {<prefix>:<t|b>:<name>}:op:<id>  STRING the reply of operation <id> (EX 30)
 -- State fields:
 --   epoch                 random id written when the state is created (a changed epoch tells the
 --                         replicas that Redis lost the scope: restart without persistence, flush)
@@ -15,12 +14,16 @@
 --   held|<pod>            the pools the replica holds quota in (cjson list; used to reap it)
 --   tat|<bucket>          GCRA theoretical arrival time of a token bucket (server µs, float)
 --   prop|<pod>, shed|<pod>  the replica's proposed adaptive scale (0..1) and shedding flag
+--   op|<pod>, rep|<pod>   the operation id of the replica's last applied message and its reply
+--                         (a repeated delivery of that operation gets the same reply)
 --   reaped                replicas reaped in this scope (a counter)
 --   heard                 when the scope last applied a message (server µs)
+--   kept                  when the keys' expiry was last pushed back (server µs)
 --   settle                until when nothing is granted or admitted (server µs): the scope was
 --                         lost and the replicas re-assert their quotas
 --
--- One function, kvg_sync, carries everything a replica says to a scope (JSON in ARGV[1]):
+-- One function, kvg_sync, carries everything a replica says to a scope (JSON in ARGV[1], the
+-- operation id in ARGV[2]):
 --   pod, seq, ttl (µs), epoch (a candidate, used only when the state is created),
 --   known            (the epoch the replica last saw for the scope; absent for a new one)
 --   scale, shed      (backend scopes: this replica's proposal; absent for tenants)
@@ -78,7 +81,8 @@ local function reap(state, live, now)
         redis.call('HDEL', state, 'q|' .. pool .. '|' .. pod)
       end
     end
-    redis.call('HDEL', state, 'held|' .. pod, 'seq|' .. pod, 'prop|' .. pod, 'shed|' .. pod)
+    redis.call('HDEL', state, 'held|' .. pod, 'seq|' .. pod, 'prop|' .. pod, 'shed|' .. pod,
+               'op|' .. pod, 'rep|' .. pod)
     redis.call('ZREM', live, pod)
     redis.call('HINCRBY', state, 'reaped', 1)
   end
@@ -94,13 +98,13 @@ local function effective_scale(state, live, msg)
     fields[#fields + 1] = 'prop|' .. pod
     fields[#fields + 1] = 'shed|' .. pod
   end
-  if #fields == 0 then return s, shed end
+  if #fields == 0 then return s, shed, 0 end
   local vals = redis.call('HMGET', state, unpack(fields))
   for i = 1, #fields, 2 do
     if vals[i] then s = math.min(s, tonumber(vals[i])) end
     if vals[i + 1] == '1' then shed = true end
   end
-  return s, shed
+  return s, shed, #pods
 end
 
 local function pool_limit(p, s)
@@ -141,16 +145,22 @@ local function hmget(state, names)
 end
 
 local function kvg_sync(keys, args)
-  local state, live, opkey = keys[1], keys[2], keys[3]
-  local done = redis.call('GET', opkey)
-  if done then return done end
+  local state, live, op = keys[1], keys[2], args[2]
+  -- a replica of an earlier kvgate names its operation by a third key (never written now)
+  if keys[3] then op = keys[3] end
+  if not op then
+    return redis.error_reply('ERR kvg_sync: no operation id (ARGV[2])')
+  end
   local msg = cjson.decode(args[1])
   local pod = msg.pod
+  local head = redis.call('HMGET', state, 'epoch', 'seq|' .. pod, 'heard', 'settle',
+                          'op|' .. pod, 'rep|' .. pod, 'kept')
+  -- a repeated delivery of the replica's last operation: its first reply, nothing applied again
+  if head[5] == op and head[6] then return head[6] end
   local now = now_us()
   local reply = {}
   -- every write of the call goes in one HSET at the end (`out`), the deletions in one HDEL
   local out, del = {}, {}
-  local head = redis.call('HMGET', state, 'epoch', 'seq|' .. pod, 'heard', 'settle')
   local epoch = head[1]
   local settle = tonumber(head[4] or '0')
   if not epoch then
@@ -188,19 +198,26 @@ local function kvg_sync(keys, args)
   out[#out + 1] = 'heard'
   out[#out + 1] = string.format('%.0f', now)
   redis.call('ZADD', live, now + msg.ttl, pod)
-  -- keep the scope for a while after its last replica left (its buckets' state matters)
-  local keep_ms = math.floor(msg.ttl / 1000) * 4 + 180000
-  redis.call('PEXPIRE', live, keep_ms)
-  redis.call('PEXPIRE', state, keep_ms)
+  -- keep the scope at least 180 s after each message (its buckets' state matters after its
+  -- last replica left, and a replica tells a lost scope from an expired one by that time): the
+  -- expiry is pushed back every 10 s at most, to 10 s more than that
+  local kept = tonumber(head[7] or '0')
+  if now - kept >= 10000000 then
+    local keep_ms = math.floor(msg.ttl / 1000) * 4 + 190000
+    redis.call('PEXPIRE', live, keep_ms)
+    redis.call('PEXPIRE', state, keep_ms)
+    out[#out + 1] = 'kept'
+    out[#out + 1] = string.format('%.0f', now)
+  end
 
-  local s, shed = 1.0, false
+  local s, shed, count = 1.0, false, nil
   if msg.scale then
     redis.call('HSET', state, 'prop|' .. pod, fmt(msg.scale), 'shed|' .. pod, msg.shed and '1' or '0')
-    s, shed = effective_scale(state, live, msg)
+    s, shed, count = effective_scale(state, live, msg)
   end
   reply.scale = s
   reply.shed = shed
-  reply.live = redis.call('ZCARD', live)
+  reply.live = count or redis.call('ZCARD', live)
 
   -- one read of every field the pools and buckets need (after reaping, which moves them)
   local pools, buckets = msg.pools or {}, msg.buckets or {}
@@ -358,12 +375,15 @@ local function kvg_sync(keys, args)
     out[#out + 1] = fmt(st.tat)
     out_buckets[name] = {bucket_available(st.tat, now, st.interval), st.burst}
   end
-  redis.call('HSET', state, unpack(out))
-  if #del > 0 then redis.call('HDEL', state, unpack(del)) end
   reply.pools = out_pools
   reply.buckets = out_buckets
   local encoded = cjson.encode(reply)
-  redis.call('SET', opkey, encoded, 'EX', 30)
+  out[#out + 1] = 'op|' .. pod
+  out[#out + 1] = op
+  out[#out + 1] = 'rep|' .. pod
+  out[#out + 1] = encoded
+  redis.call('HSET', state, unpack(out))
+  if #del > 0 then redis.call('HDEL', state, unpack(del)) end
   return encoded
 end
 

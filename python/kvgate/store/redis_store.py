@@ -19,7 +19,8 @@ How it works (docs/replicas.md):
   lowering a quota is how units go back; a lost write, a call that timed out, or a Redis
   restart without persistence is healed by the next message. A message older than one already
   applied changes nothing, so a late delivery of a timed-out call cannot undo a newer one; every
-  message carries an operation id (its reply is kept 30 s), and the client never retries.
+  message carries an operation id (Redis keeps the reply of each replica's last one, so a
+  repeated delivery gets it again and changes nothing), and the client never retries.
 - Unknown outcomes are counted the safe way: a grant is used only once its reply arrived;
   tokens given back are dropped before the reply; an overrun is forgotten only once charged.
 - Heartbeats every ``heartbeat_s`` renew the replica's lease in each scope where it holds
@@ -1084,7 +1085,7 @@ class RedisStore:
         sent = time.monotonic()
         deadline = self._deadline if admits else self._bg_deadline
         key = sc.key
-        op = f"{key}:op:{self.pod}:{msg['seq']}"
+        op = f"{self.pod}:{msg['seq']}"  # the operation id: Redis keeps the last one's reply
         self.calls += 1
         kind = None
         raw: Any = None
@@ -1092,14 +1093,14 @@ class RedisStore:
         try:
             async with asyncio.timeout(deadline):
                 try:
-                    raw = await client.fcall("kvg_sync", 3, key, key + ":live", op, payload)
+                    raw = await client.fcall("kvg_sync", 2, key, key + ":live", payload, op)
                 except Exception as exc:
                     if not _library_missing(exc):
                         raise
                     # Redis lost the library (restarted empty, FUNCTION FLUSH): the call did
                     # not run, so the same message goes again once the library is loaded
                     await load_library(client, self.config.cluster)
-                    raw = await client.fcall("kvg_sync", 3, key, key + ":live", op, payload)
+                    raw = await client.fcall("kvg_sync", 2, key, key + ":live", payload, op)
         except asyncio.CancelledError:
             # the sender went away (its client disconnected, the replica closes): the call may
             # still run on the server
