@@ -19,14 +19,6 @@ pub mod token_bucket;
 
 #[cfg(feature = "python")]
 mod python;
-#[cfg(feature = "python")]
-mod python_analyze;
-#[cfg(feature = "python")]
-mod python_fast;
-#[cfg(feature = "python")]
-mod python_ledger;
-#[cfg(feature = "python")]
-mod python_sse;
 
 #[cfg(feature = "python")]
 pub use python::_core;
