@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from kvgate import _core
 
-# --- request analysis (rust/src/python_analyze.rs) ---
+# --- request analysis (rust/src/python/analyze.rs) ---
 from kvgate._core import (
     AdaptiveLaw,
     AdmissionController,
