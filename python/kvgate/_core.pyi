@@ -1,4 +1,4 @@
-"""Stubs and user docs for the native module ``kvgate._core`` (rust/src/python.rs).
+"""Stubs and user docs for the native module ``kvgate._core`` (rust/src/python/).
 
 Units: tokens (prompt + completion tokens of the model's tokenizer), slots (requests in flight),
 seconds (floats), nanoseconds (``*_ns`` ints), ratios 0..1. Every amount is an ``int`` in
@@ -574,7 +574,7 @@ class AdmissionController:
         guaranteed_backends), guaranteed_backends (ids of the registered backends its
         guarantee applies to), max_concurrency, in_use (across backends), tokens_per_minute, burst_tokens, available_tokens, time_to_full (s)."""
 
-# --- SSE relay inspection (rust/src/python_sse.rs) ---
+# --- SSE relay inspection (rust/src/python/sse.rs) ---
 
 @final
 class SSEInspector:
@@ -675,7 +675,7 @@ def usage_tokens(body: bytes) -> tuple[int | None, int | None] | None:
     body is not a JSON object or has no usage object. Only ``usage`` is built; every other field
     is skipped (faster than a full parse of the response)."""
 
-# --- request analysis (rust/src/python_analyze.rs) ---
+# --- request analysis (rust/src/python/analyze.rs) ---
 
 @disjoint_base
 class AnalysisError(ValueError):
