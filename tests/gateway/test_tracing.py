@@ -30,7 +30,8 @@ from opentelemetry.trace import SpanKind, StatusCode
 
 from kvgate.config import Config, ConfigError, TracingConfig, load_config
 from kvgate.gateway_build import build_gateway
-from kvgate.proxy.handler import _settle, handle_inference
+from kvgate.proxy.handler import handle_inference
+from kvgate.proxy.settle import settle
 from kvgate.server import run_gateway
 from kvgate.tracing import Tracing
 
@@ -476,7 +477,7 @@ def test_tracing_cost_per_request(capsys: pytest.CaptureFixture[str]) -> None:
     """What a request pays for tracing: off, the handler's `trace is not None` checks on the
     inference path (as many as in the handler); on, a whole sampled trace (its seven spans, to
     the in-memory exporter). Printed for the report."""
-    source = inspect.getsource(handle_inference) + inspect.getsource(_settle)
+    source = inspect.getsource(handle_inference) + inspect.getsource(settle)
     checks = source.count("if trace is not None") + source.count(" if trace is not None else")
     assert checks >= 8
     code = (

@@ -5,8 +5,8 @@ when the gateway's ``other_routes`` is ``forward`` (the route is decided before 
 called, by :mod:`kvgate.proxy.routes`). Each stage is a call into its own module, in order:
 :mod:`kvgate.admission.identity` (who), :mod:`kvgate.routing` (what it asks, which backend),
 :mod:`kvgate.admission.stage` (admitted, waited for, or refused), :mod:`kvgate.proxy.relay`
-(forwarded and relayed), then settlement here; this module holds the HTTP around them (the
-body, the refusal answers, the access log line) and no admission policy.
+(forwarded and relayed), :mod:`kvgate.proxy.settle` (released and charged); this module holds
+the HTTP around them (the body, the refusal answers) and no admission policy.
 
 Order (docs/admission.md): the body-size cap is checked from ``Content-Length`` before a byte of
 the body is read (413), then the tenant is identified (401), the request analysed by the Rust
@@ -31,7 +31,6 @@ from aiohttp.web_protocol import RequestPayloadError
 from kvgate._core import MAX_AMOUNT
 from kvgate.accesslog import (
     id_builder,
-    log_access,
     request_id,
     upstream_trace_headers,
     with_request_id,
@@ -43,6 +42,7 @@ from kvgate.errors import GatewayError
 from kvgate.proxy.prepared import PreparedResponse, Reply, connection_header, error_response
 from kvgate.proxy.relay import RelayResult, relay
 from kvgate.proxy.routes import normalize_path
+from kvgate.proxy.settle import actual_tokens, end_request, settle
 from kvgate.routing import analyze_in_thread, analyze_now, model_of, pick_any_backend, pick_backend
 
 if TYPE_CHECKING:
@@ -447,11 +447,11 @@ async def handle_inference(gw: Gateway, request: web.BaseRequest, route: str) ->
                 completion_tokens=result.completion_tokens,
             )
         prompt = result.prompt_tokens
-        _settle(
+        settle(
             gw,
             request,
             decision,
-            _actual_tokens(analysis, result),
+            actual_tokens(analysis, result),
             (rid, route, started, admitting, admitted),
             (tenant, backend, model),
             tokens,
@@ -531,102 +531,6 @@ async def _admission(
     return decision, extras, admitting, admitted
 
 
-def _settle(
-    gw: Gateway,
-    request: web.BaseRequest,
-    decision: Any,
-    actual: int,
-    where: tuple[str, str, float, float, float],
-    who: tuple[Any, Any, Any],
-    reserved: int,
-    prompt: int | None,
-    result: RelayResult,
-    reply: Reply | None,
-    error_code: str | None,
-    *,
-    trace: Any = None,
-) -> None:
-    """End an admitted request: its reservation released with the ``actual`` tokens it is
-    charged (unused ones refunded, an overrun charged), the next queued waiter woken, the
-    metrics counted, its access log line written and its trace ended
-    (:class:`kvgate.tracing.RequestTrace`, ``None`` without tracing).
-
-    Args:
-        where: its request id, route, and ``time.perf_counter()`` when it arrived, when
-            admission began and when it was admitted.
-        who: its tenant, backend and model route.
-        reserved: the tokens it reserved at admission.
-        prompt: its prompt tokens (the engine's count when it gave one).
-    """
-    rid, route, started, admitting, admitted = where
-    tenant, backend, model = who
-    settling = time.perf_counter() if trace is not None else 0.0
-    decision.release(actual)
-    queue = gw.queue
-    if queue is not None and queue.waiting:
-        queue.notify()
-    gw.metrics.settled(backend, tenant, reserved, actual, result, model, prompt)
-    trace_only = None
-    if trace is not None:  # the trace shows what was charged, and when settlement ran
-        charged_prompt = min(int(prompt or 0), actual)
-        trace_only = {
-            "prompt": charged_prompt,
-            "completion": actual - charged_prompt,
-            "settle": (settling, time.perf_counter()),
-        }
-    _end_request(
-        request,
-        rid,
-        started,
-        trace,
-        route=route,
-        queue_wait=admitted - admitting,
-        reply=reply,
-        status=reply.status if reply is not None else result.status,
-        outcome=result.outcome,
-        tenant=tenant,
-        backend=backend,
-        model=model,
-        reason=error_code,
-        reserved=reserved,
-        prompt=prompt,
-        completion=result.completion_tokens,
-        ttft=result.ttft,
-        trace_only=trace_only,
-    )
-
-
-def _end_request(
-    request: web.BaseRequest,
-    rid: str,
-    started: float,
-    trace: Any,
-    *,
-    route: str,
-    queue_wait: float | None = None,
-    reply: Any = None,
-    trace_only: dict[str, Any] | None = None,
-    **fields: Any,
-) -> None:
-    """The end of a request's record: its access log line (:func:`log_access`, with ``route``,
-    ``queue_wait`` and ``reply``) and, when traced, the end of its trace
-    (:meth:`kvgate.tracing.RequestTrace.finish`) with the same ``fields`` (``status``,
-    ``outcome``, ``tenant``, ``backend``, ``model``, ``reason``, ``reserved``, ``prompt``,
-    ``completion``, ``ttft``), ``trace_only`` replacing or adding some for the trace."""
-    log_access(
-        request,
-        rid,
-        started,
-        time.perf_counter(),
-        route=route,
-        queue_wait=queue_wait,
-        reply=reply,
-        **fields,
-    )
-    if trace is not None:
-        trace.finish(**(fields | trace_only if trace_only else fields))
-
-
 def _tagged(response: PreparedResponse, rid: str) -> PreparedResponse:
     """``response`` with the request id header (``x-request-id``) added."""
     response.raw = with_request_id(response.raw, rid)
@@ -647,7 +551,7 @@ def _refused(
     its access log line (outcome ``rejected``, reason the error's code) and the end of its
     trace (``None``: not traced)."""
     reply = _tagged(error_response(request, err), rid)
-    _end_request(
+    end_request(
         request,
         rid,
         started,
@@ -691,7 +595,7 @@ def _refusal(
     now = time.perf_counter()
     gw.metrics.rejected(backend, tenant, reason, now - started, model)
     _tagged(response, rid)
-    _end_request(
+    end_request(
         request,
         rid,
         started,
@@ -759,26 +663,6 @@ def _engine_retry_hint(gw: Gateway, backend_id: int) -> float:
     of it and the engine's."""
     queue = gw.queue
     return queue_retry(gw.controller, backend_id, queue.waiting if queue is not None else 0)
-
-
-def _actual_tokens(analysis: Any, result: RelayResult) -> int:
-    """Tokens to charge: prompt (engine's count if it gave one, else ours) + completion delivered.
-
-    Charged nothing: a request that never reached the engine (unreachable upstream), one whose
-    engine did not answer before the ``first_byte`` timeout, and one the engine answered with
-    an error before any completion token was delivered (a 4xx/5xx status, or an error event
-    first in a stream). docs/admission.md, "What a request is charged" lists every outcome.
-    """
-    outcome = result.outcome
-    if outcome == "upstream_unreachable":
-        return 0
-    if outcome == "upstream_timeout" and result.ttft is None:
-        return 0
-    if outcome == "upstream_error" and result.completion_tokens == 0:
-        return 0
-    prompt = result.prompt_tokens if result.prompt_tokens is not None else analysis.prompt_tokens
-    # each count is at most MAX_AMOUNT (relay._take_usage); their sum must be too
-    return min(int(prompt) + int(result.completion_tokens), MAX_AMOUNT)
 
 
 async def handle_forward(gw: Gateway, request: web.BaseRequest) -> Reply:
@@ -879,7 +763,7 @@ async def handle_forward(gw: Gateway, request: web.BaseRequest) -> Reply:
             gw.running.finish(
                 running, completed=False, stream=False, first_byte=None, completion_tokens=0
             )
-        _settle(
+        settle(
             gw,
             request,
             decision,
