@@ -384,6 +384,24 @@ def test_kvg_leave_gives_the_quotas_back_at_once(r: redis.Redis) -> None:
     assert_alloc_is_sum_of_quotas(r)
 
 
+def test_kvg_leave_in_a_scope_that_expired_leaves_no_key_behind(r: redis.Redis) -> None:
+    # a replica closing leaves every scope it ever knew, also those long expired: nothing may
+    # be made again then (a hash of its `reaped` counter alone would never expire)
+    a = Pod(r, "a")
+    a.sync(pools={"conc": plain(10, 1)})
+    r.delete(STATE, LIVE)  # expired
+    a.leave()
+    assert r.exists(STATE, LIVE) == 0
+    # the state lost but not the live set: the replica still leaves it
+    a.sync(pools={"conc": plain(10, 1)})
+    b = Pod(r, "b")
+    b.sync()
+    r.delete(STATE)
+    a.leave()
+    assert r.exists(STATE) == 0
+    assert r.zrange(LIVE, 0, -1) == ["b"]
+
+
 def test_the_scope_expires_after_its_last_message(r: redis.Redis) -> None:
     # kept at least 180 s after each message: pushed back to 4 leases + 190 s at most every 10 s
     a = Pod(r, "a", ttl_us=3_000_000)

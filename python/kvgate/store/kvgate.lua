@@ -393,6 +393,12 @@ end
 local function kvg_leave(keys, args)
   local state, live = keys[1], keys[2]
   local pod = args[1]
+  -- a scope whose state expired (or was lost) holds nothing to give back; its state made
+  -- again here by the count of reaped replicas would never expire
+  if redis.call('EXISTS', state) == 0 then
+    redis.call('ZREM', live, pod)
+    return 0
+  end
   redis.call('ZADD', live, 0, pod)
   return reap(state, live, now_us())
 end
