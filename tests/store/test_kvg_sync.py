@@ -1,5 +1,5 @@
 """The Redis Function ``kvg_sync`` (``python/kvgate/store/kvgate.lua``) called directly on a real
-``redis-server``: ``FCALL kvg_sync 3 <state> <live> <opkey> <json message>``, the way the store
+``redis-server``: ``FCALL kvg_sync 2 <state> <live> <json message> <operation id>``, the way the store
 agent calls it, with hand-written messages.
 
 Every test checks after each call that the scope's ``alloc|<pool>`` equals the sum of its
@@ -384,6 +384,24 @@ def test_kvg_leave_gives_the_quotas_back_at_once(r: redis.Redis) -> None:
     assert_alloc_is_sum_of_quotas(r)
 
 
+def test_kvg_leave_in_a_scope_that_expired_leaves_no_key_behind(r: redis.Redis) -> None:
+    # a replica closing leaves every scope it ever knew, also those long expired: nothing may
+    # be made again then (a hash of its `reaped` counter alone would never expire)
+    a = Pod(r, "a")
+    a.sync(pools={"conc": plain(10, 1)})
+    r.delete(STATE, LIVE)  # expired
+    a.leave()
+    assert r.exists(STATE, LIVE) == 0
+    # the state lost but not the live set: the replica still leaves it
+    a.sync(pools={"conc": plain(10, 1)})
+    b = Pod(r, "b")
+    b.sync()
+    r.delete(STATE)
+    a.leave()
+    assert r.exists(STATE) == 0
+    assert r.zrange(LIVE, 0, -1) == ["b"]
+
+
 def test_the_scope_expires_after_its_last_message(r: redis.Redis) -> None:
     # kept at least 180 s after each message: pushed back to 4 leases + 190 s at most every 10 s
     a = Pod(r, "a", ttl_us=3_000_000)
@@ -403,6 +421,35 @@ def test_the_scope_expires_after_its_last_message(r: redis.Redis) -> None:
     wait_until(lambda: r.pttl(STATE) < 0 or r.exists(STATE) == 0, 5.0, "the state expired")
     a.sync(pools={"conc": plain(10, 1)})
     assert keep_ms - 5_000 < r.pttl(STATE) <= keep_ms
+
+
+def test_a_live_set_made_again_within_10_s_of_the_last_push_gets_its_expiry(
+    r: redis.Redis,
+) -> None:
+    # the only replica leaves (its live set is emptied, so Redis deletes it) and another one
+    # speaks before the next push is due: the set it makes again must expire like the state
+    a, b = Pod(r, "a", ttl_us=3_000_000), Pod(r, "b", ttl_us=3_000_000)
+    a.sync(pools={"conc": plain(10, 1)})
+    assert a.leave() == 1
+    assert not r.exists(LIVE)
+    b.sync(pools={"conc": plain(10, 1)})
+    keep_ms = 3_000 * 4 + 190_000
+    for key in (STATE, LIVE):
+        assert keep_ms - 5_000 < r.pttl(key) <= keep_ms
+
+
+def test_the_expiry_is_pushed_back_when_the_server_clock_went_back(r: redis.Redis) -> None:
+    # `kept` later than the server's time (a failover to a server whose clock is behind, a
+    # clock stepped back): the push must not wait until the clock catches up
+    a = Pod(r, "a", ttl_us=3_000_000)
+    a.sync(pools={"conc": plain(10, 1)})
+    r.hset(STATE, "kept", str(server_us(r) + 3_600_000_000))  # an hour ahead
+    for key in (STATE, LIVE):
+        r.pexpire(key, 60_000)
+    a.sync(pools={"conc": plain(10, 1)})
+    keep_ms = 3_000 * 4 + 190_000
+    for key in (STATE, LIVE):
+        assert keep_ms - 5_000 < r.pttl(key) <= keep_ms
 
 
 # --- token buckets (GCRA) --------------------------------------------------------------------

@@ -197,12 +197,14 @@ local function kvg_sync(keys, args)
   out[#out + 1] = int(msg.seq)
   out[#out + 1] = 'heard'
   out[#out + 1] = string.format('%.0f', now)
-  redis.call('ZADD', live, now + msg.ttl, pod)
+  local joined = redis.call('ZADD', live, now + msg.ttl, pod)
   -- keep the scope at least 180 s after each message (its buckets' state matters after its
   -- last replica left, and a replica tells a lost scope from an expired one by that time): the
-  -- expiry is pushed back every 10 s at most, to 10 s more than that
+  -- expiry is pushed back every 10 s at most, to 10 s more than that; and whenever this replica
+  -- joined the live set (a set emptied by leaving or reaping is made again without an expiry),
+  -- or `kept` lies ahead of the server's clock (a clock stepped back, a failover)
   local kept = tonumber(head[7] or '0')
-  if now - kept >= 10000000 then
+  if now - kept >= 10000000 or now < kept or joined == 1 then
     local keep_ms = math.floor(msg.ttl / 1000) * 4 + 190000
     redis.call('PEXPIRE', live, keep_ms)
     redis.call('PEXPIRE', state, keep_ms)
@@ -391,6 +393,12 @@ end
 local function kvg_leave(keys, args)
   local state, live = keys[1], keys[2]
   local pod = args[1]
+  -- a scope whose state expired (or was lost) holds nothing to give back; its state made
+  -- again here by the count of reaped replicas would never expire
+  if redis.call('EXISTS', state) == 0 then
+    redis.call('ZREM', live, pod)
+    return 0
+  end
   redis.call('ZADD', live, 0, pod)
   return reap(state, live, now_us())
 end

@@ -33,7 +33,7 @@ use super::primitives::{clock_of, ManualClock};
 /// between: a plain load and store suffice, saving a locked exchange per release. A free-threaded
 /// build needs the atomic swap.
 #[inline]
-pub(super) fn mark_released(flag: &AtomicBool) -> bool {
+fn mark_released(flag: &AtomicBool) -> bool {
     #[cfg(not(Py_GIL_DISABLED))]
     {
         let was = flag.load(Ordering::Relaxed);
@@ -54,7 +54,7 @@ pub(super) fn mark_released(flag: &AtomicBool) -> bool {
 /// ([`Admission::new_heap_serialized`]), which saves a locked instruction per limit per call. A
 /// free-threaded build, and every shared-memory controller (several processes), uses
 /// compare-and-swap.
-pub(super) fn private_controller(clock: Clock, cap: Capacity) -> Result<Arc<Admission>, CoreError> {
+fn private_controller(clock: Clock, cap: Capacity) -> Result<Arc<Admission>, CoreError> {
     #[cfg(not(Py_GIL_DISABLED))]
     {
         Admission::new_heap_serialized_with(clock, cap)
@@ -78,7 +78,7 @@ pub struct Reservation {
 impl Reservation {
     /// A reservation of `ticket` on the controller `ctl`.
     #[inline]
-    pub(crate) fn new(ctl: Py<AdmissionController>, ticket: Ticket) -> Self {
+    pub(super) fn new(ctl: Py<AdmissionController>, ticket: Ticket) -> Self {
         Self {
             ctl,
             ticket,
@@ -94,7 +94,7 @@ impl Reservation {
     /// `release(actual_tokens)` (the hand-written entry point in `python/fast.rs`, and
     /// `__exit__`): releases once, reconciling with `actual` tokens (`None` = as reserved).
     #[inline]
-    pub(crate) fn release_once(&self, actual: Option<u64>) -> PyResult<()> {
+    pub(super) fn release_once(&self, actual: Option<u64>) -> PyResult<()> {
         if mark_released(&self.released) {
             return Ok(());
         }
@@ -189,7 +189,7 @@ pub struct Rejection {
 
 impl Rejection {
     /// The rejection for `refusal`.
-    pub(crate) fn new(refusal: Refusal) -> Self {
+    pub(super) fn new(refusal: Refusal) -> Self {
         Self { refusal }
     }
 }
@@ -238,7 +238,7 @@ impl Rejection {
 /// Admission against every limit of a backend and a tenant.
 #[pyclass(frozen, module = "kvgate")]
 pub struct AdmissionController {
-    pub(crate) core: Arc<Admission>,
+    pub(super) core: Arc<Admission>,
 }
 
 impl AdmissionController {

@@ -1,9 +1,6 @@
 //! Errors and argument conversion shared by the bindings: the Python exception types, amounts,
 //! ids and priority classes read from Python objects, Python-style `repr`.
 
-// Python methods with constant answers (`admitted`, `__bool__`) still take `&self`.
-#![allow(clippy::unused_self)]
-
 use pyo3::exceptions::{PyOverflowError, PyTypeError};
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
@@ -25,11 +22,11 @@ pub(super) static RATE_LIMIT_NAMES: PyOnceLock<[Py<PyString>; 6]> = PyOnceLock::
 
 /// Python's `repr()` of `value` (`None`, `True`, `'text'`, `1.0`), so that a binding's
 /// `__repr__` reads as Python, not as Rust's `Debug` (`Some(1.0)`, `true`, `"text"`).
-pub(crate) fn py_repr<'py, T: IntoPyObject<'py>>(py: Python<'py>, value: T) -> PyResult<String> {
+pub(super) fn py_repr<'py, T: IntoPyObject<'py>>(py: Python<'py>, value: T) -> PyResult<String> {
     Ok(value.into_bound_py_any(py)?.repr()?.to_str()?.to_owned())
 }
 
-pub(super) fn make_type(
+fn make_type(
     py: Python<'_>,
     name: &str,
     doc: &str,
@@ -115,7 +112,7 @@ pub(super) fn err_type<'py>(py: Python<'py>, cell: &PyOnceLock<Py<PyType>>) -> B
         .clone()
 }
 
-pub(super) fn to_pyerr(py: Python<'_>, e: &CoreError) -> PyErr {
+fn to_pyerr(py: Python<'_>, e: &CoreError) -> PyErr {
     let msg = e.to_string();
     let cell = match e {
         CoreError::InvalidAmount { .. } => &INVALID_AMOUNT,
@@ -145,7 +142,7 @@ impl From<CoreError> for PyErr {
 /// Reads a token/slot amount: an `int` in 0..=2**62. Floats, None, bools and other types raise
 /// `TypeError`; negative or huge ints raise `InvalidAmountError`.
 #[inline]
-pub(crate) fn amount(obj: &Bound<'_, PyAny>, what: &'static str) -> PyResult<u64> {
+pub(super) fn amount(obj: &Bound<'_, PyAny>, what: &'static str) -> PyResult<u64> {
     // Fast path: an exact `int` in range, read with one C call that cannot raise for an int.
     if obj.is_exact_instance_of::<PyInt>() {
         let mut overflow = 0;
@@ -159,7 +156,7 @@ pub(crate) fn amount(obj: &Bound<'_, PyAny>, what: &'static str) -> PyResult<u64
 }
 
 #[cold]
-pub(super) fn amount_slow(obj: &Bound<'_, PyAny>, what: &'static str) -> PyResult<u64> {
+fn amount_slow(obj: &Bound<'_, PyAny>, what: &'static str) -> PyResult<u64> {
     if !obj.is_exact_instance_of::<PyInt>()
         && (obj.is_instance_of::<PyBool>() || !obj.is_instance_of::<PyInt>())
     {
@@ -178,7 +175,7 @@ pub(super) fn amount_slow(obj: &Bound<'_, PyAny>, what: &'static str) -> PyResul
     }
 }
 
-pub(crate) fn opt_amount(
+pub(super) fn opt_amount(
     obj: Option<&Bound<'_, PyAny>>,
     what: &'static str,
 ) -> PyResult<Option<u64>> {
@@ -236,7 +233,7 @@ pub(super) fn backend_mask(obj: Option<&Bound<'_, PyAny>>) -> PyResult<Option<Gu
 /// Errors: `TypeError` for a bool or a non-int, `OverflowError` for an int outside `0..2**32`;
 /// both name the argument.
 #[inline]
-pub(crate) fn id_of(obj: &Bound<'_, PyAny>, what: &'static str) -> PyResult<u32> {
+pub(super) fn id_of(obj: &Bound<'_, PyAny>, what: &'static str) -> PyResult<u32> {
     if obj.is_exact_instance_of::<PyInt>() {
         let mut overflow = 0;
         // SAFETY: `obj` is a live `int` (checked above) and the GIL is held (`Bound`).
@@ -261,7 +258,7 @@ pub(super) fn tenant_id_arg(obj: &Bound<'_, PyAny>) -> PyResult<u32> {
 }
 
 #[cold]
-pub(super) fn id_slow(obj: &Bound<'_, PyAny>, what: &'static str) -> PyResult<u32> {
+fn id_slow(obj: &Bound<'_, PyAny>, what: &'static str) -> PyResult<u32> {
     if obj.is_instance_of::<PyBool>() || !obj.is_instance_of::<PyInt>() {
         return Err(PyTypeError::new_err(format!(
             "argument '{what}': must be an int (an id from add_{what}), got {}",
@@ -285,7 +282,7 @@ pub(super) fn id_slow(obj: &Bound<'_, PyAny>, what: &'static str) -> PyResult<u3
 ///
 /// Errors: `InvalidConfigError` for an unknown name or code, `TypeError` for another type.
 #[inline]
-pub(crate) fn priority_of(obj: &Bound<'_, PyAny>) -> PyResult<Priority> {
+pub(super) fn priority_of(obj: &Bound<'_, PyAny>) -> PyResult<Priority> {
     // Fast path: the interned names (string literals in the caller's code are interned).
     let py = obj.py();
     if obj.is(pyo3::intern!(py, "standard")) {
@@ -301,7 +298,7 @@ pub(crate) fn priority_of(obj: &Bound<'_, PyAny>) -> PyResult<Priority> {
 }
 
 #[cold]
-pub(super) fn priority_slow(obj: &Bound<'_, PyAny>) -> PyResult<Priority> {
+fn priority_slow(obj: &Bound<'_, PyAny>) -> PyResult<Priority> {
     if let Ok(s) = obj.cast::<PyString>() {
         // Lossy: a str that is not valid UTF-8 (a lone surrogate) is an unknown name too.
         return Ok(Priority::parse(&s.to_string_lossy())?);

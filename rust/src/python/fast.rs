@@ -340,7 +340,7 @@ fn install_on<T: PyClass>(py: Python<'_>, defs: &'static [MethodDef]) -> PyResul
 }
 
 /// Installs the hand-written methods on `SlotPool`, `AdmissionController` and `Reservation`.
-pub(crate) fn install(py: Python<'_>) -> PyResult<()> {
+pub(super) fn install(py: Python<'_>) -> PyResult<()> {
     install_on::<SlotPool>(py, &SLOT_POOL)?;
     install_on::<AdmissionController>(py, &CONTROLLER)?;
     install_on::<Reservation>(py, &RESERVATION)

@@ -1,8 +1,5 @@
 //! Bindings of the answers serialized in Rust: `http_response`, `relay_http`, `go_duration`.
 
-// Python methods with constant answers (`admitted`, `__bool__`) still take `&self`.
-#![allow(clippy::unused_self)]
-
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyTuple};
@@ -34,7 +31,7 @@ pub(super) fn http_response<'py>(
 }
 
 /// `(name, value)` byte pairs of a Python sequence (aiohttp's `raw_headers`).
-pub(super) fn byte_pairs<'py>(
+fn byte_pairs<'py>(
     headers: &Bound<'py, PyAny>,
 ) -> PyResult<Vec<(Bound<'py, PyBytes>, Bound<'py, PyBytes>)>> {
     let mut out = Vec::new();

@@ -24,7 +24,7 @@ use convert::{
 use http::{go_duration, http_response, relay_http};
 use primitives::{AdaptiveLaw, ManualClock, SlotPool, TokenBucket};
 
-pub(crate) use convert::{amount, id_of, opt_amount, priority_of, py_repr};
+use convert::{amount, id_of, opt_amount, priority_of, py_repr};
 
 /// The native module `kvgate._core`.
 #[pymodule(gil_used = false)]

@@ -1,8 +1,5 @@
 //! Bindings of the building blocks: `ManualClock`, `SlotPool`, `TokenBucket`, `AdaptiveLaw`.
 
-// Python methods with constant answers (`admitted`, `__bool__`) still take `&self`.
-#![allow(clippy::unused_self)]
-
 use std::sync::Arc;
 
 use pyo3::prelude::*;
@@ -57,7 +54,7 @@ impl ManualClock {
 /// A lock-free pool of concurrency slots.
 #[pyclass(frozen, module = "kvgate")]
 pub struct SlotPool {
-    pub(crate) c: SlotCounter,
+    pub(super) c: SlotCounter,
 }
 
 #[pymethods]
@@ -195,7 +192,7 @@ pub struct AdaptiveLaw {
     clock: Clock,
 }
 
-pub(super) fn waiting_of(w: i64) -> PyResult<u64> {
+fn waiting_of(w: i64) -> PyResult<u64> {
     u64::try_from(w).map_err(|_| {
         pyo3::exceptions::PyValueError::new_err(format!("waiting must be >= 0 (got {w})"))
     })
