@@ -317,7 +317,7 @@ def test_a_duplicate_operation_id_returns_the_first_reply(r: redis.Redis) -> Non
     assert fields(r)["op|a"] != op
 
 
-def test_an_operation_named_by_a_third_key_as_earlier_replicas_do_is_applied_once(
+def test_an_operation_named_by_a_third_key_as_replicas_send_it_is_applied_once(
     r: redis.Redis,
 ) -> None:
     a = Pod(r, "a")

@@ -589,7 +589,10 @@ class StoreMachine(RuleBasedStateMachine):
         # Redis: alloc == sum of the quotas, in every scope
         for state in self.r.scan_iter(match="{" + self.prefix + ":*", count=1000):
             if not state.endswith("}"):
-                continue  # the live sets
+                # a scope has its state and its live set, nothing else (the operation id each
+                # message names as a key is never written)
+                assert state.endswith("}:live"), state
+                continue
             f = self.r.hgetall(state)
             sums: dict[str, int] = {}
             allocs: dict[str, int] = {}

@@ -5,6 +5,7 @@
 -- one Redis Cluster slot:
 --   KEYS[1] = {<prefix>:<t|b>:<name>}          HASH  the scope's state (fields below)
 --   KEYS[2] = {<prefix>:<t|b>:<name>}:live     ZSET  replica id -> lease expiry (server µs)
+--   KEYS[3] = {<prefix>:<t|b>:<name>}:op:<id>  the operation id (a name only: never written)
 -- State fields:
 --   epoch                 random id written when the state is created (a changed epoch tells the
 --                         replicas that Redis lost the scope: restart without persistence, flush)
@@ -23,7 +24,9 @@
 --                         lost and the replicas re-assert their quotas
 --
 -- One function, kvg_sync, carries everything a replica says to a scope (JSON in ARGV[1], the
--- operation id in ARGV[2]):
+-- operation id as KEYS[3], a key name in the scope's slot that is never written — the form
+-- every kvgate replica sends, which an earlier version of this library stored the reply under —
+-- or in ARGV[2]):
 --   pod, seq, ttl (µs), epoch (a candidate, used only when the state is created),
 --   known            (the epoch the replica last saw for the scope; absent for a new one)
 --   scale, shed      (backend scopes: this replica's proposal; absent for tenants)
@@ -146,10 +149,11 @@ end
 
 local function kvg_sync(keys, args)
   local state, live, op = keys[1], keys[2], args[2]
-  -- a replica of an earlier kvgate names its operation by a third key (never written now)
+  -- the operation named by a third key (what replicas send, so that an earlier version of this
+  -- library, which stores the reply under that key, serves them too): never written here
   if keys[3] then op = keys[3] end
   if not op then
-    return redis.error_reply('ERR kvg_sync: no operation id (ARGV[2])')
+    return redis.error_reply('ERR kvg_sync: no operation id (KEYS[3] or ARGV[2])')
   end
   local msg = cjson.decode(args[1])
   local pod = msg.pod

@@ -1085,7 +1085,11 @@ class RedisStore:
         sent = time.monotonic()
         deadline = self._deadline if admits else self._bg_deadline
         key = sc.key
-        op = f"{self.pod}:{msg['seq']}"  # the operation id: Redis keeps the last one's reply
+        # the operation id, named as a third key in the scope's hash slot: the library of this
+        # version keeps the last one's reply in the scope's hash (the key is never written),
+        # the library of an earlier kvgate (loaded by an earlier replica during a rolling
+        # upgrade or a rollback) under that key, so replicas of either version work with either
+        op = f"{key}:op:{self.pod}:{msg['seq']}"
         self.calls += 1
         kind = None
         raw: Any = None
@@ -1093,14 +1097,14 @@ class RedisStore:
         try:
             async with asyncio.timeout(deadline):
                 try:
-                    raw = await client.fcall("kvg_sync", 2, key, key + ":live", payload, op)
+                    raw = await client.fcall("kvg_sync", 3, key, key + ":live", op, payload)
                 except Exception as exc:
                     if not _library_missing(exc):
                         raise
                     # Redis lost the library (restarted empty, FUNCTION FLUSH): the call did
                     # not run, so the same message goes again once the library is loaded
                     await load_library(client, self.config.cluster)
-                    raw = await client.fcall("kvg_sync", 2, key, key + ":live", payload, op)
+                    raw = await client.fcall("kvg_sync", 3, key, key + ":live", op, payload)
         except asyncio.CancelledError:
             # the sender went away (its client disconnected, the replica closes): the call may
             # still run on the server
