@@ -160,3 +160,42 @@ async def test_a_timed_wake_up_keeps_the_earliest_and_admits_the_waiter() -> Non
     assert await asyncio.wait_for(waiter, 10) == "ok"
     assert len(tries) == 2  # the first try, then the one wake-up
     assert queue.waiting == 0
+
+
+async def test_a_waiter_sees_a_slot_another_worker_freed() -> None:
+    """Two worker processes' views of one shared core (``--workers 2``): a request of worker B
+    waits in B's queue while worker A holds the backend's only slot; A's release notifies only
+    A's queue, yet B's waiter gets the slot (B looks again after the core's retry hint) long
+    before its wait is up."""
+    import uuid
+
+    from kvgate._core import AdmissionController
+    from kvgate.admission.waiting import wait_for_admission
+
+    a = AdmissionController(shm_name=f"kvgate-test-{uuid.uuid4().hex[:12]}")
+    backend_id = a.add_backend("b", max_concurrency=1, tokens_per_minute=2**40)
+    tenant_id = a.add_tenant("t", priority="standard")
+    b = AdmissionController.attach(a.shm_name)  # type: ignore[arg-type]
+    backend = SimpleNamespace(id=backend_id, name="b", config=None)
+    tenant = Tenant(id=tenant_id, name="t", max_wait_ms=30_000)
+    held = a.admit(backend_id, tenant_id, "standard", 10)
+    assert held.admitted
+    refused = b.admit(backend_id, tenant_id, "standard", 10)
+    assert not refused.admitted
+    assert refused.reason == "backend-slots"
+    gw_b = SimpleNamespace(
+        controller=b, queue=PriorityWaitQueue(max_waiters=8), config=None, metrics=None
+    )
+    loop = asyncio.get_running_loop()
+    waiting = asyncio.create_task(
+        wait_for_admission(gw_b, backend, tenant, "standard", 10, refused)  # type: ignore[arg-type]
+    )
+    while gw_b.queue.waiting == 0:  # noqa: ASYNC110 (the queue has no event to wait on)
+        await asyncio.sleep(0.01)
+    freed = loop.time()
+    held.release(10)  # worker A's release: nothing tells B's queue
+    got = await asyncio.wait_for(waiting, 20)
+    assert got.admitted, got
+    assert loop.time() - freed < 10  # B's wait (30 s) was not what ended it
+    got.release(10)
+    assert a.backend_state(backend_id)["in_use"] == 0

@@ -4,7 +4,11 @@ A refusal stands as the answer at once (no await) when waiting cannot change it:
 no wait allowed for the tenant or asked by the client, a request that can never fit, or a shed
 class. Otherwise the request waits in the priority wait queue
 (:class:`kvgate.admission.wait_queue.PriorityWaitQueue`: critical before standard before
-sheddable, fair between tenants, bounded) until the core admits it or its wait time is up.
+sheddable, fair between tenants, bounded) until the core admits it or its wait time is up. The
+head waiter tries again when a request of this process ends or a limit grows; when a token
+bucket refused it, once the bucket has refilled; and, with a core shared by worker processes,
+after the core's retry hint (at least 50 ms), since a slot another worker frees is announced
+only to that worker's queue.
 In shadow mode (:mod:`kvgate.admission.shadow`) it never waits: a refusal is only counted.
 """
 
@@ -16,7 +20,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from kvgate.admission.refusal import Refusal
-from kvgate.admission.retry_hint import queue_retry
+from kvgate.admission.retry_hint import MIN_HINT, queue_retry
 from kvgate.admission.shadow import SHADOW_ADMISSION, in_shadow
 
 if TYPE_CHECKING:
@@ -132,6 +136,8 @@ async def wait_for_admission(
         return refusal
     assert queue is not None  # _waiting_cannot_help is true without a queue
     last: list[Any] = [refusal]
+    # a limit shared with other worker processes (a shared-memory core)
+    shared = controller.shm_name is not None
 
     def try_admit() -> Any:
         decision = controller.admit(backend.id, tenant.id, priority, tokens)
@@ -146,9 +152,14 @@ async def wait_for_admission(
         last[0] = decision
         if decision.never:  # limits shrank by a reload: leave the queue, don't block it
             raise _NeverFits(decision)
-        if decision.reason in _REFILL_REASONS and decision.retry_after is not None:
-            # nothing is released when a bucket refills: look again when it has
-            queue.notify_after(decision.retry_after)
+        if decision.retry_after is not None:
+            if decision.reason in _REFILL_REASONS:
+                # nothing is released when a bucket refills: look again when it has
+                queue.notify_after(decision.retry_after)
+            elif shared:
+                # with --workers N a slot freed by another worker's request is announced only
+                # to that worker's queue: look again after the core's hint (at least MIN_HINT)
+                queue.notify_after(max(MIN_HINT, decision.retry_after))
         return None
 
     try:
