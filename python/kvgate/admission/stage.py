@@ -12,20 +12,21 @@ store (docs/admission.md).
    that may wait waits for the store's hint (bounded by its wait time) and asks again.
 
 The result is what the request runs with (released once, by settlement) or the refusal to
-answer with. No HTTP here: the client's wait header comes in as its value.
+answer with. No HTTP here: the request's headers come in as a plain mapping, read only on a
+refusal (the client's wait header).
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from kvgate._core import Reservation
 from kvgate.admission.refusal import Refusal
-from kvgate.admission.retry_hint import queue_retry
 from kvgate.admission.shadow import SHADOW_ADMISSION, in_shadow
-from kvgate.admission.waiting import max_wait, refusal_stands, wait_for_admission
+from kvgate.admission.waiting import allowed_wait, queue_hint, refusal_stands, wait_for_admission
 from kvgate.store import StoreRefusal
 
 if TYPE_CHECKING:
@@ -114,12 +115,13 @@ async def admit(
     priority: str,
     tokens: int,
     prompt_tokens: int = 0,
-    asked_wait_ms: str | None = None,
+    headers: Mapping[str, str] | None = None,
 ) -> tuple[Any, Extras | None]:
     """Admits a request of ``tokens`` (prompt + reserved completion; ``prompt_tokens`` of them
     its prompt) for ``tenant`` at ``priority`` on ``backend``, through the core, the latency
-    targets and the prefill budget, the wait queue and the store. ``asked_wait_ms``: the
-    client's ``x-kvgate-max-wait-ms`` value (it may shorten the tenant's wait), or ``None``.
+    targets and the prefill budget, the wait queue and the store. ``headers``: the
+    request's headers (read only on a refusal: ``x-kvgate-max-wait-ms`` may shorten the
+    tenant's wait), or ``None``.
 
     Returns:
         What the request runs with (``.admitted`` true, ``.release(actual_tokens)``) and its
@@ -135,11 +137,11 @@ async def admit(
 
         def check() -> Any:
             if slo is not None and not slo.allow(backend.name, priority):
-                return Refusal("slo-limit", retry_after=_retry_hint(gw, backend))
+                return Refusal("slo-limit", retry_after=queue_hint(gw, backend.id))
             if gate is not None:
                 ticket = gate.enter(prompt_tokens, priority)
                 if ticket is None:
-                    return Refusal("prefill-tokens", retry_after=_retry_hint(gw, backend))
+                    return Refusal("prefill-tokens", retry_after=queue_hint(gw, backend.id))
                 held[0] = ticket
             return None
 
@@ -155,9 +157,9 @@ async def admit(
             decision.release(0)
             decision = extra
     if decision is None or not decision.admitted:
-        if decision is None or not refusal_stands(gw, backend, tenant, decision, asked_wait_ms):
+        if decision is None or not refusal_stands(gw, backend, tenant, decision, headers):
             decision = await wait_for_admission(
-                gw, backend, tenant, priority, tokens, decision, check, asked_wait_ms
+                gw, backend, tenant, priority, tokens, decision, check, headers
             )
         if not decision.admitted:
             return decision, None
@@ -168,7 +170,7 @@ async def admit(
     hold = store.try_admit(backend, tenant, priority, tokens)
     if hold is None:
         try:
-            hold = await _admit_in_store(gw, backend, tenant, priority, tokens, asked_wait_ms)
+            hold = await _admit_in_store(gw, backend, tenant, priority, tokens, headers)
         except asyncio.CancelledError:
             # the client went away while the store decided: nothing ran, nothing is charged
             decision.release(0)
@@ -192,7 +194,7 @@ async def _admit_in_store(
     tenant: Tenant,
     priority: str,
     tokens: int,
-    asked_wait_ms: str | None,
+    headers: Mapping[str, str] | None,
 ) -> Any:
     """The store's decision when this replica's quotas are short; a refusal with a retry hint
     is asked again after the hint while the tenant's wait time lasts."""
@@ -200,7 +202,7 @@ async def _admit_in_store(
     result = await store.admit(backend, tenant, priority, tokens)
     if type(result) is not StoreRefusal or result.never:
         return result
-    wait = max_wait(tenant, asked_wait_ms)
+    wait = allowed_wait(tenant, headers)
     if wait <= 0:
         return result
     give_up = time.monotonic() + wait
@@ -211,10 +213,3 @@ async def _admit_in_store(
         await asyncio.sleep(min(left, max(0.005, result.retry_after or 0.05)))
         result = await store.admit(backend, tenant, priority, tokens)
     return result
-
-
-def _retry_hint(gw: Gateway, backend: Backend) -> float:
-    """kvgate's own wait hint (seconds) for a request refused by the prefill budget or the
-    latency targets: the wait queue's (:func:`kvgate.admission.retry_hint.queue_retry`)."""
-    queue = gw.queue
-    return queue_retry(gw.controller, backend.id, queue.waiting if queue is not None else 0)

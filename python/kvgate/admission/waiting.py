@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from kvgate.admission.refusal import Refusal
@@ -26,7 +26,14 @@ from kvgate.admission.shadow import SHADOW_ADMISSION, in_shadow
 if TYPE_CHECKING:
     from kvgate.app import Backend, Gateway, Tenant
 
-__all__ = ["MAX_WAIT_HEADER", "max_wait", "refusal_stands", "wait_for_admission"]
+__all__ = [
+    "MAX_WAIT_HEADER",
+    "allowed_wait",
+    "max_wait",
+    "queue_hint",
+    "refusal_stands",
+    "wait_for_admission",
+]
 
 #: the request header that shortens (never lengthens) the tenant's wait, in milliseconds
 MAX_WAIT_HEADER = "x-kvgate-max-wait-ms"
@@ -57,18 +64,40 @@ def max_wait(tenant: Tenant, asked_ms: str | None) -> float:
     return wait_ms / 1000.0
 
 
+def allowed_wait(tenant: Tenant, headers: Mapping[str, str] | None) -> float:
+    """:func:`max_wait` with the client's :data:`MAX_WAIT_HEADER` read from the request's
+    ``headers`` (``None``: none sent), only when the tenant may wait at all (seconds)."""
+    if headers is None or tenant.max_wait_ms <= 0:
+        return max_wait(tenant, None)
+    return max_wait(tenant, headers.get(MAX_WAIT_HEADER))
+
+
+def queue_hint(gw: Gateway, backend_id: int) -> float:
+    """kvgate's own wait hint (seconds) on ``backend_id`` for a request refused by the wait
+    queue, the prefill budget or the latency targets, or by the engine with 429 or 503
+    (:func:`kvgate.admission.retry_hint.queue_retry` with this worker's queued requests)."""
+    queue = gw.queue
+    return queue_retry(gw.controller, backend_id, queue.waiting if queue is not None else 0)
+
+
 def refusal_stands(
-    gw: Gateway, backend: Backend, tenant: Tenant, refusal: Any, asked_ms: str | None
+    gw: Gateway,
+    backend: Backend,
+    tenant: Tenant,
+    refusal: Any,
+    headers: Mapping[str, str] | None,
 ) -> bool:
     """Whether the core's refusal on the fast path is the answer as it is (decided without an
     await): not in shadow mode, and waiting could not change it. Otherwise
     :func:`wait_for_admission` decides."""
     return not in_shadow(gw.config, backend, tenant) and _waiting_cannot_help(
-        gw, tenant, refusal, asked_ms
+        gw, tenant, refusal, headers
     )
 
 
-def _waiting_cannot_help(gw: Gateway, tenant: Tenant, refusal: Any, asked_ms: str | None) -> bool:
+def _waiting_cannot_help(
+    gw: Gateway, tenant: Tenant, refusal: Any, headers: Mapping[str, str] | None
+) -> bool:
     """No wait queue, no wait allowed, never admissible, or a shed class (the cheapest checks
     first: this runs on every refusal)."""
     return (
@@ -76,7 +105,7 @@ def _waiting_cannot_help(gw: Gateway, tenant: Tenant, refusal: Any, asked_ms: st
         or tenant.max_wait_ms <= 0
         or refusal.never
         or refusal.reason == "shed"
-        or max_wait(tenant, asked_ms) <= 0
+        or allowed_wait(tenant, headers) <= 0
     )
 
 
@@ -88,7 +117,7 @@ async def wait_for_admission(
     tokens: int,
     refusal: Any,
     gate: Callable[[], Any] | None = None,
-    asked_ms: str | None = None,
+    headers: Mapping[str, str] | None = None,
 ) -> Any:
     """Admission when the core's fast path did not admit: shadow mode, then the priority wait
     queue.
@@ -100,7 +129,7 @@ async def wait_for_admission(
         gate: checks after the core admitted (the prefill budget, latency targets; no await):
             ``None`` to go on, or a refusal (the core's reservation is then given back and the
             request waits again).
-        asked_ms: the client's :data:`MAX_WAIT_HEADER` value, or ``None``.
+        headers: the request's headers (its :data:`MAX_WAIT_HEADER`), or ``None``.
 
     Returns:
         A ``Reservation``, the shadow admission, or a refusal (``Rejection`` / :class:`Refusal`)
@@ -132,7 +161,7 @@ async def wait_for_admission(
                 decision.release(0)
                 return extra
         return decision
-    if refusal is not None and _waiting_cannot_help(gw, tenant, refusal, asked_ms):
+    if refusal is not None and _waiting_cannot_help(gw, tenant, refusal, headers):
         return refusal
     assert queue is not None  # _waiting_cannot_help is true without a queue
     last: list[Any] = [refusal]
@@ -166,7 +195,7 @@ async def wait_for_admission(
         return await queue.wait(
             tenant=tenant.name,
             priority=priority,
-            max_wait=max_wait(tenant, asked_ms),
+            max_wait=allowed_wait(tenant, headers),
             try_admit=try_admit,
             backend=backend.name,
         )
@@ -178,9 +207,9 @@ async def wait_for_admission(
                 gw.metrics.shadow_rejections.labels(last[0].reason).inc()
                 return SHADOW_ADMISSION
             return last[0]
-        return Refusal("queued", retry_after=queue_retry(controller, backend.id, queue.waiting))
+        return Refusal("queued", retry_after=queue_hint(gw, backend.id))
     except QueueFull:
-        return Refusal("queue-full", retry_after=queue_retry(controller, backend.id, queue.waiting))
+        return Refusal("queue-full", retry_after=queue_hint(gw, backend.id))
     except Shed:
         return Refusal("shed")
 

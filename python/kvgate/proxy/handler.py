@@ -35,9 +35,9 @@ from kvgate.accesslog import (
     upstream_trace_headers,
     with_request_id,
 )
-from kvgate.admission.retry_hint import queue_retry, slot_hint
+from kvgate.admission.retry_hint import slot_hint
 from kvgate.admission.stage import admit, holds_slot
-from kvgate.admission.waiting import MAX_WAIT_HEADER
+from kvgate.admission.waiting import queue_hint
 from kvgate.errors import GatewayError
 from kvgate.proxy.prepared import PreparedResponse, Reply, connection_header, error_response
 from kvgate.proxy.relay import RelayResult, relay
@@ -425,7 +425,7 @@ async def handle_inference(gw: Gateway, request: web.BaseRequest, route: str) ->
             responses=route == RESPONSES_ROUTE,
             api_key=backend.api_key,
             assemble=assemble,
-            retry_hint=partial(_engine_retry_hint, gw, backend.id),
+            retry_hint=partial(queue_hint, gw, backend.id),
             extra_headers=upstream_headers,
         )
         return reply
@@ -516,7 +516,7 @@ async def _admission(
     try:
         decision, extras = await admit(
             gw, backend, tenant, priority, tokens, prompt_tokens,
-            request.headers.get(MAX_WAIT_HEADER),
+            request.headers,
         )  # fmt: skip
     except asyncio.CancelledError:  # the client left while its request waited
         if trace is not None:
@@ -655,14 +655,6 @@ def _refusal_response(
         connection,
     )
     return PreparedResponse(status, raw, connection), reason
-
-
-def _engine_retry_hint(gw: Gateway, backend_id: int) -> float:
-    """kvgate's own wait hint (seconds) for a request the engine refused with 429 or 503: the
-    wait queue's (:func:`kvgate.admission.retry_hint.queue_retry`); the relay sends the longer
-    of it and the engine's."""
-    queue = gw.queue
-    return queue_retry(gw.controller, backend_id, queue.waiting if queue is not None else 0)
 
 
 async def handle_forward(gw: Gateway, request: web.BaseRequest) -> Reply:
