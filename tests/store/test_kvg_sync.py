@@ -371,6 +371,57 @@ def test_a_replica_silent_past_its_ttl_is_reaped_and_its_quotas_go_back(r: redis
     assert alloc(r, "conc") == 5
 
 
+def test_a_silence_of_the_scope_moves_a_running_lease_once_until_its_replica_speaks(
+    r: redis.Redis,
+) -> None:
+    """Nothing heard for over half a lease (Redis away, say): the next message moves the
+    leases that ran on by the silence, so the first replica back reaps no one whose requests
+    still run. A second silence does not move the same lease again before its replica spoke
+    (it is unchanged, or ran out and was reaped); its next message clears the mark."""
+    ttl = 1_000_000
+    a, b = Pod(r, "a", ttl), Pod(r, "b", ttl)
+    a.sync(pools={"conc": plain(4, 1)})
+    b.sync(pools={"conc": plain(4, 1)})
+    before = r.zscore(LIVE, "a")
+    time.sleep(0.6)  # the silence: more than half a lease
+    b.sync(pools={"conc": plain(4, 1)})
+    moved = r.zscore(LIVE, "a")
+    assert moved is not None and before is not None
+    assert moved - before >= 500_000  # moved on by the silence (≥ 0.6 s, server µs)
+    assert fields(r).get("moved|a") == "1"
+    assert "moved|b" not in fields(r)  # the sender's own lease is renewed, not moved
+    time.sleep(0.6)
+    b.sync(pools={"conc": plain(4, 1)})
+    assert r.zscore(LIVE, "a") in (moved, None)  # not moved twice
+    if r.zscore(LIVE, "a") is not None:
+        a.sync(pools={"conc": plain(4, 1)})
+        assert "moved|a" not in fields(r)
+
+
+def test_a_dead_replica_is_reaped_though_every_message_comes_after_half_a_lease(
+    r: redis.Redis,
+) -> None:
+    """A replica dies holding a tenant's only slot; the survivor, refused, speaks only every
+    0.75 lease (a client retrying slowly): every one of its messages follows a silence of the
+    scope. The dead replica's lease is moved on once, not by every message: it is reaped and
+    its slot goes back (it was held for as long as the messages kept coming that slowly)."""
+    ttl = 200_000
+    dead, survivor = Pod(r, "dead", ttl), Pod(r, "survivor", ttl)
+    dead.sync(pools={"conc": plain(1, 1)})
+    reaped = 0
+    for _ in range(40):  # 40 messages 0.15 s apart: 6 s, 30 leases
+        time.sleep(0.15)
+        rep = survivor.sync(pools={"conc": plain(1, 0)}, grants={"conc": 1})
+        reaped += rep["reaped"]
+        if reaped:
+            break
+    assert reaped == 1
+    assert r.zscore(LIVE, "dead") is None
+    assert not [k for k in fields(r) if k.endswith("|dead")]
+    rep = survivor.sync(pools={"conc": plain(1, 0)}, grants={"conc": 1})
+    assert quota(r, "conc", "survivor") == 1  # the slot is the survivor's now
+
+
 def test_kvg_leave_gives_the_quotas_back_at_once(r: redis.Redis) -> None:
     a, b = Pod(r, "a"), Pod(r, "b")
     a.sync(pools={"conc": plain(10, 5), "inflight": {"l": 100, "k": "s", "q": 40}})

@@ -19,6 +19,8 @@
 --                         (a repeated delivery of that operation gets the same reply)
 --   reaped                replicas reaped in this scope (a counter)
 --   heard                 when the scope last applied a message (server µs)
+--   moved|<pod>           the replica's lease was moved on by a silence of the scope (see
+--                         `heard` in kvg_sync); cleared by its next message
 --   kept                  when the keys' expiry was last pushed back (server µs)
 --   settle                until when nothing is granted or admitted (server µs): the scope was
 --                         lost and the replicas re-assert their quotas
@@ -52,7 +54,7 @@
 -- admits never take alloc above the effective limit; re-assertion may (a replica that was
 -- reaped while frozen and comes back with requests in flight): then nothing grows until it
 -- drains. Dead replicas (lease expired) are reaped, at most 8 per call: their quotas go back.
--- Leases do not run while the scope hears nothing at all (see `heard` in kvg_sync).
+-- A silence of the whole scope moves each running lease on once (see `heard` in kvg_sync).
 
 local function now_us()
   local t = redis.call('TIME')
@@ -85,7 +87,7 @@ local function reap(state, live, now)
       end
     end
     redis.call('HDEL', state, 'held|' .. pod, 'seq|' .. pod, 'prop|' .. pod, 'shed|' .. pod,
-               'op|' .. pod, 'rep|' .. pod)
+               'op|' .. pod, 'rep|' .. pod, 'moved|' .. pod)
     redis.call('ZREM', live, pod)
     redis.call('HINCRBY', state, 'reaped', 1)
   end
@@ -158,7 +160,7 @@ local function kvg_sync(keys, args)
   local msg = cjson.decode(args[1])
   local pod = msg.pod
   local head = redis.call('HMGET', state, 'epoch', 'seq|' .. pod, 'heard', 'settle',
-                          'op|' .. pod, 'rep|' .. pod, 'kept')
+                          'op|' .. pod, 'rep|' .. pod, 'kept', 'moved|' .. pod)
   -- a repeated delivery of the replica's last operation: its first reply, nothing applied again
   if head[5] == op and head[6] then return head[6] end
   local now = now_us()
@@ -188,11 +190,23 @@ local function kvg_sync(keys, args)
   -- a scope that heard nothing for over half a lease (Redis away or refusing writes, or every
   -- replica quiet: live holders speak every heartbeat, at most half a lease) moves the leases
   -- that ran when it went quiet on by that silence: the first replica back must not reap the
-  -- others, whose requests still run, for a silence that was Redis's
+  -- others, whose requests still run, for a silence that was Redis's. Once per lease: a moved
+  -- lease moves again only after its replica spoke (a live one does within a heartbeat of
+  -- Redis's return), so a dead replica is still reaped in a scope whose messages all come
+  -- more than half a lease apart
   local heard = tonumber(head[3] or '0')
+  if head[8] then del[#del + 1] = 'moved|' .. pod end
   if heard > 0 and now - heard > msg.ttl / 2 then
-    for _, other in ipairs(redis.call('ZRANGEBYSCORE', live, '(' .. fmt(heard), '+inf')) do
-      redis.call('ZINCRBY', live, now - heard, other)
+    local running = redis.call('ZRANGEBYSCORE', live, '(' .. fmt(heard), '+inf')
+    local flags = {}
+    for i, other in ipairs(running) do flags[i] = 'moved|' .. other end
+    if #flags > 0 then flags = redis.call('HMGET', state, unpack(flags)) end
+    for i, other in ipairs(running) do
+      if other ~= pod and not flags[i] then
+        redis.call('ZINCRBY', live, now - heard, other)
+        out[#out + 1] = 'moved|' .. other
+        out[#out + 1] = '1'
+      end
     end
   end
   reply.reaped = reap(state, live, now)
