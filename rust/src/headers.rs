@@ -73,6 +73,45 @@ pub fn waits_for_a_slot(reason: &str) -> bool {
     )
 }
 
+/// Puts what a refusal knows of the limit that refused into `limits`, where the headers
+/// describe that limit: `remaining` units left under it (slots, or tokens in its bucket) and
+/// `reset_ns` until its bucket is full again. With several replicas the store decides across
+/// all of them, and this replica's core sees only its own share: without this, a refusal for
+/// `tenant-concurrency` would say `x-ratelimit-remaining-requests: 5` of 8. The request
+/// figures describe `tenant-concurrency` (a tenant's own limit) or, for a tenant without one,
+/// `backend-slots`; the token figures `tenant-tpm` or, for a tenant without its own TPM,
+/// `backend-tpm`. Other reasons, and `None` values, change nothing.
+pub fn apply_refusing_limit(
+    limits: &mut RateLimits,
+    reason: &str,
+    remaining: Option<u64>,
+    reset_ns: Option<u64>,
+) {
+    let requests = match reason {
+        "tenant-concurrency" => limits.tenant_requests,
+        "backend-slots" => !limits.tenant_requests,
+        _ => false,
+    };
+    let tokens = match reason {
+        "tenant-tpm" => limits.tenant_tokens,
+        "backend-tpm" => !limits.tenant_tokens,
+        _ => false,
+    };
+    if requests {
+        if let Some(left) = remaining {
+            limits.remaining_requests = left.min(limits.limit_requests);
+        }
+    }
+    if tokens {
+        if let Some(left) = remaining {
+            limits.remaining_tokens = left;
+        }
+        if let Some(ns) = reset_ns {
+            limits.reset_tokens_ns = ns;
+        }
+    }
+}
+
 /// `seconds` in whole nanoseconds (rounded to the nearest; negative and NaN give 0, beyond
 /// `u64::MAX` nanoseconds saturates).
 #[must_use]
@@ -185,6 +224,9 @@ pub struct RefusalText<'a> {
     pub tenant: &'a str,
     /// Tokens the request would reserve (prompt + completion).
     pub requested: u64,
+    /// How the refusal was decided, when that is not the limit itself (e.g. by a replica
+    /// alone while the shared store did not answer); added to the message after the reason.
+    pub note: Option<&'a str>,
 }
 
 /// Appends `s` to `out` as the inside of a JSON string (RFC 8259 §7 escapes).
@@ -231,6 +273,14 @@ fn wait_text(retry_after: Option<f64>) -> String {
 pub fn refusal_body(t: &RefusalText<'_>) -> (u16, Vec<u8>) {
     let name = t.model.unwrap_or("this backend");
     let wait = wait_text(t.retry_after);
+    let owned_reason;
+    let reason = match t.note {
+        Some(note) if !note.is_empty() => {
+            owned_reason = format!("{}; {note}", t.reason);
+            owned_reason.as_str()
+        }
+        _ => t.reason,
+    };
     let (status, kind, code) = if t.never {
         (429, "tokens", "rate_limit_exceeded")
     } else if t.tenant_scope {
@@ -247,11 +297,11 @@ pub fn refusal_body(t: &RefusalText<'_>) -> (u16, Vec<u8>) {
         (true, true) => format!(
             "Request too large for {name} for tenant {} ({}): Requested {} tokens, which can \
              never fit.",
-            t.tenant, t.reason, t.requested
+            t.tenant, reason, t.requested
         ),
         (true, false) => format!(
             "Rate limit reached for {name} for tenant {} ({}). Please try again in {wait}.",
-            t.tenant, t.reason
+            t.tenant, reason
         ),
         (false, true) => {
             let held = if t.reason == "backend-tpm" {
@@ -261,17 +311,18 @@ pub fn refusal_body(t: &RefusalText<'_>) -> (u16, Vec<u8>) {
             };
             format!(
                 "Request too large for {name}: {} tokens exceed the backend's whole {held} ({}).",
-                t.requested, t.reason
+                t.requested, reason
             )
         }
         (false, false) if t.reason == "shed" => format!(
             "{name} is under memory pressure; sheddable traffic is refused for now. Please try \
              again in {wait}."
         ),
-        (false, false) => format!(
-            "{name} is saturated ({}). Please try again in {wait}.",
-            t.reason
+        (false, false) if t.reason == "store-unavailable" => format!(
+            "{name}: the shared limit store did not answer, and without it this limit admits \
+             nothing ({reason}). Please try again in {wait}."
         ),
+        (false, false) => format!("{name} is saturated ({reason}). Please try again in {wait}."),
     };
     let mut body = Vec::with_capacity(message.len() + 96);
     body.extend_from_slice(b"{\"error\":{\"message\":\"");
@@ -584,6 +635,8 @@ mod tests {
             limit_tokens: 1000,
             remaining_tokens: 0,
             reset_tokens_ns: 360_000 * MS,
+            tenant_requests: true,
+            tenant_tokens: true,
         });
         assert_eq!(h, ["4", "0", "500ms", "1000", "0", "6m0s"]);
     }
@@ -649,6 +702,7 @@ mod tests {
             model: Some("m\"x"),
             tenant: "t\n1",
             requested: 28,
+            note: None,
         };
         let parse = |t: &RefusalText<'_>| {
             let (status, body) = refusal_body(t);
@@ -725,6 +779,87 @@ mod tests {
             ..base
         });
         assert!(err["message"].as_str().unwrap().contains(&ctl));
+    }
+
+    #[test]
+    fn a_refusal_by_the_fallback_or_the_store_says_so() {
+        let base = RefusalText {
+            reason: "tenant-tpm",
+            tenant_scope: true,
+            never: false,
+            retry_after: Some(23.9991),
+            model: Some("m\"x"),
+            tenant: "t\n1",
+            requested: 28,
+            note: None,
+        };
+        let parse = |t: &RefusalText<'_>| {
+            let (status, body) = refusal_body(t);
+            let v: serde_json::Value = serde_json::from_slice(&body).unwrap();
+            (status, v["error"].clone())
+        };
+        let (_, err) = parse(&RefusalText {
+            note: Some("decided by this replica alone"),
+            ..base
+        });
+        assert_eq!(
+            err["message"],
+            "Rate limit reached for m\"x for tenant t\n1 (tenant-tpm; decided by this replica \
+             alone). Please try again in 24s."
+        );
+        let (status, err) = parse(&RefusalText {
+            reason: "store-unavailable",
+            tenant_scope: false,
+            retry_after: Some(1.0),
+            model: None,
+            ..base
+        });
+        assert_eq!(status, 503);
+        let text = err["message"].as_str().unwrap();
+        assert!(text.contains("shared limit store did not answer"), "{text}");
+        assert!(!text.contains("saturated"), "{text}");
+    }
+
+    #[test]
+    fn a_refusal_puts_its_own_limit_in_the_headers() {
+        let local = RateLimits {
+            limit_requests: 8,
+            remaining_requests: 6,
+            reset_requests_ns: 0,
+            limit_tokens: 1000,
+            remaining_tokens: 990,
+            reset_tokens_ns: 600 * MS,
+            tenant_requests: true,
+            tenant_tokens: true,
+        };
+        let mut l = local;
+        apply_refusing_limit(&mut l, "tenant-concurrency", Some(0), Some(5 * MS));
+        assert_eq!((l.remaining_requests, l.reset_requests_ns), (0, 0));
+        assert_eq!((l.remaining_tokens, l.reset_tokens_ns), (990, 600 * MS));
+        let mut l = local;
+        apply_refusing_limit(&mut l, "tenant-tpm", Some(12), Some(30_000 * MS));
+        assert_eq!(l.remaining_requests, 6);
+        assert_eq!((l.remaining_tokens, l.reset_tokens_ns), (12, 30_000 * MS));
+        // the headers show the tenant's own limits: a backend refusal leaves them alone
+        let mut l = local;
+        apply_refusing_limit(&mut l, "backend-slots", Some(0), None);
+        apply_refusing_limit(&mut l, "backend-tpm", Some(0), Some(MS));
+        assert_eq!(l, local);
+        // a tenant without limits of its own: the headers are the backend's
+        let shared = RateLimits {
+            tenant_requests: false,
+            tenant_tokens: false,
+            ..local
+        };
+        let mut l = shared;
+        apply_refusing_limit(&mut l, "backend-slots", Some(99), None);
+        assert_eq!(l.remaining_requests, 8);
+        apply_refusing_limit(&mut l, "backend-tpm", Some(0), None);
+        assert_eq!((l.remaining_tokens, l.reset_tokens_ns), (0, 600 * MS));
+        let mut l = shared;
+        apply_refusing_limit(&mut l, "shed", Some(0), Some(0));
+        apply_refusing_limit(&mut l, "backend-slots", None, None);
+        assert_eq!(l, shared);
     }
 
     #[test]

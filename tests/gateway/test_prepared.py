@@ -416,6 +416,57 @@ def test_refusal_response_refuses_bad_reason_and_unknown_ids() -> None:
     held.release()
 
 
+def test_a_store_refusal_puts_the_refusing_limit_in_the_rate_limit_headers() -> None:
+    """With several replicas the store refuses for the limit across all of them, while this
+    replica's core sees only its own share: the refusal's ``x-ratelimit-*`` figures for the
+    refusing limit are the store's (remaining 0 and the retry wait for a slot; what the shared
+    bucket holds and when it is full for tokens), and a decision of the fallback policy says so
+    in the message."""
+    from kvgate.store import StoreRefusal
+
+    ctl = AdmissionController()
+    b = ctl.add_backend("b", max_concurrency=64, tokens_per_minute=10**6)
+    t = ctl.add_tenant("t", priority="standard", max_concurrency=8, tokens_per_minute=300_000)
+
+    def headers(raw: bytes) -> dict[str, str]:
+        head = raw.split(b"\r\n\r\n", 1)[0].decode().split("\r\n")[1:]
+        return {k.lower(): v for k, v in (line.split(": ", 1) for line in head)}
+
+    # the core alone: 8 slots free here, its bucket full
+    _, _, raw = ctl.refusal_response(b, t, StoreRefusal("backend-slots"), "m", "t", 9)
+    assert headers(raw)["x-ratelimit-remaining-requests"] == "8"  # the tenant's own limit
+    refusal = StoreRefusal("tenant-concurrency", scope="tenant", retry_after=2.561, remaining=0)
+    status, reason, raw = ctl.refusal_response(b, t, refusal, "m", "t", 9)
+    h = headers(raw)
+    assert (status, reason) == (429, "tenant-concurrency")
+    assert (h["x-ratelimit-limit-requests"], h["x-ratelimit-remaining-requests"]) == ("8", "0")
+    assert h["x-ratelimit-reset-requests"] == "2.561s"
+    assert h["retry-after-ms"] == "2561"
+    assert h["x-ratelimit-remaining-tokens"] == "300000"  # the tokens were not refused
+    refusal = StoreRefusal(
+        "tenant-tpm",
+        scope="tenant",
+        retry_after=1.0,
+        remaining=12,
+        reset_after=30.0,
+        note="decided by this replica alone, Redis not answering: strict",
+    )
+    _, _, raw = ctl.refusal_response(b, t, refusal, "m", "t", 900)
+    h = headers(raw)
+    assert (h["x-ratelimit-remaining-tokens"], h["x-ratelimit-reset-tokens"]) == ("12", "30s")
+    assert h["x-ratelimit-remaining-requests"] == "8"
+    err = orjson.loads(raw.split(b"\r\n\r\n", 1)[1])["error"]
+    assert err["message"] == (
+        "Rate limit reached for m for tenant t (tenant-tpm; decided by this replica alone, "
+        "Redis not answering: strict). Please try again in 1s."
+    )
+    assert err["type"] == "tokens"
+    status, _, raw = ctl.refusal_response(b, t, StoreRefusal("store-unavailable"), "m", "t", 9)
+    err = orjson.loads(raw.split(b"\r\n\r\n", 1)[1])["error"]
+    assert status == 503
+    assert "shared limit store did not answer" in err["message"], err
+
+
 @pytest.mark.parametrize(
     "raw",
     [

@@ -34,6 +34,13 @@ class StoreRefusal:
         scope: ``tenant`` (HTTP 429) or ``backend`` (HTTP 503).
         retry_after: seconds until a retry may succeed (``None``: never).
         never: the request can never be admitted.
+        remaining: units left under the refusing limit across the replicas as the store
+            knows them (slots, or tokens in its bucket), or ``None``: the refusal's
+            ``x-ratelimit-remaining-*`` header then says this one where this replica's core
+            says its own share.
+        reset_after: seconds until the refusing token bucket is full again, or ``None``.
+        note: how it was decided when not by the limit across the replicas (by this replica
+            alone while Redis did not answer), for the error message; or ``None``.
     """
 
     reason: str
@@ -41,6 +48,9 @@ class StoreRefusal:
     retry_after: float | None = 1.0
     never: bool = False
     admitted: bool = False
+    remaining: int | None = None
+    reset_after: float | None = None
+    note: str | None = None
 
 
 class Store(Protocol):

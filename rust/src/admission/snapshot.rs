@@ -77,6 +77,10 @@ pub struct RateLimits {
     pub remaining_tokens: u64,
     /// Nanoseconds until that bucket is full again.
     pub reset_tokens_ns: u64,
+    /// The request figures are the tenant's own concurrency limit (else the backend's).
+    pub tenant_requests: bool,
+    /// The token figures are the tenant's own TPM bucket (else the backend's).
+    pub tenant_tokens: bool,
 }
 
 /// A snapshot of a tenant.
@@ -165,7 +169,8 @@ impl Admission {
         } else {
             0
         };
-        let (limit_t, avail, full) = if t.has_tpm.load(Ordering::Acquire) == 1 {
+        let tenant_tokens = t.has_tpm.load(Ordering::Acquire) == 1;
+        let (limit_t, avail, full) = if tenant_tokens {
             (
                 t.tpm.rate(),
                 t.tpm.available(now),
@@ -186,6 +191,8 @@ impl Admission {
             limit_tokens: limit_t,
             remaining_tokens: u64::try_from(avail).unwrap_or(0),
             reset_tokens_ns: full,
+            tenant_requests: t_limit != UNLIMITED,
+            tenant_tokens,
         })
     }
 

@@ -537,6 +537,9 @@ impl AdmissionController {
         // the core's Rejection is read natively; anything else (the gateway's own refusals)
         // through its `reason`, `scope`, `retry_after` and `never` attributes
         let owned_reason: String;
+        let mut note: Option<String> = None;
+        let mut remaining: Option<u64> = None;
+        let mut reset_after: Option<f64> = None;
         let (reason, tenant_scope, never, retry_after) = if let Ok(r) = refusal.cast::<Rejection>()
         {
             let r = r.get();
@@ -551,9 +554,25 @@ impl AdmissionController {
             let scope: String = refusal.getattr(intern!(py, "scope"))?.extract()?;
             let never: bool = refusal.getattr(intern!(py, "never"))?.is_truthy()?;
             let retry: Option<f64> = refusal.getattr(intern!(py, "retry_after"))?.extract()?;
+            // what a store's refusal knows beyond this replica's core (optional attributes)
+            if let Ok(v) = refusal.getattr(intern!(py, "remaining")) {
+                remaining = v.extract()?;
+            }
+            if let Ok(v) = refusal.getattr(intern!(py, "reset_after")) {
+                reset_after = v.extract()?;
+            }
+            if let Ok(v) = refusal.getattr(intern!(py, "note")) {
+                note = v.extract()?;
+            }
             (owned_reason.as_str(), scope == "tenant", never, retry)
         };
         let mut limits = self.core.rate_limits(backend, tenant)?;
+        crate::headers::apply_refusing_limit(
+            &mut limits,
+            reason,
+            remaining,
+            reset_after.map(crate::headers::secs_to_ns),
+        );
         let retry_after = if never { None } else { retry_after };
         // a refusal that waits for a slot says the same wait in `x-ratelimit-reset-requests`
         // as in `Retry-After` (the gateway computes it from the requests holding the slots)
@@ -572,6 +591,7 @@ impl AdmissionController {
             model,
             tenant: tenant_name,
             requested,
+            note: note.as_deref(),
         });
         let date = crate::headers::http_date_now();
         let raw = crate::headers::http_response(status, &headers, &body, &date, connection)
