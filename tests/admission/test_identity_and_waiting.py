@@ -199,3 +199,31 @@ async def test_a_waiter_sees_a_slot_another_worker_freed() -> None:
     assert loop.time() - freed < 10  # B's wait (30 s) was not what ended it
     got.release(10)
     assert a.backend_state(backend_id)["in_use"] == 0
+
+
+async def test_the_store_is_asked_again_only_for_what_is_left_of_the_wait() -> None:
+    """A request that already waited in the queue, then finds the store refusing with a retry
+    hint, asks the store again only for what is left of its tenant's wait: its whole wait stays
+    within ``max_wait_ms`` (it could reach twice that)."""
+    from kvgate.admission.stage import _admit_in_store
+    from kvgate.store import StoreRefusal
+
+    asked: list[float] = []
+    loop = asyncio.get_running_loop()
+
+    class Refusing:
+        async def admit(self, *_: object) -> StoreRefusal:
+            asked.append(loop.time())
+            return StoreRefusal("tenant-concurrency", scope="tenant", retry_after=0.01)
+
+    gw = SimpleNamespace(store=Refusing())
+    tenant = Tenant(id=0, name="t", max_wait_ms=1000)
+    backend = SimpleNamespace(id=0, name="b")
+    started = loop.time()
+    got = await _admit_in_store(gw, backend, tenant, "standard", 1, None, 0.9)  # type: ignore[arg-type]
+    assert isinstance(got, StoreRefusal)
+    assert asked[-1] - started < 0.1 + 0.5  # about the 0.1 s left, not another whole second
+    asked.clear()
+    started = loop.time()
+    await _admit_in_store(gw, backend, tenant, "standard", 1, None, 0.0)  # type: ignore[arg-type]
+    assert asked[-1] - started >= 0.9  # nothing spent: the whole second

@@ -156,8 +156,10 @@ async def admit(
         if extra is not None:
             decision.release(0)
             decision = extra
+    waited_from = None  # when this request started waiting in the queue, if it did
     if decision is None or not decision.admitted:
         if decision is None or not refusal_stands(gw, backend, tenant, decision, headers):
+            waited_from = time.monotonic()
             decision = await wait_for_admission(
                 gw, backend, tenant, priority, tokens, decision, check, headers
             )
@@ -170,7 +172,8 @@ async def admit(
     hold = store.try_admit(backend, tenant, priority, tokens)
     if hold is None:
         try:
-            hold = await _admit_in_store(gw, backend, tenant, priority, tokens, headers)
+            spent = 0.0 if waited_from is None else time.monotonic() - waited_from
+            hold = await _admit_in_store(gw, backend, tenant, priority, tokens, headers, spent)
         except asyncio.CancelledError:
             # the client went away while the store decided: nothing ran, nothing is charged
             decision.release(0)
@@ -195,14 +198,16 @@ async def _admit_in_store(
     priority: str,
     tokens: int,
     headers: Mapping[str, str] | None,
+    spent: float = 0.0,
 ) -> Any:
     """The store's decision when this replica's quotas are short; a refusal with a retry hint
-    is asked again after the hint while the tenant's wait time lasts."""
+    is asked again after the hint while the tenant's wait time lasts (less ``spent``: the
+    seconds the request already waited in the queue)."""
     store = gw.store
     result = await store.admit(backend, tenant, priority, tokens)
     if type(result) is not StoreRefusal or result.never:
         return result
-    wait = allowed_wait(tenant, headers)
+    wait = allowed_wait(tenant, headers) - spent
     if wait <= 0:
         return result
     give_up = time.monotonic() + wait
