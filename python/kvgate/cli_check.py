@@ -65,6 +65,8 @@ def summary(cfg: Config) -> str:
             f"limits shared through Redis{' Cluster' if st.cluster else ''} at "
             f"{st.url.rsplit('@', 1)[-1]}: heartbeat {st.heartbeat_s:g} s, lease {st.ttl_s:g} s, "
             f"deadline {st.deadline_ms:g} ms, fallback {st.on_failure}"
+            + "".join(f", {limit}: {policy}" for limit, policy in sorted(st.policies.items()))
+            + f"; share for {st.max_degraded_s:g} s at most, then {st.after_degraded}"
         )
     tracing = getattr(cfg, "tracing", None)
     if tracing is not None:

@@ -310,7 +310,9 @@ class GatewayMetrics:
         )
         self.store_failures = Counter(
             "kvgate_store_failures",
-            "Calls to the shared store that failed, by kind (timeout, error, stale).",
+            "Calls to the shared store that failed, by kind (timeout, error, stale), and "
+            "admissions whose deadline passed while their message waited behind another "
+            "(late); each fell back to its limit's policy.",
             ["kind"],
             registry=reg,
         )
@@ -327,7 +329,8 @@ class GatewayMetrics:
         )
         self.store_reaped = Counter(
             "kvgate_store_reaped_replicas",
-            "Replicas whose lease ran out, reaped by this one (their quotas went back).",
+            "Dead replicas' leases reaped by this replica, one per scope (tenant or backend) "
+            "the dead replica held anything in; their quotas went back.",
             registry=reg,
         )
         self.store_degraded = Counter(

@@ -81,6 +81,8 @@ def test_check_config_reports_the_server_and_warns_on_eviction(
     out = capsys.readouterr()
     assert "store: Redis 7." in out.out
     assert "maxmemory-policy" not in out.err
+    # every limit's fallback, and what share turns into
+    assert "fallback share, tenant-tpm: strict; share for 60 s at most, then closed" in out.out
     redis_server.cli("CONFIG", "SET", "maxmemory-policy", "allkeys-lru")
     assert main(["check-config", str(path)]) == 0
     err = capsys.readouterr().err
@@ -196,3 +198,51 @@ async def test_a_lost_scope_settles_but_one_that_expired_idle_does_not(
         assert type(idle) is not StoreRefusal, idle
     finally:
         await st.close()
+
+
+async def test_a_request_that_fits_the_in_flight_budget_is_not_refused_for_stranded_tokens(
+    redis_server: RedisServer,
+) -> None:
+    """Two replicas share a backend's in-flight token budget of 1,843 tokens. Replica one runs a
+    905-token request; replica two asks for another 905: 1,810 fit, as on one gateway. The
+    headroom replica one keeps beyond its use (it cannot even hold a second request of that
+    size), and replica two's own, must not leave the request refused: it is admitted within a
+    few heartbeats (it was refused for as long as the first request ran)."""
+    from kvgate.store import StoreRefusal
+
+    cfg = StoreConfig(url=redis_server.url, heartbeat_s=0.1, background_deadline_ms=2000)
+    made = []
+    for _ in range(2):
+        ctl = AdmissionController(backends=1, tenants=1)
+        b = ctl.add_backend(
+            "b", max_concurrency=64, tokens_per_minute=2**40, inflight_token_limit=1843
+        )
+        t = ctl.add_tenant("t", priority="standard")
+        made.append((ctl, Named(b, "b"), Named(t, "t")))
+    one, two = (RedisStore(cfg, ctl) for ctl, _, _ in made)
+    await one.start()
+    await two.start()
+    try:
+        (_, b1, t1), (_, b2, t2) = made
+        first = await one.admit(b1, t1, "standard", 905)
+        assert not isinstance(first, StoreRefusal), first
+        loop = asyncio.get_running_loop()
+        give_up = loop.time() + 2.0  # 20 heartbeats
+        second: Any = None
+        while True:
+            second = two.try_admit(b2, t2, "standard", 905) or await two.admit(
+                b2, t2, "standard", 905
+            )
+            if not isinstance(second, StoreRefusal):
+                break
+            assert second.reason == "inflight-tokens", second
+            assert loop.time() < give_up, "refused for stranded in-flight tokens"
+            one.tick()
+            await asyncio.sleep(0.05)
+        pools = [one._scope("b", "b").pools["inflight"], two._scope("b", "b").pools["inflight"]]
+        assert sum(p.in_use for p in pools) == 1810
+        one.release(first, 905, 905)
+        two.release(second, 905, 905)
+    finally:
+        await one.close()
+        await two.close()

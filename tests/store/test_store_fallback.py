@@ -257,13 +257,16 @@ async def test_strict_keeps_only_what_the_replica_held(
 
 
 async def test_share_becomes_closed_after_max_degraded_s(
-    stores: Any, redis_server: RedisServer
+    stores: Any, redis_server: RedisServer, caplog: pytest.LogCaptureFixture
 ) -> None:
+    """``share`` turns into ``closed`` once Redis has been away for ``max_degraded_s``; the
+    replica says so once in its log and in ``/admin/state`` (``share_policy_now``)."""
     lim = limits(max_concurrency=10, tokens_per_minute=2**40)
     store, _ = await learned(stores, redis_server, lim, 1, on_failure="share", max_degraded_s=0.3)
     first = await lose_redis(store, redis_server, lim)
     opened = store._breaker.opened_at
     assert opened is not None
+    assert store.state()["share_policy_now"] == "share"
     assert isinstance(first, HOLDS)  # share: within its share
     store.release(first, 1, 1)
     admitted = 0
@@ -277,6 +280,10 @@ async def test_share_becomes_closed_after_max_degraded_s(
     assert admitted > 0
     assert isinstance(h, StoreRefusal)
     assert h.reason == "store-unavailable"
+    assert store.state()["share_policy_now"] == "closed"
+    said = [r.getMessage() for r in caplog.records if "max_degraded_s" in r.getMessage()]
+    assert len(said) == 1, said
+    assert said[0].endswith("limits with the share policy now use closed")
 
 
 async def test_share_becomes_open_after_max_degraded_s_when_asked(

@@ -418,11 +418,18 @@ class RedisStore:
         self._closed = False
         self._loaded = False
         self.calls = 0
-        self.failures: dict[str, int] = {"timeout": 0, "error": 0, "stale": 0}
+        #: calls that failed by kind, and ``late``: admissions whose deadline passed while
+        #: their message waited behind another of the scope (fallen back, no call failed)
+        self.failures: dict[str, int] = {"timeout": 0, "error": 0, "stale": 0, "late": 0}
+        if metrics is not None:
+            for kind in self.failures:  # every series from the start, at 0
+                metrics.store_failures.labels(kind)
         self.amnesia = 0
         self.reaped = 0
         self.degraded_admissions = 0
         self._last_failure = ""
+        #: the share policy turned into after_degraded in this outage (logged once)
+        self._share_ended = False
 
     @property
     def admissions(self) -> int:
@@ -759,12 +766,18 @@ class RedisStore:
             else:
                 for adm in waits:
                     self._kick(adm.scope)
-                with contextlib.suppress(TimeoutError):
+                try:
                     async with asyncio.timeout(self._deadline):
                         if len(waits) == 1:
                             answers = [await waits[0].future]
                         else:
                             answers = list(await asyncio.gather(*(a.future for a in waits)))
+                except TimeoutError:
+                    # its message waited behind another of its scope, or its reply is late:
+                    # not a failed call (the breaker does not count it), but counted
+                    self.failures["late"] += 1
+                    if self._metrics is not None:
+                        self._metrics.store_failures.labels("late").inc()
         except asyncio.CancelledError:
             # the caller went away (its client disconnected) while Redis decided: what was
             # taken here goes back now, what Redis admits later becomes quota (_apply)
@@ -809,14 +822,25 @@ class RedisStore:
     # ---- the fallback ------------------------------------------------------------------------
     def _policy(self, limit_name: str) -> str:
         policy = str(self.config.policy(limit_name))
-        opened = self._breaker.opened_at
-        if (
-            policy == "share"
-            and opened is not None
-            and time.monotonic() - opened > self.config.max_degraded_s
-        ):
+        if policy == "share" and self._share_over():
             return str(self.config.after_degraded)
         return policy
+
+    def _share_over(self) -> bool:
+        """Whether Redis has been away for over ``max_degraded_s``: ``share`` then turns into
+        ``after_degraded`` (logged once per outage)."""
+        opened = self._breaker.opened_at
+        if opened is None or time.monotonic() - opened <= self.config.max_degraded_s:
+            return False
+        if not self._share_ended:
+            self._share_ended = True
+            logger.warning(
+                "store: Redis unreachable for over %g s (max_degraded_s); limits with the "
+                "share policy now use %s",
+                self.config.max_degraded_s,
+                self.config.after_degraded,
+            )
+        return True
 
     def _fallback(self, parts: list[_Part], tokens: int) -> Any:
         """The decision without Redis, by each limit's policy: ``open`` admits, ``closed``
@@ -853,6 +877,8 @@ class RedisStore:
                         pools[-1].limit_name,
                         scope=_scope_of(sc),
                         retry_after=self.config.heartbeat_s,
+                        remaining=0,
+                        note=self._alone_note(pools[-1].limit_name),
                     )
                 picks.append((chosen, n))
             for b in part.buckets:
@@ -863,7 +889,11 @@ class RedisStore:
                     continue
                 if policy == "strict" or sc.epoch is None:
                     return StoreRefusal(
-                        b.limit_name, scope=_scope_of(sc), retry_after=self.config.heartbeat_s
+                        b.limit_name,
+                        scope=_scope_of(sc),
+                        retry_after=self.config.heartbeat_s,
+                        remaining=max(0, b.avail),
+                        note=self._alone_note(b.limit_name),
                     )
                 if b.fallback is None:
                     from kvgate import TokenBucket
@@ -882,6 +912,8 @@ class RedisStore:
                     b.limit_name,
                     scope=_scope_of(part.scope),
                     retry_after=retry if retry else self.config.heartbeat_s,
+                    remaining=max(0, fb.available),
+                    note=self._alone_note(b.limit_name),
                 )
         for _, b in shares:
             b.avail += tokens  # the share's tokens, taken below like a grant
@@ -891,6 +923,10 @@ class RedisStore:
         hold = self._take(parts, picks, tokens)
         hold.shared = tuple(b for _, b in shares)
         return hold
+
+    def _alone_note(self, limit_name: str) -> str:
+        """The refusal message's note for a decision of the fallback policy."""
+        return f"decided by this replica alone, Redis not answering: {self._policy(limit_name)}"
 
     def _unavailable(self) -> StoreRefusal:
         return StoreRefusal(
@@ -910,6 +946,7 @@ class RedisStore:
 
     def _closed_again(self) -> None:
         logger.warning("store: Redis reachable again; limits are shared again")
+        self._share_ended = False
         if self._metrics is not None:
             self._metrics.store_breaker.set(0)
         for sc in self.scopes.values():
@@ -970,13 +1007,17 @@ class RedisStore:
         say = sc.hb_due or bool(admits) or expired
         pools: dict[str, Any] = {}
         grants: dict[str, int] = {}
+        # a pool a waiting request asks Redis for keeps no headroom in this message: what this
+        # replica holds beyond its use (too little for the request, or it would not wait) goes
+        # back first, so that the request is decided against everything no one uses
+        asked = {p.name for adm in admits for _, ps in adm.alts for p in ps}
         for name, pool in sc.pools.items():
             before = pool.q
             if expired:  # our lease ran out (frozen?): re-assert only what runs
                 pool.q = pool.in_use
             pool.q = max(pool.q, pool.in_use)  # degraded admissions are re-asserted
             busy = pool.taken or pool.in_use or admits
-            h = self._headroom(pool) if busy else 0
+            h = self._headroom(pool) if busy and name not in asked else 0
             free = pool.q - pool.in_use
             if h == 0:
                 pool.q = pool.in_use
@@ -1195,7 +1236,9 @@ class RedisStore:
                 continue
             pool.q = pool.rq = int(q)
             pool.alloc, pool.limit = int(alloc), int(limit)
-            pool.near = pool.limit - pool.alloc < max(near_f * pool.limit, sc.live)
+            # near: less free than near_fraction of the limit, or than one request of this
+            # replica's last size per live replica (an in-flight token budget)
+            pool.near = pool.limit - pool.alloc < max(near_f * pool.limit, sc.live * pool.unit)
             if pool.near and pool.q > pool.in_use and not granted.get(name):
                 # near the limit: give the headroom back now, not at a heartbeat (but not a
                 # grant this very reply made: with two pools near their limits, each message
@@ -1252,10 +1295,35 @@ class RedisStore:
         for b, _ in adm.buckets:
             if b.name == why:
                 limit_name = b.limit_name
+        # what is left under the refusing limit across the replicas, as this reply said
+        remaining: int | None = None
+        reset_after: float | None = None
+        pool = next((p for _, ps in adm.alts for p in ps if p.name == why), None)
+        if pool is not None:
+            remaining = max(0, pool.limit - pool.alloc)
+        for b, _ in adm.buckets:
+            if b.name == why:
+                remaining = max(0, b.global_avail)
+                rate = b.rate * (sc.scale if b.scaled else 1.0)
+                if 0 < rate < UNLIMITED_RATE:
+                    reset_after = max(0, b.burst - remaining) * 60.0 / rate
         if retry_us == -1:
-            return StoreRefusal(limit_name, scope=_scope_of(sc), retry_after=None, never=True)
+            return StoreRefusal(
+                limit_name,
+                scope=_scope_of(sc),
+                retry_after=None,
+                never=True,
+                remaining=remaining,
+                reset_after=reset_after,
+            )
         retry = retry_us / 1e6 if retry_us > 0 else self.config.heartbeat_s / 2
-        return StoreRefusal(limit_name, scope=_scope_of(sc), retry_after=max(0.001, retry))
+        return StoreRefusal(
+            limit_name,
+            scope=_scope_of(sc),
+            retry_after=max(0.001, retry),
+            remaining=remaining,
+            reset_after=reset_after,
+        )
 
     def inflight_allocated(self, backend: str) -> int | None:
         """Tokens of ``backend``'s in-flight budget allocated to all replicas together (as
@@ -1413,6 +1481,11 @@ class RedisStore:
             "mode": "redis",
             "replica": self.pod,
             "breaker": "open" if self._breaker.opened_at is not None else "closed",
+            # what the share policy does now: share, or after_degraded once Redis has been
+            # away for over max_degraded_s
+            "share_policy_now": (
+                str(self.config.after_degraded) if self._share_over() else "share"
+            ),
             "calls": self.calls,
             "admissions": self.admissions,
             "failures": dict(self.failures),
