@@ -386,7 +386,8 @@ def test_a_silence_of_the_scope_moves_a_running_lease_once_until_its_replica_spe
     time.sleep(0.6)  # the silence: more than half a lease
     b.sync(pools={"conc": plain(4, 1)})
     moved = r.zscore(LIVE, "a")
-    assert moved is not None and before is not None
+    assert moved is not None
+    assert before is not None
     assert moved - before >= 500_000  # moved on by the silence (≥ 0.6 s, server µs)
     assert fields(r).get("moved|a") == "1"
     assert "moved|b" not in fields(r)  # the sender's own lease is renewed, not moved
