@@ -188,6 +188,10 @@ async def test_a_lost_scope_settles_but_one_that_expired_idle_does_not(
         assert type(lost) is StoreRefusal, lost
         assert lost.retry_after is not None, lost
         assert 0 < lost.retry_after <= 1.5, lost
+        # the refusal says why: not the limit (its remaining is not claimed to be 0)
+        assert lost.note is not None
+        assert "Redis restarted" in lost.note, lost
+        assert lost.remaining is None, lost
         # expired: the keys vanish after the replica's last reply is minutes old
         await asyncio.sleep(1.6)  # the settling time is over
         client.delete(sc.key, sc.key + ":live")

@@ -42,7 +42,8 @@
 --   grants  {name: wanted units}            partial grants allowed (at least 1)
 --   admits  [{p = [[n, pool, pool...], ...], b = {bucket: n}}]  each all-or-nothing, in order;
 --           a pool list is tried in order (a tenant's guarantee, then the burst pool)
--- and answers (JSON): epoch, stale, live, scale, shed, reaped, pools {name: [q, alloc, limit]},
+-- and answers (JSON): epoch, stale, live, scale, shed, reaped, settling (true while the scope
+-- settles after Redis lost it), pools {name: [q, alloc, limit]},
 -- buckets {name: [available tokens, burst]}, grants {name: taken}, admits [[ok, refusing name,
 -- retry_after µs, chosen pools...]].
 --
@@ -270,6 +271,7 @@ local function kvg_sync(keys, args)
   end
 
   local settling = now < settle
+  if settling then reply.settling = true end
   -- pass-through admissions, in arrival order, each all-or-nothing
   local admits = {}
   for i, a in ipairs(msg.admits or {}) do

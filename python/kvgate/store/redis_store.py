@@ -44,7 +44,7 @@ import secrets
 import socket
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -1281,7 +1281,17 @@ class RedisStore:
                 else:
                     adm.future.set_result(True)
             elif not adm.future.done():
-                adm.future.set_result(self._refusal(sc, adm, why, retry_us))
+                refusal = self._refusal(sc, adm, why, retry_us)
+                if reply.get("settling"):
+                    # not the limit: Redis lost the scope, and grants nothing for half a lease
+                    refusal = replace(
+                        refusal,
+                        remaining=None,
+                        reset_after=None,
+                        note="Redis restarted without this limit's state; it settles for "
+                        "half a lease while the replicas re-assert what they hold",
+                    )
+                adm.future.set_result(refusal)
         for adm in admits[len(results) :]:
             if not adm.future.done():
                 adm.future.set_result(None)
