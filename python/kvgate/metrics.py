@@ -311,8 +311,8 @@ class GatewayMetrics:
         self.store_failures = Counter(
             "kvgate_store_failures",
             "Calls to the shared store that failed, by kind (timeout, error, stale), and "
-            "admissions whose deadline passed while their message waited behind another "
-            "(late); each fell back to its limit's policy.",
+            "admissions that fell back to their limit's policy because no reply came before "
+            "their deadline (late; one per admission, its call may count as well).",
             ["kind"],
             registry=reg,
         )

@@ -250,3 +250,55 @@ async def test_a_request_that_fits_the_in_flight_budget_is_not_refused_for_stran
     finally:
         await one.close()
         await two.close()
+
+
+async def test_a_refusal_of_a_scaled_bucket_tells_when_the_scaled_bucket_is_full(
+    redis_server: RedisServer,
+) -> None:
+    """At scale 0.5 a backend's 60,000-token bucket is 30,000 tokens refilled at 30,000 a
+    minute (``kvg_sync`` scales both): a refusal's reset (``x-ratelimit-reset-tokens``) is the
+    time to fill that bucket, not the configured one at the scaled rate (twice as long)."""
+    from kvgate.store import StoreRefusal
+
+    ctl = AdmissionController(backends=1, tenants=1)
+    b = ctl.add_backend("b", max_concurrency=64, tokens_per_minute=60_000, burst_tokens=60_000)
+    t = ctl.add_tenant("t", priority="standard")
+    st = RedisStore(StoreConfig(url=redis_server.url, heartbeat_s=0.2), ctl)
+    await st.start()
+    try:
+        backend, tenant = Named(b, "b"), Named(t, "t")
+        st.propose("b", 0.5, False)
+        await synced(st, "b")
+        assert st._scope("b", "b").scale == 0.5
+        first = st.try_admit(backend, tenant, "standard", 20_000) or await st.admit(
+            backend, tenant, "standard", 20_000
+        )
+        assert not isinstance(first, StoreRefusal), first
+        second = st.try_admit(backend, tenant, "standard", 20_000) or await st.admit(
+            backend, tenant, "standard", 20_000
+        )
+        assert isinstance(second, StoreRefusal), second
+        assert second.reason == "backend-tpm"
+        assert second.remaining is not None
+        assert second.remaining < 20_000
+        assert second.reset_after is not None
+        # (30,000 - remaining) tokens at 500 a second
+        assert second.reset_after == pytest.approx((30_000 - second.remaining) / 500, abs=0.5)
+    finally:
+        await st.close()
+
+
+def test_no_share_policy_no_word_of_share_turning_closed(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """With every limit ``strict``, an outage past ``max_degraded_s`` changes no policy:
+    ``/admin/state`` shows no share policy in force and nothing is logged about one."""
+    import time
+
+    ctl = AdmissionController(backends=1, tenants=1)
+    cfg = StoreConfig(url="redis://127.0.0.1:1", on_failure="strict", max_degraded_s=1)
+    st = RedisStore(cfg, ctl)
+    st._breaker.opened_at = time.monotonic() - 5  # Redis away for 5 s
+    assert st.state()["share_policy_now"] is None
+    assert st._policy("tenant-tpm") == "strict"
+    assert not [r for r in caplog.records if "max_degraded_s" in r.getMessage()]

@@ -19,8 +19,8 @@
 --                         (a repeated delivery of that operation gets the same reply)
 --   reaped                replicas reaped in this scope (a counter)
 --   heard                 when the scope last applied a message (server µs)
---   moved|<pod>           the replica's lease was moved on by a silence of the scope (see
---                         `heard` in kvg_sync); cleared by its next message
+--   moved                 cjson {replica: n}: leases moved on by n silences of the scope since
+--                         that replica last spoke (see `heard` in kvg_sync); at most MAX_MOVES
 --   kept                  when the keys' expiry was last pushed back (server µs)
 --   settle                until when nothing is granted or admitted (server µs): the scope was
 --                         lost and the replicas re-assert their quotas
@@ -55,7 +55,11 @@
 -- admits never take alloc above the effective limit; re-assertion may (a replica that was
 -- reaped while frozen and comes back with requests in flight): then nothing grows until it
 -- drains. Dead replicas (lease expired) are reaped, at most 8 per call: their quotas go back.
--- A silence of the whole scope moves each running lease on once (see `heard` in kvg_sync).
+-- A silence of the whole scope moves each running lease on, at most MAX_MOVES times before its
+-- replica speaks again (see `heard` in kvg_sync).
+
+-- how many silences of a scope may move one replica's lease on before it speaks again
+local MAX_MOVES = 3
 
 local function now_us()
   local t = redis.call('TIME')
@@ -88,7 +92,7 @@ local function reap(state, live, now)
       end
     end
     redis.call('HDEL', state, 'held|' .. pod, 'seq|' .. pod, 'prop|' .. pod, 'shed|' .. pod,
-               'op|' .. pod, 'rep|' .. pod, 'moved|' .. pod)
+               'op|' .. pod, 'rep|' .. pod)
     redis.call('ZREM', live, pod)
     redis.call('HINCRBY', state, 'reaped', 1)
   end
@@ -161,7 +165,7 @@ local function kvg_sync(keys, args)
   local msg = cjson.decode(args[1])
   local pod = msg.pod
   local head = redis.call('HMGET', state, 'epoch', 'seq|' .. pod, 'heard', 'settle',
-                          'op|' .. pod, 'rep|' .. pod, 'kept', 'moved|' .. pod)
+                          'op|' .. pod, 'rep|' .. pod, 'kept', 'moved')
   -- a repeated delivery of the replica's last operation: its first reply, nothing applied again
   if head[5] == op and head[6] then return head[6] end
   local now = now_us()
@@ -191,26 +195,51 @@ local function kvg_sync(keys, args)
   -- a scope that heard nothing for over half a lease (Redis away or refusing writes, or every
   -- replica quiet: live holders speak every heartbeat, at most half a lease) moves the leases
   -- that ran when it went quiet on by that silence: the first replica back must not reap the
-  -- others, whose requests still run, for a silence that was Redis's. Once per lease: a moved
-  -- lease moves again only after its replica spoke (a live one does within a heartbeat of
-  -- Redis's return), so a dead replica is still reaped in a scope whose messages all come
-  -- more than half a lease apart
+  -- others, whose requests still run, for a silence that was Redis's. At most MAX_MOVES times
+  -- per replica before it speaks again (a live one does within a heartbeat of Redis's return,
+  -- even when Redis flaps): a dead replica is still reaped in a scope whose every message
+  -- follows such a silence (a quiet tenant whose client retries every few seconds). The
+  -- sender's own lease moves too (it is renewed below, after reaping), never counted
   local heard = tonumber(head[3] or '0')
-  if head[8] then del[#del + 1] = 'moved|' .. pod end
+  local moved = head[8] and cjson.decode(head[8]) or nil
+  local moves_changed = false
+  if moved and moved[pod] then
+    moved[pod] = nil
+    moves_changed = true
+  end
   if heard > 0 and now - heard > msg.ttl / 2 then
-    local running = redis.call('ZRANGEBYSCORE', live, '(' .. fmt(heard), '+inf')
-    local flags = {}
-    for i, other in ipairs(running) do flags[i] = 'moved|' .. other end
-    if #flags > 0 then flags = redis.call('HMGET', state, unpack(flags)) end
-    for i, other in ipairs(running) do
-      if other ~= pod and not flags[i] then
+    for _, other in ipairs(redis.call('ZRANGEBYSCORE', live, '(' .. fmt(heard), '+inf')) do
+      local n = moved and moved[other] or 0
+      if other == pod then
         redis.call('ZINCRBY', live, now - heard, other)
-        out[#out + 1] = 'moved|' .. other
-        out[#out + 1] = '1'
+      elseif n < MAX_MOVES then
+        redis.call('ZINCRBY', live, now - heard, other)
+        moved = moved or {}
+        moved[other] = n + 1
+        moves_changed = true
       end
     end
   end
   reply.reaped = reap(state, live, now)
+  if moved then
+    local left = false
+    for other, _ in pairs(moved) do
+      if not redis.call('ZSCORE', live, other) then
+        moved[other] = nil  -- reaped, or left (an earlier library reaps without knowing it)
+        moves_changed = true
+      else
+        left = true
+      end
+    end
+    if moves_changed then
+      if left then
+        out[#out + 1] = 'moved'
+        out[#out + 1] = cjson.encode(moved)
+      else
+        del[#del + 1] = 'moved'
+      end
+    end
+  end
   -- written after reaping: reaping this replica itself (frozen past its lease) drops its fields
   out[#out + 1] = 'seq|' .. pod
   out[#out + 1] = int(msg.seq)

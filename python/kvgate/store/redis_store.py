@@ -418,8 +418,8 @@ class RedisStore:
         self._closed = False
         self._loaded = False
         self.calls = 0
-        #: calls that failed by kind, and ``late``: admissions whose deadline passed while
-        #: their message waited behind another of the scope (fallen back, no call failed)
+        #: calls that failed by kind, and ``late``: admissions that fell back because no reply
+        #: came before their deadline (counted per admission; the call may fail as well)
         self.failures: dict[str, int] = {"timeout": 0, "error": 0, "stale": 0, "late": 0}
         if metrics is not None:
             for kind in self.failures:  # every series from the start, at 0
@@ -773,8 +773,9 @@ class RedisStore:
                         else:
                             answers = list(await asyncio.gather(*(a.future for a in waits)))
                 except TimeoutError:
-                    # its message waited behind another of its scope, or its reply is late:
-                    # not a failed call (the breaker does not count it), but counted
+                    # no reply before its deadline (its message waited behind another of
+                    # its scope, or the call is slow): an admission that fell back, counted
+                    # apart from failed calls (the breaker counts only those)
                     self.failures["late"] += 1
                     if self._metrics is not None:
                         self._metrics.store_failures.labels("late").inc()
@@ -823,24 +824,27 @@ class RedisStore:
     def _policy(self, limit_name: str) -> str:
         policy = str(self.config.policy(limit_name))
         if policy == "share" and self._share_over():
+            if not self._share_ended:
+                self._share_ended = True
+                logger.warning(
+                    "store: Redis unreachable for over %g s (max_degraded_s); limits with the "
+                    "share policy now use %s",
+                    self.config.max_degraded_s,
+                    self.config.after_degraded,
+                )
             return str(self.config.after_degraded)
         return policy
 
+    def _uses_share(self) -> bool:
+        """Whether any limit falls back by ``share``."""
+        cfg = self.config
+        return cfg.on_failure == "share" or "share" in cfg.policies.values()
+
     def _share_over(self) -> bool:
         """Whether Redis has been away for over ``max_degraded_s``: ``share`` then turns into
-        ``after_degraded`` (logged once per outage)."""
+        ``after_degraded`` (:meth:`_policy` logs it once per outage)."""
         opened = self._breaker.opened_at
-        if opened is None or time.monotonic() - opened <= self.config.max_degraded_s:
-            return False
-        if not self._share_ended:
-            self._share_ended = True
-            logger.warning(
-                "store: Redis unreachable for over %g s (max_degraded_s); limits with the "
-                "share policy now use %s",
-                self.config.max_degraded_s,
-                self.config.after_degraded,
-            )
-        return True
+        return opened is not None and time.monotonic() - opened > self.config.max_degraded_s
 
     def _fallback(self, parts: list[_Part], tokens: int) -> Any:
         """The decision without Redis, by each limit's policy: ``open`` admits, ``closed``
@@ -1007,10 +1011,16 @@ class RedisStore:
         say = sc.hb_due or bool(admits) or expired
         pools: dict[str, Any] = {}
         grants: dict[str, int] = {}
-        # a pool a waiting request asks Redis for keeps no headroom in this message: what this
-        # replica holds beyond its use (too little for the request, or it would not wait) goes
-        # back first, so that the request is decided against everything no one uses
-        asked = {p.name for adm in admits for _, ps in adm.alts for p in ps}
+        # a pool a waiting request asks Redis for, for lack of room here, keeps no headroom in
+        # this message: what this replica holds beyond its use (too little for the request)
+        # goes back first, so that the request is decided against everything no one uses
+        asked = {
+            p.name
+            for adm in admits
+            for n, ps in adm.alts
+            for p in ps
+            if p.q - p.in_use < n  # a pool with room keeps it (a bucket may be what is short)
+        }
         for name, pool in sc.pools.items():
             before = pool.q
             if expired:  # our lease ran out (frozen?): re-assert only what runs
@@ -1314,9 +1324,12 @@ class RedisStore:
         for b, _ in adm.buckets:
             if b.name == why:
                 remaining = max(0, b.global_avail)
-                rate = b.rate * (sc.scale if b.scaled else 1.0)
-                if 0 < rate < UNLIMITED_RATE:
-                    reset_after = max(0, b.burst - remaining) * 60.0 / rate
+                rate, burst = b.rate, b.burst
+                if b.scaled and sc.scale < 1:  # as kvg_sync scales them
+                    rate = max(1, int(rate * sc.scale + 1e-9))
+                    burst = max(1, int(burst * sc.scale + 1e-9))
+                if rate < UNLIMITED_RATE:
+                    reset_after = max(0, burst - remaining) * 60.0 / rate
         if retry_us == -1:
             return StoreRefusal(
                 limit_name,
@@ -1493,9 +1506,9 @@ class RedisStore:
             "breaker": "open" if self._breaker.opened_at is not None else "closed",
             # what the share policy does now: share, or after_degraded once Redis has been
             # away for over max_degraded_s
-            "share_policy_now": (
-                str(self.config.after_degraded) if self._share_over() else "share"
-            ),
+            "share_policy_now": (str(self.config.after_degraded) if self._share_over() else "share")
+            if self._uses_share()
+            else None,
             "calls": self.calls,
             "admissions": self.admissions,
             "failures": dict(self.failures),
