@@ -692,9 +692,9 @@ mod tests {
         assert!(http_response(200, NONE, b"", date, Some("close\r\nX: y")).is_err());
     }
 
-    #[test]
-    fn refusal_bodies_are_openai_errors() {
-        let base = RefusalText {
+    /// A tenant's TPM refusal with awkward text (quotes, a newline) for the body tests.
+    fn tpm_refusal() -> RefusalText<'static> {
+        RefusalText {
             reason: "tenant-tpm",
             tenant_scope: true,
             never: false,
@@ -703,12 +703,19 @@ mod tests {
             tenant: "t\n1",
             requested: 28,
             note: None,
-        };
-        let parse = |t: &RefusalText<'_>| {
-            let (status, body) = refusal_body(t);
-            let v: serde_json::Value = serde_json::from_slice(&body).unwrap();
-            (status, v["error"].clone())
-        };
+        }
+    }
+
+    /// A refusal's status and its body's `error` object.
+    fn parse(t: &RefusalText<'_>) -> (u16, serde_json::Value) {
+        let (status, body) = refusal_body(t);
+        let v: serde_json::Value = serde_json::from_slice(&body).unwrap();
+        (status, v["error"].clone())
+    }
+
+    #[test]
+    fn refusal_bodies_are_openai_errors() {
+        let base = tpm_refusal();
         let (status, err) = parse(&base);
         assert_eq!(status, 429);
         assert_eq!(err["type"], "tokens");
@@ -783,21 +790,7 @@ mod tests {
 
     #[test]
     fn a_refusal_by_the_fallback_or_the_store_says_so() {
-        let base = RefusalText {
-            reason: "tenant-tpm",
-            tenant_scope: true,
-            never: false,
-            retry_after: Some(23.9991),
-            model: Some("m\"x"),
-            tenant: "t\n1",
-            requested: 28,
-            note: None,
-        };
-        let parse = |t: &RefusalText<'_>| {
-            let (status, body) = refusal_body(t);
-            let v: serde_json::Value = serde_json::from_slice(&body).unwrap();
-            (status, v["error"].clone())
-        };
+        let base = tpm_refusal();
         let (_, err) = parse(&RefusalText {
             note: Some("decided by this replica alone"),
             ..base
