@@ -1307,43 +1307,30 @@ class RedisStore:
                 adm.future.set_result(None)
 
     def _refusal(self, sc: Scope, adm: _Admit, why: str, retry_us: float) -> StoreRefusal:
-        limit_name = why
-        for _, ps in adm.alts:
-            for p in ps:
-                if p.name == why:
-                    limit_name = p.limit_name
-        for b, _ in adm.buckets:
-            if b.name == why:
-                limit_name = b.limit_name
-        # what is left under the refusing limit across the replicas, as this reply said
+        """Redis's refusal of ``adm`` by its pool or bucket ``why`` (retry in µs, -1: never),
+        with what is left under that limit across the replicas as this reply said."""
+        pool = next((p for _, ps in adm.alts for p in ps if p.name == why), None)
+        bucket = next((b for b, _ in adm.buckets if b.name == why), None)
         remaining: int | None = None
         reset_after: float | None = None
-        pool = next((p for _, ps in adm.alts for p in ps if p.name == why), None)
-        if pool is not None:
+        if bucket is not None:
+            remaining = max(0, bucket.global_avail)
+            rate, burst = bucket.rate, bucket.burst
+            if bucket.scaled and sc.scale < 1:  # as kvg_sync scales them
+                rate = max(1, int(rate * sc.scale + 1e-9))
+                burst = max(1, int(burst * sc.scale + 1e-9))
+            if rate < UNLIMITED_RATE:
+                reset_after = max(0, burst - remaining) * 60.0 / rate
+        elif pool is not None:
             remaining = max(0, pool.limit - pool.alloc)
-        for b, _ in adm.buckets:
-            if b.name == why:
-                remaining = max(0, b.global_avail)
-                rate, burst = b.rate, b.burst
-                if b.scaled and sc.scale < 1:  # as kvg_sync scales them
-                    rate = max(1, int(rate * sc.scale + 1e-9))
-                    burst = max(1, int(burst * sc.scale + 1e-9))
-                if rate < UNLIMITED_RATE:
-                    reset_after = max(0, burst - remaining) * 60.0 / rate
-        if retry_us == -1:
-            return StoreRefusal(
-                limit_name,
-                scope=_scope_of(sc),
-                retry_after=None,
-                never=True,
-                remaining=remaining,
-                reset_after=reset_after,
-            )
+        limit = bucket or pool
+        never = retry_us == -1
         retry = retry_us / 1e6 if retry_us > 0 else self.config.heartbeat_s / 2
         return StoreRefusal(
-            limit_name,
+            limit.limit_name if limit is not None else why,
             scope=_scope_of(sc),
-            retry_after=max(0.001, retry),
+            retry_after=None if never else max(0.001, retry),
+            never=never,
             remaining=remaining,
             reset_after=reset_after,
         )
