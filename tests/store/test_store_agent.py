@@ -302,3 +302,18 @@ def test_no_share_policy_no_word_of_share_turning_closed(
     assert st.state()["share_policy_now"] is None
     assert st._policy("tenant-tpm") == "strict"
     assert not [r for r in caplog.records if "max_degraded_s" in r.getMessage()]
+
+
+def test_every_failure_kind_is_a_series_from_the_start() -> None:
+    """``kvgate_store_failures_total{kind}`` has every kind at 0 before the first failure (an
+    alert on its rate needs the series; an absent one reads as "no data")."""
+    from prometheus_client import generate_latest
+
+    from kvgate.metrics import GatewayMetrics
+
+    metrics = GatewayMetrics(lambda: [], lambda: 0)
+    ctl = AdmissionController(backends=1, tenants=1)
+    RedisStore(StoreConfig(url="redis://127.0.0.1:1"), ctl, metrics=metrics)
+    text = generate_latest(metrics.registry).decode()
+    for kind in ("timeout", "error", "stale", "late"):
+        assert f'kvgate_store_failures_total{{kind="{kind}"}} 0.0' in text, text
