@@ -210,13 +210,13 @@ local function kvg_sync(keys, args)
   if heard > 0 and now - heard > msg.ttl / 2 then
     for _, other in ipairs(redis.call('ZRANGEBYSCORE', live, '(' .. fmt(heard), '+inf')) do
       local n = moved and moved[other] or 0
-      if other == pod then
+      if other == pod or n < MAX_MOVES then
         redis.call('ZINCRBY', live, now - heard, other)
-      elseif n < MAX_MOVES then
-        redis.call('ZINCRBY', live, now - heard, other)
-        moved = moved or {}
-        moved[other] = n + 1
-        moves_changed = true
+        if other ~= pod then  -- the sender's own move is not counted
+          moved = moved or {}
+          moved[other] = n + 1
+          moves_changed = true
+        end
       end
     end
   end
