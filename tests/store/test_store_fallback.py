@@ -235,6 +235,40 @@ async def test_share_bucket_is_the_rate_and_burst_divided_among_live_replicas(
     assert again.retry_after > 1.0  # 10 tokens a second for the share's 5 a second
 
 
+async def test_share_of_a_tenant_redis_never_answered_for_divides_by_the_backends_replicas(
+    stores: Any, redis_server: RedisServer
+) -> None:
+    # a tenant's first requests reach this replica only after Redis went away: its share is its
+    # limit ÷ the replicas Redis named for the backend (a 503 before: no share known)
+    lim = limits(max_concurrency=100, tokens_per_minute=2**40)
+    t2 = lim.controller.add_tenant(
+        "beta", priority="standard", max_concurrency=4, tokens_per_minute=600, burst_tokens=100
+    )
+    late = Limits(lim.controller, lim.backend, Ref(t2, "beta"))
+    await learned(stores, redis_server, lim, 1, on_failure="share")  # a second replica
+    store, _ = await learned(stores, redis_server, lim, 1, on_failure="share")
+    assert store.scopes["bgpu"].live == 2
+    assert "tbeta" not in store.scopes or store.scopes["tbeta"].epoch is None
+    redis_server.kill()
+    await wait_for(lambda: store.state()["breaker"] == "open", 10.0, "the breaker open")
+    holds = []
+    while True:
+        h = await admit(store, late, 10)
+        if isinstance(h, StoreRefusal):
+            break
+        holds.append(h)
+        assert len(holds) <= 4
+    # 4 slots ÷ 2 replicas; 10-token requests within the bucket's share (burst 100 ÷ 2)
+    assert len(holds) == 2
+    assert (h.reason, h.scope) == ("tenant-concurrency", "tenant")
+    assert "Redis not answering: share" in (h.note or "")
+    for hold in holds:
+        store.release(hold, 10, 10)
+    big = await admit(store, late, 60)  # over the bucket's share of the burst (50)
+    assert isinstance(big, StoreRefusal)
+    assert big.reason == "tenant-tpm"
+
+
 async def test_strict_keeps_only_what_the_replica_held(
     stores: Any, redis_server: RedisServer
 ) -> None:

@@ -849,14 +849,20 @@ class RedisStore:
     def _fallback(self, parts: list[_Part], tokens: int) -> Any:
         """The decision without Redis, by each limit's policy: ``open`` admits, ``closed``
         refuses (``store-unavailable``), ``strict`` uses only what this replica holds,
-        ``share`` its share of the limit (limit ÷ live replicas as Redis last said; nothing for
-        a scope Redis never answered for; what it already runs above that continues); tokens:
-        what it holds, then (``share``) its own bucket of the rate and burst ÷ live replicas."""
+        ``share`` its share of the limit (limit ÷ live replicas as Redis last said for the
+        scope; for a scope Redis has not answered for yet, such as a tenant's first request,
+        the most live replicas Redis named for the request's other scopes; nothing when it
+        answered for none of them; what it already runs above that continues); tokens: what it holds, then
+        (``share``) its own bucket of the rate and burst ÷ live replicas."""
         picks: list[tuple[Pool, int]] = []
         shares: list[tuple[_Part, Bucket]] = []
+        # for a scope Redis has not answered for yet: the live replicas of this request's other
+        # scopes (the backend's, which every replica serving it heartbeats)
+        hint = max((max(1, p.scope.live) for p in parts if p.scope.epoch is not None), default=0)
         for part in parts:
             sc = part.scope
-            live = max(1, sc.live)
+            known = sc.epoch is not None
+            live = max(1, sc.live) if known else hint
             for counts_tokens, pools in part.alts:
                 n = tokens if counts_tokens else 1
                 chosen = None
@@ -869,13 +875,14 @@ class RedisStore:
                         break
                     ceiling = pool.q
                     if policy == "share":
-                        # its share, known only once Redis answered for this scope
-                        ceiling = (pool.limit or pool.base) // live if sc.epoch else 0
+                        # its share, known once Redis named the live replicas (here or in
+                        # another scope)
+                        ceiling = (pool.limit or pool.base) // live if live else 0
                     if pool.in_use + n <= ceiling:
                         chosen = pool
                         break
                 if chosen is None:
-                    if sc.epoch is None and pool.q == 0:
+                    if not known and not live and pool.q == 0:
                         return self._unavailable()
                     return StoreRefusal(
                         pools[-1].limit_name,
@@ -891,7 +898,7 @@ class RedisStore:
                     return self._unavailable()
                 if policy == "open" or b.avail >= tokens:
                     continue
-                if policy == "strict" or sc.epoch is None:
+                if policy == "strict" or not live:
                     return StoreRefusal(
                         b.limit_name,
                         scope=_scope_of(sc),
