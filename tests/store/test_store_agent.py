@@ -252,6 +252,85 @@ async def test_a_request_that_fits_the_in_flight_budget_is_not_refused_for_stran
         await two.close()
 
 
+async def idle_lanes(store: RedisStore, timeout: float = 10.0) -> None:
+    """Waits (bounded) until no scope of ``store`` has a message in flight or queued."""
+    loop = asyncio.get_running_loop()
+    give_up = loop.time() + timeout
+    while any(sc.busy or sc.admits for sc in store.scopes.values()):
+        assert loop.time() < give_up, "a lane still busy"
+        await asyncio.sleep(0.01)
+
+
+async def test_requests_that_waited_for_tokens_bring_a_grant_for_as_many_again(
+    redis_server: RedisServer,
+) -> None:
+    """Twenty requests of 100 tokens reach a replica at once, far from every limit, before it
+    holds any tokens (its first since the start; the same after a quiet spell): they are
+    decided in Redis, and what comes back lets the next twenty be decided here, without Redis.
+    Before, the grant was eight requests' worth until a heartbeat measured the demand, so a
+    burst went to Redis again and again (each message waiting behind the last, often past
+    ``deadline_ms``: a fallback decision)."""
+    from kvgate.store import StoreRefusal
+
+    cfg = StoreConfig(
+        url=redis_server.url, heartbeat_s=5.0
+    )  # no heartbeat measures the demand meanwhile
+    ctl = AdmissionController(backends=1, tenants=1)
+    b = ctl.add_backend("b", max_concurrency=1000, tokens_per_minute=2**40)
+    t = ctl.add_tenant(
+        "t",
+        priority="standard",
+        max_concurrency=1000,
+        tokens_per_minute=6_000_000,
+        burst_tokens=1_000_000,
+    )
+    backend, tenant = Named(b, "b"), Named(t, "t")
+    store = RedisStore(cfg, ctl)
+    await store.start()
+    try:
+        first = await asyncio.gather(
+            *(store.admit(backend, tenant, "standard", 100) for _ in range(20))
+        )
+        assert not any(isinstance(h, StoreRefusal) for h in first), first
+        assert store.degraded_admissions == 0
+        await idle_lanes(store)
+        calls = store.calls
+        second = [store.try_admit(backend, tenant, "standard", 100) for _ in range(20)]
+        assert all(h is not None for h in second), "decided in Redis again"
+        assert store.calls == calls
+        for h in first + second:
+            store.release(h, 100, 100)
+    finally:
+        await store.close()
+
+
+async def test_a_replica_far_from_a_slot_limit_keeps_headroom_after_a_decision_in_redis(
+    redis_server: RedisServer,
+) -> None:
+    """A request whose slot this replica did not hold is decided in Redis; far from the limit
+    the reply leaves the replica room for the next requests (before, the pool a waiting
+    request asked for kept no headroom in that message: every request of a burst went to
+    Redis until the next heartbeat)."""
+    from kvgate.store import StoreRefusal
+
+    cfg = StoreConfig(url=redis_server.url, heartbeat_s=5.0)
+    ctl, backend, tenant = core()  # 8 backend slots, 4 for the tenant: far, one replica
+    store = RedisStore(cfg, ctl)
+    await store.start()
+    try:
+        first = await store.admit(backend, tenant, "standard", 1)
+        assert not isinstance(first, StoreRefusal), first
+        await idle_lanes(store)
+        calls = store.calls
+        second = store.try_admit(backend, tenant, "standard", 1)
+        assert second is not None, "decided in Redis again"
+        assert store.calls == calls
+        store.release(first, 1, 1)
+        store.release(second, 1, 1)
+    finally:
+        await store.close()
+
+
 async def test_a_refusal_of_a_scaled_bucket_tells_when_the_scaled_bucket_is_full(
     redis_server: RedisServer,
 ) -> None:

@@ -801,6 +801,11 @@ class RedisStore:
                 local.buckets.append(b)
         return local
 
+    def _chunk_cap(self, b: Bucket, sc: Scope) -> int:
+        """The largest grant of ``b`` (tokens): ``chunk_fraction`` of the burst ÷ live
+        replicas, at least one."""
+        return max(1, int(self.config.chunk_fraction * b.burst / max(1, sc.live)))
+
     def _first_chunk(self, b: Bucket, tokens: int) -> int:
         """The grant size before a heartbeat measured the demand (the ledger's rule): eight
         requests of this size, within ``chunk_fraction`` of the burst ÷ live replicas."""
@@ -1026,7 +1031,10 @@ class RedisStore:
             for adm in admits
             for n, ps in adm.alts
             for p in ps
-            if p.q - p.in_use < n  # a pool with room keeps it (a bucket may be what is short)
+            # a pool with room keeps it (a bucket may be what is short); one far from its limit
+            # keeps its headroom (Redis has room to spare: the requests are admitted, and the
+            # next ones are decided here)
+            if p.q - p.in_use < n and p.near
         }
         for name, pool in sc.pools.items():
             before = pool.q
@@ -1050,10 +1058,20 @@ class RedisStore:
                 pool.rq = max(pool.rq, pool.q + grants.get(name, 0))
         buckets: dict[str, Any] = {}
         debts: dict[str, int] = {}
+        wanted: dict[str, int] = {}  # tokens the waiting requests ask of each bucket
+        for adm in admits:
+            for b, n in adm.buckets:
+                wanted[b.name] = wanted.get(b.name, 0) + n
         for name, b in sc.buckets.items():
             if expired and b.avail > 0:
                 b.avail = 0  # counted as spent by the replicas that reaped us
             ret = debt = 0
+            want = wanted.get(name, 0)
+            if want and not b.near:
+                # requests waited for tokens this replica did not hold (a burst, or the first
+                # ones after a quiet spell, before a heartbeat measured the demand): the grant
+                # covers twice what they asked for, so that the next ones are decided here
+                b.chunk = max(b.chunk, min(self._chunk_cap(b, sc), 2 * want))
             c = b.chunk
             if b.avail < 0:
                 debt = debts[name] = -b.avail
@@ -1390,8 +1408,9 @@ class RedisStore:
             for b in sc.buckets.values():
                 rate = b.taken / period
                 b.taken = 0
-                share = int(self.config.chunk_fraction * b.burst / max(1, sc.live))
-                b.chunk = 0 if rate == 0 else max(1, min(int(rate * period * 2), share))
+                b.chunk = (
+                    0 if rate == 0 else max(1, min(int(rate * period * 2), self._chunk_cap(b, sc)))
+                )
             used = False
             for p in sc.pools.values():
                 used = used or p.taken > 0
