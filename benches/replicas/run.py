@@ -43,7 +43,8 @@ one run on one machine. Five measurements:
    (``tracemalloc``: 100,000 tenants, each admitted once).
 
 Prints a table and rewrites the ``## Several replicas (Redis store)`` section of
-``benches/RESULTS.md`` (``--no-write`` or ``--skip``: only print). Needs ``redis-server`` (7.0
+``benches/RESULTS.md`` (``--no-write`` or ``--skip``: only print), keeping the section's ``### ``
+subsections (measurements recorded by hand, each with its own date and command). Needs ``redis-server`` (7.0
 or later), ``wrk`` and ``taskset``. About 3 minutes on 2 cores.
 
 Usage: ``.venv/bin/python benches/replicas/run.py [--rounds 8] [--duration 2] [--no-write]``
@@ -1374,9 +1375,25 @@ def render(
     return "\n".join(lines) + "\n"
 
 
+def kept_subsections(old: str) -> str:
+    """The ``### `` subsections of the section in ``old`` (the results file's text): measurements
+    recorded by hand under the run's own figures (other runs, side-by-side versions, profiles),
+    each with its own date and command, which a new run keeps; "" when none."""
+    lines = old.splitlines(keepends=True)
+    start = next((i for i, ln in enumerate(lines) if ln.rstrip("\r\n") == SECTION), None)
+    if start is None:
+        return ""
+    end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
+    sub = next((i for i in range(start + 1, end) if lines[i].startswith("### ")), end)
+    return "".join(lines[sub:end]).strip("\n")
+
+
 def write_section(text: str) -> None:
-    """Replaces the section in ``benches/RESULTS.md`` (appended when absent)."""
-    core_results.write_section(RESULTS, SECTION, text)
+    """Replaces the section in ``benches/RESULTS.md`` (appended when absent), keeping its
+    ``### `` subsections (:func:`kept_subsections`) after the new figures."""
+    kept = kept_subsections(RESULTS.read_text()) if RESULTS.exists() else ""
+    body = text.rstrip("\n") + ("\n\n" + kept if kept else "") + "\n"
+    core_results.write_section(RESULTS, SECTION, body)
 
 
 def machine_notes(load_start: tuple[float, ...], load_end: tuple[float, ...], redis: str) -> str:

@@ -235,6 +235,15 @@ def test_render_and_write_section(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     assert "150 µs per call" not in out
     assert out.startswith("# Benchmark results\n\n## Other\n\nkept\n")
     assert "## Later\n\nalso kept\n" in out
+    # a subsection recorded by hand under the run's figures stays through the next run
+    assert out.rstrip("\n").endswith("2,000 bytes.")  # the section is the last one
+    results_md.write_text(out + "\n### By hand\n\nother runs\n\n## After\n\nlast\n")
+    rb.write_section(text.replace("150 µs", "152 µs"))
+    out = results_md.read_text()
+    assert "152 µs per call" in out
+    assert "151 µs per call" not in out
+    assert out.endswith("2,000 bytes.\n\n### By hand\n\nother runs\n\n## After\n\nlast\n")
+    assert out.count("### By hand") == 1
 
 
 def test_store_alone_decides_every_admission_in_redis(tmp_path: Path) -> None:
