@@ -27,8 +27,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import yaml
-
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent / "load"), str(HERE.parent), str(HERE.parents[1])]
 
@@ -68,26 +66,11 @@ def main(argv: list[str] | None = None) -> int:
         subprocess.run(["taskset", "-p", "-c", args.server_cpu, str(redis.pid)],
                        check=True, capture_output=True)  # fmt: skip
         store = {"url": redis.url, "key_prefix": "kvgcold"}
-        servers = []
-        for i in range(args.replicas):
-            port = free_port()
-            path = logdir / f"g{i}.yaml"
-            path.write_text(
-                yaml.safe_dump(R.throughput_config(up.url, port, store), sort_keys=False)
-            )
-            argv_g = [py, "-m", "kvgate", "serve", "--config", str(path), "--log-level", "WARNING"]
-            servers.append(Server(f"g{i}", argv_g, port, ready_path="/healthz"))
+        servers = [R.gateway_server(logdir, up.url, f"g{i}", store) for i in range(args.replicas)]
         setup = R.Setup("cold", "redis", servers)
         started: list[Server] = []
         try:
-            up.start(args.client_cpu, logdir)
-            started.append(up)
-            up.wait_ready(60)
-            for s in servers:
-                s.start(args.server_cpu, logdir)
-                started.append(s)
-            for s in servers:
-                s.wait_ready(120)
+            R.start_all(up, servers, started, args.client_cpu, args.server_cpu, logdir)
             for k in range(args.bursts):
                 time.sleep(args.idle)
                 before = store_counts(servers)

@@ -135,6 +135,45 @@ def throughput_config(upstream: str, port: int, store: dict[str, Any] | None) ->
     return cfg
 
 
+def gateway_server(logdir: Path, upstream: str, name: str, store: dict[str, Any] | None) -> Server:
+    """A ``kvgate serve`` of :func:`throughput_config` (not started), its configuration written
+    under ``logdir``."""
+    port = free_port()
+    path = logdir / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(throughput_config(upstream, port, store), sort_keys=False))
+    argv = [
+        sys.executable,
+        "-m",
+        "kvgate",
+        "serve",
+        "--config",
+        str(path),
+        "--log-level",
+        "WARNING",
+    ]
+    return Server(name, argv, port, ready_path="/healthz")
+
+
+def start_all(
+    up: Server,
+    servers: list[Server],
+    started: list[Server],
+    client_cpu: str,
+    server_cpu: str,
+    logdir: Path,
+) -> None:
+    """Starts the upstream on ``client_cpu`` and ``servers`` on ``server_cpu``, each appended to
+    ``started`` (for the caller to stop), and waits (bounded) until each answers."""
+    up.start(client_cpu, logdir)
+    started.append(up)
+    up.wait_ready(60)
+    for s in servers:
+        s.start(server_cpu, logdir)
+        started.append(s)
+    for s in servers:
+        s.wait_ready(120)
+
+
 @dataclass
 class Setup:
     """A set of gateway replicas measured together."""
@@ -286,11 +325,7 @@ def throughput_phase(args: argparse.Namespace, logdir: Path, redis: Any) -> list
     )
 
     def gateway(name: str, store: dict[str, Any] | None) -> Server:
-        port = free_port()
-        path = logdir / f"{name}.yaml"
-        path.write_text(yaml.safe_dump(throughput_config(up.url, port, store), sort_keys=False))
-        argv = [py, "-m", "kvgate", "serve", "--config", str(path), "--log-level", "WARNING"]
-        return Server(name, argv, port, ready_path="/healthz")
+        return gateway_server(logdir, up.url, name, store)
 
     # each Redis set of replicas has its own key prefix: the two sets share no limits
     s1 = {"url": redis.url, "key_prefix": "kvgbench1"}
@@ -305,14 +340,7 @@ def throughput_phase(args: argparse.Namespace, logdir: Path, redis: Any) -> list
     started: list[Server] = []
     rounds: list[list[Window]] = []
     try:
-        up.start(args.client_cpu, logdir)
-        started.append(up)
-        up.wait_ready(60)
-        for s in servers:
-            s.start(args.server_cpu, logdir)
-            started.append(s)
-        for s in servers:
-            s.wait_ready(120)
+        start_all(up, servers, started, args.client_cpu, args.server_cpu, logdir)
         for r in range(args.rounds):
             order = setups if r % 2 == 0 else setups[::-1]
             windows = []
