@@ -245,7 +245,7 @@ async def gateway_runtime(gateway: Gateway) -> AsyncIterator[None]:
     poller = None
     reload_on_hup = bool(gateway.config_path)
     try:
-        await gateway.store.start()
+        await gateway.store.start([b.name for b in gateway.config.backends])
         if gateway.poll:
             poller = await _start_poller(gateway)
         if reload_on_hup:

@@ -56,27 +56,33 @@ async def test_the_breaker_closes_again_on_a_replica_that_held_nothing(
     async with run_replicas(config, n=1) as reps:
         redis_server.pause()  # Redis hangs before this replica ever held anything
         try:
-            # each store call passes its deadline: refused (the replica never heard from Redis
-            # for this tenant), and after 3 failed calls the breaker opens. A request that
-            # finds the scope's message in flight (a heartbeat, with its longer background
-            # deadline) gives up before any call of its own fails: so ask until it opened
+            # each store call passes its deadline, and after 3 failed calls the breaker opens;
+            # meanwhile the fallback policy decides: the replica joined the backend's scope as
+            # it started, so it knows it is the only live one: its share is the whole limit. A
+            # request that finds the scope's message in flight (a heartbeat, with its longer
+            # background deadline) gives up before any call of its own fails: so ask until it
+            # opened
             deadline = time.monotonic() + 15
             while True:
-                assert await chat(reps.base_url(0), reps.model) == 503
+                assert await chat(reps.base_url(0), reps.model) == 200
                 state = await reps.admin_state(0)
                 if state["store"]["breaker"] == "open":
                     break
                 assert time.monotonic() < deadline, f"breaker still closed: {state['store']}"
+            assert state["store"]["degraded_admissions"] >= 1
         finally:
             redis_server.resume()
-        # Redis answers again: within a few heartbeats the replica admits again
+        # Redis answers again: within a few heartbeats the probe closes the breaker, with no
+        # request to carry it; then a request is decided through Redis again
         deadline = time.monotonic() + 15
-        while (status := await chat(reps.base_url(0), reps.model)) != 200:
-            assert status == 503, status
-            assert time.monotonic() < deadline, "still refused 15 s after Redis answered again"
+        while (state := await reps.admin_state(0))["store"]["breaker"] != "closed":
+            assert time.monotonic() < deadline, "breaker open 15 s after Redis answered again"
             await asyncio.sleep(0.1)
+        degraded = state["store"]["degraded_admissions"]
+        assert await chat(reps.base_url(0), reps.model) == 200
         state = await reps.admin_state(0)
         assert state["store"]["breaker"] == "closed"
+        assert state["store"]["degraded_admissions"] == degraded
         assert (await reps.sim_state())["by_user"]["probe"]["requests"] >= 1
         # nothing held once the request is done: the core's slots and the store's quota
         tenant = next(t for t in state["tenants"] if t["name"] == "probe")

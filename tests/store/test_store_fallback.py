@@ -93,9 +93,9 @@ async def stores() -> AsyncIterator[Callable[..., Awaitable[RedisStore]]]:
     """Makes started stores; closes them after the test."""
     made: list[RedisStore] = []
 
-    async def make(cfg: StoreConfig, lim: Limits) -> RedisStore:
+    async def make(cfg: StoreConfig, lim: Limits, backends: tuple[str, ...] = ()) -> RedisStore:
         store = RedisStore(cfg, lim.controller)
-        await store.start()
+        await store.start(backends)
         made.append(store)
         return store
 
@@ -267,6 +267,38 @@ async def test_share_of_a_tenant_redis_never_answered_for_divides_by_the_backend
     big = await admit(store, late, 60)  # over the bucket's share of the burst (50)
     assert isinstance(big, StoreRefusal)
     assert big.reason == "tenant-tpm"
+
+
+async def test_a_replica_joins_its_backends_at_start_so_its_first_request_has_a_share(
+    stores: Any, redis_server: RedisServer
+) -> None:
+    # two replicas started (each joins the backend's scope at start) and took no request yet;
+    # Redis goes away: the first request has a share (limit ÷ 2), not a 503
+    lim = limits(max_concurrency=4, tokens_per_minute=2**40)
+    other = await stores(config(redis_server.url, on_failure="share"), lim, ("gpu",))
+    store = await stores(config(redis_server.url, on_failure="share"), lim, ("gpu",))
+    assert store.scopes["bgpu"].live == 2
+    assert other.scopes["bgpu"].epoch is not None
+    assert store.calls == 1  # one message: the join
+    redis_server.kill()  # the first request's message fails: the fallback policy decides
+    holds = []
+    while True:
+        h = await admit(store, lim)
+        if isinstance(h, StoreRefusal):
+            break
+        holds.append(h)
+        assert len(holds) <= 4
+    assert len(holds) == 2
+    assert (h.reason, h.scope) == ("backend-slots", "backend")
+
+
+async def test_a_replica_that_cannot_reach_redis_at_start_joins_nothing(stores: Any) -> None:
+    lim = limits()
+    store = await stores(config(unreachable(), on_failure="share"), lim, ("gpu",))
+    assert store.calls == 0
+    refusal = await admit(store, lim)
+    assert isinstance(refusal, StoreRefusal)
+    assert refusal.reason == "store-unavailable"
 
 
 async def test_strict_keeps_only_what_the_replica_held(

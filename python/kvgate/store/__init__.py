@@ -16,6 +16,7 @@ were replicas.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -71,8 +72,9 @@ class Store(Protocol):
         """Gives the hold back: the slots, the in-flight tokens, and ``reserved - actual``
         tokens (refunded, or charged when negative)."""
 
-    async def start(self) -> None:
-        """Connects (called once the event loop runs)."""
+    async def start(self, backends: Sequence[str] = ()) -> None:
+        """Connects (called once the event loop runs); ``backends``: the configured backends'
+        names (a shared store joins their scopes)."""
 
     def reload(self) -> None:
         """The base limits changed (a reload, a limit discovered from the engine)."""
@@ -105,7 +107,7 @@ class LocalStore:
     def release(self, hold: Any, reserved: int, actual: int) -> None:
         """Nothing to give back."""
 
-    async def start(self) -> None:
+    async def start(self, backends: Sequence[str] = ()) -> None:
         """Nothing to connect."""
 
     def reload(self) -> None:

@@ -43,7 +43,7 @@ import os
 import secrets
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -464,10 +464,14 @@ class RedisStore:
 
         return aioredis.Redis.from_url(self.config.url, health_check_interval=0, **opts)
 
-    async def start(self) -> None:
-        """Connects, loads the Functions library and starts the heartbeat. Redis unreachable at
-        start is not fatal: the replica starts degraded (its fallback policy; a replica that
-        never reached Redis holds no share) and keeps trying every heartbeat."""
+    async def start(self, backends: Sequence[str] = ()) -> None:
+        """Connects, loads the Functions library, joins the scopes of ``backends`` (names) and
+        starts the heartbeat. Joining tells Redis this replica is live there and tells the
+        replica how many are, before its first request: the ``share`` a limit falls back to
+        when a first reply comes late (within the background deadline; a slow Redis leaves it
+        to the first requests). Redis unreachable at start is not fatal: the replica starts
+        degraded (its fallback policy; a replica that never reached Redis holds no share) and
+        keeps trying every heartbeat."""
         if self._client is None:
             self._client = self._make_client()
         try:
@@ -484,7 +488,28 @@ class RedisStore:
             self._breaker.failures = self._breaker.limit
             if self._metrics is not None:
                 self._metrics.store_breaker.set(1)
+        if self._loaded:
+            await self._join(backends)
         self._heartbeat_task = asyncio.get_running_loop().create_task(self._heartbeat())
+
+    async def _join(self, backends: Sequence[str]) -> None:
+        """One message in each backend's scope (16 at a time), all within the background
+        deadline (at least a second); those without a reply by then are left to the first
+        requests."""
+        gate = asyncio.Semaphore(16)
+
+        async def join(name: str) -> None:
+            sc = self._scope("b", name)
+            async with gate:
+                if sc.busy or sc.epoch is not None:
+                    return
+                sc.hb_due = True
+                sc.busy = True
+                await self._lane(sc, once=True)
+
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(max(1.0, self._bg_deadline)):
+                await asyncio.gather(*(join(name) for name in backends))
 
     async def close(self) -> None:
         """Stops the heartbeat, gives back every quota this replica holds (one call per scope,
