@@ -390,3 +390,38 @@ def test_a_hint_is_reused_briefly_for_a_burst_of_refusals() -> None:
     time.sleep(retry_hint.HINT_REUSE * 2)
     assert rr.hint(0) == pytest.approx(0.7, abs=0.05)  # now it is
     assert rr.hint(0, tenant=5) is None
+
+
+@pytest.mark.usefixtures("fresh_hints")
+def test_a_store_refusal_keeps_its_figures_and_note_with_the_slot_hint() -> None:
+    """A refusal of the shared store for a slot gets the hint from the requests this replica
+    runs, and keeps what the store said of the limit across the replicas (0 slots left) and
+    how it was decided: the headers then say 0 left and the hint's wait, and the message the
+    note (before, the refusal was rebuilt without them: ``remaining-requests`` was this
+    replica's own view and the note was lost)."""
+    from kvgate.store import StoreRefusal
+
+    ctl = AdmissionController()
+    b = ctl.add_backend("b", max_concurrency=64, tokens_per_minute=10**6)
+    t = ctl.add_tenant("t", priority="standard", max_concurrency=8)
+    rr = RunningRequests()
+    _aged(rr, b, t, 100, 0.5)  # one of the tenant's requests runs here: 0.5 s gone of 1 s
+    note = "decided by this replica alone, Redis not answering: share"
+    refusal = StoreRefusal(
+        "tenant-concurrency", scope="tenant", retry_after=0.5, remaining=0, note=note
+    )
+    hinted = retry_hint.slot_hint(refusal, rr, b, t, 0)
+    assert type(hinted) is StoreRefusal
+    assert hinted.retry_after == pytest.approx(COLD_HOLD - 0.5, abs=0.01)
+    assert (hinted.remaining, hinted.note, hinted.scope) == (0, note, "tenant")
+    _, _, raw = ctl.refusal_response(b, t, hinted, "m", "t", 9)
+    head, body = raw.split(b"\r\n\r\n", 1)
+    h = {k.lower(): v for k, v in (ln.split(": ", 1) for ln in head.decode().split("\r\n")[1:])}
+    assert h["x-ratelimit-remaining-requests"] == "0"  # its core alone would say 8
+    assert h["x-ratelimit-reset-requests"] == go_duration(hinted.retry_after)
+    assert f"(tenant-concurrency; {note})" in orjson.loads(body)["error"]["message"]
+    # the core's own refusal still becomes a plain Refusal with the hint
+    core_refusal = retry_hint.Refusal("tenant-concurrency", scope="tenant", retry_after=0.01)
+    plain = retry_hint.slot_hint(core_refusal, rr, b, t, 0)
+    assert type(plain) is retry_hint.Refusal
+    assert plain.retry_after == pytest.approx(COLD_HOLD - 0.5, abs=0.01)

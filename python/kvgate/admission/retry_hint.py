@@ -42,6 +42,7 @@ from __future__ import annotations
 import time
 from bisect import bisect_right
 from collections import deque
+from dataclasses import is_dataclass, replace
 from typing import Any
 
 from kvgate.admission.refusal import Refusal
@@ -260,7 +261,9 @@ def slot_hint(
     ``inflight-tokens`` the backend's, for ``queued`` / ``queue-full`` the backend's with the
     ``queued`` requests of this worker's queue counted ahead. Otherwise, or when this worker
     runs no request in that scope (with ``--workers N`` the slots may be held through other
-    workers), ``decision`` as it is (the core's hint). Runs on refusals only."""
+    workers), ``decision`` as it is (the core's hint). A refusal of the store keeps what it
+    says of the limit across the replicas (``remaining``, ``reset_after``) and its ``note``.
+    Runs on refusals only."""
     reason = decision.reason
     if reason not in SLOT_REASONS or decision.never:
         return decision
@@ -272,4 +275,6 @@ def slot_hint(
         hint = running.hint(backend_id)
     if hint is None:
         return decision
+    if is_dataclass(decision):  # a Refusal, or a StoreRefusal: its figures and note stay
+        return replace(decision, retry_after=hint)
     return Refusal(reason, scope=decision.scope, retry_after=hint)
