@@ -42,10 +42,11 @@ from __future__ import annotations
 import time
 from bisect import bisect_right
 from collections import deque
-from dataclasses import is_dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 from kvgate.admission.refusal import Refusal
+from kvgate.store import StoreRefusal
 
 __all__ = [
     "COLD_HOLD",
@@ -275,6 +276,6 @@ def slot_hint(
         hint = running.hint(backend_id)
     if hint is None:
         return decision
-    if is_dataclass(decision):  # a Refusal, or a StoreRefusal: its figures and note stay
+    if isinstance(decision, (Refusal, StoreRefusal)):  # the store's figures and note stay
         return replace(decision, retry_after=hint)
     return Refusal(reason, scope=decision.scope, retry_after=hint)
