@@ -292,6 +292,45 @@ async def test_a_replica_joins_its_backends_at_start_so_its_first_request_has_a_
     assert (h.reason, h.scope) == ("backend-slots", "backend")
 
 
+async def test_a_replica_that_alone_served_a_tenant_takes_only_its_share_of_it(
+    stores: Any, redis_server: RedisServer
+) -> None:
+    # three replicas joined the backend's scope; one alone served the tenant (Redis counts one
+    # live replica in the tenant's scope); Redis goes away: every replica divides the tenant's
+    # limit by the backend's three, so the three together stay within it (the one that served
+    # it took the whole limit before, the others their shares on top)
+    lim = limits(max_concurrency=100, tokens_per_minute=2**40)
+    t2 = lim.controller.add_tenant("gamma", priority="standard", max_concurrency=9)
+    tenant = Limits(lim.controller, lim.backend, Ref(t2, "gamma"))
+    made = [
+        await stores(config(redis_server.url, on_failure="share", lease_ttl_s=5.0), lim, ("gpu",))
+        for _ in range(3)
+    ]
+    served, *others = made
+    for store in others:  # they serve another tenant on the backend: they heard of all three
+        h = await admit(store, lim)
+        assert isinstance(h, HOLDS), h
+        store.release(h, 1, 1)
+    holds = [await admit(served, tenant) for _ in range(2)]
+    assert all(isinstance(h, HOLDS) for h in holds), holds
+    assert served.scopes["tgamma"].live == 1
+    assert [s.scopes["bgpu"].live for s in made] == [3, 3, 3]
+    redis_server.kill()
+    admitted = {id(s): 0 for s in made}
+    for store in made:
+        while True:
+            h = await admit(store, tenant)
+            if isinstance(h, StoreRefusal):
+                assert h.reason == "tenant-concurrency", h
+                break
+            admitted[id(store)] += 1
+            assert admitted[id(store)] <= 9
+    # 9 ÷ 3 = 3 each: the one that runs 2 takes 1 more, the others 3 each
+    assert admitted[id(served)] == 1
+    assert [admitted[id(s)] for s in others] == [3, 3]
+    assert 2 + sum(admitted.values()) <= 9
+
+
 async def test_a_replica_that_cannot_reach_redis_at_start_joins_nothing(stores: Any) -> None:
     lim = limits()
     store = await stores(config(unreachable(), on_failure="share"), lim, ("gpu",))

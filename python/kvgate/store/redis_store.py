@@ -879,20 +879,22 @@ class RedisStore:
     def _fallback(self, parts: list[_Part], tokens: int) -> Any:
         """The decision without Redis, by each limit's policy: ``open`` admits, ``closed``
         refuses (``store-unavailable``), ``strict`` uses only what this replica holds,
-        ``share`` its share of the limit (limit ÷ live replicas as Redis last said for the
-        scope; for a scope Redis has not answered for yet, such as a tenant's first request,
-        the most live replicas Redis named for the request's other scopes; nothing when it
-        answered for none of them; what it already runs above that continues); tokens: what it holds, then
-        (``share``) its own bucket of the rate and burst ÷ live replicas."""
+        ``share`` its share of the limit (limit ÷ N, N the most live replicas Redis last named
+        for the request's scopes, its backend's included, also for a tenant Redis has not
+        answered for yet; nothing when it answered for none of them; what it already runs
+        above that continues); tokens: what it holds, then (``share``) its own bucket of the
+        rate and burst ÷ N."""
         picks: list[tuple[Pool, int]] = []
         shares: list[tuple[_Part, Bucket]] = []
-        # for a scope Redis has not answered for yet: the live replicas of this request's other
-        # scopes (the backend's, which every replica serving it heartbeats)
-        hint = max((max(1, p.scope.live) for p in parts if p.scope.epoch is not None), default=0)
+        # N, the same for every limit of the request and on every replica: the most live
+        # replicas Redis named for the request's scopes; the backend's counts every replica
+        # serving it (each heartbeats there), a tenant's only those that served the tenant
+        # lately: a replica that alone served a tenant would otherwise take the tenant's whole
+        # limit while the others take their shares of it; 0 when Redis answered for none
+        live = max((max(1, p.scope.live) for p in parts if p.scope.epoch is not None), default=0)
         for part in parts:
             sc = part.scope
             known = sc.epoch is not None
-            live = max(1, sc.live) if known else hint
             for counts_tokens, pools in part.alts:
                 n = tokens if counts_tokens else 1
                 chosen = None
