@@ -894,7 +894,6 @@ class RedisStore:
         live = max((max(1, p.scope.live) for p in parts if p.scope.epoch is not None), default=0)
         for part in parts:
             sc = part.scope
-            known = sc.epoch is not None
             for counts_tokens, pools in part.alts:
                 n = tokens if counts_tokens else 1
                 chosen = None
@@ -914,7 +913,7 @@ class RedisStore:
                         chosen = pool
                         break
                 if chosen is None:
-                    if not known and not live and pool.q == 0:
+                    if not live and pool.q == 0:  # Redis never answered: no share known
                         return self._unavailable()
                     return StoreRefusal(
                         pools[-1].limit_name,
