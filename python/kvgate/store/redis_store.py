@@ -1049,26 +1049,17 @@ class RedisStore:
         say = sc.hb_due or bool(admits) or expired
         pools: dict[str, Any] = {}
         grants: dict[str, int] = {}
-        # a pool a waiting request asks Redis for, for lack of room here, keeps no headroom in
-        # this message: what this replica holds beyond its use (too little for the request)
-        # goes back first, so that the request is decided against everything no one uses
-        asked = {
-            p.name
-            for adm in admits
-            for n, ps in adm.alts
-            for p in ps
-            # a pool with room keeps it (a bucket may be what is short); one far from its limit
-            # keeps its headroom (Redis has room to spare: the requests are admitted, and the
-            # next ones are decided here)
-            if p.q - p.in_use < n and p.near
-        }
+        # near its limit a pool keeps no headroom (:meth:`_headroom`): what this replica holds
+        # beyond its use goes back first, so that a waiting request is decided against
+        # everything no one uses; far from it the headroom stays (Redis has room to spare, and
+        # the next requests are decided here)
         for name, pool in sc.pools.items():
             before = pool.q
             if expired:  # our lease ran out (frozen?): re-assert only what runs
                 pool.q = pool.in_use
             pool.q = max(pool.q, pool.in_use)  # degraded admissions are re-asserted
             busy = pool.taken or pool.in_use or admits
-            h = self._headroom(pool) if busy and name not in asked else 0
+            h = self._headroom(pool) if busy else 0
             free = pool.q - pool.in_use
             if h == 0:
                 pool.q = pool.in_use
