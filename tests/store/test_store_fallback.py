@@ -112,6 +112,20 @@ async def admit(store: RedisStore, lim: Limits, tokens: int = 1) -> Any:
     return hold
 
 
+async def admit_until_refused(
+    store: RedisStore, lim: Limits, most: int, tokens: int = 1
+) -> tuple[list[Any], StoreRefusal]:
+    """Admits requests of ``tokens`` until one is refused: the holds and the refusal (the
+    test fails after ``most`` admissions)."""
+    holds: list[Any] = []
+    while True:
+        h = await admit(store, lim, tokens)
+        if isinstance(h, StoreRefusal):
+            return holds, h
+        holds.append(h)
+        assert len(holds) <= most
+
+
 def unreachable() -> str:
     return f"redis://127.0.0.1:{free_port()}/0"
 
@@ -198,12 +212,8 @@ async def test_share_keeps_at_most_the_limit_divided_among_live_replicas(
     holds.append(first)
     pool = store.scopes["bgpu"].pools["burst"]
     ceiling = max(pool.q, 10 // 2)
-    while True:
-        h = await admit(store, lim)
-        if isinstance(h, StoreRefusal):
-            break
-        holds.append(h)
-        assert len(holds) <= 10
+    more, h = await admit_until_refused(store, lim, 10 - len(holds))
+    holds += more
     assert pool.in_use == len(holds) == ceiling
     assert (h.reason, h.scope, h.retry_after) == ("backend-slots", "backend", 0.05)
     assert store.degraded_admissions == len(holds) - 1
@@ -251,13 +261,7 @@ async def test_share_of_a_tenant_redis_never_answered_for_divides_by_the_backend
     assert "tbeta" not in store.scopes or store.scopes["tbeta"].epoch is None
     redis_server.kill()
     await wait_for(lambda: store.state()["breaker"] == "open", 10.0, "the breaker open")
-    holds = []
-    while True:
-        h = await admit(store, late, 10)
-        if isinstance(h, StoreRefusal):
-            break
-        holds.append(h)
-        assert len(holds) <= 4
+    holds, h = await admit_until_refused(store, late, 4, 10)
     # 4 slots ÷ 2 replicas; 10-token requests within the bucket's share (burst 100 ÷ 2)
     assert len(holds) == 2
     assert (h.reason, h.scope) == ("tenant-concurrency", "tenant")
@@ -281,13 +285,7 @@ async def test_a_replica_joins_its_backends_at_start_so_its_first_request_has_a_
     assert other.scopes["bgpu"].epoch is not None
     assert store.calls == 1  # one message: the join
     redis_server.kill()  # the first request's message fails: the fallback policy decides
-    holds = []
-    while True:
-        h = await admit(store, lim)
-        if isinstance(h, StoreRefusal):
-            break
-        holds.append(h)
-        assert len(holds) <= 4
+    holds, h = await admit_until_refused(store, lim, 4)
     assert len(holds) == 2
     assert (h.reason, h.scope) == ("backend-slots", "backend")
 
@@ -316,15 +314,11 @@ async def test_a_replica_that_alone_served_a_tenant_takes_only_its_share_of_it(
     assert served.scopes["tgamma"].live == 1
     assert [s.scopes["bgpu"].live for s in made] == [3, 3, 3]
     redis_server.kill()
-    admitted = {id(s): 0 for s in made}
+    admitted = {}
     for store in made:
-        while True:
-            h = await admit(store, tenant)
-            if isinstance(h, StoreRefusal):
-                assert h.reason == "tenant-concurrency", h
-                break
-            admitted[id(store)] += 1
-            assert admitted[id(store)] <= 9
+        got, h = await admit_until_refused(store, tenant, 9)
+        assert h.reason == "tenant-concurrency", h
+        admitted[id(store)] = len(got)
     # 9 ÷ 3 = 3 each: the one that runs 2 takes 1 more, the others 3 each
     assert admitted[id(served)] == 1
     assert [admitted[id(s)] for s in others] == [3, 3]
@@ -350,12 +344,8 @@ async def test_strict_keeps_only_what_the_replica_held(
     quota = pool.q
     assert quota >= pool.in_use == 2
     redis_server.kill()
-    while True:
-        h = await admit(store, lim)
-        if isinstance(h, StoreRefusal):
-            break
-        holds.append(h)
-        assert len(holds) <= 10
+    more, h = await admit_until_refused(store, lim, 10 - len(holds))
+    holds += more
     assert store.state()["breaker"] == "open"
     assert pool.in_use == len(holds) == quota
     assert h.reason == "backend-slots"
