@@ -1089,9 +1089,12 @@ class QuotaLedger:
         """Units this replica keeps beyond its use in ``pool``: ``chunk_fraction`` of the limit
         ÷ live replicas, within room for two requests of the last size and half of its even
         share, at least one; 0 near the limit (the low-water mark is half of it)."""
+    def bucket_chunk_cap(self, bucket: int) -> int:
+        """The largest grant of ``bucket`` (tokens): ``chunk_fraction`` of the burst ÷ live
+        replicas, at least one."""
     def bucket_first_chunk(self, bucket: int, tokens: int) -> int:
         """The grant size of ``bucket`` before its demand is measured: eight requests of
-        ``tokens``, within ``chunk_fraction`` of the burst ÷ live replicas, at least one."""
+        ``tokens``, within :meth:`bucket_chunk_cap`."""
     def scope_lease(self, scope: int) -> float:
         """Until when (seconds of the clock passed to :meth:`try_admit`) the scope's lease runs."""
     def set_scope_lease(self, scope: int, until: float) -> None:

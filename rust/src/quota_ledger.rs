@@ -400,12 +400,17 @@ impl QuotaLedger {
             .max(1)
     }
 
-    /// The grant size of a bucket before the agent measured its demand: eight requests of
-    /// `tokens`, within `chunk_fraction` of the burst ÷ live replicas, at least one.
-    fn first_chunk(&self, b: &BucketState, tokens: i64) -> i64 {
+    /// The largest grant of a bucket (tokens): `chunk_fraction` of the burst ÷ live
+    /// replicas, at least one.
+    fn chunk_cap(&self, b: &BucketState) -> i64 {
         let live = self.scopes[b.scope as usize].live.max(1);
-        let share = (self.chunk_fraction * b.burst as f64 / live as f64) as i64;
-        (8 * tokens).min(share).max(1)
+        ((self.chunk_fraction * b.burst as f64 / live as f64) as i64).max(1)
+    }
+
+    /// The grant size of a bucket before the agent measured its demand: eight requests of
+    /// `tokens`, within [`Self::chunk_cap`].
+    fn first_chunk(&self, b: &BucketState, tokens: i64) -> i64 {
+        (8 * tokens).min(self.chunk_cap(b)).max(1)
     }
 
     /// Units this replica keeps beyond its use in pool `i` (see `headroom`).
@@ -418,6 +423,18 @@ impl QuotaLedger {
             .get(i as usize)
             .ok_or(LedgerError::BadIndex("pool", u64::from(i)))?;
         Ok(self.headroom(pool))
+    }
+
+    /// The largest grant of bucket `i` (see `chunk_cap`).
+    ///
+    /// # Errors
+    /// [`LedgerError::BadIndex`] for an unknown bucket.
+    pub fn bucket_chunk_cap(&self, i: u32) -> Result<i64, LedgerError> {
+        let b = self
+            .buckets
+            .get(i as usize)
+            .ok_or(LedgerError::BadIndex("bucket", u64::from(i)))?;
+        Ok(self.chunk_cap(b))
     }
 
     /// The first grant size of bucket `i` for requests of `tokens` (see `first_chunk`).
@@ -780,6 +797,8 @@ mod tests {
         assert_eq!(l.pool_get(inflight, pool_field::UNIT).unwrap(), 400);
         // eight requests of 400 = 3,200 within half of the burst (5,000)
         assert_eq!(l.bucket_get(b, bucket_field::CHUNK).unwrap(), 3200);
+        assert_eq!(l.bucket_chunk_cap(b).unwrap(), 5000);
+        assert_eq!(l.bucket_first_chunk(b, 1000).unwrap(), 5000, "capped");
         assert_eq!(l.hold_parts(h), Some((vec![(inflight, 400)], vec![b])));
         assert!(l.try_admit(plan, 700, 0.0).unwrap().is_none(), "600 left");
     }

@@ -826,10 +826,10 @@ class RedisStore:
                 local.buckets.append(b)
         return local
 
-    def _chunk_cap(self, b: Bucket, sc: Scope) -> int:
-        """The largest grant of ``b`` (tokens): ``chunk_fraction`` of the burst ÷ live
-        replicas, at least one."""
-        return max(1, int(self.config.chunk_fraction * b.burst / max(1, sc.live)))
+    def _chunk_cap(self, b: Bucket) -> int:
+        """The largest grant of ``b`` (tokens; the ledger's rule): ``chunk_fraction`` of the
+        burst ÷ live replicas, at least one."""
+        return int(self._ledger.bucket_chunk_cap(b._i))
 
     def _first_chunk(self, b: Bucket, tokens: int) -> int:
         """The grant size before a heartbeat measured the demand (the ledger's rule): eight
@@ -1088,7 +1088,7 @@ class RedisStore:
                 # requests waited for tokens this replica did not hold (a burst, or the first
                 # ones after a quiet spell, before a heartbeat measured the demand): the grant
                 # covers twice what they asked for, so that the next ones are decided here
-                b.chunk = max(b.chunk, min(self._chunk_cap(b, sc), 2 * want))
+                b.chunk = max(b.chunk, min(self._chunk_cap(b), 2 * want))
             c = b.chunk
             if b.avail < 0:
                 debt = debts[name] = -b.avail
@@ -1426,7 +1426,7 @@ class RedisStore:
                 rate = b.taken / period
                 b.taken = 0
                 b.chunk = (
-                    0 if rate == 0 else max(1, min(int(rate * period * 2), self._chunk_cap(b, sc)))
+                    0 if rate == 0 else max(1, min(int(rate * period * 2), self._chunk_cap(b)))
                 )
             used = False
             for p in sc.pools.values():

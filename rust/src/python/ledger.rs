@@ -130,6 +130,10 @@ impl PyQuotaLedger {
         self.inner.pool_headroom(pool).map_err(err)
     }
 
+    fn bucket_chunk_cap(&self, bucket: u32) -> PyResult<i64> {
+        self.inner.bucket_chunk_cap(bucket).map_err(err)
+    }
+
     fn bucket_first_chunk(&self, bucket: u32, tokens: i64) -> PyResult<i64> {
         self.inner.bucket_first_chunk(bucket, tokens).map_err(err)
     }
