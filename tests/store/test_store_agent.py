@@ -7,6 +7,7 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
+import orjson
 import pytest
 from tests.store.redis_servers import RedisServer
 
@@ -396,3 +397,75 @@ def test_every_failure_kind_is_a_series_from_the_start() -> None:
     text = generate_latest(metrics.registry).decode()
     for kind in ("timeout", "error", "stale", "late"):
         assert f'kvgate_store_failures_total{{kind="{kind}"}} 0.0' in text, text
+
+
+async def test_a_release_near_a_limit_is_written_to_redis_before_flushed_returns(
+    redis_server: RedisServer,
+) -> None:
+    """At its limit a replica gives a released slot back to Redis at once; ``flushed`` (awaited
+    before the client sees the end of its answer) returns only once that message is written,
+    also when another message of the scope was in flight at the release, and at once while
+    Redis is away."""
+    from kvgate.store import StoreRefusal
+
+    cfg = StoreConfig(url=redis_server.url, heartbeat_s=5.0, deadline_ms=2000)
+    ctl = AdmissionController(backends=1, tenants=1)
+    backend = Named(ctl.add_backend("b", max_concurrency=8, tokens_per_minute=2**40), "b")
+    tenant = Named(ctl.add_tenant("t", priority="standard", max_concurrency=1), "t")
+    store = RedisStore(cfg, ctl)
+    await store.start()
+    sent: list[dict[str, Any]] = []
+    fcall = store._client.fcall
+
+    async def recording(*args: Any) -> Any:
+        sent.append(orjson.loads(args[-1]))
+        return await fcall(*args)
+
+    store._client.fcall = recording
+
+    client = redis_server.client()
+
+    def conc_quota_sent() -> int:
+        """The tenant's concurrency quota of this replica as Redis has it now (a command sent
+        after the replica's messages, on another connection)."""
+        return int(client.hget(store._scope("t", "t").key, f"q|conc|{store.pod}") or 0)
+
+    try:
+        for _ in range(3):
+            hold = await store.admit(backend, tenant, "standard", 1)
+            assert not isinstance(hold, StoreRefusal), hold
+            await idle_lanes(store)
+            assert conc_quota_sent() == 1
+            assert not store.unsent
+            store.release(hold, 1, 1)
+            assert store.unsent
+            await store.flushed()
+            # written, not only queued: a request of another replica comes after it in Redis
+            assert conc_quota_sent() == 0
+            assert not store.unsent
+        # a message in flight when the slot comes back: flushed waits for the next one
+        hold = await store.admit(backend, tenant, "standard", 1)
+        assert not isinstance(hold, StoreRefusal), hold
+        await idle_lanes(store)
+        sc = store._scope("t", "t")
+        sc.hb_due = True
+        store._kick(sc)  # a heartbeat, sent on the loop's next turn
+        await asyncio.sleep(0)
+        assert sc.busy
+        store.release(hold, 1, 1)
+        await store.flushed()
+        assert conc_quota_sent() == 0
+        # Redis away (the breaker open): nothing to wait for
+        await idle_lanes(store)
+        hold = await store.admit(backend, tenant, "standard", 1)
+        assert not isinstance(hold, StoreRefusal), hold
+        await idle_lanes(store)
+        store._breaker.opened_at = asyncio.get_running_loop().time()
+        store.release(hold, 1, 1)
+        before = len(sent)
+        await asyncio.wait_for(store.flushed(), 0.5)
+        assert len(sent) == before
+        assert not store.unsent
+    finally:
+        store._breaker.opened_at = None
+        await store.close()

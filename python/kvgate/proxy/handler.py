@@ -42,7 +42,7 @@ from kvgate.errors import GatewayError
 from kvgate.proxy.prepared import PreparedResponse, Reply, connection_header, error_response
 from kvgate.proxy.relay import RelayResult, relay
 from kvgate.proxy.routes import normalize_path
-from kvgate.proxy.settle import actual_tokens, end_request, settle
+from kvgate.proxy.settle import actual_tokens, end_request, release_at_end, settle
 from kvgate.routing import analyze_in_thread, analyze_now, model_of, pick_any_backend, pick_backend
 
 if TYPE_CHECKING:
@@ -408,6 +408,11 @@ async def handle_inference(gw: Gateway, request: web.BaseRequest, route: str) ->
     )
     reply: Reply | None = None
     error_code: str | None = None
+
+    async def ended() -> None:
+        await release_at_end(gw, decision, actual_tokens(analysis, result))
+
+    result.on_end = ended
     try:
         forward = rewrite_body(body, analysis, add_usage, assemble)
         reply = await relay(
@@ -461,6 +466,9 @@ async def handle_inference(gw: Gateway, request: web.BaseRequest, route: str) ->
             error_code,
             trace=trace,
         )
+        if type(reply) is PreparedResponse and gw.store.unsent:
+            # a whole answer goes out once this returns: the slot first (release_at_end)
+            await gw.store.flushed()
 
 
 def _both(first: Any, second: Any) -> Any:
@@ -719,6 +727,12 @@ async def handle_forward(gw: Gateway, request: web.BaseRequest) -> Reply:
     running = gw.running.start(backend.id, tenant.id, 0) if holds_slot(decision) else None
     reply: Reply | None = None
     error_code: str | None = None
+
+    async def ended() -> None:
+        tokens_in = int(result.prompt_tokens or 0) + int(result.completion_tokens)
+        await release_at_end(gw, decision, min(tokens_in, MAX_AMOUNT))
+
+    result.on_end = ended
     try:
         reply = await relay(
             request,
@@ -769,3 +783,5 @@ async def handle_forward(gw: Gateway, request: web.BaseRequest) -> Reply:
             error_code,
             trace=trace,
         )
+        if type(reply) is PreparedResponse and gw.store.unsent:
+            await gw.store.flushed()

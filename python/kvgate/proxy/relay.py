@@ -39,7 +39,7 @@ from kvgate.proxy.prepared import HeadBuilder, PreparedStream, Reply, relayed, s
 from kvgate.proxy.sse import SSEInspector
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Awaitable, Callable
 
     from kvgate.config import TimeoutsConfig as Timeouts
 
@@ -135,6 +135,12 @@ class RelayResult:
     #: called once, when the first bytes of the answer's body arrive (the admission stage's
     #: prefill budget and latency targets: the engine produced its first token)
     on_first_data: Callable[[], None] | None = None
+    #: awaited once when a relayed answer is complete (the stream's end event read, the whole
+    #: body read; the counts above filled in) and before its last bytes go to the client:
+    #: settlement releases the request's slots then, so that a client that sends its next
+    #: request on reading the end finds its slot free (on any replica); not called when the
+    #: answer fails
+    on_end: Callable[[], Awaitable[None]] | None = None
 
 
 async def relay(
@@ -546,6 +552,9 @@ async def _relay_stream(
                     )
                 break
             out = inspector.feed(data)
+            if inspector.done and result.on_end is not None and inspector.error is None:
+                _stream_counts(inspector, result)
+                await result.on_end()
             if out:
                 # a client that stops reading must not hold the slot past the request's `total`
                 # (the write waits while the client's buffer is full, and so does the next read)
@@ -569,15 +578,20 @@ async def _relay_stream(
         # cancelled): not an error of ours; the caller releases everything
         result.outcome = "client_disconnect"
     finally:
-        counts = inspector.usage_tokens
-        if counts is not None:
-            _take_usage(*counts, result)
-        if not result.usage_from_engine:
-            # the text was counted piece by piece as it passed (bounded memory per stream)
-            result.completion_tokens = max(inspector.delivered_tokens, inspector.content_chunks)
+        _stream_counts(inspector, result)
         if inspector.error is not None and result.outcome == "ok":
             result.outcome = "upstream_error"
     return response
+
+
+def _stream_counts(inspector: SSEInspector, result: RelayResult) -> None:
+    """The stream's token counts into ``result``: the engine's usage when it sent one, else
+    the text counted piece by piece as it passed (bounded memory per stream)."""
+    counts = inspector.usage_tokens
+    if counts is not None:
+        _take_usage(*counts, result)
+    if not result.usage_from_engine:
+        result.completion_tokens = max(inspector.delivered_tokens, inspector.content_chunks)
 
 
 #: Headers of an engine's stream that do not belong on the assembled JSON answer (lower case).
@@ -729,6 +743,10 @@ async def _relay_body(
             with deadline.at(end):
                 await response.write(data)
         if result.outcome == "ok":
+            if result.on_end is not None:
+                _body_counts(keep, result)
+                keep = None
+                await result.on_end()
             with deadline.at(end):
                 await response.write_eof()
         elif request.transport is not None:
@@ -740,11 +758,17 @@ async def _relay_body(
     except ConnectionResetError:
         result.outcome = "client_disconnect"
     finally:
-        if keep:
-            counts = usage_tokens(bytes(keep))
-            if counts is not None:
-                _take_usage(*counts, result)
+        _body_counts(keep, result)
     return response
+
+
+def _body_counts(keep: bytearray | None, result: RelayResult) -> None:
+    """The ``usage`` of a passed-through JSON body (``keep``: its bytes, ``None`` when it was
+    not JSON or too large) into ``result``."""
+    if keep:
+        counts = usage_tokens(bytes(keep))
+        if counts is not None:
+            _take_usage(*counts, result)
 
 
 async def _write_error_event(

@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from kvgate.proxy.prepared import Reply
     from kvgate.proxy.relay import RelayResult
 
-__all__ = ["actual_tokens", "end_request", "settle"]
+__all__ = ["actual_tokens", "end_request", "release_at_end", "settle"]
 
 
 def actual_tokens(analysis: Any, result: RelayResult) -> int:
@@ -39,6 +39,23 @@ def actual_tokens(analysis: Any, result: RelayResult) -> int:
     prompt = result.prompt_tokens if result.prompt_tokens is not None else analysis.prompt_tokens
     # each count is at most MAX_AMOUNT (relay._take_usage); their sum must be too
     return min(int(prompt) + int(result.completion_tokens), MAX_AMOUNT)
+
+
+async def release_at_end(gw: Gateway, decision: Any, actual: int) -> None:
+    """Release an admitted request whose answer is complete, before its last bytes go to the
+    client (:attr:`kvgate.proxy.relay.RelayResult.on_end`): its reservation with the
+    ``actual`` tokens it is charged, the next queued waiter woken, and — with a shared store —
+    what that gave back on its way to the other replicas (:meth:`kvgate.store.Store.flushed`,
+    at most the store's deadline). A client that sends its next request as soon as it reads
+    the end of this one then finds the slot free on every replica. :func:`settle` runs later
+    as for every request (its release is then a no-op)."""
+    decision.release(actual)
+    queue = gw.queue
+    if queue is not None and queue.waiting:
+        queue.notify()
+    store = gw.store
+    if store.unsent:
+        await store.flushed()
 
 
 def settle(

@@ -8,7 +8,9 @@ limits hold across replicas. Stages of the request path see only :class:`Store`:
 - :meth:`Store.try_admit` (no await): a hold taken from what this replica already holds, or
   ``None`` when the store must be asked (:meth:`Store.admit`, which awaits at most the store's
   deadline);
-- :meth:`Store.release`: the hold given back with the tokens the request is charged.
+- :meth:`Store.release`: the hold given back with the tokens the request is charged;
+  :meth:`Store.flushed`: awaited, while :attr:`Store.unsent`, before the client learns that its
+  request ended (its next request, on any replica, then finds the slot given back).
 
 The local store holds nothing and admits everything: the core alone decides, as before there
 were replicas.
@@ -72,6 +74,15 @@ class Store(Protocol):
         """Gives the hold back: the slots, the in-flight tokens, and ``reserved - actual``
         tokens (refunded, or charged when negative)."""
 
+    @property
+    def unsent(self) -> bool:
+        """Whether a release may not have reached the other replicas' view yet (then await
+        :meth:`flushed` before the client can learn that its request ended)."""
+
+    async def flushed(self) -> None:
+        """Waits (briefly) until what the releases gave back is on its way to the other
+        replicas."""
+
     async def start(self, backends: Sequence[str] = ()) -> None:
         """Connects (called once the event loop runs); ``backends``: the configured backends'
         names (a shared store joins their scopes)."""
@@ -106,6 +117,12 @@ class LocalStore:
 
     def release(self, hold: Any, reserved: int, actual: int) -> None:
         """Nothing to give back."""
+
+    #: the core's release is seen at once by every worker of this host
+    unsent = False
+
+    async def flushed(self) -> None:
+        """Nothing is on its way anywhere."""
 
     async def start(self, backends: Sequence[str] = ()) -> None:
         """Nothing to connect."""

@@ -261,6 +261,7 @@ class Scope:
         "busy",
         "contended",
         "epoch",
+        "flush",
         "hb_due",
         "key",
         "kind",
@@ -269,6 +270,7 @@ class Scope:
         "scale",
         "seq",
         "shed",
+        "unsent",
         "wake",
     )
 
@@ -290,6 +292,10 @@ class Scope:
         self.wake = False
         self.hb_due = False
         self.admits: list[_Admit] = []
+        #: something to tell Redis that no message composed yet carries (see
+        #: :meth:`RedisStore.flushed`), and the futures of those waiting until one does
+        self.unsent = False
+        self.flush: list[asyncio.Future[None]] = []
 
     @property
     def lease_until(self) -> float:
@@ -414,6 +420,10 @@ class RedisStore:
         self._bg_deadline = config.background_deadline_ms / 1000.0
         self._heartbeat_task: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
+        #: scopes a release kicked since the last :meth:`flushed` (emptied every heartbeat
+        #: when nobody waits), and whether a release runs now
+        self._kicked: list[Scope] = []
+        self._releasing = False
         self._props: dict[str, tuple[float, bool]] = {}
         self._closed = False
         self._loaded = False
@@ -724,6 +734,13 @@ class RedisStore:
         Args:
             reserved: the tokens reserved at admission; ``actual``: the tokens charged.
         """
+        self._releasing = True
+        try:
+            self._release(hold, reserved, actual)
+        finally:
+            self._releasing = False
+
+    def _release(self, hold: Any, reserved: int, actual: int) -> None:
         if type(hold) is int:  # taken by try_admit, in the ledger
             self._ledger.release(hold, reserved, actual)
             return
@@ -999,6 +1016,9 @@ class RedisStore:
     def _kick(self, sc: Scope) -> None:
         """Something to tell Redis about ``sc``: send now, or right after the message in
         flight (whatever accumulated meanwhile goes in one message: coalescing)."""
+        sc.unsent = True
+        if self._releasing:
+            self._kicked.append(sc)
         if sc.busy:
             sc.wake = True
             return
@@ -1018,6 +1038,7 @@ class RedisStore:
             while True:
                 sc.wake = False
                 built = self._compose(sc)
+                self._composed(sc)
                 if built is None:
                     break
                 await self._send(sc, *built)
@@ -1029,12 +1050,52 @@ class RedisStore:
         finally:
             sc.busy = False
             if self._breaker.opened_at is not None:
+                self._composed(sc)  # nothing goes to Redis now: nobody waits for it
                 for adm in sc.admits:
                     if not adm.future.done():
                         adm.future.set_result(None)
                 sc.admits.clear()
             elif once and (sc.wake or sc.admits):
                 self._kick(sc)
+
+    def _composed(self, sc: Scope) -> None:
+        """The message just composed for ``sc`` carries everything kicked so far: whoever
+        waits in :meth:`flushed` goes on (after this lane's send, which writes the message
+        before the lane first awaits)."""
+        sc.unsent = False
+        if sc.flush:
+            for fut in sc.flush:
+                if not fut.done():
+                    fut.set_result(None)
+            sc.flush.clear()
+
+    async def flushed(self) -> None:
+        """Waits until what was given back since the last call is on its way to Redis: every
+        scope a :meth:`release` kicked meanwhile has had its next message written to the
+        connection (at most
+        ``deadline_ms``; at once while Redis is away). A request that ends near a limit calls
+        it before its last bytes reach the client, so that the client's next request, on any
+        replica, finds the slot back in Redis."""
+        kicked, self._kicked = self._kicked, []
+        if self._breaker.opened_at is not None:
+            return
+        loop = asyncio.get_running_loop()
+        waits = []
+        for sc in kicked:
+            if sc.unsent:
+                fut = loop.create_future()
+                sc.flush.append(fut)
+                waits.append(fut)
+        if waits:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self._deadline):
+                    await asyncio.gather(*waits)
+
+    @property
+    def unsent(self) -> bool:
+        """Whether something given back since the last :meth:`flushed` may not be on its way to
+        Redis yet (no await: the request path asks before awaiting :meth:`flushed`)."""
+        return bool(self._kicked)
 
     def _compose(self, sc: Scope) -> tuple[dict[str, Any], list[_Admit], dict[str, int]] | None:
         """The next message of ``sc``: re-asserted quotas (lowered where this replica holds
@@ -1421,6 +1482,7 @@ class RedisStore:
         # that closes the breaker (a replica that held nothing when Redis went away would
         # otherwise never call Redis again)
         probing = self._breaker.opened_at is not None
+        self._kicked.clear()  # releases nobody waited for (error answers)
         for sc in list(self._active):
             for b in sc.buckets.values():
                 rate = b.taken / period
