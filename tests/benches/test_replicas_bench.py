@@ -260,3 +260,19 @@ def test_store_alone_decides_every_admission_in_redis(tmp_path: Path) -> None:
         # each store released what it took: nothing is left allocated in Redis
         fields = server.client().hgetall("{kvgiso:t:one}")
         assert int(fields.get(b"alloc|conc", 0)) == 0, fields
+
+
+def test_the_sequential_client_bench_runs_and_counts_every_answer(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """benches/replicas/sequential.py end to end for two seconds (its own redis-server, the
+    simulator, three gateways): it prints every answer by status and the refusal rate."""
+    seq = load("replicas_sequential", "benches/replicas/sequential.py")
+    assert seq.main(["--seconds", "2"]) == 0
+    out = capsys.readouterr().out.strip().splitlines()[-1]
+    assert out.startswith("3 replicas, "), out
+    total = int(out.split(", ", 1)[1].split(" requests", 1)[0])
+    ok = int(out.split("200: ", 1)[1].split(",", 1)[0].split(";", 1)[0])
+    assert total >= 10, out
+    assert ok >= 10, out
+    assert "refused per thousand: " in out

@@ -1,0 +1,107 @@
+"""One client that waits for each answer before the next request, at its tenant's concurrency
+limit, across replicas that share their limits through Redis.
+
+A tenant with ``max_concurrency`` 1 sends one request at a time, each to the next of
+``--replicas`` gateways (round robin), streamed and whole answers in turn, for ``--seconds``.
+Such a client should never be refused: each request starts only after the last one ended. It
+is, when the replica that ran the last request gives the slot back to Redis after the client
+has already asked the next replica. Prints the answers by status and the refusals per thousand
+requests.
+
+Setup: ``kvgate sim`` (tiny profile, ``--speed 20``) and the gateways on loopback through the
+tests' replica harness, a ``redis-server`` of its own.
+
+Usage (from the repository root, after ``make build``; needs ``redis-server``)::
+
+    .venv/bin/python benches/replicas/sequential.py [--replicas 3] [--seconds 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import itertools
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+
+import aiohttp
+import orjson
+
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE.parents[1])]
+
+KEY = "sk-sequential"
+
+
+async def measure(redis_url: str, replicas: int, seconds: float) -> Counter[int]:
+    """Answers by HTTP status over ``seconds`` of one sequential client."""
+    from tests.store.replicas import run_replicas
+
+    config = {
+        "backends": [
+            {
+                "name": "sim",
+                "models": [{"name": "kvgate-sim-tiny", "context_window": 1024}],
+                "max_concurrency": 1000,
+                "adaptive": {"enabled": False},
+            }
+        ],
+        "tenants": [
+            {
+                "name": "one",
+                "api_key_sha256": [hashlib.sha256(KEY.encode()).hexdigest()],
+                "max_concurrency": 1,
+            }
+        ],
+        "store": {"url": redis_url, "key_prefix": "kvgseq"},
+        "access_log": {"enabled": False},
+    }
+    statuses: Counter[int] = Counter()
+    async with run_replicas(config, n=replicas, ready_timeout=120) as reps:
+        urls = itertools.cycle(reps.urls)
+        headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+        async with aiohttp.ClientSession() as session:
+            give_up = time.monotonic() + seconds
+            n = 0
+            while time.monotonic() < give_up:
+                body = {
+                    "model": reps.model,
+                    "messages": [{"role": "user", "content": "one at a time"}],
+                    "max_tokens": 4,
+                    "stream": n % 2 == 0,
+                }
+                n += 1
+                async with session.post(
+                    next(urls) + "/v1/chat/completions", data=orjson.dumps(body), headers=headers
+                ) as r:
+                    await r.read()
+                    statuses[r.status] += 1
+    return statuses
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--replicas", type=int, default=3, help="gateways on one Redis (default 3)")
+    p.add_argument("--seconds", type=float, default=20.0, help="seconds of requests (20)")
+    args = p.parse_args(argv)
+    from tests.store.redis_servers import start_redis
+
+    logdir = Path(tempfile.mkdtemp(prefix="sequential-"))
+    with start_redis(logdir / "redis") as redis:
+        statuses = asyncio.run(measure(redis.url, args.replicas, args.seconds))
+    total = sum(statuses.values())
+    refused = statuses.get(429, 0)
+    print(
+        f"{args.replicas} replicas, {total} requests: "
+        + ", ".join(f"{code}: {n}" for code, n in sorted(statuses.items()))
+        + f"; refused per thousand: {1000 * refused / max(1, total):.1f}"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
