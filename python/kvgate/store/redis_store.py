@@ -734,18 +734,17 @@ class RedisStore:
         Args:
             reserved: the tokens reserved at admission; ``actual``: the tokens charged.
         """
-        self._releasing = True
+        self._releasing = True  # the scopes this kicks are the ones flushed() waits for
         try:
-            self._release(hold, reserved, actual)
+            if type(hold) is int:  # taken by try_admit, in the ledger
+                self._ledger.release(hold, reserved, actual)
+            elif type(hold) is StoreHold:
+                self._release_hold(hold, reserved, actual)
         finally:
             self._releasing = False
 
-    def _release(self, hold: Any, reserved: int, actual: int) -> None:
-        if type(hold) is int:  # taken by try_admit, in the ledger
-            self._ledger.release(hold, reserved, actual)
-            return
-        if type(hold) is not StoreHold:
-            return
+    def _release_hold(self, hold: StoreHold, reserved: int, actual: int) -> None:
+        """:meth:`release` of a hold decided in Redis or by the fallback policy."""
         for pool, n in hold.pools:
             pool.in_use = max(0, pool.in_use - n)
             if pool.near:
