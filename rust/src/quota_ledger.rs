@@ -29,6 +29,19 @@
 
 use std::collections::HashMap;
 
+/// No plan (the end of a chain of keyed plans).
+const NO_PLAN: u32 = u32::MAX;
+
+/// Key groups found through the direct table (at most 16 MiB of it); a key of a larger group
+/// is found through a hash map.
+const MAX_GROUPS: usize = 1 << 22;
+
+/// The group of a plan's key: its bits 1 to 32 — the tenant's id in the agent's keys
+/// (`backend << 33 | tenant << 1 | sheddable`), so a tenant's few plans share one chain.
+fn key_group(key: u64) -> usize {
+    ((key >> 1) & 0xFFFF_FFFF) as usize
+}
+
 /// One scope (a tenant's or a backend's limits) as this replica holds it.
 #[derive(Debug, Clone, Default)]
 pub struct ScopeState {
@@ -159,7 +172,14 @@ pub struct QuotaLedger {
     code: Vec<u32>,
     /// Where each plan starts in `code`, by plan index.
     plans: Vec<u32>,
-    /// Where each keyed plan starts in `code`, by key.
+    /// Heads of the chains of keyed plans in `keyed`, by the key's group ([`key_group`]): an
+    /// index, or [`NO_PLAN`]. A direct table rather than a hash map: plans of tenants walked in
+    /// turn are then found in order in memory, not at a random place per request.
+    by_group: Vec<u32>,
+    /// Keyed plans: (key, where the plan starts in `code`, the next plan of its group or
+    /// [`NO_PLAN`]).
+    keyed: Vec<(u64, u32, u32)>,
+    /// Where each plan whose group is [`MAX_GROUPS`] or more starts in `code`, by key.
     by_key: HashMap<u64, u32>,
     holds: Vec<HoldSlot>,
     free: Vec<u32>,
@@ -181,6 +201,8 @@ impl QuotaLedger {
             buckets: Vec::new(),
             code: Vec::new(),
             plans: Vec::new(),
+            by_group: Vec::new(),
+            keyed: Vec::new(),
             by_key: HashMap::new(),
             holds: Vec::new(),
             free: Vec::new(),
@@ -266,15 +288,55 @@ impl QuotaLedger {
         }
         self.plans.push(start);
         if let Some(key) = key {
-            self.by_key.insert(key, start);
+            self.insert_key(key, start);
         }
         Ok((self.plans.len() - 1) as u32)
+    }
+
+    fn insert_key(&mut self, key: u64, start: u32) {
+        let group = key_group(key);
+        if group >= MAX_GROUPS {
+            self.by_key.insert(key, start);
+            return;
+        }
+        if group >= self.by_group.len() {
+            self.by_group.resize(group + 1, NO_PLAN);
+        }
+        let mut at = self.by_group[group];
+        while at != NO_PLAN {
+            let entry = &mut self.keyed[at as usize];
+            if entry.0 == key {
+                entry.1 = start; // the same key added again: the newer plan
+                return;
+            }
+            at = entry.2;
+        }
+        self.keyed.push((key, start, self.by_group[group]));
+        self.by_group[group] = (self.keyed.len() - 1) as u32;
+    }
+
+    fn find_key(&self, key: u64) -> Option<u32> {
+        let group = key_group(key);
+        if group >= MAX_GROUPS {
+            return self.by_key.get(&key).copied();
+        }
+        let mut at = *self.by_group.get(group)?;
+        while at != NO_PLAN {
+            let (k, start, next) = self.keyed[at as usize];
+            if k == key {
+                return Some(start);
+            }
+            at = next;
+        }
+        None
     }
 
     /// Forgets every plan (the base limits changed); pools, buckets and holds stay.
     pub fn clear_plans(&mut self) {
         self.code.clear();
         self.plans.clear();
+        self.by_group.clear();
+        self.keyed.clear();
         self.by_key.clear();
     }
 
@@ -487,7 +549,7 @@ impl QuotaLedger {
         tokens: i64,
         now: f64,
     ) -> Result<Option<u64>, LedgerError> {
-        let start = *self.by_key.get(&key).ok_or(LedgerError::NoPlan(key))?;
+        let start = self.find_key(key).ok_or(LedgerError::NoPlan(key))?;
         Ok(self.admit_at(start as usize, tokens, now))
     }
 
@@ -827,6 +889,54 @@ mod tests {
         // a hold outlives the plans it came from
         assert!(l.release(h, 1, 1));
         assert_eq!(l.pool_get(p, pool_field::IN_USE).unwrap(), 0);
+    }
+
+    #[test]
+    fn keyed_plans_of_one_group_and_of_huge_groups() {
+        let mut l = QuotaLedger::new(0.01);
+        let s = l.add_scope();
+        l.scope_mut(s).unwrap().lease_until = 10.0;
+        let part = |pool| Part {
+            scope: s,
+            alts: vec![Alternative {
+                counts_tokens: false,
+                pools: vec![pool],
+            }],
+            buckets: vec![],
+        };
+        let pools: Vec<u32> = (0..5).map(|_| l.add_pool(s, 10).unwrap()).collect();
+        for &p in &pools {
+            l.pool_set(p, pool_field::Q, 5).unwrap();
+        }
+        // one tenant (group 3) on two backends, sheddable or not; a tenant id past the table
+        let keys = [
+            3 << 1,
+            3 << 1 | 1,
+            1 << 33 | 3 << 1,
+            (1 << 33) | (3 << 1) | 1,
+            (u64::from(u32::MAX) << 1) | 1,
+        ];
+        for (&key, &p) in keys.iter().zip(&pools) {
+            l.add_plan(&[part(p)], Some(key)).unwrap();
+        }
+        for (&key, &p) in keys.iter().zip(&pools) {
+            let h = l.try_admit_key(key, 1, 0.0).unwrap().unwrap();
+            assert_eq!(l.hold_parts(h), Some((vec![(p, 1)], vec![])), "key {key}");
+            assert!(l.release(h, 1, 1));
+        }
+        assert_eq!(l.try_admit_key(2 << 1, 1, 0.0), Err(LedgerError::NoPlan(4)));
+        assert_eq!(
+            l.try_admit_key(5 << 33, 1, 0.0),
+            Err(LedgerError::NoPlan(5 << 33))
+        );
+        // the same key again: the newer plan
+        l.add_plan(&[part(pools[4])], Some(keys[0])).unwrap();
+        let h = l.try_admit_key(keys[0], 1, 0.0).unwrap().unwrap();
+        assert_eq!(l.hold_parts(h), Some((vec![(pools[4], 1)], vec![])));
+        l.clear_plans();
+        for &key in &keys {
+            assert_eq!(l.try_admit_key(key, 1, 0.0), Err(LedgerError::NoPlan(key)));
+        }
     }
 
     #[test]
