@@ -1088,7 +1088,8 @@ class QuotaLedger:
     def pool_headroom(self, pool: int) -> int:
         """Units this replica keeps beyond its use in ``pool``: ``chunk_fraction`` of the limit
         ÷ live replicas, within room for two requests of the last size and half of its even
-        share, at least one; 0 near the limit (the low-water mark is half of it)."""
+        share; 0 near the limit, or when half of its even share is under one unit (a limit
+        under twice the live replicas). The low-water mark is half of it."""
     def bucket_chunk_cap(self, bucket: int) -> int:
         """The largest grant of ``bucket`` (tokens): ``chunk_fraction`` of the burst ÷ live
         replicas, at least one."""

@@ -444,7 +444,7 @@ impl QuotaLedger {
 
     /// Units a replica keeps beyond its use in `pool`: `chunk_fraction` of the limit ÷ live
     /// replicas, within room for two requests of the last size and half of its even share,
-    /// at least one; none near the limit.
+    /// none near the limit or when half of its even share is under one unit.
     fn headroom(&self, pool: &PoolState) -> i64 {
         if pool.near {
             return 0;
@@ -456,10 +456,12 @@ impl QuotaLedger {
         };
         let live = self.scopes[pool.scope as usize].live.max(1);
         let share = (self.chunk_fraction * limit as f64 / live as f64) as i64;
+        // none when half an even share is less than one unit (a limit under twice the live
+        // replicas): any headroom there would strand a large part of the limit
         share
             .max(2 * pool.unit)
             .min(limit.div_euclid(2 * live))
-            .max(1)
+            .max(0)
     }
 
     /// The largest grant of a bucket (tokens): `chunk_fraction` of the burst ÷ live
@@ -682,7 +684,10 @@ impl QuotaLedger {
         for &(p, n) in &picks {
             let pool = &mut self.pools[p as usize];
             pool.in_use = (pool.in_use - n).max(0);
-            if pool.near {
+            // near a limit, or holding more than twice its headroom: what it holds beyond its
+            // use goes back now (the agent's message), not at the next heartbeat
+            let pool = &self.pools[p as usize];
+            if pool.near || pool.q - pool.in_use > 2 * self.headroom(pool) {
                 self.kicks.push(pool.scope);
             }
         }
@@ -889,6 +894,54 @@ mod tests {
         // a hold outlives the plans it came from
         assert!(l.release(h, 1, 1));
         assert_eq!(l.pool_get(p, pool_field::IN_USE).unwrap(), 0);
+    }
+
+    #[test]
+    fn no_headroom_under_twice_the_live_replicas_and_excess_goes_back_at_release() {
+        let mut l = QuotaLedger::new(0.1);
+        let s = l.add_scope();
+        {
+            let sc = l.scope_mut(s).unwrap();
+            sc.lease_until = 10.0;
+            sc.live = 3;
+        }
+        let small = l.add_pool(s, 4).unwrap();
+        let medium = l.add_pool(s, 10).unwrap();
+        // half an even share of 4 slots over 3 replicas is under one slot: none kept
+        assert_eq!(l.pool_headroom(small).unwrap(), 0);
+        assert_eq!(l.pool_headroom(medium).unwrap(), 1);
+        let plan = |l: &mut QuotaLedger, pool| {
+            let part = Part {
+                scope: s,
+                alts: vec![Alternative {
+                    counts_tokens: false,
+                    pools: vec![pool],
+                }],
+                buckets: vec![],
+            };
+            l.add_plan(&[part], None).unwrap()
+        };
+        let (ps, pm) = (plan(&mut l, small), plan(&mut l, medium));
+        l.pool_set(small, pool_field::Q, 1).unwrap();
+        l.pool_set(medium, pool_field::Q, 3).unwrap();
+        let h = l.try_admit(ps, 1, 0.0).unwrap().unwrap();
+        l.take_kicks();
+        assert!(l.release(h, 1, 1));
+        assert_eq!(
+            l.take_kicks(),
+            vec![s],
+            "an unused slot of the small pool goes back now"
+        );
+        // the medium pool keeps up to twice its headroom (2) unused, then gives back
+        let a = l.try_admit(pm, 1, 0.0).unwrap().unwrap();
+        l.take_kicks();
+        assert!(l.release(a, 1, 1));
+        assert_eq!(l.take_kicks(), vec![s], "3 unused > 2");
+        l.pool_set(medium, pool_field::Q, 2).unwrap();
+        let a = l.try_admit(pm, 1, 0.0).unwrap().unwrap();
+        l.take_kicks();
+        assert!(l.release(a, 1, 1));
+        assert!(l.take_kicks().is_empty(), "2 unused: kept");
     }
 
     #[test]

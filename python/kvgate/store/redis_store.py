@@ -424,6 +424,9 @@ class RedisStore:
         #: when nobody waits), and whether a release runs now
         self._kicked: list[Scope] = []
         self._releasing = False
+        #: the most live replicas a backend's scope named (a tenant scope counts at least as
+        #: many: see :meth:`_apply`)
+        self._backend_live = 1
         self._props: dict[str, tuple[float, bool]] = {}
         self._closed = False
         self._loaded = False
@@ -546,6 +549,8 @@ class RedisStore:
         if sc is None:
             sc = self.scopes[key] = Scope(self.prefix, kind, name, self._ledger)
             self._scope_at.append(sc)
+            if kind == "t":
+                sc.live = self._backend_live
         return sc
 
     def _plan(self, backend: Any, tenant: Any, priority: str) -> list[_Part]:
@@ -721,8 +726,9 @@ class RedisStore:
 
     def _headroom(self, pool: Pool) -> int:
         """Units this replica keeps beyond its use (the ledger's rule, the same for the local
-        fast path): ``chunk_fraction`` of the limit ÷ live replicas, at least one; none near
-        the limit."""
+        fast path): ``chunk_fraction`` of the limit ÷ live replicas, within room for two
+        requests of the last size and half of its even share; none near the limit or when half
+        of its even share is under one unit."""
         return int(self._ledger.pool_headroom(pool._i))
 
     def release(self, hold: Any, reserved: int, actual: int) -> None:
@@ -747,7 +753,8 @@ class RedisStore:
         """:meth:`release` of a hold decided in Redis or by the fallback policy."""
         for pool, n in hold.pools:
             pool.in_use = max(0, pool.in_use - n)
-            if pool.near:
+            # the ledger's rule: near a limit, or holding more than twice its headroom
+            if pool.near or pool.q - pool.in_use > 2 * self._headroom(pool):
                 self._kick(pool.scope)
         diff = reserved - actual
         for b in hold.buckets:
@@ -1327,7 +1334,15 @@ class RedisStore:
             if self._metrics is not None:
                 self._metrics.store_amnesia.inc()
         sc.epoch = epoch
-        sc.live = max(1, int(reply.get("live") or 1))
+        live = max(1, int(reply.get("live") or 1))
+        if sc.kind == "b":
+            self._backend_live = max(self._backend_live, live)
+        else:
+            # a tenant's requests may come through any replica of its backends: its scope
+            # counts at least as many (a replica that never served the tenant is not live in
+            # its scope yet, but its first request may come at any moment)
+            live = max(live, self._backend_live)
+        sc.live = live
         reaped = int(reply.get("reaped") or 0)
         if reaped:
             self.reaped += reaped
@@ -1482,6 +1497,10 @@ class RedisStore:
         # otherwise never call Redis again)
         probing = self._breaker.opened_at is not None
         self._kicked.clear()  # releases nobody waited for (error answers)
+        # the most live replicas a backend's scope counts now (replicas that left lower it)
+        self._backend_live = max(
+            (sc.live for sc in self._active if sc.kind == "b"), default=self._backend_live
+        )
         for sc in list(self._active):
             for b in sc.buckets.values():
                 rate = b.taken / period
