@@ -855,7 +855,9 @@ def seeded_store(n: int, tokens: int = 100) -> tuple[Any, Any, list[Any], list[i
             sc.epoch, sc.lease_until = "bench", far
             for _, pools in part.alts:
                 for p in pools:
-                    p.q = p.rq = p.alloc = p.limit // 2
+                    # what a replica keeps far from the limit: twice its headroom (more would
+                    # go back to Redis as a request ends)
+                    p.q = p.rq = p.alloc = min(p.limit // 2, 2 * store._headroom(p))
             for b in part.buckets:
                 b.avail, b.chunk = 10**12, 8 * tokens
     return store, backend, tenants, kicks

@@ -1,11 +1,12 @@
-"""One client that waits for each answer before the next request, at its tenant's concurrency
+"""Clients that wait for each answer before the next request, at their tenant's concurrency
 limit, across replicas that share their limits through Redis.
 
-A tenant with ``max_concurrency`` 1 sends one request at a time, each to the next of
-``--replicas`` gateways (round robin), streamed and whole answers in turn, for ``--seconds``.
-Such a client should never be refused: each request starts only after the last one ended. It
-is, when the replica that ran the last request gives the slot back to Redis after the client
-has already asked the next replica. Prints the answers by status and the refusals per thousand
+``--clients`` clients of a tenant whose ``max_concurrency`` is that number each send one
+request at a time, each to the next of ``--replicas`` gateways (round robin), streamed and
+whole answers in turn, for ``--seconds``. Such clients should never be refused: no more
+requests run than the limit. They are when a replica gives a slot back to Redis after the
+client has already asked the next replica, or keeps an unused slot as headroom while a request
+on another replica is refused. Prints the answers by status and the refusals per thousand
 requests.
 
 Setup: ``kvgate sim`` (tiny profile, ``--speed 20``) and the gateways on loopback through the
@@ -13,7 +14,7 @@ tests' replica harness, a ``redis-server`` of its own.
 
 Usage (from the repository root, after ``make build``; needs ``redis-server``)::
 
-    .venv/bin/python benches/replicas/sequential.py [--replicas 3] [--seconds 20]
+    .venv/bin/python benches/replicas/sequential.py [--replicas 3] [--clients 1] [--seconds 20]
 """
 
 from __future__ import annotations
@@ -37,8 +38,9 @@ sys.path[:0] = [str(HERE.parents[1])]
 KEY = "sk-sequential"
 
 
-async def measure(redis_url: str, replicas: int, seconds: float) -> Counter[int]:
-    """Answers by HTTP status over ``seconds`` of one sequential client."""
+async def measure(redis_url: str, replicas: int, clients: int, seconds: float) -> Counter[int]:
+    """Answers by HTTP status over ``seconds`` of ``clients`` sequential clients (the tenant's
+    ``max_concurrency``)."""
     from tests.store.replicas import run_replicas
 
     config = {
@@ -54,7 +56,7 @@ async def measure(redis_url: str, replicas: int, seconds: float) -> Counter[int]
             {
                 "name": "one",
                 "api_key_sha256": [hashlib.sha256(KEY.encode()).hexdigest()],
-                "max_concurrency": 1,
+                "max_concurrency": clients,
             }
         ],
         "store": {"url": redis_url, "key_prefix": "kvgseq"},
@@ -62,11 +64,11 @@ async def measure(redis_url: str, replicas: int, seconds: float) -> Counter[int]
     }
     statuses: Counter[int] = Counter()
     async with run_replicas(config, n=replicas, ready_timeout=120) as reps:
-        urls = itertools.cycle(reps.urls)
         headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
-        async with aiohttp.ClientSession() as session:
-            give_up = time.monotonic() + seconds
-            n = 0
+
+        async def client(first: int, session: aiohttp.ClientSession, give_up: float) -> None:
+            urls = itertools.islice(itertools.cycle(reps.urls), first, None)
+            n = first
             while time.monotonic() < give_up:
                 body = {
                     "model": reps.model,
@@ -80,23 +82,28 @@ async def measure(redis_url: str, replicas: int, seconds: float) -> Counter[int]
                 ) as r:
                     await r.read()
                     statuses[r.status] += 1
+
+        async with aiohttp.ClientSession() as session:
+            give_up = time.monotonic() + seconds
+            await asyncio.gather(*(client(c, session, give_up) for c in range(clients)))
     return statuses
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--replicas", type=int, default=3, help="gateways on one Redis (default 3)")
+    p.add_argument("--clients", type=int, default=1, help="clients = max_concurrency (1)")
     p.add_argument("--seconds", type=float, default=20.0, help="seconds of requests (20)")
     args = p.parse_args(argv)
     from tests.store.redis_servers import start_redis
 
     logdir = Path(tempfile.mkdtemp(prefix="sequential-"))
     with start_redis(logdir / "redis") as redis:
-        statuses = asyncio.run(measure(redis.url, args.replicas, args.seconds))
+        statuses = asyncio.run(measure(redis.url, args.replicas, args.clients, args.seconds))
     total = sum(statuses.values())
     refused = statuses.get(429, 0)
     print(
-        f"{args.replicas} replicas, {total} requests: "
+        f"{args.replicas} replicas, {args.clients} clients, {total} requests: "
         + ", ".join(f"{code}: {n}" for code, n in sorted(statuses.items()))
         + f"; refused per thousand: {1000 * refused / max(1, total):.1f}"
     )

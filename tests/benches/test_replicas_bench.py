@@ -268,10 +268,10 @@ def test_the_sequential_client_bench_runs_and_counts_every_answer(
     """benches/replicas/sequential.py end to end for two seconds (its own redis-server, the
     simulator, three gateways): it prints every answer by status and the refusal rate."""
     seq = load("replicas_sequential", "benches/replicas/sequential.py")
-    assert seq.main(["--seconds", "2"]) == 0
+    assert seq.main(["--seconds", "2", "--clients", "2"]) == 0
     out = capsys.readouterr().out.strip().splitlines()[-1]
-    assert out.startswith("3 replicas, "), out
-    total = int(out.split(", ", 1)[1].split(" requests", 1)[0])
+    assert out.startswith("3 replicas, 2 clients, "), out
+    total = int(out.split(", ", 2)[2].split(" requests", 1)[0])
     ok = int(out.split("200: ", 1)[1].split(",", 1)[0].split(";", 1)[0])
     assert total >= 10, out
     assert ok >= 10, out
