@@ -57,9 +57,11 @@ class StoreAdmission:
         if hold is None:
             return
         self.hold = None
-        self.reservation.release(actual_tokens)
         actual = self.tokens if actual_tokens is None else actual_tokens
-        self.store.release(hold, self.tokens, actual)
+        try:
+            self.reservation.release(actual_tokens)
+        finally:  # the store's hold goes back even if the core refused the count
+            self.store.release(hold, self.tokens, actual)
 
 
 def holds_slot(decision: Any) -> bool:

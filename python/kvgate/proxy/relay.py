@@ -15,6 +15,7 @@ before any byte of the answer came is sent again (:func:`reuse_trace`).
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import time
 from dataclasses import dataclass
@@ -44,6 +45,8 @@ if TYPE_CHECKING:
     from kvgate.config import TimeoutsConfig as Timeouts
 
 __all__ = ["RelayResult", "relay", "reuse_trace"]
+
+logger = logging.getLogger("kvgate.proxy")
 
 #: The headers of an engine error relayed in OpenAI's shape (the body is re-encoded).
 _JSON = ((b"Content-Type", b"application/json"),)
@@ -554,7 +557,7 @@ async def _relay_stream(
             out = inspector.feed(data)
             if inspector.done and result.on_end is not None and inspector.error is None:
                 _stream_counts(inspector, result)
-                await result.on_end()
+                await _ended(result)
             if out:
                 # a client that stops reading must not hold the slot past the request's `total`
                 # (the write waits while the client's buffer is full, and so does the next read)
@@ -582,6 +585,18 @@ async def _relay_stream(
         if inspector.error is not None and result.outcome == "ok":
             result.outcome = "upstream_error"
     return response
+
+
+async def _ended(result: RelayResult) -> None:
+    """Awaits ``result.on_end`` (settlement's early release); a failure there is logged and
+    the answer still ends normally (settlement runs again afterwards)."""
+    on_end = result.on_end
+    if on_end is None:
+        return
+    try:
+        await on_end()
+    except Exception:
+        logger.exception("releasing a finished request before its end failed")
 
 
 def _stream_counts(inspector: SSEInspector, result: RelayResult) -> None:
@@ -746,7 +761,7 @@ async def _relay_body(
             if result.on_end is not None:
                 _body_counts(keep, result)
                 keep = None
-                await result.on_end()
+                await _ended(result)
             with deadline.at(end):
                 await response.write_eof()
         elif request.transport is not None:

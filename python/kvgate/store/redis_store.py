@@ -84,6 +84,11 @@ def _ledger_field(kind: str, n: int, doc: str, flag: bool = False) -> Any:
     return property(get, put, doc=doc)
 
 
+#: the longest an answer's end waits for :meth:`RedisStore.flushed` (seconds; ``deadline_ms``
+#: when shorter): a scope's message in flight is answered within a few milliseconds when Redis
+#: is healthy, and a client is not kept waiting longer for the order of two messages
+FLUSH_WAIT_S = 0.1
+
 #: seconds a scope's state surely outlives its last reply (``kvgate.lua`` keeps it 180 s + 4
 #: leases after each message): a state missing sooner was lost by Redis, not expired
 STATE_KEPT_S = 170.0
@@ -1078,8 +1083,8 @@ class RedisStore:
     async def flushed(self) -> None:
         """Waits until what was given back since the last call is on its way to Redis: every
         scope a :meth:`release` kicked meanwhile has had its next message written to the
-        connection (at most
-        ``deadline_ms``; at once while Redis is away). A request that ends near a limit calls
+        connection (at most ``deadline_ms`` or :data:`FLUSH_WAIT_S`, the shorter; at once
+        while Redis is away). A request that ends near a limit calls
         it before its last bytes reach the client, so that the client's next request, on any
         replica, finds the slot back in Redis."""
         kicked, self._kicked = self._kicked, []
@@ -1094,7 +1099,7 @@ class RedisStore:
                 waits.append(fut)
         if waits:
             with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(self._deadline):
+                async with asyncio.timeout(min(self._deadline, FLUSH_WAIT_S)):
                     await asyncio.gather(*waits)
 
     @property
