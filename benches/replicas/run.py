@@ -463,20 +463,22 @@ def decisions_since(reps: Any, marks: list[int], tenants: set[str]) -> dict[str,
     return out
 
 
+#: the simulator as the replicas' one backend (slots far above the load, adaptive limits off)
+SIM_BACKEND: dict[str, Any] = {
+    "name": "sim",
+    "models": [{"name": "kvgate-sim-tiny", "context_window": 1024}],
+    "max_concurrency": 1000,
+    "adaptive": {"enabled": False},
+}
+
+
 async def near_phase(args: argparse.Namespace, redis_url: str) -> NearResult:
     from tests.store.replicas import drive, run_replicas
 
     keys = {"near": "sk-near", "far": "sk-far", "one": "sk-one"}
     limits = {"near": 6, "far": 600, "one": 1}
     config = {
-        "backends": [
-            {
-                "name": "sim",
-                "models": [{"name": "kvgate-sim-tiny", "context_window": 1024}],
-                "max_concurrency": 1000,
-                "adaptive": {"enabled": False},
-            }
-        ],
+        "backends": [SIM_BACKEND],
         "tenants": [
             {
                 "name": name,

@@ -33,7 +33,9 @@ import aiohttp
 import orjson
 
 HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE.parents[1])]
+sys.path[:0] = [str(HERE), str(HERE.parent / "load"), str(HERE.parent), str(HERE.parents[1])]
+
+import run as R  # noqa: E402
 
 KEY = "sk-sequential"
 
@@ -44,14 +46,7 @@ async def measure(redis_url: str, replicas: int, clients: int, seconds: float) -
     from tests.store.replicas import run_replicas
 
     config = {
-        "backends": [
-            {
-                "name": "sim",
-                "models": [{"name": "kvgate-sim-tiny", "context_window": 1024}],
-                "max_concurrency": 1000,
-                "adaptive": {"enabled": False},
-            }
-        ],
+        "backends": [R.SIM_BACKEND],
         "tenants": [
             {
                 "name": "one",

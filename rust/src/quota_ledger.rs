@@ -736,6 +736,18 @@ impl QuotaLedger {
 mod tests {
     use super::*;
 
+    /// One scope's part taking a slot of `pool`.
+    fn slot_part(scope: u32, pool: u32) -> Part {
+        Part {
+            scope,
+            alts: vec![Alternative {
+                counts_tokens: false,
+                pools: vec![pool],
+            }],
+            buckets: vec![],
+        }
+    }
+
     fn one_scope(q: i64, avail: i64) -> (QuotaLedger, u32, u32, u32, u32) {
         let mut l = QuotaLedger::new(0.01);
         let s = l.add_scope();
@@ -877,14 +889,7 @@ mod tests {
         l.scope_mut(s).unwrap().lease_until = 10.0;
         let p = l.add_pool(s, 10).unwrap();
         l.pool_set(p, pool_field::Q, 5).unwrap();
-        let part = |pool| Part {
-            scope: s,
-            alts: vec![Alternative {
-                counts_tokens: false,
-                pools: vec![pool],
-            }],
-            buckets: vec![],
-        };
+        let part = |pool| slot_part(s, pool);
         assert_eq!(l.try_admit_key(7, 1, 0.0), Err(LedgerError::NoPlan(7)));
         l.add_plan(&[part(p)], Some(7)).unwrap();
         let h = l.try_admit_key(7, 1, 0.0).unwrap().unwrap();
@@ -910,17 +915,7 @@ mod tests {
         // half an even share of 4 slots over 3 replicas is under one slot: none kept
         assert_eq!(l.pool_headroom(small).unwrap(), 0);
         assert_eq!(l.pool_headroom(medium).unwrap(), 1);
-        let plan = |l: &mut QuotaLedger, pool| {
-            let part = Part {
-                scope: s,
-                alts: vec![Alternative {
-                    counts_tokens: false,
-                    pools: vec![pool],
-                }],
-                buckets: vec![],
-            };
-            l.add_plan(&[part], None).unwrap()
-        };
+        let plan = |l: &mut QuotaLedger, pool| l.add_plan(&[slot_part(s, pool)], None).unwrap();
         let (ps, pm) = (plan(&mut l, small), plan(&mut l, medium));
         l.pool_set(small, pool_field::Q, 1).unwrap();
         l.pool_set(medium, pool_field::Q, 3).unwrap();
@@ -949,14 +944,7 @@ mod tests {
         let mut l = QuotaLedger::new(0.01);
         let s = l.add_scope();
         l.scope_mut(s).unwrap().lease_until = 10.0;
-        let part = |pool| Part {
-            scope: s,
-            alts: vec![Alternative {
-                counts_tokens: false,
-                pools: vec![pool],
-            }],
-            buckets: vec![],
-        };
+        let part = |pool| slot_part(s, pool);
         let pools: Vec<u32> = (0..5).map(|_| l.add_pool(s, 10).unwrap()).collect();
         for &p in &pools {
             l.pool_set(p, pool_field::Q, 5).unwrap();

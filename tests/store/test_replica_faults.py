@@ -132,6 +132,16 @@ async def test_steady_state_exact_at_the_limit_and_local_below_it(
         assert sum(s["store"]["failures"]["error"] for s in states) == 0
 
 
+def official_clients(reps: Replicas, key: str) -> list[Any]:
+    """One official ``openai`` client per replica (no retries: a refusal is seen)."""
+    import openai
+
+    return [
+        openai.AsyncOpenAI(base_url=reps.base_url(i), api_key=key, max_retries=0)
+        for i in range(len(reps.urls))
+    ]
+
+
 async def test_a_client_that_waits_for_each_answer_is_never_refused_at_its_limit(
     redis_server: RedisServer,
 ) -> None:
@@ -144,10 +154,7 @@ async def test_a_client_that_waits_for_each_answer_is_never_refused_at_its_limit
 
     store = {"url": redis_server.url}
     async with run_replicas(config(store, a_conc=1)) as reps:
-        clients = [
-            openai.AsyncOpenAI(base_url=reps.base_url(i), api_key=KEY_A, max_retries=0)
-            for i in range(3)
-        ]
+        clients = official_clients(reps, KEY_A)
         refused: list[str] = []
         try:
             for n in range(240):
@@ -189,10 +196,7 @@ async def test_clients_that_wait_for_each_answer_at_a_small_limit_are_rarely_ref
 
     store = {"url": redis_server.url}
     async with run_replicas(config(store, a_conc=4)) as reps:
-        clients = [
-            openai.AsyncOpenAI(base_url=reps.base_url(i), api_key=KEY_A, max_retries=0)
-            for i in range(3)
-        ]
+        clients = official_clients(reps, KEY_A)
         refused: list[str] = []
 
         async def one_at_a_time(first: int) -> None:
