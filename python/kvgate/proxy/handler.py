@@ -729,8 +729,7 @@ async def handle_forward(gw: Gateway, request: web.BaseRequest) -> Reply:
     error_code: str | None = None
 
     async def ended() -> None:
-        tokens_in = int(result.prompt_tokens or 0) + int(result.completion_tokens)
-        await release_at_end(gw, decision, min(tokens_in, MAX_AMOUNT))
+        await release_at_end(gw, decision, _forwarded_tokens(result))
 
     result.on_end = ended
     try:
@@ -762,9 +761,7 @@ async def handle_forward(gw: Gateway, request: web.BaseRequest) -> Reply:
             trace.relay_end = time.perf_counter()
         if extras is not None:
             extras.finish(result.completion_tokens)
-        actual = 0
-        if result.outcome != "upstream_unreachable":
-            actual = min(int(result.prompt_tokens or 0) + int(result.completion_tokens), MAX_AMOUNT)
+        actual = _forwarded_tokens(result)
         if running is not None:  # held a slot; its time says nothing about generation
             gw.running.finish(
                 running, completed=False, stream=False, first_byte=None, completion_tokens=0
@@ -785,3 +782,11 @@ async def handle_forward(gw: Gateway, request: web.BaseRequest) -> Reply:
         )
         if type(reply) is PreparedResponse and gw.store.unsent:
             await gw.store.flushed()
+
+
+def _forwarded_tokens(result: RelayResult) -> int:
+    """Tokens a forwarded request is charged: the usage its answer reported (0 when the
+    engine could not be reached)."""
+    if result.outcome == "upstream_unreachable":
+        return 0
+    return min(int(result.prompt_tokens or 0) + int(result.completion_tokens), MAX_AMOUNT)
