@@ -1085,6 +1085,10 @@ class QuotaLedger:
         """A bucket's field."""
     def bucket_set(self, bucket: int, field: int, value: int) -> None:
         """Sets a bucket's field."""
+    def pool_gives_back(self, pool: int) -> bool:
+        """Whether what ``pool`` holds beyond its use goes back to Redis now rather than at the
+        next heartbeat: near its limit, or holding more than twice its headroom (the rule of
+        :meth:`release`). Raises ``ValueError`` for an unknown pool."""
     def pool_headroom(self, pool: int) -> int:
         """Units this replica keeps beyond its use in ``pool``: ``chunk_fraction`` of the limit
         ÷ live replicas, within room for two requests of the last size and half of its even

@@ -477,6 +477,25 @@ impl QuotaLedger {
         (8 * tokens).min(self.chunk_cap(b)).max(1)
     }
 
+    /// Whether what `pool` holds beyond its use goes back to Redis now (the agent's message),
+    /// not at the next heartbeat: near a limit, or holding more than twice its headroom.
+    fn gives_back_now(&self, pool: &PoolState) -> bool {
+        pool.near || pool.q - pool.in_use > 2 * self.headroom(pool)
+    }
+
+    /// Whether pool `i` gives back what it holds beyond its use now (the rule of
+    /// [`Self::release`], for the agent's own releases).
+    ///
+    /// # Errors
+    /// [`LedgerError::BadIndex`] for an unknown pool.
+    pub fn pool_gives_back(&self, i: u32) -> Result<bool, LedgerError> {
+        let pool = self
+            .pools
+            .get(i as usize)
+            .ok_or(LedgerError::BadIndex("pool", u64::from(i)))?;
+        Ok(self.gives_back_now(pool))
+    }
+
     /// Units this replica keeps beyond its use in pool `i` (see `headroom`).
     ///
     /// # Errors
@@ -684,10 +703,8 @@ impl QuotaLedger {
         for &(p, n) in &picks {
             let pool = &mut self.pools[p as usize];
             pool.in_use = (pool.in_use - n).max(0);
-            // near a limit, or holding more than twice its headroom: what it holds beyond its
-            // use goes back now (the agent's message), not at the next heartbeat
             let pool = &self.pools[p as usize];
-            if pool.near || pool.q - pool.in_use > 2 * self.headroom(pool) {
+            if self.gives_back_now(pool) {
                 self.kicks.push(pool.scope);
             }
         }
@@ -937,6 +954,13 @@ mod tests {
         l.take_kicks();
         assert!(l.release(a, 1, 1));
         assert!(l.take_kicks().is_empty(), "2 unused: kept");
+        assert!(!l.pool_gives_back(medium).unwrap());
+        l.pool_set(medium, pool_field::Q, 3).unwrap();
+        assert!(l.pool_gives_back(medium).unwrap());
+        assert!(
+            l.pool_gives_back(small).unwrap() == (l.pool_get(small, pool_field::Q).unwrap() > 0)
+        );
+        assert!(l.pool_gives_back(99).is_err());
     }
 
     #[test]

@@ -758,8 +758,7 @@ class RedisStore:
         """:meth:`release` of a hold decided in Redis or by the fallback policy."""
         for pool, n in hold.pools:
             pool.in_use = max(0, pool.in_use - n)
-            # the ledger's rule: near a limit, or holding more than twice its headroom
-            if pool.near or pool.q - pool.in_use > 2 * self._headroom(pool):
+            if self._ledger.pool_gives_back(pool._i):  # the ledger's rule, as for its holds
                 self._kick(pool.scope)
         diff = reserved - actual
         for b in hold.buckets:
