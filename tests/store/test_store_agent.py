@@ -469,3 +469,123 @@ async def test_a_release_near_a_limit_is_written_to_redis_before_flushed_returns
     finally:
         store._breaker.opened_at = None
         await store.close()
+
+
+def limited(limit: int) -> tuple[Any, Named, Named]:
+    """A core with one backend ``b`` far from its limits and one tenant ``t`` limited to
+    ``limit`` requests at once."""
+    ctl = AdmissionController(backends=1, tenants=1)
+    b = ctl.add_backend("b", max_concurrency=64, tokens_per_minute=2**40)
+    t = ctl.add_tenant("t", priority="standard", max_concurrency=limit)
+    return ctl, Named(b, "b"), Named(t, "t")
+
+
+async def test_a_message_whose_connection_closed_goes_again_and_is_applied_once(
+    redis_server: RedisServer,
+) -> None:
+    """A call whose reply was lost with its connection (Redis failed over, restarted, or
+    dropped it) goes once more on a new connection: the request is decided in Redis, not by
+    the fallback, and the second delivery, which carries the same operation id, changes
+    nothing."""
+    from redis.exceptions import ConnectionError as RedisConnectionError
+
+    from kvgate.store import StoreRefusal
+
+    ctl, backend, tenant = limited(1)
+    store = RedisStore(StoreConfig(url=redis_server.url, heartbeat_s=5.0), ctl)
+    await store.start(["b"])
+    fcall = store._client.fcall
+    lost: list[bytes] = []
+
+    async def reply_lost_once(*args: Any) -> Any:
+        reply = await fcall(*args)  # it ran on the server
+        if not lost and b'"admits"' in args[-1]:
+            lost.append(args[-1])
+            raise RedisConnectionError("Connection closed by server.")
+        return reply
+
+    store._client.fcall = reply_lost_once
+    client = redis_server.client()
+    try:
+        hold = await store.admit(backend, tenant, "standard", 1)
+        assert lost, "no admission went to Redis"
+        assert not isinstance(hold, StoreRefusal), hold
+        assert store.resent == 1
+        assert store.degraded_admissions == 0
+        assert sum(store.failures.values()) == 0
+        # applied once: Redis records one slot for this replica, and the limit holds
+        await idle_lanes(store)
+        assert int(client.hget(store._scope("t", "t").key, f"q|conc|{store.pod}") or 0) == 1
+        refused = await store.admit(backend, tenant, "standard", 1)
+        assert isinstance(refused, StoreRefusal), refused
+    finally:
+        await store.close()
+
+
+async def test_a_request_the_fallback_admits_is_counted_before_those_queued_behind_it(
+    redis_server: RedisServer,
+) -> None:
+    """Replica two's message carrying request A fails (Redis refused the write, the breaker
+    still closed) while B and C queue behind it: A is decided by the fallback (its share, one
+    slot of two), and the next message re-asserts that slot before Redis decides B and C, so
+    with replica one's slot the tenant's limit of two holds."""
+    from redis.exceptions import ResponseError
+
+    from kvgate.store import StoreRefusal
+
+    cfg = StoreConfig(url=redis_server.url, heartbeat_s=5.0, deadline_ms=5000)
+    ctl1, backend1, tenant1 = limited(2)
+    ctl2, backend2, tenant2 = limited(2)
+    one, two = RedisStore(cfg, ctl1), RedisStore(cfg, ctl2)
+    await one.start(["b"])
+    await two.start(["b"])
+    sc1 = one._scope("b", "b")
+    sc1.hb_due = True
+    one._kick(sc1)  # one hears that two replicas serve b: it keeps no headroom for t
+    await idle_lanes(one)
+    held = await one.admit(backend1, tenant1, "standard", 1)
+    assert not isinstance(held, StoreRefusal), held
+    await idle_lanes(one)
+    key = one._scope("t", "t").key
+    assert int(redis_server.client().hget(key, f"q|conc|{one.pod}") or 0) == 1
+    fcall = two._client.fcall
+    tenant_calls: list[dict[str, Any]] = []
+    in_flight, fail_now = asyncio.Event(), asyncio.Event()
+
+    async def second_message_fails(*args: Any) -> Any:
+        if ":t:" not in str(args[2]):
+            return await fcall(*args)
+        tenant_calls.append(orjson.loads(args[-1]))
+        if len(tenant_calls) == 2:  # the message carrying A
+            in_flight.set()
+            await fail_now.wait()
+            raise ResponseError("OOM command not allowed when used memory > 'maxmemory'.")
+        return await fcall(*args)
+
+    two._client.fcall = second_message_fails
+    try:
+        sc = two._scope("t", "t")
+        sc.hb_due = True
+        two._kick(sc)  # a heartbeat in flight: A queues behind it and goes in the next message
+        await asyncio.sleep(0)
+        assert sc.busy
+        a = asyncio.create_task(two.admit(backend2, tenant2, "standard", 1))
+        await asyncio.wait_for(in_flight.wait(), 10)
+        assert tenant_calls[1].get("admits"), tenant_calls
+        b = asyncio.create_task(two.admit(backend2, tenant2, "standard", 1))
+        c = asyncio.create_task(two.admit(backend2, tenant2, "standard", 1))
+        for _ in range(1000):  # B and C queue behind the message in flight (a turn or two)
+            if len(sc.admits) == 2:
+                break
+            await asyncio.sleep(0)
+        assert len(sc.admits) == 2, sc.admits
+        fail_now.set()
+        got = await asyncio.wait_for(asyncio.gather(a, b, c), 10)
+        assert not isinstance(got[0], StoreRefusal), got  # A: by the fallback, its share
+        assert two.degraded_admissions == 1
+        # the message of B and C re-asserted A's slot: Redis refused them
+        assert tenant_calls[2]["pools"]["conc"]["q"] == 1, tenant_calls[2]
+        assert all(isinstance(r, StoreRefusal) for r in got[1:]), got
+    finally:
+        await two.close()
+        await one.close()

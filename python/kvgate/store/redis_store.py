@@ -20,7 +20,8 @@ How it works (docs/replicas.md):
   restart without persistence is healed by the next message. A message older than one already
   applied changes nothing, so a late delivery of a timed-out call cannot undo a newer one; every
   message carries an operation id (Redis keeps the reply of each replica's last one, so a
-  repeated delivery gets it again and changes nothing), and the client never retries.
+  repeated delivery gets it again and changes nothing), and the client never retries blindly:
+  only a message whose connection was closed goes once more, on a new connection.
 - Unknown outcomes are counted the safe way: a grant is used only once its reply arrived;
   tokens given back are dropped before the reply; an overrun is forgotten only once charged.
 - Heartbeats every ``heartbeat_s`` renew the replica's lease in each scope where it holds
@@ -253,6 +254,11 @@ class _Admit:
     admitted: bool = False
     #: admitted from this replica's own quota and tokens, not in Redis
     local: bool = False
+    #: its message's outcome is unknown and its caller has yet to decide by the fallback
+    #: (counted in ``Scope.falling``)
+    falling: bool = False
+    #: its caller decided and went on
+    gone: bool = False
 
 
 class Scope:
@@ -266,6 +272,7 @@ class Scope:
         "busy",
         "contended",
         "epoch",
+        "falling",
         "flush",
         "hb_due",
         "key",
@@ -274,6 +281,7 @@ class Scope:
         "pools",
         "scale",
         "seq",
+        "settled",
         "shed",
         "unsent",
         "wake",
@@ -301,6 +309,10 @@ class Scope:
         #: :meth:`RedisStore.flushed`), and the futures of those waiting until one does
         self.unsent = False
         self.flush: list[asyncio.Future[None]] = []
+        #: requests whose message had an unknown outcome, not yet decided by the fallback:
+        #: the next message waits for them (:meth:`RedisStore._fallbacks_decided`)
+        self.falling = 0
+        self.settled: asyncio.Future[None] | None = None
 
     @property
     def lease_until(self) -> float:
@@ -443,6 +455,8 @@ class RedisStore:
             for kind in self.failures:  # every series from the start, at 0
                 metrics.store_failures.labels(kind)
         self.amnesia = 0
+        #: messages sent a second time after their connection was closed
+        self.resent = 0
         self.reaped = 0
         self.degraded_admissions = 0
         self._last_failure = ""
@@ -470,7 +484,8 @@ class RedisStore:
         from redis.backoff import NoBackoff
 
         opts: dict[str, Any] = {
-            # no blind retries: a timed-out call may still run on the server
+            # no blind retries: a timed-out call may still run on the server (a call whose
+            # connection was closed goes again with its operation id: RedisStore._send)
             "retry": Retry(NoBackoff(), 0),
             "socket_connect_timeout": max(self._bg_deadline, 0.5),
         }
@@ -804,6 +819,23 @@ class RedisStore:
             self._active.add(part.scope)
             waits.append(adm)
         local = self._take(local_parts, local_picks, tokens)
+        try:
+            return await self._decide(parts, tokens, waits, local)
+        finally:
+            for adm in waits:
+                adm.gone = True
+                if adm.falling:  # decided by the fallback: its scope's next message may go
+                    adm.falling = False
+                    sc = adm.scope
+                    sc.falling -= 1
+                    if not sc.falling and sc.settled is not None and not sc.settled.done():
+                        sc.settled.set_result(None)
+
+    async def _decide(
+        self, parts: list[_Part], tokens: int, waits: list[_Admit], local: StoreHold
+    ) -> Any:
+        """:meth:`admit` once the parts to decide in Redis are queued (``waits``) and the
+        others taken here (``local``)."""
         answers: list[Any] = []
         try:
             sc = waits[0].scope if len(waits) == 1 else None
@@ -1046,6 +1078,8 @@ class RedisStore:
         bounds the wait."""
         try:
             while True:
+                if sc.falling:
+                    await self._fallbacks_decided(sc)
                 sc.wake = False
                 built = self._compose(sc)
                 self._composed(sc)
@@ -1067,6 +1101,22 @@ class RedisStore:
                 sc.admits.clear()
             elif once and (sc.wake or sc.admits):
                 self._kick(sc)
+
+    async def _fallbacks_decided(self, sc: Scope) -> None:
+        """Waits until the callers of a message with an unknown outcome decided by the
+        fallback (at most ``deadline_ms``: they may wait for another scope's reply as well)
+        before ``sc``'s next message is composed, so that it re-asserts what they took.
+        Without it, a request that the fallback admits while the next message asks Redis for
+        the requests queued behind it would be counted by neither decision: one failed call,
+        with the breaker still closed, would let this replica run a request above the limit."""
+        sc.settled = asyncio.get_running_loop().create_future()
+        try:
+            async with asyncio.timeout(self._deadline):
+                await sc.settled
+        except TimeoutError:
+            pass
+        finally:
+            sc.settled = None
 
     def _composed(self, sc: Scope) -> None:
         """The message just composed for ``sc`` carries everything kicked so far: whoever
@@ -1263,11 +1313,19 @@ class RedisStore:
                 try:
                     raw = await client.fcall("kvg_sync", 3, key, key + ":live", op, payload)
                 except Exception as exc:
-                    if not _library_missing(exc):
+                    if _library_missing(exc):
+                        # Redis lost the library (restarted empty, FUNCTION FLUSH): the call
+                        # did not run, so the same message goes again once it is loaded
+                        await load_library(client, self.config.cluster)
+                    elif _connection_lost(exc):
+                        # the connection was closed (Redis restarted or failed over, or it
+                        # dropped the connection): the same message goes once more, on a new
+                        # connection, within the same deadline; had the first delivery run,
+                        # its operation id makes Redis answer with that delivery's reply and
+                        # change nothing. A timed-out call is never sent again.
+                        self.resent += 1
+                    else:
                         raise
-                    # Redis lost the library (restarted empty, FUNCTION FLUSH): the call did
-                    # not run, so the same message goes again once the library is loaded
-                    await load_library(client, self.config.cluster)
                     raw = await client.fcall("kvg_sync", 3, key, key + ":live", op, payload)
         except asyncio.CancelledError:
             # the sender went away (its client disconnected, the replica closes): the call may
@@ -1308,6 +1366,12 @@ class RedisStore:
         for adm in admits:
             if not adm.future.done():
                 adm.future.set_result(None)  # unknown outcome: the caller falls back
+            if not adm.gone and not adm.falling:
+                # the scope's next message waits until the caller decided: it then re-asserts
+                # what the fallback took, so that Redis counts it before it decides the
+                # requests queued behind
+                adm.falling = True
+                sc.falling += 1
         for name in msg["pools"]:
             pool = sc.pools.get(name)
             if pool is not None:
@@ -1628,6 +1692,7 @@ class RedisStore:
             "failures": dict(self.failures),
             "reaped_replicas": self.reaped,
             "amnesia": self.amnesia,
+            "resent": self.resent,
             "degraded_admissions": self.degraded_admissions,
             "stranded_slots": slots,
             "stranded_tokens": tokens,
@@ -1640,6 +1705,18 @@ def _short(exc: BaseException) -> str:
     command)."""
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     return text if len(text) <= 200 else text[:197] + "..."
+
+
+def _connection_lost(exc: BaseException) -> bool:
+    """Whether a call failed because its connection was closed or could not be made (redis-py's
+    ``ConnectionError``, or the OS's), not because it took too long: sending it again on a new
+    connection is safe (its operation id) and quick."""
+    from redis.exceptions import ConnectionError as RedisConnectionError
+    from redis.exceptions import TimeoutError as RedisTimeoutError
+
+    return isinstance(exc, RedisConnectionError | ConnectionError) and not isinstance(
+        exc, RedisTimeoutError
+    )
 
 
 def _library_missing(exc: BaseException) -> bool:
