@@ -27,6 +27,7 @@ import asyncio
 import contextlib
 import hashlib
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -274,10 +275,12 @@ def run(args: argparse.Namespace) -> int:
     tmp = Path(tempfile.mkdtemp(prefix="kvgate-demo-"))
     print(
         f"kvgate demo: simulator `{args.profile}` ({profile.summary}), on overflow: "
-        f"{args.on_overflow}; the same {args.seconds:.0f} s of seeded traffic twice (logs in {tmp})"
+        f"{args.on_overflow}; the same {args.seconds:.0f} s of seeded traffic twice "
+        f"(logs in {tmp}, kept only if a pass fails)"
     )
     direct = _one_pass(args, profile, tmp, gated=False)
     gated = _one_pass(args, profile, tmp, gated=True)
+    shutil.rmtree(tmp, ignore_errors=True)  # both passes completed: nothing to look into
     _print_limits(gated, profile.kv_blocks * profile.block_size)
     _report(direct, gated)
     print()

@@ -97,6 +97,10 @@ async def test_the_demo_compares_the_same_traffic_and_reports_what_it_measured(
             await proc.wait()
     out = "\n".join(lines)
     assert seen_live_view, out
+    # both passes completed: the folder of their logs is gone (kept only when a pass fails)
+    logs = re.search(r"\(logs in (\S+), kept only if a pass fails\)", out)
+    assert logs is not None, out
+    assert not await asyncio.to_thread(os.path.isdir, logs.group(1))
     assert out.index("[1/2] straight to the engine") < out.index("[2/2] through kvgate")
     data = json.loads(report.read_text())
     d, g = data["direct"], data["kvgate"]
