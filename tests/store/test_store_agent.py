@@ -589,3 +589,100 @@ async def test_a_request_the_fallback_admits_is_counted_before_those_queued_behi
     finally:
         await two.close()
         await one.close()
+
+
+async def test_a_request_sent_from_its_own_coroutine_waits_at_most_the_deadline_in_all(
+    redis_server: RedisServer,
+) -> None:
+    """Request X waits in its tenant's and its backend's scopes; the tenant's message fails
+    and the backend's is slow, so X is decided by the fallback only when the backend answers.
+    Request Z of the same tenant, whose backend part is taken locally, sends its tenant's next
+    message itself: that message waits for X's fallback first, and Z still waits no longer
+    than ``deadline_ms`` in all."""
+    from redis.exceptions import ResponseError
+
+    deadline = 0.4
+    ctl = AdmissionController(backends=2, tenants=2)
+    b1 = Named(ctl.add_backend("b1", max_concurrency=64, tokens_per_minute=2**40), "b1")
+    b2 = Named(ctl.add_backend("b2", max_concurrency=64, tokens_per_minute=2**40), "b2")
+    t = Named(ctl.add_tenant("t", priority="standard", max_concurrency=8), "t")
+    u = Named(ctl.add_tenant("u", priority="standard"), "u")  # no limit of its own
+    cfg = StoreConfig(url=redis_server.url, heartbeat_s=5.0, deadline_ms=400)
+    store = RedisStore(cfg, ctl)
+    await store.start(["b1", "b2"])
+    try:
+        # b2 holds headroom: the backend part of a request on b2 is taken here
+        holds = [await store.admit(b2, u, "standard", 1) for _ in range(4)]
+        await idle_lanes(store)
+        for h in holds:
+            store.release(h, 1, 0)
+        await idle_lanes(store)
+        burst = store._scope("b", "b2").pools["burst"]
+        assert burst.q - burst.in_use >= 1, (burst.q, burst.in_use)
+        fcall = store._client.fcall
+        tenant_calls = 0
+
+        async def faults(*args: Any) -> Any:
+            nonlocal tenant_calls
+            key = str(args[2])
+            if ":t:t}" in key:
+                tenant_calls += 1
+                if tenant_calls == 1:
+                    raise ResponseError("OOM command not allowed")  # X's tenant message
+                await asyncio.sleep(0.35)  # slow, within the deadline
+            elif ":b:b1}" in key:
+                await asyncio.sleep(0.38)  # X's backend message, slow
+            return await fcall(*args)
+
+        store._client.fcall = faults
+        loop = asyncio.get_running_loop()
+        x = asyncio.create_task(store.admit(b1, t, "standard", 1))
+        sc = store._scope("t", "t")
+        for _ in range(10_000):  # until X's tenant message failed and X awaits its fallback
+            if sc.falling:
+                break
+            await asyncio.sleep(0.001)
+        assert sc.falling == 1
+        assert not sc.busy
+        began = loop.time()
+        await store.admit(b2, t, "standard", 1)
+        waited = loop.time() - began
+        await x
+        assert waited <= deadline + 0.1, waited
+    finally:
+        await store.close()
+
+
+async def test_a_message_resent_to_a_redis_that_restarted_empty_loads_the_library_first(
+    redis_server: RedisServer,
+) -> None:
+    """The connection closed because Redis restarted without its data: the message sent again
+    meets a Redis without the Functions library, which is loaded, and the request is decided
+    in Redis."""
+    from redis.exceptions import ConnectionError as RedisConnectionError
+
+    from kvgate.store import StoreRefusal
+
+    ctl, backend, tenant = limited(1)
+    store = RedisStore(StoreConfig(url=redis_server.url, heartbeat_s=5.0), ctl)
+    await store.start(["b"])
+    fcall = store._client.fcall
+    client = redis_server.client()
+    restarted: list[bool] = []
+
+    async def restarts_empty_once(*args: Any) -> Any:
+        if not restarted and b'"admits"' in args[-1]:
+            restarted.append(True)
+            client.function_flush()
+            raise RedisConnectionError("Connection closed by server.")
+        return await fcall(*args)
+
+    store._client.fcall = restarts_empty_once
+    try:
+        hold = await store.admit(backend, tenant, "standard", 1)
+        assert restarted
+        assert not isinstance(hold, StoreRefusal), hold
+        assert (store.resent, store.degraded_admissions, sum(store.failures.values())) == (1, 0, 0)
+        assert client.function_list(library="kvgate")
+    finally:
+        await store.close()

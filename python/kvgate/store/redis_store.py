@@ -1078,14 +1078,18 @@ class RedisStore:
         bounds the wait."""
         try:
             while True:
+                spent = 0.0
                 if sc.falling:
+                    began = time.monotonic()
                     await self._fallbacks_decided(sc)
+                    # the caller's own request waits at most deadline_ms in all
+                    spent = time.monotonic() - began if once else 0.0
                 sc.wake = False
                 built = self._compose(sc)
                 self._composed(sc)
                 if built is None:
                     break
-                await self._send(sc, *built)
+                await self._send(sc, *built, spent=spent)
                 sc.contended = len(built[1]) > 1 or bool(sc.admits)
                 if once or not (sc.wake or sc.admits) or self._breaker.opened_at is not None:
                     break
@@ -1107,8 +1111,8 @@ class RedisStore:
         fallback (at most ``deadline_ms``: they may wait for another scope's reply as well)
         before ``sc``'s next message is composed, so that it re-asserts what they took.
         Without it, a request that the fallback admits while the next message asks Redis for
-        the requests queued behind it would be counted by neither decision: one failed call,
-        with the breaker still closed, would let this replica run a request above the limit."""
+        the requests queued behind it would be counted by neither decision, and the replica
+        could run one request more than either allows."""
         sc.settled = asyncio.get_running_loop().create_future()
         try:
             async with asyncio.timeout(self._deadline):
@@ -1293,11 +1297,19 @@ class RedisStore:
         return True
 
     async def _send(
-        self, sc: Scope, msg: dict[str, Any], admits: list[_Admit], debts: dict[str, int]
+        self,
+        sc: Scope,
+        msg: dict[str, Any],
+        admits: list[_Admit],
+        debts: dict[str, int],
+        spent: float = 0.0,
     ) -> None:
+        """Sends one message of ``sc`` and applies the reply (or, without one, its unknown
+        outcome); ``spent``: seconds its waiting requests already waited, taken from the
+        deadline."""
         client = self._client
         sent = time.monotonic()
-        deadline = self._deadline if admits else self._bg_deadline
+        deadline = max(0.0, (self._deadline if admits else self._bg_deadline) - spent)
         key = sc.key
         # the operation id, named as a third key in the scope's hash slot: the library of this
         # version keeps the last one's reply in the scope's hash (the key is never written),
@@ -1310,23 +1322,27 @@ class RedisStore:
         payload = orjson.dumps(msg)
         try:
             async with asyncio.timeout(deadline):
-                try:
-                    raw = await client.fcall("kvg_sync", 3, key, key + ":live", op, payload)
-                except Exception as exc:
-                    if _library_missing(exc):
-                        # Redis lost the library (restarted empty, FUNCTION FLUSH): the call
-                        # did not run, so the same message goes again once it is loaded
-                        await load_library(client, self.config.cluster)
-                    elif _connection_lost(exc):
-                        # the connection was closed (Redis restarted or failed over, or it
-                        # dropped the connection): the same message goes once more, on a new
-                        # connection, within the same deadline; had the first delivery run,
-                        # its operation id makes Redis answer with that delivery's reply and
-                        # change nothing. A timed-out call is never sent again.
-                        self.resent += 1
-                    else:
-                        raise
-                    raw = await client.fcall("kvg_sync", 3, key, key + ":live", op, payload)
+                loaded = resent = False
+                while True:
+                    try:
+                        raw = await client.fcall("kvg_sync", 3, key, key + ":live", op, payload)
+                        break
+                    except Exception as exc:
+                        if not loaded and _library_missing(exc):
+                            # Redis lost the library (restarted empty, FUNCTION FLUSH): the
+                            # call did not run, so the same message goes again once it is loaded
+                            loaded = True
+                            await load_library(client, self.config.cluster)
+                        elif not resent and _connection_lost(exc):
+                            # the connection was closed (Redis restarted or failed over, or it
+                            # dropped the connection): the same message goes once more, on a
+                            # new connection, within the same deadline; had the first delivery
+                            # run, its operation id makes Redis answer with that delivery's
+                            # reply and change nothing. A timed-out call is never sent again.
+                            resent = True
+                            self.resent += 1
+                        else:
+                            raise
         except asyncio.CancelledError:
             # the sender went away (its client disconnected, the replica closes): the call may
             # still run on the server
@@ -1711,11 +1727,14 @@ def _connection_lost(exc: BaseException) -> bool:
     """Whether a call failed because its connection was closed or could not be made (redis-py's
     ``ConnectionError``, or the OS's), not because it took too long: sending it again on a new
     connection is safe (its operation id) and quick."""
+    from redis.exceptions import AuthenticationError, MaxConnectionsError
     from redis.exceptions import ConnectionError as RedisConnectionError
     from redis.exceptions import TimeoutError as RedisTimeoutError
 
+    # redis-py's ConnectionError also covers a refused password and a full pool: a new
+    # connection would meet the same answer
     return isinstance(exc, RedisConnectionError | ConnectionError) and not isinstance(
-        exc, RedisTimeoutError
+        exc, RedisTimeoutError | AuthenticationError | MaxConnectionsError
     )
 
 
