@@ -23,7 +23,7 @@ venv: $(VENV)/.deps ## create .venv with every Python dependency
 
 .PHONY: build
 build: venv ## build the Rust extension (release) into .venv
-	$(VENV)/bin/maturin develop --release -q
+	PIP_QUIET=1 $(VENV)/bin/maturin develop --release -q  # pip, run by maturin, lists every requirement otherwise
 
 .PHONY: test-rust
 test-rust: ## cargo tests of the pure-Rust core
