@@ -473,7 +473,7 @@ def test_without_the_otel_extra_a_tracing_section_says_what_to_install(tmp_path)
     assert "pip install 'kvgate[otel]'" in done.stdout + done.stderr
 
 
-def test_tracing_cost_per_request(capsys: pytest.CaptureFixture[str]) -> None:
+def test_tracing_cost_per_request() -> None:
     """What a request pays for tracing: off, the handler's `trace is not None` checks on the
     inference path (as many as in the handler); on, a whole sampled trace (its seven spans, to
     the in-memory exporter). Printed for the report."""
@@ -522,11 +522,11 @@ def test_tracing_cost_per_request(capsys: pytest.CaptureFixture[str]) -> None:
     m = 500
     on = min(timeit.repeat(traced, number=m, repeat=3)) / m
     tracing.shutdown()
-    with capsys.disabled():
-        print(
-            f"\ntracing: off {(off - empty) * 1e9:.0f} ns per request ({checks} checks), "
-            f"on {on * 1e6:.0f} us per sampled request (7 spans, in-memory exporter)"
-        )
+    # the figures, in the report of a failure or with `pytest -s`
+    print(
+        f"\ntracing: off {(off - empty) * 1e9:.0f} ns per request ({checks} checks), "
+        f"on {on * 1e6:.0f} us per sampled request (7 spans, in-memory exporter)"
+    )
     assert off - empty < on
 
 
