@@ -498,7 +498,9 @@ class AdmissionController:
         is the free slots; reset is the backend's hold-time EWMA when no slot is free, else
         ``0s``. "Tokens" is the tenant's TPM bucket if it has one, else the backend's effective
         bucket: limit in tokens per minute, remaining the tokens available now (``0`` in debt),
-        reset the time until the bucket is full again. Resets are Go ``time.Duration`` strings
+        reset the time until the bucket is full again. Without a token limit (the tenant has no
+        TPM and its backend none below 2**40 tokens per minute, kvgate's "no limit") only the
+        three request headers are returned. Resets are Go ``time.Duration`` strings
         (:func:`go_duration`). One read of the shared state, formatted in Rust.
 
         Raises:

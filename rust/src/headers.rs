@@ -148,8 +148,21 @@ pub const RATE_LIMIT_HEADER_NAMES: [&str; 6] = [
     "x-ratelimit-reset-tokens",
 ];
 
+/// How many of the [`rate_limit_headers`] to send, in order: all six, or the three request
+/// headers when no token limit applies (`limits.tokens_limited` false: neither the tenant nor
+/// its backend has one), rather than a limit of 2^40 tokens per minute that means "none".
+#[must_use]
+pub fn rate_limit_header_count(limits: &RateLimits) -> usize {
+    if limits.tokens_limited {
+        6
+    } else {
+        3
+    }
+}
+
 /// The six `x-ratelimit-*` header values of `limits`, in [`RATE_LIMIT_HEADER_NAMES`] order:
 /// limit and remaining as decimal integers (remaining never negative), resets as Go durations.
+/// Only the first [`rate_limit_header_count`] are sent.
 #[must_use]
 pub fn rate_limit_headers(limits: &RateLimits) -> [String; 6] {
     [
@@ -179,7 +192,8 @@ pub fn retry_after_values(seconds: f64) -> (String, String) {
     (secs.to_string(), ms.to_string())
 }
 
-/// The headers of a refusal, in order: the six [`rate_limit_headers`], then `Retry-After` and
+/// The headers of a refusal, in order: the [`rate_limit_headers`] that apply
+/// ([`rate_limit_header_count`]), then `Retry-After` and
 /// `retry-after-ms` ([`retry_after_values`]) for a wait of `retry_after` seconds — or
 /// `x-should-retry: false` when it is `None` (never admissible) — then
 /// `x-kvgate-reject-reason: <reason>` and `Content-Type: application/json`.
@@ -193,7 +207,8 @@ pub fn refusal_headers(
     headers.extend(
         RATE_LIMIT_HEADER_NAMES
             .into_iter()
-            .zip(rate_limit_headers(limits)),
+            .zip(rate_limit_headers(limits))
+            .take(rate_limit_header_count(limits)),
     );
     if let Some(seconds) = retry_after {
         let (secs, ms) = retry_after_values(seconds);
@@ -637,8 +652,50 @@ mod tests {
             reset_tokens_ns: 360_000 * MS,
             tenant_requests: true,
             tenant_tokens: true,
+            tokens_limited: true,
         });
         assert_eq!(h, ["4", "0", "500ms", "1000", "0", "6m0s"]);
+    }
+
+    #[test]
+    fn without_a_token_limit_only_the_request_headers_are_sent() {
+        let limited = RateLimits {
+            limit_requests: 4,
+            remaining_requests: 3,
+            reset_requests_ns: 0,
+            limit_tokens: 1 << 40,
+            remaining_tokens: 1 << 40,
+            reset_tokens_ns: 0,
+            tenant_requests: true,
+            tenant_tokens: false,
+            tokens_limited: true,
+        };
+        assert_eq!(rate_limit_header_count(&limited), 6);
+        let none = RateLimits {
+            tokens_limited: false,
+            ..limited
+        };
+        assert_eq!(rate_limit_header_count(&none), 3);
+        let names: Vec<&str> = refusal_headers(&none, Some(1.0), "tenant-concurrency")
+            .into_iter()
+            .map(|(n, _)| n)
+            .collect();
+        assert_eq!(
+            names,
+            [
+                "x-ratelimit-limit-requests",
+                "x-ratelimit-remaining-requests",
+                "x-ratelimit-reset-requests",
+                "Retry-After",
+                "retry-after-ms",
+                "x-kvgate-reject-reason",
+                "Content-Type"
+            ]
+        );
+        assert_eq!(
+            refusal_headers(&limited, Some(1.0), "tenant-concurrency").len(),
+            10
+        );
     }
 
     #[test]
@@ -824,6 +881,7 @@ mod tests {
             reset_tokens_ns: 600 * MS,
             tenant_requests: true,
             tenant_tokens: true,
+            tokens_limited: true,
         };
         let mut l = local;
         apply_refusing_limit(&mut l, "tenant-concurrency", Some(0), Some(5 * MS));

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Iterable
 
 import aiohttp
 import openai
@@ -324,6 +325,53 @@ async def test_refusals_are_429_or_503_with_computed_headers(gateway_for) -> Non
                 assert (await r.json())["error"]["code"] == "invalid_api_key"
             async with s.post(url, json=body(5)) as r:
                 assert r.status == 401
+
+
+def token_headers(headers: Iterable[str]) -> list[str]:
+    return [h for h in headers if h.lower().startswith("x-ratelimit-") and h.endswith("-tokens")]
+
+
+async def test_without_a_token_limit_the_token_headers_are_left_out(gateway_for) -> None:
+    """A tenant without ``tokens_per_minute`` on a backend without one: no token limit applies,
+    so answers (whole and streamed) and refusals carry the three request headers and none of
+    the token headers (not kvgate's internal "no limit", 2**40 tokens per minute); a tenant
+    with a TPM of its own gets all six."""
+    tenants = [
+        {"name": "alice", "api_key_sha256": [sha(KEYS["alice"])], "tokens_per_minute": 600},
+        {"name": "bob", "api_key_sha256": [sha(KEYS["bob"])], "max_concurrency": 1},
+    ]
+    async with run_upstream() as up:
+        cfg = config_for(up.url, ["replay", "slow"], tenants=tenants, tokens_per_minute=None)
+        async with gateway_for(cfg) as gw, aiohttp.ClientSession() as s:
+            url = gw.url + "/v1/chat/completions"
+            body = {
+                "model": "replay",
+                "max_tokens": 5,
+                "messages": [{"role": "user", "content": "hi"}],
+            }
+            bob = {"Authorization": f"Bearer {KEYS['bob']}"}
+            for stream in (False, True):
+                async with s.post(url, json={**body, "stream": stream}, headers=bob) as r:
+                    assert r.status == 200
+                    await r.read()
+                    assert r.headers["x-ratelimit-limit-requests"] == "1"
+                    assert token_headers(r.headers) == [], r.headers
+            held = await s.post(
+                url, json={**body, "model": "slow", "stream": True, "max_tokens": 300}, headers=bob
+            )
+            await held.content.readline()
+            async with s.post(url, json=body, headers=bob) as r:
+                assert r.status == 429
+                assert r.headers["x-kvgate-reject-reason"] == "tenant-concurrency"
+                assert r.headers["x-ratelimit-remaining-requests"] == "0"
+                assert token_headers(r.headers) == [], r.headers
+            held.close()
+            await _until(lambda: gw.backend_state()["in_use"] == 0)
+            alice = {"Authorization": f"Bearer {KEYS['alice']}"}
+            async with s.post(url, json=body, headers=alice) as r:
+                assert r.status == 200
+                assert len(token_headers(r.headers)) == 3
+                assert r.headers["x-ratelimit-limit-tokens"] == "600"
 
 
 async def test_backend_saturation_is_503_with_retry_after(gateway_for) -> None:

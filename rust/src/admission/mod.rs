@@ -41,7 +41,7 @@ pub use config::{BackendConfig, GuaranteedBackends, TenantConfig, ALL_BACKENDS};
 pub use region::{
     BackendState, Capacity, GuarEntry, Header, ProcLedger, TenantState, MAX_NAME_LEN, MAX_PROCS,
 };
-pub use snapshot::{BackendSnapshot, RateLimits, TenantSnapshot};
+pub use snapshot::{BackendSnapshot, RateLimits, TenantSnapshot, UNLIMITED_TPM};
 
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU64, Ordering};

@@ -81,7 +81,16 @@ pub struct RateLimits {
     pub tenant_requests: bool,
     /// The token figures are the tenant's own TPM bucket (else the backend's).
     pub tenant_tokens: bool,
+    /// A token limit applies: the tenant's own TPM, or a backend TPM below
+    /// [`UNLIMITED_TPM`]. Without one the token headers are left out
+    /// ([`crate::headers::rate_limit_header_count`]).
+    pub tokens_limited: bool,
 }
+
+/// A backend token rate at or above this (tokens per minute) is no limit: the gateway
+/// registers a backend without `tokens_per_minute` with 2^40 tokens per minute, a bucket that
+/// never binds.
+pub const UNLIMITED_TPM: u64 = 1 << 40;
 
 /// A snapshot of a tenant.
 #[derive(Debug, Clone, PartialEq)]
@@ -193,6 +202,7 @@ impl Admission {
             reset_tokens_ns: full,
             tenant_requests: t_limit != UNLIMITED,
             tenant_tokens,
+            tokens_limited: tenant_tokens || b.tpm.rate() < UNLIMITED_TPM,
         })
     }
 

@@ -242,19 +242,22 @@ pub struct AdmissionController {
 }
 
 impl AdmissionController {
-    /// The six `x-ratelimit-*` headers as Python `(name, value)` tuples.
+    /// The `x-ratelimit-*` headers that apply as Python `(name, value)` tuples (six, or the
+    /// three request headers without a token limit).
     fn rate_limit_pairs<'py>(
         &self,
         py: Python<'py>,
         backend: u32,
         tenant: u32,
     ) -> PyResult<Vec<Bound<'py, PyTuple>>> {
-        let values = crate::headers::rate_limit_headers(&self.core.rate_limits(backend, tenant)?);
+        let limits = self.core.rate_limits(backend, tenant)?;
+        let values = crate::headers::rate_limit_headers(&limits);
         let names = RATE_LIMIT_NAMES.get_or_init(py, || {
             RATE_LIMIT_HEADER_NAMES.map(|n| PyString::intern(py, n).unbind())
         });
         let mut pairs = Vec::with_capacity(10);
-        for (name, value) in names.iter().zip(values) {
+        let count = crate::headers::rate_limit_header_count(&limits);
+        for (name, value) in names.iter().zip(values).take(count) {
             pairs.push(PyTuple::new(
                 py,
                 [name.bind(py).clone(), PyString::new(py, &value)],
@@ -612,10 +615,12 @@ impl AdmissionController {
         connection: Option<&str>,
         chunked: bool,
     ) -> PyResult<Bound<'py, PyBytes>> {
-        let values = crate::headers::rate_limit_headers(&self.core.rate_limits(backend, tenant)?);
+        let limits = self.core.rate_limits(backend, tenant)?;
+        let values = crate::headers::rate_limit_headers(&limits);
         let ours: Vec<(&[u8], &[u8])> = RATE_LIMIT_HEADER_NAMES
             .iter()
             .zip(values.iter())
+            .take(crate::headers::rate_limit_header_count(&limits))
             .map(|(n, v)| (n.as_bytes(), v.as_bytes()))
             .collect();
         relay_bytes(
