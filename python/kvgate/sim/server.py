@@ -374,6 +374,17 @@ class _Job:
     min_tokens: int
     user: str = ""  # the body's OpenAI ``user`` field, the key of the per-user oracle
     hashes: list[list[bytes]] = field(default_factory=list)  # per prompt, with prefix caching
+    ended: bool = False  # left the in-flight count (:func:`_end`)
+
+
+def _end(state: SimState, job: _Job) -> None:
+    """``job`` leaves the engine's in-flight count, once: when its last sequence finished,
+    before its last bytes are written (a real engine is done with a request when it produces
+    the last token, and a gateway may admit the next request as soon as it reads them), or
+    when it failed or was aborted."""
+    if not job.ended:
+        job.ended = True
+        state.engine.end_request(job.user)
 
 
 def _common(state: SimState, body: dict[str, Any], job: _Job, what: str) -> _Job:
@@ -596,13 +607,13 @@ async def _generate(request: web.Request, job: _Job) -> web.StreamResponse:
     try:
         if job.kind == "responses":
             if job.stream:
-                return await _responses_stream(request, state, seqs[0], queue, prompt_total)
+                return await _responses_stream(request, state, job, seqs[0], queue, prompt_total)
             return await _responses_collect(state, seqs[0], queue, prompt_total)
         if job.stream:
             return await _stream(request, state, job, seqs, index, queue, prompt_total)
         return await _collect(state, job, seqs, index, queue, prompt_total)
     finally:
-        engine.end_request(job.user)
+        _end(state, job)
         freed = False
         for seq in seqs:
             state.sinks.pop(seq.seq_id, None)
@@ -710,6 +721,7 @@ async def _stream(
         if ev.finish_reason is not None:
             done += 1
     assert resp is not None  # every sequence produced at least one token
+    _end(state, job)
     if usage_on:
         completion = sum(s.generated for s in seqs)
         await resp.write(_sse({**base, "choices": [], "usage": _usage(prompt_total, completion)}))
@@ -785,6 +797,7 @@ async def _responses_collect(
 async def _responses_stream(
     request: web.Request,
     state: SimState,
+    job: _Job,
     seq: Sequence,
     queue: asyncio.Queue[Event],
     prompt_total: int,
@@ -834,6 +847,7 @@ async def _responses_stream(
         await resp.write(event("response.output_text.delta", **where, delta=ev.text, logprobs=[]))
         if ev.finish_reason is not None:
             break
+    _end(state, job)
     text = "".join(texts)
     item = _message_item(mid, text, "completed")
     status = "incomplete" if ev.finish_reason == "length" else "completed"
