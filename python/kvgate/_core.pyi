@@ -18,6 +18,7 @@ __all__ = [
     "MAX_AMOUNT",
     "MAX_PROCS",
     "REASONS",
+    "UNLIMITED_TPM",
     "AdaptiveLaw",
     "AdmissionController",
     "Analysis",
@@ -51,6 +52,10 @@ MAX_AMOUNT: int
 """Largest accepted amount (2**62 tokens or slots)."""
 MAX_PROCS: int
 """Default number of processes that can attach to one shared region at a time (64)."""
+UNLIMITED_TPM: int
+"""A backend token rate (tokens per minute) at or above which there is no limit (2**40): the
+gateway gives a backend without ``tokens_per_minute`` this rate, a bucket that never binds, and
+sends no token headers for it."""
 REASONS: tuple[str, ...]
 """Every :attr:`Rejection.reason` label."""
 

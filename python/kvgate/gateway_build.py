@@ -15,6 +15,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+# A backend without ``tokens_per_minute`` in the config has no TPM limit; the core's bucket is
+# then sized so it never binds: UNLIMITED_TPM, 2**40 tokens per minute (about 18 billion per
+# second), the rate at or above which the core sends no token headers.
+from kvgate._core import UNLIMITED_TPM
 from kvgate.app import Backend, Gateway, ModelRoute, Tenant
 
 if TYPE_CHECKING:
@@ -23,10 +27,6 @@ if TYPE_CHECKING:
 __all__ = ["UNLIMITED_TPM", "apply_config", "build_controller", "build_gateway", "slot_limit"]
 
 logger = logging.getLogger("kvgate.gateway")
-
-# A backend without ``tokens_per_minute`` in the config has no TPM limit; the core's bucket is
-# then sized so it never binds (2**40 tokens per minute, about 18 billion per second).
-UNLIMITED_TPM = 2**40
 
 
 def slot_limit(b: Any, guaranteed: int, stated: int | None) -> int:

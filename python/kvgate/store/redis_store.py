@@ -51,7 +51,7 @@ from typing import Any
 
 import orjson
 
-from kvgate._core import QuotaLedger
+from kvgate._core import UNLIMITED_TPM, QuotaLedger
 from kvgate.store import StoreRefusal
 
 __all__ = ["RedisStore", "StoreHold", "load_library", "scope_key"]
@@ -63,8 +63,6 @@ LIBRARY_NAME = "kvgate"
 
 #: the pool kinds of ``kvgate.lua``
 PLAIN, SCALED, BURST, GUARANTEE = "p", "s", "b", "g"
-#: a rate at or above this is "no limit" (the gateway registers unlimited TPM as 2**40)
-UNLIMITED_RATE = 2**40
 #: field numbers of a pool and of a bucket in :class:`kvgate._core.QuotaLedger`
 _Q, _IN_USE, _P_TAKEN, _UNIT, _P_NEAR, _LIMIT, _BASE = range(7)
 _AVAIL, _B_TAKEN, _CHUNK, _B_NEAR, _BURST = range(5)
@@ -622,7 +620,7 @@ class RedisStore:
             pool = self._pool(sc, "inflight", "inflight-tokens", PLAIN, b["inflight_token_limit"])
             alts.append((True, [pool]))
         buckets = []
-        if b["tokens_per_minute"] < UNLIMITED_RATE:
+        if b["tokens_per_minute"] < UNLIMITED_TPM:
             buckets.append(
                 self._bucket(
                     sc, "tpm", "backend-tpm", b["tokens_per_minute"], b["burst_tokens"], True
@@ -1520,7 +1518,7 @@ class RedisStore:
             if bucket.scaled and sc.scale < 1:  # as kvg_sync scales them
                 rate = max(1, int(rate * sc.scale + 1e-9))
                 burst = max(1, int(burst * sc.scale + 1e-9))
-            if rate < UNLIMITED_RATE:
+            if rate < UNLIMITED_TPM:
                 reset_after = max(0, burst - remaining) * 60.0 / rate
         elif pool is not None:
             remaining = max(0, pool.limit - pool.alloc)

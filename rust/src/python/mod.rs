@@ -40,6 +40,7 @@ pub fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("SharedStateError", err_type(py, &SHARED_STATE))?;
     m.add("MAX_AMOUNT", MAX_AMOUNT)?;
     m.add("MAX_PROCS", MAX_PROCS)?;
+    m.add("UNLIMITED_TPM", crate::admission::UNLIMITED_TPM)?;
     m.add("REASONS", {
         let all = [
             Reason::TenantTpm,
