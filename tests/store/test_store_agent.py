@@ -403,9 +403,9 @@ async def test_a_release_near_a_limit_is_written_to_redis_before_flushed_returns
     redis_server: RedisServer,
 ) -> None:
     """At its limit a replica gives a released slot back to Redis at once; ``flushed`` (awaited
-    before the client sees the end of its answer) returns only once that message is written,
-    also when another message of the scope was in flight at the release, and at once while
-    Redis is away."""
+    before the client sees the end of its answer) returns only once Redis applied that
+    message, also when another message of the scope was in flight at the release, and at once
+    while Redis is away."""
     from kvgate.store import StoreRefusal
 
     cfg = StoreConfig(url=redis_server.url, heartbeat_s=5.0, deadline_ms=2000)
@@ -478,6 +478,52 @@ def limited(limit: int) -> tuple[Any, Named, Named]:
     b = ctl.add_backend("b", max_concurrency=64, tokens_per_minute=2**40)
     t = ctl.add_tenant("t", priority="standard", max_concurrency=limit)
     return ctl, Named(b, "b"), Named(t, "t")
+
+
+async def test_flushed_returns_once_redis_applied_the_slot_given_back(
+    redis_server: RedisServer,
+) -> None:
+    """``flushed`` (awaited before the client reads the end of its answer) returns once the
+    message that gives a slot back near a limit is applied in Redis, not when it is composed:
+    redis-py writes a command only after the event loop's next turn, and a busy replica may
+    write it later still (here each call waits 50 ms before it goes). The client's next
+    request, sent at once to another replica, is then admitted there. Before, ``flushed``
+    returned with the message still unwritten, and that request was refused."""
+    from kvgate.store import StoreRefusal
+
+    ctl, backend, tenant = limited(1)
+    cfg = StoreConfig(url=redis_server.url, heartbeat_s=5.0, deadline_ms=2000)
+    one = RedisStore(cfg, ctl)
+    other_ctl, other_backend, other_tenant = limited(1)
+    other = RedisStore(cfg, other_ctl)
+    await one.start(["b"])
+    await other.start(["b"])
+    fcall = one._client.fcall
+
+    async def written_late(*args: Any) -> Any:
+        await asyncio.sleep(0.05)
+        return await fcall(*args)
+
+    try:
+        for _ in range(3):
+            hold = await one.admit(backend, tenant, "standard", 1)
+            assert not isinstance(hold, StoreRefusal), hold
+            await idle_lanes(one)
+            one._client.fcall = written_late
+            one.release(hold, 1, 1)
+            assert one.unsent
+            await one.flushed()
+            one._client.fcall = fcall
+            nxt = other.try_admit(other_backend, other_tenant, "standard", 1)
+            if nxt is None:
+                nxt = await other.admit(other_backend, other_tenant, "standard", 1)
+            assert not isinstance(nxt, StoreRefusal), nxt
+            other.release(nxt, 1, 1)
+            await other.flushed()
+            await idle_lanes(other)
+    finally:
+        await one.close()
+        await other.close()
 
 
 async def test_a_message_whose_connection_closed_goes_again_and_is_applied_once(

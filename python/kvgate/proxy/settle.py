@@ -45,8 +45,8 @@ async def release_at_end(gw: Gateway, decision: Any, actual: int) -> None:
     """Release an admitted request whose answer is complete, before its last bytes go to the
     client (:attr:`kvgate.proxy.relay.RelayResult.on_end`): its reservation with the
     ``actual`` tokens it is charged, the next queued waiter woken, and — with a shared store —
-    what that gave back on its way to the other replicas (:meth:`kvgate.store.Store.flushed`,
-    at most the store's deadline). A client that sends its next request as soon as it reads
+    what that gave back in the shared store, where the other replicas see it
+    (:meth:`kvgate.store.Store.flushed`, at most the store's deadline). A client that sends its next request as soon as it reads
     the end of this one then finds the slot free on every replica. :func:`settle` runs later
     as for every request (its release is then a no-op)."""
     decision.release(actual)

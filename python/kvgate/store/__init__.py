@@ -80,8 +80,8 @@ class Store(Protocol):
         :meth:`flushed` before the client can learn that its request ended)."""
 
     async def flushed(self) -> None:
-        """Waits (briefly) until what the releases gave back is on its way to the other
-        replicas."""
+        """Waits (briefly: at most the store's deadline) until what the releases gave back is
+        in the shared store, where the other replicas' next decisions see it."""
 
     async def start(self, backends: Sequence[str] = ()) -> None:
         """Connects (called once the event loop runs); ``backends``: the configured backends'

@@ -1084,10 +1084,14 @@ class RedisStore:
                     spent = time.monotonic() - began if once else 0.0
                 sc.wake = False
                 built = self._compose(sc)
-                self._composed(sc)
+                riding = self._composed(sc)
                 if built is None:
+                    _wake_all(riding)
                     break
-                await self._send(sc, *built, spent=spent)
+                try:
+                    await self._send(sc, *built, spent=spent)
+                finally:
+                    _wake_all(riding)  # applied in Redis (or its outcome unknown)
                 sc.contended = len(built[1]) > 1 or bool(sc.admits)
                 if once or not (sc.wake or sc.admits) or self._breaker.opened_at is not None:
                     break
@@ -1096,7 +1100,7 @@ class RedisStore:
         finally:
             sc.busy = False
             if self._breaker.opened_at is not None:
-                self._composed(sc)  # nothing goes to Redis now: nobody waits for it
+                _wake_all(self._composed(sc))  # nothing goes to Redis now: nobody waits
                 for adm in sc.admits:
                     if not adm.future.done():
                         adm.future.set_result(None)
@@ -1120,24 +1124,22 @@ class RedisStore:
         finally:
             sc.settled = None
 
-    def _composed(self, sc: Scope) -> None:
-        """The message just composed for ``sc`` carries everything kicked so far: whoever
-        waits in :meth:`flushed` goes on (after this lane's send, which writes the message
-        before the lane first awaits)."""
+    def _composed(self, sc: Scope) -> list[asyncio.Future[None]]:
+        """The message just composed for ``sc`` carries everything kicked so far: returns the
+        futures of those waiting in :meth:`flushed` for it, to be woken once its reply is in
+        (:func:`_wake_all`)."""
         sc.unsent = False
-        if sc.flush:
-            for fut in sc.flush:
-                if not fut.done():
-                    fut.set_result(None)
-            sc.flush.clear()
+        riding, sc.flush = sc.flush, []
+        return riding
 
     async def flushed(self) -> None:
-        """Waits until what was given back since the last call is on its way to Redis: every
-        scope a :meth:`release` kicked meanwhile has had its next message written to the
-        connection (at most ``deadline_ms`` or :data:`FLUSH_WAIT_S`, the shorter; at once
-        while Redis is away). A request that ends near a limit calls
-        it before its last bytes reach the client, so that the client's next request, on any
-        replica, finds the slot back in Redis."""
+        """Waits until what was given back since the last call is back in Redis: every scope
+        a :meth:`release` kicked meanwhile has had its next message answered (or failed; at
+        most ``deadline_ms`` or :data:`FLUSH_WAIT_S`, the shorter; at once while Redis is
+        away). A request that ends near a limit calls it before its last bytes reach the
+        client, so that the client's next request, on any replica, finds the slot back in
+        Redis. (Waiting for the reply, not for the write: redis-py writes a command only after
+        the event loop's next turn, and a message written is not yet a message applied.)"""
         kicked, self._kicked = self._kicked, []
         if self._breaker.opened_at is not None:
             return
@@ -1712,6 +1714,13 @@ class RedisStore:
             "stranded_tokens": tokens,
             "scopes": scopes,
         }
+
+
+def _wake_all(futures: list[asyncio.Future[None]]) -> None:
+    """Wakes the callers of :meth:`RedisStore.flushed` waiting for one message."""
+    for fut in futures:
+        if not fut.done():
+            fut.set_result(None)
 
 
 def _short(exc: BaseException) -> str:
