@@ -113,7 +113,7 @@ def run(args: argparse.Namespace) -> int:
     if cfg.store is not None:
         import asyncio
 
-        from kvgate.store.redis_store import check_server
+        from kvgate.store.server import check_server
 
         problems, notes = asyncio.run(check_server(cfg.store))
         if problems:

@@ -17,7 +17,7 @@ import pytest
 import redis
 from tests.store.redis_servers import RedisServer, wait_until
 
-from kvgate.store.redis_store import LIBRARY, LIBRARY_NAME
+from kvgate.store.server import LIBRARY, LIBRARY_NAME
 
 STATE = "{kvg:b:gpu}"
 LIVE = STATE + ":live"

@@ -61,7 +61,9 @@ from tests.store.redis_servers import RedisServer
 from kvgate import AdmissionController
 from kvgate.config import StoreConfig
 from kvgate.store import StoreRefusal
-from kvgate.store.redis_store import LIBRARY, Pool, RedisStore, StoreHold
+from kvgate.store.redis_store import RedisStore
+from kvgate.store.scopes import Pool, StoreHold
+from kvgate.store.server import LIBRARY
 
 HEARTBEAT_S = 0.05
 TTL_S = 0.5

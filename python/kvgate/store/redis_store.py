@@ -45,43 +45,36 @@ import secrets
 import socket
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
-from pathlib import Path
+from dataclasses import replace
 from typing import Any
 
 import orjson
 
 from kvgate._core import UNLIMITED_TPM, QuotaLedger
 from kvgate.store import StoreRefusal
+from kvgate.store.scopes import (
+    BURST,
+    GUARANTEE,
+    PLAIN,
+    Admit,
+    Bucket,
+    Part,
+    Pool,
+    Scope,
+    StoreHold,
+    plan_key,
+    scope_key,
+)
+from kvgate.store.server import (
+    connection_lost,
+    library_missing,
+    load_library,
+    short_error,
+)
 
 __all__ = ["RedisStore", "StoreHold", "load_library", "scope_key"]
 
 logger = logging.getLogger("kvgate.store")
-
-LIBRARY = Path(__file__).with_name("kvgate.lua").read_text()
-LIBRARY_NAME = "kvgate"
-
-#: the pool kinds of ``kvgate.lua``
-PLAIN, SCALED, BURST, GUARANTEE = "p", "s", "b", "g"
-#: field numbers of a pool and of a bucket in :class:`kvgate._core.QuotaLedger`
-_Q, _IN_USE, _P_TAKEN, _UNIT, _P_NEAR, _LIMIT, _BASE = range(7)
-_AVAIL, _B_TAKEN, _CHUNK, _B_NEAR, _BURST = range(5)
-
-
-def _ledger_field(kind: str, n: int, doc: str, flag: bool = False) -> Any:
-    """A property reading and writing field ``n`` of this object's entry in the ledger
-    (``kind``: ``pool`` or ``bucket``); a ``flag`` reads as a bool."""
-    get_name, set_name = kind + "_get", kind + "_set"
-
-    def get(self: Any) -> Any:
-        value = getattr(self._l, get_name)(self._i, n)
-        return bool(value) if flag else value
-
-    def put(self: Any, value: Any) -> None:
-        getattr(self._l, set_name)(self._i, n, (1 if value else 0) if flag else int(value))
-
-    return property(get, put, doc=doc)
-
 
 #: the longest an answer's end waits for :meth:`RedisStore.flushed` (seconds; ``deadline_ms``
 #: when shorter): a scope's message in flight is answered within a few milliseconds when Redis
@@ -91,275 +84,6 @@ FLUSH_WAIT_S = 0.1
 #: seconds a scope's state surely outlives its last reply (``kvgate.lua`` keeps it 180 s + 4
 #: leases after each message): a state missing sooner was lost by Redis, not expired
 STATE_KEPT_S = 170.0
-
-
-def _plan_key(backend: int, tenant: int, sheddable: bool) -> int:
-    """The ledger's key of the request plan of ``tenant`` on ``backend`` (core ids)."""
-    return backend << 33 | tenant << 1 | sheddable
-
-
-def scope_key(prefix: str, kind: str, name: str) -> str:
-    """The hash-tagged key of a scope: ``{<prefix>:<t|b>:<name>}`` (every key of a scope hashes
-    to the same Redis Cluster slot)."""
-    return "{" + f"{prefix}:{kind}:{name}" + "}"
-
-
-async def load_library(client: Any, cluster: bool = False) -> None:
-    """Loads (or replaces) the ``kvgate`` Functions library on the server (every primary of a
-    cluster). Raises ``redis.exceptions.RedisError`` when it cannot."""
-    if cluster:
-        from redis.asyncio.cluster import RedisCluster
-
-        # "FUNCTION LOAD" as one word: redis-py's cluster client then sends it to the nodes
-        # named, whatever it learnt of the command's keys
-        await client.execute_command(
-            "FUNCTION LOAD", "REPLACE", LIBRARY, target_nodes=RedisCluster.PRIMARIES
-        )
-    else:
-        await client.function_load(LIBRARY, replace=True)
-
-
-class Pool:
-    """This replica's view of one pool of a scope (slots, or in-flight tokens).
-
-    Attributes:
-        scope: the scope it belongs to.
-        name: the pool's name in its scope (``conc``, ``burst``, ``g:<tenant>``, ``inflight``).
-        limit_name: the limit it enforces (a refusal reason).
-        kind: ``p`` plain, ``s`` scaled, ``b`` burst pool, ``g`` a tenant's guarantee.
-        base: the configured limit (slots or tokens); ``g``, ``gs``: a guarantee and the sum of
-            the guarantees on the backend (slots).
-        q: units this replica holds (its quota); ``in_use``: units its requests hold; ``rq``:
-            the quota Redis may record for it (re-asserted until a reply says 0).
-        limit, alloc: the effective limit and the sum of every replica's quota, as Redis last
-            said; ``near``: less than ``near_fraction`` of the limit is free.
-        taken: units taken since the last heartbeat (demand).
-    """
-
-    __slots__ = ("_i", "_l", "alloc", "g", "gs", "kind", "limit_name", "name", "rq", "scope")
-
-    q = _ledger_field("pool", _Q, "units this replica holds (its quota)")
-    in_use = _ledger_field("pool", _IN_USE, "units its requests hold")
-    taken = _ledger_field("pool", _P_TAKEN, "units taken since the last heartbeat (demand)")
-    unit = _ledger_field(
-        "pool", _UNIT, "units of the last request (tokens for an in-flight token budget)"
-    )
-    near = _ledger_field(
-        "pool", _P_NEAR, flag=True, doc="less than near_fraction of the limit is free"
-    )
-    limit = _ledger_field("pool", _LIMIT, "the effective limit as Redis last said")
-    base = _ledger_field("pool", _BASE, "the configured limit")
-
-    def __init__(
-        self,
-        scope: Scope,
-        name: str,
-        limit_name: str,
-        kind: str,
-        base: int,
-        g: int = 0,
-        gs: int = 0,
-    ) -> None:
-        self.scope = scope
-        self._l = scope._l
-        self._i = self._l.add_pool(scope._i, base)
-        self.name, self.limit_name, self.kind = name, limit_name, kind
-        self.g, self.gs = g, gs
-        self.alloc = self.rq = 0
-        self.limit = base if kind != GUARANTEE else g
-
-    def spec(self) -> dict[str, Any]:
-        """The pool as ``kvg_sync`` reads it."""
-        d: dict[str, Any] = {"l": self.base, "k": self.kind, "q": self.q}
-        if self.kind in (BURST, GUARANTEE):
-            d["gs"] = self.gs
-        if self.kind == GUARANTEE:
-            d["g"] = self.g
-        return d
-
-
-class Bucket:
-    """This replica's view of one token bucket of a scope.
-
-    Attributes:
-        scope: the scope it belongs to.
-        avail: pre-debited tokens this replica holds (negative: an overrun not yet charged).
-        rate, burst: tokens per minute and bucket size (tokens); ``scaled``: follows the
-            backend's adaptive scale.
-        global_avail: tokens the global bucket held at the last reply; ``near``: below
-            ``near_fraction`` of the burst.
-        taken: tokens taken since the last heartbeat (demand); ``chunk``: the grant size.
-        fallback: the replica's own bucket (its share) while Redis is away.
-    """
-
-    __slots__ = (
-        "_i",
-        "_l",
-        "fallback",
-        "global_avail",
-        "limit_name",
-        "name",
-        "rate",
-        "scaled",
-        "scope",
-    )
-
-    avail = _ledger_field(
-        "bucket", _AVAIL, "pre-debited tokens this replica holds (negative: an overrun)"
-    )
-    taken = _ledger_field("bucket", _B_TAKEN, "tokens taken since the last heartbeat (demand)")
-    chunk = _ledger_field("bucket", _CHUNK, "the grant size (tokens; 0 = not sized yet)")
-    near = _ledger_field(
-        "bucket",
-        _B_NEAR,
-        flag=True,
-        doc="the global bucket holds less than near_fraction of its burst",
-    )
-    burst = _ledger_field("bucket", _BURST, "the bucket's size (tokens)")
-
-    def __init__(
-        self, scope: Scope, name: str, limit_name: str, rate: int, burst: int, scaled: bool
-    ) -> None:
-        self.scope = scope
-        self._l = scope._l
-        self._i = self._l.add_bucket(scope._i, burst)
-        self.name, self.limit_name = name, limit_name
-        self.rate, self.scaled = rate, scaled
-        self.global_avail = burst
-        self.fallback: Any = None
-
-    def spec(self, ret: int, debt: int) -> dict[str, Any]:
-        """The bucket as ``kvg_sync`` reads it."""
-        d: dict[str, Any] = {"r": self.rate, "b": self.burst}
-        if self.scaled:
-            d["sc"] = 1
-        if ret:
-            d["ret"] = ret
-        if debt:
-            d["debt"] = debt
-        return d
-
-
-@dataclass(slots=True)
-class _Admit:
-    """A request waiting for a decision in Redis (one scope's part of it)."""
-
-    scope: Scope
-    alts: list[tuple[int, list[Pool]]]
-    buckets: list[tuple[Bucket, int]]
-    future: asyncio.Future[Any]
-    taken: list[tuple[Pool, int]] = field(default_factory=list)
-    admitted: bool = False
-    #: admitted from this replica's own quota and tokens, not in Redis
-    local: bool = False
-    #: its message's outcome is unknown and its caller has yet to decide by the fallback
-    #: (counted in ``Scope.falling``)
-    falling: bool = False
-    #: its caller decided and went on
-    gone: bool = False
-
-
-class Scope:
-    """One tenant's or one backend's limits, as this replica holds them."""
-
-    __slots__ = (
-        "_i",
-        "_l",
-        "admits",
-        "buckets",
-        "busy",
-        "contended",
-        "epoch",
-        "falling",
-        "flush",
-        "hb_due",
-        "key",
-        "kind",
-        "name",
-        "pools",
-        "scale",
-        "seq",
-        "settled",
-        "shed",
-        "unsent",
-        "wake",
-    )
-
-    def __init__(self, prefix: str, kind: str, name: str, ledger: Any) -> None:
-        self._l = ledger
-        self._i = ledger.add_scope()
-        self.kind, self.name = kind, name
-        self.key = scope_key(prefix, kind, name)
-        self.pools: dict[str, Pool] = {}
-        self.buckets: dict[str, Bucket] = {}
-        self.seq = 0
-        self.epoch: str | None = None
-        self.scale = 1.0
-        self.shed = False
-        self.busy = False
-        #: requests queued behind this scope's last message: the next decision goes through
-        #: the lane task, which sends the following message as soon as a reply is in
-        self.contended = False
-        self.wake = False
-        self.hb_due = False
-        self.admits: list[_Admit] = []
-        #: something to tell Redis that no message composed yet carries (see
-        #: :meth:`RedisStore.flushed`), and the futures of those waiting until one does
-        self.unsent = False
-        self.flush: list[asyncio.Future[None]] = []
-        #: requests whose message had an unknown outcome, not yet decided by the fallback:
-        #: the next message waits for them (:meth:`RedisStore._fallbacks_decided`)
-        self.falling = 0
-        self.settled: asyncio.Future[None] | None = None
-
-    @property
-    def lease_until(self) -> float:
-        """Until when (``time.monotonic()`` seconds) this replica may admit from its quotas."""
-        return float(self._l.scope_lease(self._i))
-
-    @lease_until.setter
-    def lease_until(self, value: float) -> None:
-        self._l.set_scope_lease(self._i, float(value))
-
-    @property
-    def live(self) -> int:
-        """Live replicas in the scope as Redis last said."""
-        return int(self._l.scope_live(self._i))
-
-    @live.setter
-    def live(self, value: int) -> None:
-        self._l.set_scope_live(self._i, int(value))
-
-    def holds(self) -> bool:
-        """Whether this replica holds anything in the scope (then it heartbeats there)."""
-        return any(p.q or p.in_use or p.rq for p in self.pools.values()) or any(
-            b.avail for b in self.buckets.values()
-        )
-
-
-@dataclass(slots=True)
-class _Part:
-    """One scope's share of a request: pool alternatives (units, pools tried in order) and
-    buckets (tokens)."""
-
-    scope: Scope
-    alts: list[tuple[bool, list[Pool]]]  # (counts tokens rather than one slot, pools)
-    buckets: list[Bucket]
-
-
-class StoreHold:
-    """What an admitted request holds in the store: units of pools and tokens of buckets
-    (``shared``: the buckets whose tokens came from this replica's own share while Redis was
-    away, not from the shared bucket)."""
-
-    __slots__ = ("buckets", "pools", "shared")
-
-    def __init__(
-        self, pools: list[tuple[Pool, int]], buckets: list[Bucket], shared: tuple[Bucket, ...] = ()
-    ) -> None:
-        self.pools = pools
-        self.buckets = buckets
-        self.shared = shared
 
 
 class _Breaker:
@@ -421,7 +145,7 @@ class RedisStore:
         self._on_effective = on_effective
         self.scopes: dict[str, Scope] = {}
         self._active: set[Scope] = set()
-        self._parts: dict[tuple[int, int, bool], list[_Part]] = {}
+        self._parts: dict[tuple[int, int, bool], list[Part]] = {}
         # the quotas, leases and holds of the local fast path (Rust); scopes by ledger index
         self._ledger = QuotaLedger(
             config.chunk_fraction, on_kick=self._kick_at, on_active=self._active_at
@@ -513,7 +237,7 @@ class RedisStore:
             logger.error(
                 "store: cannot reach Redis at start (%s); limits use their fallback "
                 "policies until it answers",
-                _short(exc),
+                short_error(exc),
             )
             self._breaker.opened_at = time.monotonic()
             self._breaker.failures = self._breaker.limit
@@ -571,7 +295,7 @@ class RedisStore:
                 sc.live = self._backend_live
         return sc
 
-    def _plan(self, backend: Any, tenant: Any, priority: str) -> list[_Part]:
+    def _plan(self, backend: Any, tenant: Any, priority: str) -> list[Part]:
         """The scopes, pools and buckets a request of ``tenant`` on ``backend`` takes from, from
         the core's base limits (cached until :meth:`reload`)."""
         sheddable = priority == "sheddable"
@@ -600,7 +324,7 @@ class RedisStore:
                         False,
                     )
                 )
-            parts.append(_Part(sc, alts, buckets))
+            parts.append(Part(sc, alts, buckets))
         b = ctl.backend_state(backend.id)
         sc = self._scope("b", backend.name)
         base, gsum = b["max_concurrency"], b["guaranteed_slots"]
@@ -626,7 +350,7 @@ class RedisStore:
                     sc, "tpm", "backend-tpm", b["tokens_per_minute"], b["burst_tokens"], True
                 )
             )
-        parts.append(_Part(sc, alts, buckets))
+        parts.append(Part(sc, alts, buckets))
         self._parts[key] = parts
         self._ledger.add_plan(
             [
@@ -637,7 +361,7 @@ class RedisStore:
                 )
                 for part in parts
             ],
-            _plan_key(backend.id, tenant.id, sheddable),
+            plan_key(backend.id, tenant.id, sheddable),
         )
         return parts
 
@@ -682,7 +406,7 @@ class RedisStore:
         """
         if self._breaker.opened_at is not None:
             return None
-        key = _plan_key(backend.id, tenant.id, priority == "sheddable")
+        key = plan_key(backend.id, tenant.id, priority == "sheddable")
         try:
             return self._ledger.try_admit_key(key, tokens, time.monotonic())
         except KeyError:  # the first request of its kind since the start or a reload
@@ -702,7 +426,7 @@ class RedisStore:
         )
 
     @staticmethod
-    def _local_picks(part: _Part, tokens: int, now: float) -> list[tuple[Pool, int]] | None:
+    def _local_picks(part: Part, tokens: int, now: float) -> list[tuple[Pool, int]] | None:
         if now >= part.scope.lease_until:
             return None
         picks: list[tuple[Pool, int]] = []
@@ -719,7 +443,7 @@ class RedisStore:
                 return None
         return picks
 
-    def _take(self, parts: list[_Part], picks: list[tuple[Pool, int]], tokens: int) -> StoreHold:
+    def _take(self, parts: list[Part], picks: list[tuple[Pool, int]], tokens: int) -> StoreHold:
         """Takes ``picks`` and ``tokens`` from every bucket of ``parts``; asks for more in the
         background where what is left falls under the low-water mark."""
         self.admissions += 1
@@ -799,9 +523,9 @@ class RedisStore:
         if self._breaker.opened_at is not None:
             return self._fallback(parts, tokens)
         now = time.monotonic()
-        local_parts: list[_Part] = []
+        local_parts: list[Part] = []
         local_picks: list[tuple[Pool, int]] = []
-        waits: list[_Admit] = []
+        waits: list[Admit] = []
         loop = asyncio.get_running_loop()
         for part in parts:
             got = self._local_picks(part, tokens, now)
@@ -810,9 +534,7 @@ class RedisStore:
                 local_picks.extend(got)
                 continue
             alts = [(tokens if t else 1, pools) for t, pools in part.alts]
-            adm = _Admit(
-                part.scope, alts, [(b, tokens) for b in part.buckets], loop.create_future()
-            )
+            adm = Admit(part.scope, alts, [(b, tokens) for b in part.buckets], loop.create_future())
             part.scope.admits.append(adm)
             self._active.add(part.scope)
             waits.append(adm)
@@ -830,7 +552,7 @@ class RedisStore:
                         sc.settled.set_result(None)
 
     async def _decide(
-        self, parts: list[_Part], tokens: int, waits: list[_Admit], local: StoreHold
+        self, parts: list[Part], tokens: int, waits: list[Admit], local: StoreHold
     ) -> Any:
         """:meth:`admit` once the parts to decide in Redis are queued (``waits``) and the
         others taken here (``local``)."""
@@ -893,7 +615,7 @@ class RedisStore:
         requests of this size, within ``chunk_fraction`` of the burst ÷ live replicas."""
         return int(self._ledger.bucket_first_chunk(b._i, tokens))
 
-    def _give_back(self, waits: list[_Admit], local: StoreHold, tokens: int) -> None:
+    def _give_back(self, waits: list[Admit], local: StoreHold, tokens: int) -> None:
         """A request that will not run: what it took goes back to this replica's quotas (and to
         Redis with their next messages); parts still waiting leave their scopes' queues."""
         self.admissions -= 1  # counted by _take, refused after all
@@ -933,7 +655,7 @@ class RedisStore:
         opened = self._breaker.opened_at
         return opened is not None and time.monotonic() - opened > self.config.max_degraded_s
 
-    def _fallback(self, parts: list[_Part], tokens: int) -> Any:
+    def _fallback(self, parts: list[Part], tokens: int) -> Any:
         """The decision without Redis, by each limit's policy: ``open`` admits, ``closed``
         refuses (``store-unavailable``), ``strict`` uses only what this replica holds,
         ``share`` its share of the limit (limit ÷ N, N the most live replicas Redis last named
@@ -942,7 +664,7 @@ class RedisStore:
         above that continues); tokens: what it holds, then (``share``) its own bucket of the
         rate and burst ÷ N."""
         picks: list[tuple[Pool, int]] = []
-        shares: list[tuple[_Part, Bucket]] = []
+        shares: list[tuple[Part, Bucket]] = []
         # N, the same for every limit of the request and on every replica: the most live
         # replicas Redis named for the request's scopes; the backend's counts every replica
         # serving it (each heartbeats there), a tenant's only those that served the tenant
@@ -1161,7 +883,7 @@ class RedisStore:
         Redis yet (no await: the request path asks before awaiting :meth:`flushed`)."""
         return bool(self._kicked)
 
-    def _compose(self, sc: Scope) -> tuple[dict[str, Any], list[_Admit], dict[str, int]] | None:
+    def _compose(self, sc: Scope) -> tuple[dict[str, Any], list[Admit], dict[str, int]] | None:
         """The next message of ``sc``: re-asserted quotas (lowered where this replica holds
         more than its headroom), returned and overrun tokens, background grants, the waiting
         admissions, the heartbeat; ``None`` when there is nothing to say."""
@@ -1269,7 +991,7 @@ class RedisStore:
             msg["admits"] = batch
         return msg, admits, debts
 
-    def _serve_locally(self, adm: _Admit) -> bool:
+    def _serve_locally(self, adm: Admit) -> bool:
         """Admits a waiting request from this replica's own quota when it has room now;
         whether it did (then its waiter is answered)."""
         if adm.future.done():
@@ -1300,7 +1022,7 @@ class RedisStore:
         self,
         sc: Scope,
         msg: dict[str, Any],
-        admits: list[_Admit],
+        admits: list[Admit],
         debts: dict[str, int],
         spent: float = 0.0,
     ) -> None:
@@ -1328,12 +1050,12 @@ class RedisStore:
                         raw = await client.fcall("kvg_sync", 3, key, key + ":live", op, payload)
                         break
                     except Exception as exc:
-                        if not loaded and _library_missing(exc):
+                        if not loaded and library_missing(exc):
                             # Redis lost the library (restarted empty, FUNCTION FLUSH): the
                             # call did not run, so the same message goes again once it is loaded
                             loaded = True
                             await load_library(client, self.config.cluster)
-                        elif not resent and _connection_lost(exc):
+                        elif not resent and connection_lost(exc):
                             # the connection was closed (Redis restarted or failed over, or it
                             # dropped the connection): the same message goes once more, on a
                             # new connection, within the same deadline; had the first delivery
@@ -1354,8 +1076,8 @@ class RedisStore:
         except Exception as exc:
             kind = "error"
             # e.g. OutOfMemoryError when Redis refuses writes (maxmemory, noeviction)
-            self._last_failure = f"{type(exc).__name__}: {_short(exc)}"
-            logger.debug("store: call to %s failed: %s", key, _short(exc))
+            self._last_failure = f"{type(exc).__name__}: {short_error(exc)}"
+            logger.debug("store: call to %s failed: %s", key, short_error(exc))
         if self._metrics is not None:
             self._metrics.store_call_seconds.observe(time.monotonic() - sent)
         if kind is None:
@@ -1375,7 +1097,7 @@ class RedisStore:
             self._closed_again()
         self._apply(sc, reply, sent, admits, debts)
 
-    def _unknown_outcome(self, sc: Scope, msg: dict[str, Any], admits: list[_Admit]) -> None:
+    def _unknown_outcome(self, sc: Scope, msg: dict[str, Any], admits: list[Admit]) -> None:
         """A message without a usable reply (failed, timed out, stale, or its sender
         cancelled): its admissions fall back, and its pools are re-asserted until a reply tells
         what Redis records."""
@@ -1403,7 +1125,7 @@ class RedisStore:
         sc: Scope,
         reply: dict[str, Any],
         sent: float,
-        admits: list[_Admit],
+        admits: list[Admit],
         debts: dict[str, int],
     ) -> None:
         """A reply: the quotas and limits as Redis holds them, grants, the decisions."""
@@ -1507,7 +1229,7 @@ class RedisStore:
             if not adm.future.done():
                 adm.future.set_result(None)
 
-    def _refusal(self, sc: Scope, adm: _Admit, why: str, retry_us: float) -> StoreRefusal:
+    def _refusal(self, sc: Scope, adm: Admit, why: str, retry_us: float) -> StoreRefusal:
         """Redis's refusal of ``adm`` by its pool or bucket ``why`` (retry in µs, -1: never),
         with what is left under that limit across the replicas as this reply said."""
         pool = next((p for _, ps in adm.alts for p in ps if p.name == why), None)
@@ -1723,105 +1445,6 @@ def _wake_all(futures: list[asyncio.Future[None]]) -> None:
             fut.set_result(None)
 
 
-def _short(exc: BaseException) -> str:
-    """An error's first line, at most 200 characters (a redis-py error may quote a whole
-    command)."""
-    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    return text if len(text) <= 200 else text[:197] + "..."
-
-
-def _connection_lost(exc: BaseException) -> bool:
-    """Whether a call failed because its connection was closed or could not be made (redis-py's
-    ``ConnectionError``, or the OS's), not because it took too long: sending it again on a new
-    connection is safe (its operation id) and quick."""
-    from redis.exceptions import AuthenticationError, MaxConnectionsError
-    from redis.exceptions import ConnectionError as RedisConnectionError
-    from redis.exceptions import TimeoutError as RedisTimeoutError
-
-    # redis-py's ConnectionError also covers a refused password and a full pool: a new
-    # connection would meet the same answer
-    return isinstance(exc, RedisConnectionError | ConnectionError) and not isinstance(
-        exc, RedisTimeoutError | AuthenticationError | MaxConnectionsError
-    )
-
-
-def _library_missing(exc: BaseException) -> bool:
-    """Whether Redis answered that the ``kvgate`` Functions library is not loaded (``ERR
-    Function not found``): the call did not run."""
-    text = str(exc).lower()
-    return "function" in text and ("not found" in text or "no such" in text)
-
-
 def _scope_of(sc: Scope) -> str:
     """The refusal scope of a limit of ``sc``: ``tenant`` (429) or ``backend`` (503)."""
     return "tenant" if sc.kind == "t" else "backend"
-
-
-async def check_server(config: Any, wait_s: float = 5.0) -> tuple[list[str], list[str]]:
-    """What ``kvgate check-config`` says of the ``store`` server: ``(problems, notes)``.
-
-    Problems (the gateway would not share its limits): the server cannot be reached within
-    ``wait_s`` seconds, is older than Redis 7.0 (no Functions), or refuses to load the
-    ``kvgate`` Functions library. Notes: the server's version, and a warning when its
-    ``maxmemory-policy`` is not ``noeviction`` (an evicted key forgets what replicas hold: limits
-    would be exceeded) or cannot be read (managed services often disable ``CONFIG``).
-    """
-    from redis.asyncio.retry import Retry
-    from redis.backoff import NoBackoff
-
-    problems: list[str] = []
-    notes: list[str] = []
-    opts: dict[str, Any] = {"retry": Retry(NoBackoff(), 0), "socket_connect_timeout": wait_s}
-    if config.cluster:
-        from redis.asyncio.cluster import RedisCluster
-
-        client: Any = RedisCluster.from_url(config.url, **opts)
-    else:
-        import redis.asyncio as aioredis
-
-        client = aioredis.Redis.from_url(config.url, **opts)
-    where = config.url.rsplit("@", 1)[-1]
-    try:
-        async with asyncio.timeout(wait_s):
-            info = await client.info("server")
-            if config.cluster:  # one answer per node: any node's is representative
-                info = (
-                    next(iter(info.values()))
-                    if isinstance(info, dict)
-                    and info
-                    and all(isinstance(v, dict) for v in info.values())
-                    else info
-                )
-            version = str(info.get("redis_version", "?"))
-            notes.append(f"store: Redis {version} at {where}")
-            major = int(version.split(".")[0]) if version[:1].isdigit() else 0
-            if major < 7:
-                problems.append(
-                    f"store.url: Redis {version} has no Functions; kvgate needs 7.0 or later"
-                )
-                return problems, notes
-            try:
-                await load_library(client, config.cluster)
-            except Exception as exc:
-                problems.append(f"store.url: cannot load kvgate's Functions library: {_short(exc)}")
-            try:
-                policy = await client.config_get("maxmemory-policy")
-                if config.cluster and policy and all(isinstance(v, dict) for v in policy.values()):
-                    policy = next(iter(policy.values()))
-                value = policy.get("maxmemory-policy")
-                if value != "noeviction":
-                    notes.append(
-                        f"warning: store: maxmemory-policy is {value!r}: set it to 'noeviction' "
-                        "(an evicted key forgets what the replicas hold and limits are exceeded)"
-                    )
-            except Exception:
-                notes.append(
-                    "warning: store: cannot read maxmemory-policy (CONFIG disabled?); make sure "
-                    "it is 'noeviction'"
-                )
-    except Exception as exc:
-        problems.append(f"store.url: cannot reach Redis at {where}: {_short(exc)}")
-    finally:
-        with contextlib.suppress(Exception):
-            await client.aclose()
-    return problems, notes

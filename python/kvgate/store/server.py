@@ -1,0 +1,141 @@
+"""The Redis (or Valkey) server behind the shared store: kvgate's Functions library
+(``kvgate.lua``) and loading it, what a failed call's error says (a closed connection, a library
+the server lost), and the checks ``kvgate check-config`` runs on the server."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "LIBRARY",
+    "LIBRARY_NAME",
+    "check_server",
+    "connection_lost",
+    "library_missing",
+    "load_library",
+    "short_error",
+]
+
+#: the Functions library every replica loads (``FUNCTION LOAD REPLACE``): ``kvg_sync`` (the one
+#: writer of a scope's state), ``kvg_leave``, ``kvg_peek``
+LIBRARY = Path(__file__).with_name("kvgate.lua").read_text()
+LIBRARY_NAME = "kvgate"
+
+
+async def load_library(client: Any, cluster: bool = False) -> None:
+    """Loads (or replaces) the ``kvgate`` Functions library on the server (every primary of a
+    cluster). Raises ``redis.exceptions.RedisError`` when it cannot."""
+    if cluster:
+        from redis.asyncio.cluster import RedisCluster
+
+        # "FUNCTION LOAD" as one word: redis-py's cluster client then sends it to the nodes
+        # named, whatever it learnt of the command's keys
+        await client.execute_command(
+            "FUNCTION LOAD", "REPLACE", LIBRARY, target_nodes=RedisCluster.PRIMARIES
+        )
+    else:
+        await client.function_load(LIBRARY, replace=True)
+
+
+def short_error(exc: BaseException) -> str:
+    """An error's first line, at most 200 characters (a redis-py error may quote a whole
+    command)."""
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return text if len(text) <= 200 else text[:197] + "..."
+
+
+def connection_lost(exc: BaseException) -> bool:
+    """Whether a call failed because its connection was closed or could not be made (redis-py's
+    ``ConnectionError``, or the OS's), not because it took too long: sending it again on a new
+    connection is safe (its operation id) and quick."""
+    from redis.exceptions import AuthenticationError, MaxConnectionsError
+    from redis.exceptions import ConnectionError as RedisConnectionError
+    from redis.exceptions import TimeoutError as RedisTimeoutError
+
+    # redis-py's ConnectionError also covers a refused password and a full pool: a new
+    # connection would meet the same answer
+    return isinstance(exc, RedisConnectionError | ConnectionError) and not isinstance(
+        exc, RedisTimeoutError | AuthenticationError | MaxConnectionsError
+    )
+
+
+def library_missing(exc: BaseException) -> bool:
+    """Whether Redis answered that the ``kvgate`` Functions library is not loaded (``ERR
+    Function not found``): the call did not run."""
+    text = str(exc).lower()
+    return "function" in text and ("not found" in text or "no such" in text)
+
+
+async def check_server(config: Any, wait_s: float = 5.0) -> tuple[list[str], list[str]]:
+    """What ``kvgate check-config`` says of the ``store`` server: ``(problems, notes)``.
+
+    Problems (the gateway would not share its limits): the server cannot be reached within
+    ``wait_s`` seconds, is older than Redis 7.0 (no Functions), or refuses to load the
+    ``kvgate`` Functions library. Notes: the server's version, and a warning when its
+    ``maxmemory-policy`` is not ``noeviction`` (an evicted key forgets what replicas hold: limits
+    would be exceeded) or cannot be read (managed services often disable ``CONFIG``).
+    """
+    from redis.asyncio.retry import Retry
+    from redis.backoff import NoBackoff
+
+    problems: list[str] = []
+    notes: list[str] = []
+    opts: dict[str, Any] = {"retry": Retry(NoBackoff(), 0), "socket_connect_timeout": wait_s}
+    if config.cluster:
+        from redis.asyncio.cluster import RedisCluster
+
+        client: Any = RedisCluster.from_url(config.url, **opts)
+    else:
+        import redis.asyncio as aioredis
+
+        client = aioredis.Redis.from_url(config.url, **opts)
+    where = config.url.rsplit("@", 1)[-1]
+    try:
+        async with asyncio.timeout(wait_s):
+            info = await client.info("server")
+            if config.cluster:  # one answer per node: any node's is representative
+                info = (
+                    next(iter(info.values()))
+                    if isinstance(info, dict)
+                    and info
+                    and all(isinstance(v, dict) for v in info.values())
+                    else info
+                )
+            version = str(info.get("redis_version", "?"))
+            notes.append(f"store: Redis {version} at {where}")
+            major = int(version.split(".")[0]) if version[:1].isdigit() else 0
+            if major < 7:
+                problems.append(
+                    f"store.url: Redis {version} has no Functions; kvgate needs 7.0 or later"
+                )
+                return problems, notes
+            try:
+                await load_library(client, config.cluster)
+            except Exception as exc:
+                problems.append(
+                    f"store.url: cannot load kvgate's Functions library: {short_error(exc)}"
+                )
+            try:
+                policy = await client.config_get("maxmemory-policy")
+                if config.cluster and policy and all(isinstance(v, dict) for v in policy.values()):
+                    policy = next(iter(policy.values()))
+                value = policy.get("maxmemory-policy")
+                if value != "noeviction":
+                    notes.append(
+                        f"warning: store: maxmemory-policy is {value!r}: set it to 'noeviction' "
+                        "(an evicted key forgets what the replicas hold and limits are exceeded)"
+                    )
+            except Exception:
+                notes.append(
+                    "warning: store: cannot read maxmemory-policy (CONFIG disabled?); make sure "
+                    "it is 'noeviction'"
+                )
+    except Exception as exc:
+        problems.append(f"store.url: cannot reach Redis at {where}: {short_error(exc)}")
+    finally:
+        with contextlib.suppress(Exception):
+            await client.aclose()
+    return problems, notes
