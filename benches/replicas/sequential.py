@@ -6,8 +6,8 @@ request at a time, each to the next of ``--replicas`` gateways (round robin), st
 whole answers in turn, for ``--seconds``. Such clients should never be refused: no more
 requests run than the limit. They are when a replica gives a slot back to Redis after the
 client has already asked the next replica, or keeps an unused slot as headroom while a request
-on another replica is refused. Prints the answers by status and the refusals per thousand
-requests.
+on another replica is refused. Prints the answers by status, the refusals per thousand
+requests and how many of them came in the run's first second.
 
 Setup: ``kvgate sim`` (tiny profile, ``--speed 20``) and the gateways on loopback through the
 tests' replica harness, a ``redis-server`` of its own.
@@ -40,9 +40,12 @@ import run as R  # noqa: E402
 KEY = "sk-sequential"
 
 
-async def measure(redis_url: str, replicas: int, clients: int, seconds: float) -> Counter[int]:
+async def measure(
+    redis_url: str, replicas: int, clients: int, seconds: float
+) -> tuple[Counter[int], int]:
     """Answers by HTTP status over ``seconds`` of ``clients`` sequential clients (the tenant's
-    ``max_concurrency``)."""
+    ``max_concurrency``), and how many of the refusals came in the first second (while the
+    replicas, started together, learn of each other)."""
     from tests.store.replicas import run_replicas
 
     config = {
@@ -58,6 +61,7 @@ async def measure(redis_url: str, replicas: int, clients: int, seconds: float) -
         "access_log": {"enabled": False},
     }
     statuses: Counter[int] = Counter()
+    early = [0]
     async with run_replicas(config, n=replicas, ready_timeout=120) as reps:
         headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
 
@@ -77,11 +81,14 @@ async def measure(redis_url: str, replicas: int, clients: int, seconds: float) -
                 ) as r:
                     await r.read()
                     statuses[r.status] += 1
+                    if r.status == 429 and time.monotonic() < began + 1.0:
+                        early[0] += 1
 
         async with aiohttp.ClientSession() as session:
-            give_up = time.monotonic() + seconds
+            began = time.monotonic()
+            give_up = began + seconds
             await asyncio.gather(*(client(c, session, give_up) for c in range(clients)))
-    return statuses
+    return statuses, early[0]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -94,13 +101,14 @@ def main(argv: list[str] | None = None) -> int:
 
     logdir = Path(tempfile.mkdtemp(prefix="sequential-"))
     with start_redis(logdir / "redis") as redis:
-        statuses = asyncio.run(measure(redis.url, args.replicas, args.clients, args.seconds))
+        statuses, early = asyncio.run(measure(redis.url, args.replicas, args.clients, args.seconds))
     total = sum(statuses.values())
     refused = statuses.get(429, 0)
     print(
         f"{args.replicas} replicas, {args.clients} clients, {total} requests: "
         + ", ".join(f"{code}: {n}" for code, n in sorted(statuses.items()))
         + f"; refused per thousand: {1000 * refused / max(1, total):.1f}"
+        + f" ({early} of them in the first second)"
     )
     return 0
 

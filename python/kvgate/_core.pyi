@@ -1135,3 +1135,11 @@ class QuotaLedger:
         """Admissions counted (by :meth:`try_admit`, and by the agent's own)."""
     @admissions.setter
     def admissions(self, value: int) -> None: ...
+    @property
+    def warming(self) -> bool:
+        """Whether the replica is warming up (its first heartbeats: it may not know yet how
+        many replicas share its limits): a pool's headroom is then ``chunk_fraction`` of the
+        limit ÷ live replicas only, without the floor of two requests, which at a small limit
+        would be half of it. Off by default."""
+    @warming.setter
+    def warming(self, on: bool) -> None: ...

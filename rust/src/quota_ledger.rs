@@ -184,6 +184,9 @@ pub struct QuotaLedger {
     holds: Vec<HoldSlot>,
     free: Vec<u32>,
     chunk_fraction: f64,
+    /// Whether the replica may not know yet how many replicas share its limits (its first
+    /// heartbeats): see [`Self::set_warming`].
+    warming: bool,
     /// Admissions taken by [`Self::try_admit`] (the agent adds its own).
     pub admissions: i64,
     kicks: Vec<u32>,
@@ -207,6 +210,7 @@ impl QuotaLedger {
             holds: Vec::new(),
             free: Vec::new(),
             chunk_fraction,
+            warming: false,
             admissions: 0,
             kicks: Vec::new(),
             activated: Vec::new(),
@@ -442,9 +446,26 @@ impl QuotaLedger {
         Ok(())
     }
 
+    /// Whether the replica is warming up: it may not know yet how many replicas share its
+    /// limits (it learns their number from its scopes' replies, within a heartbeat of their
+    /// start), so a pool's headroom is `chunk_fraction` of the limit ÷ live replicas only,
+    /// without the floor of two requests: at a small limit that floor would be half of it
+    /// while the replica counts itself alone, and the other replicas' requests would be
+    /// refused while it holds that half unused.
+    pub fn set_warming(&mut self, on: bool) {
+        self.warming = on;
+    }
+
+    /// Whether the replica is warming up (see [`Self::set_warming`]).
+    #[must_use]
+    pub fn warming(&self) -> bool {
+        self.warming
+    }
+
     /// Units a replica keeps beyond its use in `pool`: `chunk_fraction` of the limit ÷ live
-    /// replicas, within room for two requests of the last size and half of its even share,
-    /// none near the limit or when half of its even share is under one unit.
+    /// replicas, within room for two requests of the last size (not while warming up) and
+    /// half of its even share, none near the limit or when half of its even share is under
+    /// one unit.
     fn headroom(&self, pool: &PoolState) -> i64 {
         if pool.near {
             return 0;
@@ -458,10 +479,8 @@ impl QuotaLedger {
         let share = (self.chunk_fraction * limit as f64 / live as f64) as i64;
         // none when half an even share is less than one unit (a limit under twice the live
         // replicas): any headroom there would strand a large part of the limit
-        share
-            .max(2 * pool.unit)
-            .min(limit.div_euclid(2 * live))
-            .max(0)
+        let floor = if self.warming { 0 } else { 2 * pool.unit };
+        share.max(floor).min(limit.div_euclid(2 * live)).max(0)
     }
 
     /// The largest grant of a bucket (tokens): `chunk_fraction` of the burst ÷ live
@@ -916,6 +935,27 @@ mod tests {
         // a hold outlives the plans it came from
         assert!(l.release(h, 1, 1));
         assert_eq!(l.pool_get(p, pool_field::IN_USE).unwrap(), 0);
+    }
+
+    #[test]
+    fn while_warming_up_a_small_pool_keeps_no_headroom_and_a_large_one_its_fraction() {
+        let mut l = QuotaLedger::new(0.1);
+        let s = l.add_scope();
+        l.scope_mut(s).unwrap().live = 1; // the replica counts itself alone
+        let small = l.add_pool(s, 4).unwrap();
+        let large = l.add_pool(s, 100).unwrap();
+        for p in [small, large] {
+            l.pool_set(p, pool_field::UNIT, 1).unwrap();
+        }
+        // two requests' room, within half of the even share: half of the small limit
+        assert_eq!(l.pool_headroom(small).unwrap(), 2);
+        assert_eq!(l.pool_headroom(large).unwrap(), 10);
+        l.set_warming(true);
+        assert!(l.warming());
+        assert_eq!(l.pool_headroom(small).unwrap(), 0);
+        assert_eq!(l.pool_headroom(large).unwrap(), 10);
+        l.set_warming(false);
+        assert_eq!(l.pool_headroom(small).unwrap(), 2);
     }
 
     #[test]

@@ -318,6 +318,7 @@ async def test_a_replica_far_from_a_slot_limit_keeps_headroom_after_a_decision_i
     ctl, backend, tenant = core()  # 8 backend slots, 4 for the tenant: far, one replica
     store = RedisStore(cfg, ctl)
     await store.start()
+    store._ledger.warming = False  # past its first heartbeats (see the test below)
     try:
         first = await store.admit(backend, tenant, "standard", 1)
         assert not isinstance(first, StoreRefusal), first
@@ -328,6 +329,58 @@ async def test_a_replica_far_from_a_slot_limit_keeps_headroom_after_a_decision_i
         assert store.calls == calls
         store.release(first, 1, 1)
         store.release(second, 1, 1)
+    finally:
+        await store.close()
+
+
+async def test_replicas_that_start_together_keep_no_headroom_at_a_small_limit(
+    redis_server: RedisServer,
+) -> None:
+    """Three replicas start together; one serves a tenant limited to 4 requests first, while
+    it still counts itself alone. In its first heartbeats (warming up) it keeps no unused slot
+    beyond the fraction of the limit, so the other two can run the rest of the limit at once.
+    Before, it kept room for two more requests (half of the limit), and the others' requests
+    were refused until its next heartbeat."""
+    from kvgate.store import StoreRefusal
+
+    cfg = StoreConfig(url=redis_server.url, heartbeat_s=5.0)
+    made = [limited(4) for _ in range(3)]
+    stores = [RedisStore(cfg, ctl) for ctl, _, _ in made]
+    for st in stores:
+        await st.start()
+    try:
+        assert all(st.state()["warming"] for st in stores)
+        holds = []
+        for st, n in zip(stores, (1, 2, 1), strict=True):
+            _, backend, tenant = made[stores.index(st)]
+            for _ in range(n):
+                hold = st.try_admit(backend, tenant, "standard", 1)
+                if hold is None:
+                    hold = await st.admit(backend, tenant, "standard", 1)
+                assert not isinstance(hold, StoreRefusal), hold
+                holds.append((st, hold))
+            await idle_lanes(st)
+        for st, hold in holds:
+            st.release(hold, 1, 1)
+    finally:
+        for st in stores:
+            await st.close()
+
+
+async def test_warming_up_ends_after_two_heartbeats(redis_server: RedisServer) -> None:
+    """A replica warms up (no headroom floor) from its start for two heartbeats, then keeps
+    the usual headroom."""
+    ctl, _, _ = limited(4)
+    store = RedisStore(StoreConfig(url=redis_server.url, heartbeat_s=0.1), ctl)
+    assert not store.state()["warming"]  # not started: nothing to learn yet
+    await store.start()
+    try:
+        assert store.state()["warming"]
+        loop = asyncio.get_running_loop()
+        give_up = loop.time() + 10.0
+        while store.state()["warming"]:
+            assert loop.time() < give_up, "still warming up after 10 s (heartbeat 0.1 s)"
+            await asyncio.sleep(0.02)
     finally:
         await store.close()
 

@@ -304,6 +304,8 @@ async def test_a_replica_that_alone_served_a_tenant_takes_only_its_share_of_it(
         await stores(config(redis_server.url, on_failure="share", lease_ttl_s=5.0), lim, ("gpu",))
         for _ in range(3)
     ]
+    for store in made:  # past their first heartbeats (warming: no headroom floor)
+        store._ledger.warming = False
     served, *others = made
     for store in others:  # they serve another tenant on the backend: they heard of all three
         h = await admit(store, lim)

@@ -81,6 +81,11 @@ logger = logging.getLogger("kvgate.store")
 #: is healthy, and a client is not kept waiting longer for the order of two messages
 FLUSH_WAIT_S = 0.1
 
+#: heartbeats after its start during which a replica keeps no headroom floor
+#: (:attr:`kvgate._core.QuotaLedger.warming`): replicas that start together learn of each other
+#: from their backends' replies within a heartbeat
+WARM_HEARTBEATS = 2
+
 #: seconds a scope's state surely outlives its last reply (``kvgate.lua`` keeps it 180 s + 4
 #: leases after each message): a state missing sooner was lost by Redis, not expired
 STATE_KEPT_S = 170.0
@@ -166,6 +171,7 @@ class RedisStore:
         #: the most live replicas a backend's scope named (a tenant scope counts at least as
         #: many: see :meth:`_apply`)
         self._backend_live = 1
+        self._warm_until = 0.0
         self._props: dict[str, tuple[float, bool]] = {}
         self._closed = False
         self._loaded = False
@@ -229,6 +235,10 @@ class RedisStore:
         keeps trying every heartbeat."""
         if self._client is None:
             self._client = self._make_client()
+        # until its backends have answered a heartbeat or two, the replica may not know of the
+        # replicas that started with it: no headroom floor meanwhile (QuotaLedger.warming)
+        self._ledger.warming = True
+        self._warm_until = time.monotonic() + WARM_HEARTBEATS * self.config.heartbeat_s
         try:
             async with asyncio.timeout(max(2.0, self._bg_deadline)):
                 await load_library(self._client, self.config.cluster)
@@ -1303,6 +1313,8 @@ class RedisStore:
         # otherwise never call Redis again)
         probing = self._breaker.opened_at is not None
         self._kicked.clear()  # releases nobody waited for (error answers)
+        if self._ledger.warming and time.monotonic() >= self._warm_until:
+            self._ledger.warming = False
         # the most live replicas a backend's scope counts now (replicas that left lower it)
         self._backend_live = max(
             (sc.live for sc in self._active if sc.kind == "b"), default=self._backend_live
@@ -1419,6 +1431,9 @@ class RedisStore:
         return {
             "mode": "redis",
             "replica": self.pod,
+            # its first heartbeats: no headroom floor while it learns how many replicas share
+            # its limits
+            "warming": bool(self._ledger.warming),
             "breaker": "open" if self._breaker.opened_at is not None else "closed",
             # what the share policy does now: share, or after_degraded once Redis has been
             # away for over max_degraded_s

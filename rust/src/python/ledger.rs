@@ -209,6 +209,16 @@ impl PyQuotaLedger {
     fn set_admissions(&mut self, value: i64) {
         self.inner.admissions = value;
     }
+
+    #[getter]
+    fn warming(&self) -> bool {
+        self.inner.warming()
+    }
+
+    #[setter]
+    fn set_warming(&mut self, on: bool) {
+        self.inner.set_warming(on);
+    }
 }
 
 /// Adds `QuotaLedger` to the module.
