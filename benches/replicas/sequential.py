@@ -15,6 +15,11 @@ tests' replica harness, a ``redis-server`` of its own.
 Usage (from the repository root, after ``make build``; needs ``redis-server``)::
 
     .venv/bin/python benches/replicas/sequential.py [--replicas 3] [--clients 1] [--seconds 20]
+        [--stall AT FOR]
+
+``--stall AT FOR`` stops Redis FOR seconds, AT seconds into the run: the refusals that follow
+are the fallback policy's while the breaker is open, then those of a replica that has not yet
+re-asserted what it holds.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import tempfile
 import time
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import orjson
@@ -41,11 +47,17 @@ KEY = "sk-sequential"
 
 
 async def measure(
-    redis_url: str, replicas: int, clients: int, seconds: float
+    redis: Any,
+    replicas: int,
+    clients: int,
+    seconds: float,
+    stall: tuple[float, float] | None = None,
 ) -> tuple[Counter[int], int]:
     """Answers by HTTP status over ``seconds`` of ``clients`` sequential clients (the tenant's
     ``max_concurrency``), and how many of the refusals came in the first second (while the
-    replicas, started together, learn of each other)."""
+    replicas, started together, learn of each other). ``stall``: (when, how long) in seconds,
+    Redis stopped (SIGSTOP) that long at that moment of the run."""
+    redis_url = redis.url
     from tests.store.replicas import run_replicas
 
     config = {
@@ -84,10 +96,21 @@ async def measure(
                     if r.status == 429 and time.monotonic() < began + 1.0:
                         early[0] += 1
 
+        async def stalled(at: float, length: float) -> None:
+            await asyncio.sleep(at)
+            redis.pause()
+            try:
+                await asyncio.sleep(length)
+            finally:
+                redis.resume()
+
         async with aiohttp.ClientSession() as session:
             began = time.monotonic()
             give_up = began + seconds
-            await asyncio.gather(*(client(c, session, give_up) for c in range(clients)))
+            runs = [client(c, session, give_up) for c in range(clients)]
+            if stall is not None:
+                runs.append(stalled(*stall))
+            await asyncio.gather(*runs)
     return statuses, early[0]
 
 
@@ -96,12 +119,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--replicas", type=int, default=3, help="gateways on one Redis (default 3)")
     p.add_argument("--clients", type=int, default=1, help="clients = max_concurrency (1)")
     p.add_argument("--seconds", type=float, default=20.0, help="seconds of requests (20)")
+    p.add_argument(
+        "--stall",
+        type=float,
+        nargs=2,
+        metavar=("AT", "FOR"),
+        help="stop Redis (SIGSTOP) AT seconds into the run, FOR seconds",
+    )
     args = p.parse_args(argv)
     from tests.store.redis_servers import start_redis
 
     logdir = Path(tempfile.mkdtemp(prefix="sequential-"))
     with start_redis(logdir / "redis") as redis:
-        statuses, early = asyncio.run(measure(redis.url, args.replicas, args.clients, args.seconds))
+        stall = (args.stall[0], args.stall[1]) if args.stall else None
+        statuses, early = asyncio.run(
+            measure(redis, args.replicas, args.clients, args.seconds, stall)
+        )
     total = sum(statuses.values())
     refused = statuses.get(429, 0)
     print(

@@ -475,6 +475,39 @@ async def test_a_timed_out_admit_that_ran_late_is_given_back(
     assert all(int(v) == 0 for k, v in fields.items() if k.startswith("alloc|")), fields
 
 
+async def test_the_breaker_closes_soon_after_a_stall_not_at_the_next_heartbeat(
+    stores: Any, redis_server: RedisServer
+) -> None:
+    """Redis stalls (SIGSTOP) long enough to open the breaker, then answers again: the replica
+    probes it 100 ms after the breaker opened, then twice as late each time, so the fallback
+    ends within a few hundred milliseconds of Redis answering, not at the next heartbeat (5 s
+    here; before, only the heartbeat probed)."""
+    lim = limits(max_concurrency=10, tokens_per_minute=2**40)
+    cfg = config(
+        redis_server.url,
+        heartbeat_s=5.0,
+        lease_ttl_s=20.0,
+        deadline_ms=50,
+        background_deadline_ms=50,
+        breaker_failures=1,
+    )
+    store = await stores(cfg, lim)
+    running = await admit(store, lim)
+    assert isinstance(running, HOLDS)
+    await wait_for(lambda: not any(sc.busy for sc in store.scopes.values()), 5.0, "lanes idle")
+    redis_server.pause()
+    try:
+        store.tick()  # a heartbeat: its calls time out, the breaker opens
+        await wait_for(lambda: store.state()["breaker"] == "open", 5.0, "the breaker open")
+        await asyncio.sleep(0.3)
+    finally:
+        redis_server.resume()
+    resumed = time.monotonic()
+    await wait_for(lambda: store.state()["breaker"] == "closed", 10.0, "the breaker closed")
+    assert time.monotonic() - resumed < 2.5, "closed by the heartbeat, not by an early probe"
+    store.release(running, 1, 1)
+
+
 async def test_refunds_of_degraded_admissions_do_not_fill_the_shared_bucket(
     stores: Any, redis_server: RedisServer
 ) -> None:

@@ -32,7 +32,8 @@ How it works (docs/replicas.md):
   effective scale is the lowest live proposal, shedding is on when any live replica sheds.
 - Redis slow or down: no request waits past ``deadline_ms``; after ``breaker_failures``
   consecutive failures the breaker opens and each limit falls back by its policy (``share``,
-  ``strict``, ``open``, ``closed``); a probe every heartbeat closes it again.
+  ``strict``, ``open``, ``closed``); a probe closes it again (the first soon after it opened,
+  then every heartbeat), and every active scope then re-asserts what the replica holds.
 """
 
 from __future__ import annotations
@@ -80,6 +81,10 @@ logger = logging.getLogger("kvgate.store")
 #: when shorter): a scope's message in flight is answered within a few milliseconds when Redis
 #: is healthy, and a client is not kept waiting longer for the order of two messages
 FLUSH_WAIT_S = 0.1
+
+#: the first probe after the breaker opens (seconds); each next one comes twice as late, until
+#: the heartbeat's own probes (every ``heartbeat_s``) take over
+FIRST_PROBE_S = 0.1
 
 #: heartbeats after its start during which a replica keeps no headroom floor
 #: (:attr:`kvgate._core.QuotaLedger.warming`): replicas that start together learn of each other
@@ -774,8 +779,31 @@ class RedisStore:
         )
         if self._metrics is not None:
             self._metrics.store_breaker.set(1)
+        if not self._closed:
+            task = asyncio.get_running_loop().create_task(self._probe_soon())
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _probe_soon(self) -> None:
+        """Probes Redis sooner than the next heartbeat once the breaker opened: one active
+        scope's heartbeat :data:`FIRST_PROBE_S` later, then twice as late each time, until
+        the heartbeat's own probes take over. A stall of a few hundred milliseconds then ends
+        the fallback about that long after Redis answers again, not up to a heartbeat later."""
+        delay = FIRST_PROBE_S
+        while delay < self.config.heartbeat_s and not self._closed:
+            await asyncio.sleep(delay)
+            if self._breaker.opened_at is None:
+                return
+            sc = next((s for s in self._active if not s.busy), None)
+            if sc is not None:
+                sc.hb_due = True
+                self._kick(sc)
+            delay *= 2
 
     def _closed_again(self) -> None:
+        """Redis answered again: every active scope re-asserts what this replica holds now
+        (what the fallback admitted; not what admissions that ran in Redis after their
+        deadline left there) with a message at once, not at its next heartbeat."""
         logger.warning("store: Redis reachable again; limits are shared again")
         self._share_ended = False
         if self._metrics is not None:
@@ -783,6 +811,9 @@ class RedisStore:
         for sc in self.scopes.values():
             for b in sc.buckets.values():
                 b.fallback = None
+        for sc in list(self._active):
+            sc.hb_due = True
+            self._kick(sc)
 
     # ---- the lanes: one message in flight per scope -------------------------------------------
     def _kick(self, sc: Scope) -> None:
