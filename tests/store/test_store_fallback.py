@@ -508,6 +508,40 @@ async def test_the_breaker_closes_soon_after_a_stall_not_at_the_next_heartbeat(
     store.release(running, 1, 1)
 
 
+async def test_every_active_scope_reasserts_when_the_breaker_closes(
+    stores: Any, redis_server: RedisServer
+) -> None:
+    """The probe that closes the breaker is one scope's heartbeat; the replica's other active
+    scopes then send a message at once (re-asserting what it holds: what the fallback admitted,
+    not what admits that ran late in Redis left there), not at their next heartbeat."""
+    lim = limits(max_concurrency=10, tokens_per_minute=2**40)
+    t2 = lim.controller.add_tenant("gamma", priority="standard", max_concurrency=9)
+    tenant = Limits(lim.controller, lim.backend, Ref(t2, "gamma"))
+    cfg = config(redis_server.url, heartbeat_s=5.0, lease_ttl_s=20.0, breaker_failures=1)
+    store = await stores(cfg, lim)
+    running = await admit(store, tenant)
+    assert isinstance(running, HOLDS)
+    await wait_for(lambda: not any(sc.busy for sc in store.scopes.values()), 5.0, "lanes idle")
+    assert {"bgpu", "tgamma"} <= {k for k, sc in store.scopes.items() if sc in store._active}
+    sent: list[str] = []
+    fcall = store._client.fcall
+
+    async def recording(*args: Any) -> Any:
+        sent.append(args[2])  # the scope's key
+        return await fcall(*args)
+
+    store._client.fcall = recording
+    store._breaker.opened_at, store._breaker.failures = time.monotonic(), 1  # Redis was away
+    probe = store.scopes["bgpu"]
+    probe.hb_due = True
+    store._kick(probe)
+    await wait_for(lambda: store.state()["breaker"] == "closed", 5.0, "the breaker closed")
+    await wait_for(
+        lambda: store.scopes["tgamma"].key in sent, 2.0, "the tenant's scope re-asserted"
+    )
+    store.release(running, 1, 1)
+
+
 async def test_refunds_of_degraded_admissions_do_not_fill_the_shared_bucket(
     stores: Any, redis_server: RedisServer
 ) -> None:
