@@ -10,11 +10,12 @@ How it works (docs/replicas.md):
 - Each replica (one gateway process) holds *quotas*: units of each pool and pre-debited tokens
   of each bucket. An admission that fits in what the replica holds is decided here, without
   Redis (:meth:`RedisStore.try_admit`, in the Rust core: :class:`kvgate._core.QuotaLedger`
-  holds the quotas, the leases and what the requests took; the objects below are views of it);
-  below a low-water mark the replica asks for more in the background. Near a limit (less than ``near_fraction`` of it free) the replica gives back what
-  it holds beyond its use and every admission is decided in Redis, atomically, coalesced with
-  the other requests of the same scope waiting at that moment: the decision at the boundary is
-  exact.
+  holds the quotas, the leases and what the requests took; the objects of
+  :mod:`kvgate.store.scopes` are views of it); below a low-water mark the replica asks for
+  more in the background. Near a limit (less than ``near_fraction`` of it free) the replica
+  gives back what it holds beyond its use and every admission is decided in Redis,
+  atomically, coalesced with the other requests of the same scope waiting at that moment: the
+  decision at the boundary is exact.
 - Every message re-asserts the replica's quotas (``q := what I hold``) with a sequence number:
   lowering a quota is how units go back; a lost write, a call that timed out, or a Redis
   restart without persistence is healed by the next message. A message older than one already
