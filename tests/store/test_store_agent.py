@@ -172,7 +172,11 @@ async def test_a_lost_scope_settles_but_one_that_expired_idle_does_not(
     from kvgate.store import StoreRefusal
 
     ctl, backend, tenant = core()
-    cfg = StoreConfig(url=redis_server.url, heartbeat_s=1.0, background_deadline_ms=2000)
+    # generous deadlines: a reply later than 25 ms (a loaded machine) would be a fallback
+    # decision, not the settling refusal this test is about
+    cfg = StoreConfig(
+        url=redis_server.url, heartbeat_s=1.0, deadline_ms=2000, background_deadline_ms=2000
+    )
     st = RedisStore(cfg, ctl)
     await st.start()
     try:
@@ -314,7 +318,7 @@ async def test_a_replica_far_from_a_slot_limit_keeps_headroom_after_a_decision_i
     Redis until the next heartbeat)."""
     from kvgate.store import StoreRefusal
 
-    cfg = StoreConfig(url=redis_server.url, heartbeat_s=5.0)
+    cfg = StoreConfig(url=redis_server.url, heartbeat_s=5.0, deadline_ms=2000)
     ctl, backend, tenant = core()  # 8 backend slots, 4 for the tenant: far, one replica
     store = RedisStore(cfg, ctl)
     await store.start()
@@ -343,7 +347,8 @@ async def test_replicas_that_start_together_keep_no_headroom_at_a_small_limit(
     were refused until its next heartbeat."""
     from kvgate.store import StoreRefusal
 
-    cfg = StoreConfig(url=redis_server.url, heartbeat_s=5.0)
+    # a generous deadline: a late reply would be decided by the fallback (a share of 1 each)
+    cfg = StoreConfig(url=redis_server.url, heartbeat_s=5.0, deadline_ms=2000)
     made = [limited(4) for _ in range(3)]
     stores = [RedisStore(cfg, ctl) for ctl, _, _ in made]
     for st in stores:
