@@ -46,7 +46,7 @@ import os
 import secrets
 import socket
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -781,9 +781,13 @@ class RedisStore:
         if self._metrics is not None:
             self._metrics.store_breaker.set(1)
         if not self._closed:
-            task = asyncio.get_running_loop().create_task(self._probe_soon())
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            self._spawn(self._probe_soon())
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        """Runs ``coro`` as a task of this store, kept referenced until it ends."""
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def _probe_soon(self) -> None:
         """Probes Redis sooner than the next heartbeat once the breaker opened: one active
@@ -829,9 +833,7 @@ class RedisStore:
         if self._breaker.opened_at is not None and not sc.hb_due:
             return
         sc.busy = True
-        task = asyncio.get_running_loop().create_task(self._lane(sc))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._spawn(self._lane(sc))
 
     async def _lane(self, sc: Scope, once: bool = False) -> None:
         """Sends ``sc``'s messages, one in flight, while there is something to say (``sc.busy``
@@ -1381,9 +1383,7 @@ class RedisStore:
                 sc.hb_due = True
                 self._kick(sc)
         if not self._loaded and self._client is not None:
-            task = asyncio.get_running_loop().create_task(self._load_again())
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            self._spawn(self._load_again())
 
     async def _load_again(self) -> None:
         with contextlib.suppress(Exception):
