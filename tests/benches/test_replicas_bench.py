@@ -135,6 +135,7 @@ def results() -> tuple[object, object, object, object]:
             window("local ×3", 3, 990.0, 405.0, None),
             window("redis ×1", 1, 960.0, 410.0, 10),
             window("redis ×3", 3, 900.0, 420.0, 20),
+            window(rb.ONE_OF_3, 1, 940.0, 415.0, 8),
         ]
     ]
     near = rb.NearResult(
@@ -172,15 +173,23 @@ def results() -> tuple[object, object, object, object]:
 
 def test_summary_and_verdicts() -> None:
     s = rb.summarize(*results())
+    assert s["ratio_per_replica"] == pytest.approx(0.94)
+    assert s["cpu_ratio_per_replica"] == pytest.approx(400.0 / 416.0)
     assert s["ratio_3_vs_1"] == pytest.approx(0.9)
     assert s["cpu_ratio_3_vs_1"] == pytest.approx(400.0 / 421.0)
     assert s["calls_per_admission"] == pytest.approx(20 / 1800)
     assert s["added_p50"] == pytest.approx(0.0012 - 0.0001)
     assert s["kill_full_s"] == 3.1
     rows = {r[0]: r for r in rb.target_rows(s)}
-    thr = next(r for k, r in rows.items() if k.startswith("throughput (median req/s)"))
-    assert (thr[1], thr[3]) == ("90.0%", "**not met**")
-    cpu = next(r for k, r in rows.items() if k.startswith("the same from CPU"))
+    # per replica: the driven one of three on Redis against the local one, each alone on a core
+    thr = next(r for k, r in rows.items() if k.startswith("throughput per replica"))
+    assert (thr[1], thr[3]) == ("94.0%", "**not met**")
+    cpu = next(r for k, r in rows.items() if k.startswith("the same from CPU per request (µs"))
+    assert (cpu[1], cpu[3]) == ("96.2%", "met")
+    # per core: the three sharing one core against the local one
+    core = next(r for k, r in rows.items() if k.startswith("throughput per core"))
+    assert (core[1], core[3]) == ("90.0%", "**not met**")
+    cpu = next(r for k, r in rows.items() if k.startswith("the same from CPU per request on"))
     assert (cpu[1], cpu[3]) == ("95.0%", "met")
     calls = next(r for k, r in rows.items() if k.startswith("Redis calls per admission"))
     assert (calls[1], calls[3]) == ("0.0111", "met")
@@ -200,14 +209,15 @@ def test_summary_and_verdicts() -> None:
     assert (kill[1], kill[3]) == ("3.10 s", "met")
     micro = [r for k, r in rows.items() if k.startswith("store try_admit")]
     assert micro[0][1:] == ("2.00×", "≤ 1.10×", "**not met**")
-    assert [r[3] for r in micro[1:]] == ["", ""]  # the controls carry no verdict
+    assert micro[1][1:] == ("3.00×", "≤ 1.10×", "**not met**")  # in turn
+    assert micro[2][3] == ""  # the control (10 of them used) carries no verdict
 
 
 def test_a_window_with_refusals_invalidates_the_throughput_verdict() -> None:
     rounds = results()[0]
     rounds[0][3].non_2xx = 5  # a replica refused: its answers are no throughput
     rows = rb.target_rows(rb.summarize(rounds, None, None, None))
-    assert [r[3] for r in rows[:2]] == ["**invalid**: 1 windows with errors"] * 2
+    assert [r[3] for r in rows[:4]] == ["**invalid**: 1 windows with errors"] * 4
 
 
 def test_render_and_write_section(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -215,6 +225,7 @@ def test_render_and_write_section(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     assert text.startswith(rb.SECTION + "\n\n`make bench-replicas` (`benches/replicas/run.py`)")
     assert "| local ×1 | 1,000 | 1,000 | 400 |" in text
     assert "| redis ×3 | 900 | 300 | 421 |" in text
+    assert f"| {rb.ONE_OF_3} | 940 | 940 | 416 |" in text
     assert "| 1 | 429 | 2.90 s | 3.10 s | 100 | 4 | 4 / reaped | 2 |" in text
     assert "150 µs per call (20 calls)" in text
     assert "3 store calls passed `deadline_ms` (25 ms) and 2 admissions" in text
@@ -276,3 +287,16 @@ def test_the_sequential_client_bench_runs_and_counts_every_answer(
     assert total >= 10, out
     assert ok >= 10, out
     assert "refused per thousand: " in out
+
+
+def test_throughput_per_replica_pairs_the_windows_of_each_round() -> None:
+    # the machine ran twice as fast in round 2: each round's own ratio (1.1, then 0.9) counts,
+    # not the ratio of the medians (1,450 ÷ 1,500)
+    rounds = results()[0]
+    fast = [window(w.setup, w.replicas, w.rps * 2, w.gateway_cpu_us / 2, w.store_calls)
+            for w in rounds[0]]  # fmt: skip
+    by = {w.setup: w for w in rounds[0]} | {"fast " + w.setup: w for w in fast}
+    by[rb.ONE_OF_3].rps, by["fast " + rb.ONE_OF_3].rps = 1100.0, 1800.0
+    s = rb.summarize([rounds[0], fast], None, None, None)
+    assert s["ratio_per_replica"] == pytest.approx(1.0)
+    assert s["rps"][rb.ONE_OF_3] / s["rps"]["local ×1"] == pytest.approx(1450 / 1500)
