@@ -1228,8 +1228,8 @@ def reading(s: dict[str, Any]) -> str:
         )
         rps = s["rps"]
         out.append(
-            "Per replica (each driven alone on the core) the Redis store cost "
-            f"{s['ratio_per_replica']:.1%} of the local store's throughput; per core, three "
+            "Per replica (each driven alone on the core) a replica on Redis answered "
+            f"{s['ratio_per_replica']:.1%} of what the local one did; per core, three "
             "processes sharing one core cost more than one whatever their store (local ×3 ÷ "
             f"local ×1: {rps['local ×3'] / rps['local ×1']:.1%}), and the per-core ratio "
             "carries that co-location as well as the store."

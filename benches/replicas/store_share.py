@@ -34,15 +34,18 @@ from pathlib import Path
 import run  # benches/replicas/run.py: the gateways' configuration, wrk, Server
 from run_load import Server, free_port, run_wrk, tree_cpu_seconds
 
-#: turns cProfile on at SIGUSR1 and off at SIGUSR2 (dumping to argv[1]), then runs kvgate
+#: turns a new cProfile on at SIGUSR1 and off at SIGUSR2 (dumping to argv[1]), then runs kvgate
 WRAPPER = """
 import cProfile, runpy, signal, sys
 out = sys.argv.pop(1)
-prof = cProfile.Profile()
-signal.signal(signal.SIGUSR1, lambda *_: prof.enable())
+prof = [cProfile.Profile()]
+def _start(*_):
+    prof[0] = cProfile.Profile()  # a new one each time: a profile's statistics add up
+    prof[0].enable()
 def _dump(*_):
-    prof.disable()
-    prof.dump_stats(out)
+    prof[0].disable()
+    prof[0].dump_stats(out)
+signal.signal(signal.SIGUSR1, _start)
 signal.signal(signal.SIGUSR2, _dump)
 sys.argv[0] = "kvgate"
 runpy.run_module("kvgate", run_name="__main__")
