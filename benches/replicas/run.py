@@ -1062,47 +1062,32 @@ def target_rows(s: dict[str, Any]) -> list[tuple[str, str, str, str]]:
     rows: list[tuple[str, str, str, str]] = []
     if "ratio_3_vs_1" in s:
         bad = s["bad_windows"]
-        r = s["ratio_per_replica"]
-        rows.append(
+        judged = (
             (
                 "throughput per replica (median over the rounds of req/s ÷ req/s): one of 3 "
                 "live replicas on Redis ÷ one replica on the local store, each driven alone on "
                 "the server core, back to back",
-                f"{r:.1%}",
-                "≥ 95 %",
-                f"**invalid**: {bad} windows with errors" if bad else met(r >= 0.95),
-            )
-        )
-        c = s["cpu_ratio_per_replica"]
-        rows.append(
+                s["ratio_per_replica"],
+            ),
             (
                 "the same from CPU per request (µs/request of the local replica ÷ the replica's "
                 "+ Redis's, median over the rounds)",
-                f"{c:.1%}",
-                "≥ 95 %",
-                f"**invalid**: {bad} windows with errors" if bad else met(c >= 0.95),
-            )
-        )
-        r = s["ratio_3_vs_1"]
-        rows.append(
+                s["cpu_ratio_per_replica"],
+            ),
             (
                 "throughput per core (median req/s): 3 replicas on Redis sharing the server "
                 "core ÷ 1 on the local store",
-                f"{r:.1%}",
-                "≥ 95 %",
-                f"**invalid**: {bad} windows with errors" if bad else met(r >= 0.95),
-            )
-        )
-        c = s["cpu_ratio_3_vs_1"]
-        rows.append(
+                s["ratio_3_vs_1"],
+            ),
             (
                 "the same from CPU per request on the server core (1 ÷ median µs/request, "
                 "gateways + Redis)",
-                f"{c:.1%}",
-                "≥ 95 %",
-                f"**invalid**: {bad} windows with errors" if bad else met(c >= 0.95),
-            )
+                s["cpu_ratio_3_vs_1"],
+            ),
         )
+        for what, r in judged:
+            verdict = f"**invalid**: {bad} windows with errors" if bad else met(r >= 0.95)
+            rows.append((what, f"{r:.1%}", "≥ 95 %", verdict))
         rows.append(
             (
                 "3 on Redis ÷ 3 on the local store (the same processes), req/s / CPU",
