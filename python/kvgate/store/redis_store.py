@@ -801,8 +801,7 @@ class RedisStore:
                 return
             sc = next((s for s in self._active if not s.busy), None)
             if sc is not None:
-                sc.hb_due = True
-                self._kick(sc)
+                self._beat(sc)
             delay *= 2
 
     def _closed_again(self) -> None:
@@ -817,10 +816,15 @@ class RedisStore:
             for b in sc.buckets.values():
                 b.fallback = None
         for sc in list(self._active):
-            sc.hb_due = True
-            self._kick(sc)
+            self._beat(sc)
 
     # ---- the lanes: one message in flight per scope -------------------------------------------
+    def _beat(self, sc: Scope) -> None:
+        """A heartbeat of ``sc`` now: a message that renews this replica's lease and re-asserts
+        what it holds there, sent even while the breaker is open (it is then the probe)."""
+        sc.hb_due = True
+        self._kick(sc)
+
     def _kick(self, sc: Scope) -> None:
         """Something to tell Redis about ``sc``: send now, or right after the message in
         flight (whatever accumulated meanwhile goes in one message: coalescing)."""
@@ -1374,14 +1378,12 @@ class RedisStore:
                 self._active.discard(sc)
                 self._ledger.set_active(sc._i, False)  # the next admission re-activates it
                 continue
-            sc.hb_due = True
-            self._kick(sc)
+            self._beat(sc)
         for name in self._props:  # backends this replica proposes a scale for
             sc = self._scope("b", name)
             if sc not in self._active:
                 self._active.add(sc)
-                sc.hb_due = True
-                self._kick(sc)
+                self._beat(sc)
         if not self._loaded and self._client is not None:
             self._spawn(self._load_again())
 
