@@ -73,11 +73,12 @@ async def measure(
         "access_log": {"enabled": False},
     }
     statuses: Counter[int] = Counter()
-    early = [0]
+    early = 0  # refusals in the run's first second
     async with run_replicas(config, n=replicas, ready_timeout=120) as reps:
         headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
 
         async def client(first: int, session: aiohttp.ClientSession, give_up: float) -> None:
+            nonlocal early
             urls = itertools.islice(itertools.cycle(reps.urls), first, None)
             n = first
             while time.monotonic() < give_up:
@@ -94,7 +95,7 @@ async def measure(
                     await r.read()
                     statuses[r.status] += 1
                     if r.status == 429 and time.monotonic() < began + 1.0:
-                        early[0] += 1
+                        early += 1
 
         async def stalled(at: float, length: float) -> None:
             await asyncio.sleep(at)
@@ -111,7 +112,7 @@ async def measure(
             if stall is not None:
                 runs.append(stalled(*stall))
             await asyncio.gather(*runs)
-    return statuses, early[0]
+    return statuses, early
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -26,6 +26,7 @@ as the server takes to answer ``PING`` (tens of milliseconds).
 
 from __future__ import annotations
 
+import asyncio
 import atexit
 import contextlib
 import os
@@ -92,6 +93,19 @@ def wait_until(pred: Callable[[], bool], timeout: float, what: str, interval: fl
         if time.monotonic() > deadline:
             raise TimeoutError(f"{what}: not within {timeout} s")
         time.sleep(interval)
+
+
+async def wait_for(pred: Callable[[], bool], timeout: float, what: str) -> None:
+    """:func:`wait_until` for a test on the event loop: polls ``pred`` every 10 ms (the loop
+    runs meanwhile) until true.
+
+    Raises:
+        AssertionError: still false after ``timeout`` seconds.
+    """
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, f"{what}: not within {timeout} s"
+        await asyncio.sleep(0.01)
 
 
 def info(client: redis.Redis, section: str) -> dict[str, str]:

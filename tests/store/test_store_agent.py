@@ -9,7 +9,7 @@ from typing import Any
 
 import orjson
 import pytest
-from tests.store.redis_servers import RedisServer
+from tests.store.redis_servers import RedisServer, wait_for
 
 from kvgate import AdmissionController
 from kvgate.__main__ import main
@@ -381,11 +381,9 @@ async def test_warming_up_ends_after_two_heartbeats(redis_server: RedisServer) -
     await store.start()
     try:
         assert store.state()["warming"]
-        loop = asyncio.get_running_loop()
-        give_up = loop.time() + 10.0
-        while store.state()["warming"]:
-            assert loop.time() < give_up, "still warming up after 10 s (heartbeat 0.1 s)"
-            await asyncio.sleep(0.02)
+        await wait_for(
+            lambda: not store.state()["warming"], 10.0, "warming up ended (heartbeat 0.1 s)"
+        )
     finally:
         await store.close()
 

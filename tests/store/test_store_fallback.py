@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
-from tests.store.redis_servers import RedisServer, free_port
+from tests.store.redis_servers import RedisServer, free_port, wait_for
 
 from kvgate import AdmissionController
 from kvgate.config import StoreConfig
@@ -74,18 +74,6 @@ def config(url: str, **kw: Any) -> StoreConfig:
     }
     opts.update(kw)
     return StoreConfig(url=url, **opts)
-
-
-async def wait_for(pred: Callable[[], bool], timeout: float, what: str) -> None:
-    """Polls ``pred`` every 10 ms (the event loop runs meanwhile) until true.
-
-    Raises:
-        AssertionError: still false after ``timeout`` seconds.
-    """
-    deadline = time.monotonic() + timeout
-    while not pred():
-        assert time.monotonic() < deadline, f"{what}: not within {timeout} s"
-        await asyncio.sleep(0.01)
 
 
 @pytest.fixture
