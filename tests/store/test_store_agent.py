@@ -471,13 +471,13 @@ async def test_a_release_near_a_limit_is_written_to_redis_before_flushed_returns
     store = RedisStore(cfg, ctl)
     await store.start()
     sent: list[dict[str, Any]] = []
-    fcall = store._client.fcall
+    fcall = store._wire.fcall
 
     async def recording(*args: Any) -> Any:
         sent.append(orjson.loads(args[-1]))
         return await fcall(*args)
 
-    store._client.fcall = recording
+    store._wire.fcall = recording
 
     client = redis_server.client()
 
@@ -554,7 +554,7 @@ async def test_flushed_returns_once_redis_applied_the_slot_given_back(
     other = RedisStore(cfg, other_ctl)
     await one.start(["b"])
     await other.start(["b"])
-    fcall = one._client.fcall
+    fcall = one._wire.fcall
 
     async def written_late(*args: Any) -> Any:
         await asyncio.sleep(0.05)
@@ -565,11 +565,11 @@ async def test_flushed_returns_once_redis_applied_the_slot_given_back(
             hold = await one.admit(backend, tenant, "standard", 1)
             assert not isinstance(hold, StoreRefusal), hold
             await idle_lanes(one)
-            one._client.fcall = written_late
+            one._wire.fcall = written_late
             one.release(hold, 1, 1)
             assert one.unsent
             await one.flushed()
-            one._client.fcall = fcall
+            one._wire.fcall = fcall
             nxt = other.try_admit(other_backend, other_tenant, "standard", 1)
             if nxt is None:
                 nxt = await other.admit(other_backend, other_tenant, "standard", 1)
@@ -596,7 +596,7 @@ async def test_a_message_whose_connection_closed_goes_again_and_is_applied_once(
     ctl, backend, tenant = limited(1)
     store = RedisStore(StoreConfig(url=redis_server.url, heartbeat_s=5.0), ctl)
     await store.start(["b"])
-    fcall = store._client.fcall
+    fcall = store._wire.fcall
     lost: list[bytes] = []
 
     async def reply_lost_once(*args: Any) -> Any:
@@ -606,7 +606,7 @@ async def test_a_message_whose_connection_closed_goes_again_and_is_applied_once(
             raise RedisConnectionError("Connection closed by server.")
         return reply
 
-    store._client.fcall = reply_lost_once
+    store._wire.fcall = reply_lost_once
     client = redis_server.client()
     try:
         hold = await store.admit(backend, tenant, "standard", 1)
@@ -650,7 +650,7 @@ async def test_a_request_the_fallback_admits_is_counted_before_those_queued_behi
     await idle_lanes(one)
     key = one._scope("t", "t").key
     assert int(redis_server.client().hget(key, f"q|conc|{one.pod}") or 0) == 1
-    fcall = two._client.fcall
+    fcall = two._wire.fcall
     tenant_calls: list[dict[str, Any]] = []
     in_flight, fail_now = asyncio.Event(), asyncio.Event()
 
@@ -664,7 +664,7 @@ async def test_a_request_the_fallback_admits_is_counted_before_those_queued_behi
             raise ResponseError("OOM command not allowed when used memory > 'maxmemory'.")
         return await fcall(*args)
 
-    two._client.fcall = second_message_fails
+    two._wire.fcall = second_message_fails
     try:
         sc = two._scope("t", "t")
         sc.hb_due = True
@@ -721,7 +721,7 @@ async def test_a_request_sent_from_its_own_coroutine_waits_at_most_the_deadline_
         await idle_lanes(store)
         burst = store._scope("b", "b2").pools["burst"]
         assert burst.q - burst.in_use >= 1, (burst.q, burst.in_use)
-        fcall = store._client.fcall
+        fcall = store._wire.fcall
         tenant_calls = 0
 
         async def faults(*args: Any) -> Any:
@@ -736,7 +736,7 @@ async def test_a_request_sent_from_its_own_coroutine_waits_at_most_the_deadline_
                 await asyncio.sleep(0.38)  # X's backend message, slow
             return await fcall(*args)
 
-        store._client.fcall = faults
+        store._wire.fcall = faults
         loop = asyncio.get_running_loop()
         x = asyncio.create_task(store.admit(b1, t, "standard", 1))
         sc = store._scope("t", "t")
@@ -768,7 +768,7 @@ async def test_a_message_resent_to_a_redis_that_restarted_empty_loads_the_librar
     ctl, backend, tenant = limited(1)
     store = RedisStore(StoreConfig(url=redis_server.url, heartbeat_s=5.0), ctl)
     await store.start(["b"])
-    fcall = store._client.fcall
+    fcall = store._wire.fcall
     client = redis_server.client()
     restarted: list[bool] = []
 
@@ -779,7 +779,7 @@ async def test_a_message_resent_to_a_redis_that_restarted_empty_loads_the_librar
             raise RedisConnectionError("Connection closed by server.")
         return await fcall(*args)
 
-    store._client.fcall = restarts_empty_once
+    store._wire.fcall = restarts_empty_once
     try:
         hold = await store.admit(backend, tenant, "standard", 1)
         assert restarted

@@ -512,13 +512,13 @@ async def test_every_active_scope_reasserts_when_the_breaker_closes(
     await wait_for(lambda: not any(sc.busy for sc in store.scopes.values()), 5.0, "lanes idle")
     assert {"bgpu", "tgamma"} <= {k for k, sc in store.scopes.items() if sc in store._active}
     sent: list[str] = []
-    fcall = store._client.fcall
+    fcall = store._wire.fcall
 
     async def recording(*args: Any) -> Any:
         sent.append(args[2])  # the scope's key
         return await fcall(*args)
 
-    store._client.fcall = recording
+    store._wire.fcall = recording
     store._breaker.opened_at, store._breaker.failures = time.monotonic(), 1  # Redis was away
     probe = store.scopes["bgpu"]
     probe.hb_due = True

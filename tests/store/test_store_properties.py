@@ -660,6 +660,7 @@ class StoreMachine(RuleBasedStateMachine):
             for rep in self.replicas:
                 if rep.crashed:
                     with contextlib.suppress(Exception):
+                        await rep.store._wire.aclose()
                         await rep.store._client.aclose()
                 else:
                     await rep.store.close()

@@ -73,6 +73,7 @@ from kvgate.store.server import (
     load_library,
     short_error,
 )
+from kvgate.store.wire import Wire, wire_for
 
 __all__ = ["RedisStore", "StoreHold", "load_library", "scope_key"]
 
@@ -152,6 +153,9 @@ class RedisStore:
         self.prefix = config.key_prefix
         self.pod = f"{socket.gethostname()[:24]}-{os.getpid()}-{secrets.token_hex(3)}"
         self._client = client
+        #: what the Functions calls go on: a :class:`~kvgate.store.wire.Wire` to a single
+        #: server, else the redis-py client (a cluster, TLS, or ``client`` given)
+        self._wire: Any = None
         self._metrics = metrics
         self._on_effective = on_effective
         self.scopes: dict[str, Scope] = {}
@@ -241,6 +245,14 @@ class RedisStore:
         keeps trying every heartbeat."""
         if self._client is None:
             self._client = self._make_client()
+            if wire_for(self.config.url, self.config.cluster):
+                self._wire = Wire(
+                    self.config.url,
+                    connect_timeout_s=max(self._bg_deadline, 0.5),
+                    stall_s=max(1.0, 2 * self._bg_deadline),
+                )
+        if self._wire is None:
+            self._wire = self._client
         # until its backends have answered a heartbeat or two, the replica may not know of the
         # replicas that started with it: no headroom floor meanwhile (QuotaLedger.warming)
         self._ledger.warming = True
@@ -296,8 +308,10 @@ class RedisStore:
             async with asyncio.timeout(max(1.0, self._bg_deadline)):
                 for sc in self.scopes.values():
                     if sc.epoch is not None:
-                        await self._client.fcall("kvg_leave", 2, sc.key, sc.key + ":live", self.pod)
+                        await self._wire.fcall("kvg_leave", 2, sc.key, sc.key + ":live", self.pod)
         with contextlib.suppress(Exception):
+            if self._wire is not self._client:
+                await self._wire.aclose()
             await self._client.aclose()
 
     # ---- request plans ----------------------------------------------------------------------
@@ -908,8 +922,9 @@ class RedisStore:
         most ``deadline_ms`` or :data:`FLUSH_WAIT_S`, the shorter; at once while Redis is
         away). A request that ends near a limit calls it before its last bytes reach the
         client, so that the client's next request, on any replica, finds the slot back in
-        Redis. (Waiting for the reply, not for the write: redis-py writes a command only after
-        the event loop's next turn, and a message written is not yet a message applied.)"""
+        Redis. (Waiting for the reply, not for the write: a message written is not yet a
+        message applied, and redis-py, used on a cluster, writes a command only after the
+        event loop's next turn.)"""
         kicked, self._kicked = self._kicked, []
         if self._breaker.opened_at is not None:
             return
@@ -1077,7 +1092,7 @@ class RedisStore:
         """Sends one message of ``sc`` and applies the reply (or, without one, its unknown
         outcome); ``spent``: seconds its waiting requests already waited, taken from the
         deadline."""
-        client = self._client
+        client = self._wire
         sent = time.monotonic()
         deadline = max(0.0, (self._deadline if admits else self._bg_deadline) - spent)
         key = sc.key
@@ -1102,7 +1117,7 @@ class RedisStore:
                             # Redis lost the library (restarted empty, FUNCTION FLUSH): the
                             # call did not run, so the same message goes again once it is loaded
                             loaded = True
-                            await load_library(client, self.config.cluster)
+                            await load_library(self._client, self.config.cluster)
                         elif not resent and connection_lost(exc):
                             # the connection was closed (Redis restarted or failed over, or it
                             # dropped the connection): the same message goes once more, on a

@@ -1,0 +1,236 @@
+"""The connection a replica's store messages travel on: one TCP (or Unix) connection to one
+Redis server, commands encoded and replies parsed by ``hiredis`` (the parser redis-py itself
+uses), driven by an :class:`asyncio.Protocol`.
+
+Why not redis-py's client for these calls: a near-limit admission waits for its ``FCALL``, so
+every microsecond between the request and the reply is added to that request's latency.
+redis-py's asyncio client turns the event loop once before it writes a command and once
+after the reply is read, and runs a long path of pool, retry and observability code around
+each call; at the pace of near-limit decisions (a few ms apart, CPUs idle in between) a
+``PING`` took it 343-447 µs at p50 here against 104-139 µs on this connection (2,000 of each,
+taking turns, on the same event loop: see ``docs/replicas.md``). Here a command is written to
+the socket in the caller's own step, and its reply wakes the caller from the protocol's
+``data_received``.
+
+What stays with redis-py: everything else (loading the Functions library, ``check-config``,
+the admin reads), and the Functions calls themselves on a Redis Cluster (its slot map and
+redirections) or over TLS (``rediss://``): :func:`wire_for` says which.
+
+Replies are matched to calls in order (Redis answers a connection's commands in the order
+they were sent), so a call whose caller gave up (its deadline passed, its client went away)
+keeps its place: its reply, when it comes, is dropped, and the connection stays in use. A
+connection whose oldest unanswered call is older than ``stall_s`` is closed before the next
+call and a new one opened (a server that stopped answering on it, a half-open connection).
+Errors are redis-py's exception classes, so that callers handle both connections alike: a
+reply error as redis-py maps it (``ResponseError``, ``OutOfMemoryError``, ...), a closed or
+refused connection as ``redis.exceptions.ConnectionError``, a refused password as
+``AuthenticationError``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import time
+from typing import Any, cast
+from urllib.parse import urlsplit
+
+import hiredis
+from redis._parsers.base import BaseParser
+from redis.asyncio.connection import parse_url
+from redis.exceptions import AuthenticationError, ResponseError
+from redis.exceptions import ConnectionError as RedisConnectionError
+
+__all__ = ["Wire", "wire_for"]
+
+
+def wire_for(url: str, cluster: bool) -> bool:
+    """Whether the store's Functions calls to ``url`` go on a :class:`Wire`: a single server
+    reached by ``redis://`` or ``unix://``. A Redis Cluster (``cluster: true``) and TLS
+    (``rediss://``) keep redis-py's client."""
+    return not cluster and urlsplit(url).scheme in ("redis", "unix")
+
+
+def _pack(*parts: Any) -> bytes:
+    """One command in RESP (hiredis's encoder: a bulk string per part)."""
+    return hiredis.pack_command(parts)
+
+
+class _Protocol(asyncio.Protocol):
+    """One connection: writes encoded commands, parses replies, wakes each call's future in
+    the order the calls were written."""
+
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self.reader = hiredis.Reader()
+        #: (monotonic time written, future) of each call not yet answered, oldest first
+        self.pending: collections.deque[tuple[float, asyncio.Future[Any]]] = collections.deque()
+        self.closed = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # (uvloop's transports are not registered as asyncio.Transport subclasses)
+        self.transport = cast(asyncio.Transport, transport)
+
+    def data_received(self, data: bytes) -> None:
+        self.reader.feed(data)
+        while True:
+            try:
+                reply = self.reader.gets()
+            except hiredis.ProtocolError as exc:  # not RESP: nothing more on it can be trusted
+                self.close(RedisConnectionError(f"Protocol error from Redis: {exc}"))
+                return
+            if reply is False:
+                return
+            if not self.pending:  # a reply to no call (a misbehaving server or proxy)
+                self.close(RedisConnectionError("Redis answered a command never sent"))
+                return
+            _, fut = self.pending.popleft()
+            if fut.done():  # its caller gave up: the reply is dropped
+                continue
+            if isinstance(reply, hiredis.ReplyError):
+                fut.set_exception(BaseParser.parse_error(str(reply)))
+            else:
+                fut.set_result(reply)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        error = RedisConnectionError(
+            f"Connection closed by server: {exc}" if exc else "Connection closed by server."
+        )
+        while self.pending:
+            _, fut = self.pending.popleft()
+            if not fut.done():
+                fut.set_exception(error)
+
+    def call(self, packed: bytes) -> asyncio.Future[Any]:
+        """Writes one encoded command now; the future gets its reply."""
+        if self.closed or self.transport is None or self.transport.is_closing():
+            raise RedisConnectionError("Connection closed.")
+        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self.pending.append((time.monotonic(), fut))
+        self.transport.write(packed)
+        return fut
+
+    def close(self, error: Exception | None = None) -> None:
+        """Closes the connection; unanswered calls fail with ``error`` (a closed connection
+        by default)."""
+        if error is not None:
+            while self.pending:
+                _, fut = self.pending.popleft()
+                if not fut.done():
+                    fut.set_exception(error)
+        self.closed = True
+        if self.transport is not None:
+            self.transport.close()
+
+
+class Wire:
+    """A lazily (re)connected connection to one Redis server for the store's ``FCALL`` s.
+
+    Args:
+        url: ``redis://[[user]:password@]host[:port][/db]`` or ``unix://path[?db=n]`` (the
+            forms redis-py parses; see :func:`wire_for`).
+        connect_timeout_s: the most a connection (with ``AUTH`` and ``SELECT``) may take,
+            seconds; a call that needs a new connection waits at most that long for it.
+        stall_s: a connection whose oldest unanswered call was written longer ago than this
+            (seconds) is replaced before the next call.
+    """
+
+    def __init__(self, url: str, connect_timeout_s: float, stall_s: float) -> None:
+        self.url = url
+        self._opts: dict[str, Any] = dict(parse_url(url))
+        self._connect_timeout = connect_timeout_s
+        self._stall = stall_s
+        self._proto: _Protocol | None = None
+        self._connecting: asyncio.Task[_Protocol] | None = None
+        #: connections opened so far (the first included)
+        self.connects = 0
+
+    async def fcall(self, function: str, numkeys: int, *keys_and_args: Any) -> Any:
+        """``FCALL function numkeys key... arg...``: the function's reply (``bytes`` for a
+        bulk string, as redis-py without ``decode_responses``). Raises as :meth:`command`."""
+        return await self.command("FCALL", function, numkeys, *keys_and_args)
+
+    async def command(self, *parts: Any) -> Any:
+        """Any command (``str``, ``bytes``, ``int`` or ``float`` parts): its reply.
+
+        Raises:
+            redis.exceptions.ResponseError: Redis answered with an error (a subclass as
+                redis-py maps it: e.g. ``OutOfMemoryError``, ``AuthenticationError`` for
+                ``NOAUTH``).
+            redis.exceptions.ConnectionError: no connection could be made, or it closed
+                before the reply (the command may or may not have run).
+        """
+        packed = _pack(*parts)
+        proto = self._proto
+        if proto is None or proto.closed or self._stalled(proto):
+            proto = await self._connected()
+        return await proto.call(packed)
+
+    def _stalled(self, proto: _Protocol) -> bool:
+        if proto.pending and time.monotonic() - proto.pending[0][0] > self._stall:
+            proto.close(RedisConnectionError("Redis did not answer on this connection"))
+            return True
+        return False
+
+    async def _connected(self) -> _Protocol:
+        """The current connection, or a new one (one attempt shared by concurrent callers)."""
+        task = self._connecting
+        if task is None or task.done():
+            task = self._connecting = asyncio.get_running_loop().create_task(self._connect())
+            # its error is the awaiting callers' (none left when all gave up: not logged)
+            task.add_done_callback(lambda t: t.cancelled() or t.exception())
+        try:
+            # shielded: one caller's deadline must not cancel the others' connection
+            return await asyncio.shield(task)
+        finally:
+            if task.done() and self._connecting is task:
+                self._connecting = None
+
+    async def _connect(self) -> _Protocol:
+        loop = asyncio.get_running_loop()
+        o = self._opts
+        try:
+            async with asyncio.timeout(self._connect_timeout):
+                if "path" in o:
+                    _, proto = await loop.create_unix_connection(_Protocol, o["path"])
+                else:
+                    _, proto = await loop.create_connection(
+                        _Protocol, o.get("host", "localhost"), int(o.get("port", 6379))
+                    )
+                try:
+                    if o.get("password") is not None:
+                        user = (o["username"],) if o.get("username") else ()
+                        try:
+                            await proto.call(_pack("AUTH", *user, o["password"]))
+                        except ResponseError as exc:
+                            raise AuthenticationError(str(exc)) from exc
+                    if o.get("db"):
+                        await proto.call(_pack("SELECT", int(o["db"])))
+                except BaseException:
+                    proto.close()
+                    raise
+        except TimeoutError:
+            raise RedisConnectionError(
+                f"Timeout connecting to {self._where()} ({self._connect_timeout:g} s)"
+            ) from None
+        except OSError as exc:
+            raise RedisConnectionError(f"Error connecting to {self._where()}: {exc}") from exc
+        old, self._proto = self._proto, proto
+        if old is not None and not old.closed:
+            old.close()
+        self.connects += 1
+        return proto
+
+    def _where(self) -> str:
+        o = self._opts
+        return o["path"] if "path" in o else f"{o.get('host', 'localhost')}:{o.get('port', 6379)}"
+
+    async def aclose(self) -> None:
+        """Closes the connection (unanswered calls fail with a closed connection)."""
+        if self._connecting is not None:
+            self._connecting.cancel()
+            self._connecting = None
+        if self._proto is not None:
+            self._proto.close()
+            self._proto = None

@@ -1,0 +1,212 @@
+"""The store's own connection to Redis (:mod:`kvgate.store.wire`), against a real
+``redis-server``: replies stay matched to their calls after a caller gave up, a stalled or
+closed connection is replaced, errors come as redis-py's classes, ``AUTH`` and ``SELECT``
+from the URL, and a server that speaks no RESP."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+
+import pytest
+from redis.exceptions import AuthenticationError, ResponseError
+from redis.exceptions import ConnectionError as RedisConnectionError
+from tests.store.redis_servers import RedisServer, free_port, wait_for
+
+from kvgate.store.server import connection_lost, library_missing
+from kvgate.store.wire import Wire, wire_for
+
+#: a test library: echo its first argument; write it under the key given (to see the db)
+LIBRARY = """#!lua name=kvgwiretest
+redis.register_function('wt_echo', function(keys, args) return args[1] end)
+redis.register_function('wt_set', function(keys, args) redis.call('SET', keys[1], args[1]); return 1 end)
+"""
+
+
+@pytest.fixture
+def server(redis_server: RedisServer) -> RedisServer:
+    redis_server.client().function_load(LIBRARY, replace=True)
+    return redis_server
+
+
+async def test_a_reply_that_comes_after_its_caller_gave_up_is_not_given_to_the_next_call(
+    server: RedisServer,
+) -> None:
+    """Redis hangs (SIGSTOP) while a call waits; its caller gives up; the next call, written on
+    the same connection, gets its own reply once Redis answers, not the first one's."""
+    wire = Wire(server.url, connect_timeout_s=2.0, stall_s=30.0)
+    try:
+        assert await wire.fcall("wt_echo", 0, "warm") == b"warm"
+        server.pause()
+        try:
+            with pytest.raises(TimeoutError):
+                async with asyncio.timeout(0.05):
+                    await wire.fcall("wt_echo", 0, "first")
+            second = asyncio.create_task(wire.fcall("wt_echo", 0, "second"))
+            await asyncio.sleep(0)
+        finally:
+            server.resume()
+        async with asyncio.timeout(10):
+            assert await second == b"second"
+        assert await wire.fcall("wt_echo", 0, "third") == b"third"
+        assert wire.connects == 1  # the connection stayed in use
+    finally:
+        await wire.aclose()
+
+
+async def test_pipelined_calls_each_get_their_own_reply(server: RedisServer) -> None:
+    wire = Wire(server.url, connect_timeout_s=2.0, stall_s=30.0)
+    try:
+        words = [f"w{i}" for i in range(200)]
+        got = await asyncio.gather(*(wire.fcall("wt_echo", 0, w) for w in words))
+        assert got == [w.encode() for w in words]
+        assert wire.connects == 1
+    finally:
+        await wire.aclose()
+
+
+async def test_a_stalled_connection_is_replaced_and_its_waiting_call_fails_as_a_lost_one(
+    server: RedisServer,
+) -> None:
+    """A call unanswered for longer than ``stall_s``: the next call closes that connection
+    (the waiting call fails with a closed connection, which the store sends again with its
+    operation id) and goes on a new one."""
+    stall = 0.2
+    wire = Wire(server.url, connect_timeout_s=5.0, stall_s=stall)
+    try:
+        assert await wire.fcall("wt_echo", 0, "warm") == b"warm"
+        server.pause()
+        try:
+            first = asyncio.create_task(wire.fcall("wt_echo", 0, "first"))
+            began = time.monotonic()
+            await wait_for(lambda: time.monotonic() - began > stall * 1.5, 10, "the stall")
+            second = asyncio.create_task(wire.fcall("wt_echo", 0, "second"))
+            with pytest.raises(RedisConnectionError) as caught:
+                async with asyncio.timeout(10):
+                    await first
+            assert connection_lost(caught.value)
+        finally:
+            server.resume()
+        async with asyncio.timeout(10):
+            assert await second == b"second"
+        assert wire.connects == 2
+    finally:
+        await wire.aclose()
+
+
+async def test_a_connection_closed_by_the_server_is_opened_again_on_the_next_call(
+    server: RedisServer,
+) -> None:
+    wire = Wire(server.url, connect_timeout_s=2.0, stall_s=30.0)
+    client = server.client()
+    try:
+        assert await wire.fcall("wt_echo", 0, "a") == b"a"
+        assert client.client_kill_filter(_type="normal", skipme=True) >= 1
+        proto = wire._proto
+        assert proto is not None
+        await wait_for(lambda: proto.closed, 10, "the close seen")
+        assert await wire.fcall("wt_echo", 0, "b") == b"b"
+        assert wire.connects == 2
+    finally:
+        await wire.aclose()
+
+
+async def test_errors_are_redis_py_errors(server: RedisServer) -> None:
+    """An error reply as redis-py maps it (the call did not run: the library is missing), and
+    a server that cannot be reached as a lost connection."""
+    wire = Wire(server.url, connect_timeout_s=2.0, stall_s=30.0)
+    try:
+        with pytest.raises(ResponseError) as caught:
+            await wire.fcall("no_such_function", 0)
+        assert library_missing(caught.value)
+        assert await wire.fcall("wt_echo", 0, "still") == b"still"  # the connection is fine
+    finally:
+        await wire.aclose()
+    nobody = Wire(f"redis://127.0.0.1:{free_port()}/0", connect_timeout_s=2.0, stall_s=30.0)
+    with pytest.raises(RedisConnectionError) as refused:
+        await nobody.fcall("wt_echo", 0, "x")
+    assert connection_lost(refused.value)
+    await nobody.aclose()
+
+
+async def test_auth_and_db_from_the_url(server: RedisServer) -> None:
+    client = server.client()
+    client.config_set("requirepass", "s3cret")
+    try:
+        base = f"127.0.0.1:{server.port}"
+        wrong = Wire(f"redis://:nope@{base}/0", connect_timeout_s=2.0, stall_s=30.0)
+        with pytest.raises(AuthenticationError):
+            await wrong.fcall("wt_echo", 0, "x")
+        await wrong.aclose()
+        none = Wire(f"redis://{base}/0", connect_timeout_s=2.0, stall_s=30.0)
+        with pytest.raises(AuthenticationError):  # NOAUTH, as redis-py maps it
+            await none.fcall("wt_echo", 0, "x")
+        await none.aclose()
+        wire = Wire(f"redis://:s3cret@{base}/3", connect_timeout_s=2.0, stall_s=30.0)
+        try:
+            assert await wire.fcall("wt_set", 1, "wt:key", "in-db-3") == 1
+        finally:
+            await wire.aclose()
+        authed = server.client(password="s3cret", db=3)
+        assert authed.get("wt:key") == "in-db-3"
+        authed.config_set("requirepass", "")
+    finally:
+        with contextlib.suppress(Exception):
+            server.client(password="s3cret").config_set("requirepass", "")
+
+
+@contextlib.asynccontextmanager
+async def fake_server(answer: bytes) -> AsyncIterator[int]:
+    """A TCP server on 127.0.0.1 that answers the first bytes it reads with ``answer``; its
+    port. Its connections are closed on the way out."""
+    writers: list[asyncio.StreamWriter] = []
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writers.append(writer)
+        with contextlib.suppress(ConnectionError):
+            await reader.read(1024)
+            writer.write(answer)
+            await writer.drain()
+
+    srv = await asyncio.start_server(serve, "127.0.0.1", 0)
+    try:
+        yield srv.sockets[0].getsockname()[1]
+    finally:
+        srv.close()
+        for w in writers:
+            w.close()
+            with contextlib.suppress(ConnectionError):
+                await w.wait_closed()
+        await srv.wait_closed()
+
+
+@pytest.mark.parametrize(
+    "answer", [b"HTTP/1.1 400 Bad Request\r\n\r\n", b"+OK\r\n+OK\r\n"], ids=["http", "two-replies"]
+)
+async def test_a_server_that_does_not_speak_resp_fails_the_call(answer: bytes) -> None:
+    """Something else on the port (an HTTP server), or a reply to no call: the call fails as a
+    lost connection, within its deadline, and nothing hangs."""
+    async with fake_server(answer) as port:
+        wire = Wire(f"redis://127.0.0.1:{port}/0", connect_timeout_s=2.0, stall_s=30.0)
+        try:
+            async with asyncio.timeout(5):
+                if answer.startswith(b"+OK"):
+                    # the first +OK answers the call; the second answers nothing: closed
+                    assert await wire.fcall("wt_echo", 0, "x") == b"OK"
+                    proto = wire._proto
+                    assert proto is not None
+                    await wait_for(lambda: proto.closed, 5, "the connection closed")
+                else:
+                    with pytest.raises(RedisConnectionError):
+                        await wire.fcall("wt_echo", 0, "x")
+        finally:
+            await wire.aclose()
+
+
+def test_which_urls_use_the_wire() -> None:
+    assert wire_for("redis://127.0.0.1:6379/0", cluster=False)
+    assert wire_for("unix:///run/redis.sock", cluster=False)
+    assert not wire_for("redis://127.0.0.1:7000", cluster=True)  # redis-py's cluster client
+    assert not wire_for("rediss://redis.example:6380", cluster=False)  # TLS: redis-py
