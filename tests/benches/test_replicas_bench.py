@@ -96,6 +96,9 @@ def test_micro_phase_reports_each_order() -> None:
         rb.ORDERS = orders
     assert set(m.ns) == {"10 tenants", "40 tenants, in turn"}
     assert all(len(v) == 2 for v in m.ns.values())
+    # the local store timed on the same orders, beside each
+    assert set(m.core_ns) == set(m.ns)
+    assert all(len(v) == 2 and min(v) > 0 for v in m.core_ns.values())
     assert (m.missed, m.kicks) == (0, 0)
     assert m.bytes_per_tenant > 0
 
@@ -167,6 +170,7 @@ def results() -> tuple[object, object, object, object]:
         kicks=0,
         bytes_per_tenant=2000.0,
         ops=100,
+        core_ns={label: [100.0 * (i + 1)] for i, (label, *_) in enumerate(rb.ORDERS)},
     )
     return rounds, near, kills, micro
 
@@ -204,13 +208,18 @@ def test_summary_and_verdicts() -> None:
     iso = next(r for k, r in rows.items() if k.startswith("the store alone"))
     # against the PINGs at the decisions' pace (0.2 ms), not the back-to-back ones (0.1 ms)
     assert (iso[1], iso[3]) == ("0.300 / 0.400 ms", "met")
-    assert iso[2].startswith("≤ 0.400 ms (asyncio PING p50 at the same pace 0.200 + 0.2)")
+    assert iso[2].startswith(
+        "≤ 0.400 ms (PING p50 on the store's connection at the same pace 0.200 + 0.2)"
+    )
     kill = next(r for k, r in rows.items() if k.startswith("kill -9"))
     assert (kill[1], kill[3]) == ("3.10 s", "met")
     micro = [r for k, r in rows.items() if k.startswith("store try_admit")]
     assert micro[0][1:] == ("2.00×", "≤ 1.10×", "**not met**")
     assert micro[1][1:] == ("3.00×", "≤ 1.10×", "**not met**")  # in turn
     assert micro[2][3] == ""  # the control (10 of them used) carries no verdict
+    # the local store on the same order at random, beside the verdict, with none of its own
+    core = next(r for k, r in rows.items() if k.startswith("the local store"))
+    assert core[1:] == ("2.00×", "–", "")
 
 
 def test_a_window_with_refusals_invalidates_the_throughput_verdict() -> None:
