@@ -558,8 +558,10 @@ class StoreConfig(_Model):
     — near a limit — for each decision.
 
     Attributes:
-        url: ``redis://[[user]:password@]host:port/db``, ``rediss://`` (TLS) or
-            ``unix:///path/to.sock`` (Valkey speaks the same protocol).
+        url: ``redis://[[user]:password@]host:port/db``, ``rediss://`` (TLS: the server's
+            certificate is verified against the system's CAs, or ``?ssl_ca_certs=/path/ca.pem``;
+            ``ssl_cert_reqs=none`` turns that off) or ``unix:///path/to.sock`` (Valkey speaks
+            the same protocol).
         cluster: the URL names one node of a Redis Cluster.
         key_prefix: the prefix of every key kvgate writes (inside the hash tag).
         deadline_ms: the longest a request waits on Redis (milliseconds): a decision taken in

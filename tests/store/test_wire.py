@@ -1,19 +1,32 @@
 """The store's own connection to Redis (:mod:`kvgate.store.wire`), against a real
 ``redis-server``: replies stay matched to their calls after a caller gave up, a stalled or
 closed connection is replaced, errors come as redis-py's classes, ``AUTH`` and ``SELECT``
-from the URL, and a server that speaks no RESP."""
+from the URL, TLS (``rediss://``, the server's certificate verified), and a server that
+speaks no RESP."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import subprocess
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+import redis
 from redis.exceptions import AuthenticationError, ResponseError
 from redis.exceptions import ConnectionError as RedisConnectionError
-from tests.store.redis_servers import RedisServer, free_port, wait_for
+from tests.gateway.tls_certs import self_signed
+from tests.store.redis_servers import (
+    RedisServer,
+    free_port,
+    require_redis,
+    wait_for,
+    wait_until,
+)
 
 from kvgate.store.server import connection_lost, library_missing
 from kvgate.store.wire import Wire, wire_for
@@ -209,4 +222,118 @@ def test_which_urls_use_the_wire() -> None:
     assert wire_for("redis://127.0.0.1:6379/0", cluster=False)
     assert wire_for("unix:///run/redis.sock", cluster=False)
     assert not wire_for("redis://127.0.0.1:7000", cluster=True)  # redis-py's cluster client
-    assert not wire_for("rediss://redis.example:6380", cluster=False)  # TLS: redis-py
+    assert wire_for("rediss://redis.example:6380?ssl_ca_certs=/etc/ca.pem", cluster=False)
+    # a TLS setting the wire does not apply: redis-py
+    assert not wire_for("rediss://redis.example:6380?ssl_ciphers=HIGH", cluster=False)
+
+
+@dataclass
+class TlsRedis:
+    port: int
+    ca: Path  # the server's self-signed certificate, the clients' CA file
+
+    def url(self, query: str = "") -> str:
+        return f"rediss://127.0.0.1:{self.port}/0" + (f"?{query}" if query else "")
+
+
+@pytest.fixture
+def tls_redis(tmp_path: Path) -> Iterator[TlsRedis]:
+    """A ``redis-server`` that listens only on a TLS port (a self-signed certificate for
+    127.0.0.1; clients not asked for one), with the test library loaded."""
+    require_redis()
+    cert = self_signed(tmp_path)
+    port = free_port()
+    argv = ["redis-server", "--port", "0", "--tls-port", str(port), "--bind", "127.0.0.1",
+            "--tls-cert-file", str(cert.certificate), "--tls-key-file", str(cert.key),
+            "--tls-ca-cert-file", str(cert.certificate), "--tls-auth-clients", "no",
+            "--save", "", "--appendonly", "no", "--dir", str(tmp_path)]  # fmt: skip
+    log = (tmp_path / "redis.log").open("wb")
+    proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+    client = redis.Redis(
+        host="127.0.0.1", port=port, ssl=True, ssl_ca_certs=str(cert.certificate),
+        socket_timeout=5.0, socket_connect_timeout=5.0,
+    )  # fmt: skip
+
+    def answers() -> bool:
+        assert proc.poll() is None, (tmp_path / "redis.log").read_text()
+        try:
+            return bool(client.ping())
+        except redis.exceptions.ConnectionError:
+            return False
+
+    try:
+        wait_until(answers, 15, "the TLS redis-server")
+        client.function_load(LIBRARY, replace=True)
+        yield TlsRedis(port, cert.certificate)
+    finally:
+        client.close()
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+        log.close()
+
+
+async def test_tls_urls_use_the_wire_and_verify_the_server(tls_redis: TlsRedis) -> None:
+    """``rediss://`` with the server's CA: calls go over TLS on the store's connection; without
+    it the certificate is refused (verified by default, as redis-py does); ``ssl_cert_reqs=none``
+    turns verification off."""
+    url = tls_redis.url(f"ssl_ca_certs={tls_redis.ca}")
+    assert wire_for(url, cluster=False)
+    wire = Wire(url, connect_timeout_s=5.0, stall_s=30.0)
+    try:
+        assert await wire.fcall("wt_echo", 0, "over tls") == b"over tls"
+    finally:
+        await wire.aclose()
+    unknown_ca = Wire(tls_redis.url(), connect_timeout_s=5.0, stall_s=30.0)
+    with pytest.raises(RedisConnectionError, match=r"(?i)certificate"):
+        await unknown_ca.fcall("wt_echo", 0, "x")
+    await unknown_ca.aclose()
+    unverified = Wire(tls_redis.url("ssl_cert_reqs=none"), connect_timeout_s=5.0, stall_s=30.0)
+    try:
+        assert await unverified.fcall("wt_echo", 0, "y") == b"y"
+    finally:
+        await unverified.aclose()
+    # a TLS setting the store's connection does not apply: redis-py's client carries the calls
+    assert not wire_for(tls_redis.url("ssl_ciphers=HIGH"), cluster=False)
+
+
+async def test_a_store_on_a_tls_url_decides_in_redis(tls_redis: TlsRedis) -> None:
+    """Two replicas of a tenant whose limit is 1 over ``rediss://``: the second admission,
+    decided in Redis on the store's TLS connection, is refused while the first holds the slot
+    and admitted once it was given back."""
+    from kvgate import AdmissionController
+    from kvgate.config import StoreConfig
+    from kvgate.store import StoreRefusal
+    from kvgate.store.redis_store import RedisStore
+
+    cfg = StoreConfig(url=tls_redis.url(f"ssl_ca_certs={tls_redis.ca}"), heartbeat_s=5.0,
+                      deadline_ms=2000, background_deadline_ms=2000)  # fmt: skip
+    stores = []
+    for _ in range(2):
+        ctl = AdmissionController(backends=1, tenants=1)
+        b = ctl.add_backend("b", max_concurrency=64, tokens_per_minute=2**40)
+        t = ctl.add_tenant("t", priority="standard", max_concurrency=1)
+        stores.append((RedisStore(cfg, ctl), SimpleNamespace(id=b, name="b"),
+                       SimpleNamespace(id=t, name="t")))  # fmt: skip
+    for st, _, _ in stores:
+        await st.start(["b"])
+    try:
+        assert all(isinstance(st._wire, Wire) for st, _, _ in stores)
+        (one, b1, t1), (two, b2, t2) = stores
+        first = await one.admit(b1, t1, "standard", 1)
+        assert not isinstance(first, StoreRefusal), first
+        refused = await two.admit(b2, t2, "standard", 1)
+        assert isinstance(refused, StoreRefusal), refused
+        one.release(first, 1, 1)
+        await one.flushed()
+        again = await two.admit(b2, t2, "standard", 1)
+        assert not isinstance(again, StoreRefusal), again
+        two.release(again, 1, 1)
+        for st, _, _ in stores:  # every decision was Redis's: no failure, no fallback
+            assert (sum(st.failures.values()), st.degraded_admissions) == (0, 0)
+    finally:
+        for st, _, _ in stores:
+            await st.close()

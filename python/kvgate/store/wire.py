@@ -14,7 +14,8 @@ the socket in the caller's own step, and its reply wakes the caller from the pro
 
 What stays with redis-py: everything else (loading the Functions library, ``check-config``,
 the admin reads), and the Functions calls themselves on a Redis Cluster (its slot map and
-redirections) or over TLS (``rediss://``): :func:`wire_for` says which.
+redirections) or with a TLS setting this connection does not apply: :func:`wire_for` says
+which.
 
 Replies are matched to calls in order (Redis answers a connection's commands in the order
 they were sent), so a call whose caller gave up (its deadline passed, its client went away)
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import ssl
 import time
 from typing import Any, cast
 from urllib.parse import urlsplit
@@ -41,14 +43,56 @@ from redis.asyncio.connection import parse_url
 from redis.exceptions import AuthenticationError, ResponseError
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-__all__ = ["Wire", "wire_for"]
+__all__ = ["TLS_OPTIONS", "Wire", "tls_context", "wire_for"]
+
+
+#: the TLS settings a ``rediss://`` URL may carry (query arguments, as redis-py reads them)
+#: that the store's connection applies; a URL with any other ``ssl_*`` argument keeps redis-py
+TLS_OPTIONS = frozenset(
+    {"ssl_cert_reqs", "ssl_ca_certs", "ssl_check_hostname", "ssl_certfile", "ssl_keyfile"}
+)
 
 
 def wire_for(url: str, cluster: bool) -> bool:
     """Whether the store's Functions calls to ``url`` go on a :class:`Wire`: a single server
-    reached by ``redis://`` or ``unix://``. A Redis Cluster (``cluster: true``) and TLS
-    (``rediss://``) keep redis-py's client."""
-    return not cluster and urlsplit(url).scheme in ("redis", "unix")
+    reached by ``redis://``, ``unix://``, or ``rediss://`` (TLS) with no TLS setting beyond
+    :data:`TLS_OPTIONS`. A Redis Cluster (``cluster: true``) keeps redis-py's client."""
+    if cluster:
+        return False
+    scheme = urlsplit(url).scheme
+    if scheme in ("redis", "unix"):
+        return True
+    if scheme == "rediss":
+        try:
+            options = parse_url(url)
+        except ValueError:  # a setting redis-py cannot read: its client says so
+            return False
+        return not {k for k in options if k.startswith("ssl_")} - TLS_OPTIONS
+    return False
+
+
+def tls_context(options: dict[str, Any]) -> ssl.SSLContext:
+    """The client TLS context of a ``rediss://`` URL's settings (as :func:`parse_url` gives
+    them), with redis-py's meanings and defaults: ``ssl_cert_reqs`` ``required`` (default),
+    ``optional`` or ``none``; ``ssl_ca_certs`` a CA file (default: the system's);
+    ``ssl_check_hostname`` (default true; never with ``none``); ``ssl_certfile`` and
+    ``ssl_keyfile`` a client certificate.
+
+    Raises:
+        ValueError: an unknown ``ssl_cert_reqs``.
+        OSError, ssl.SSLError: a file that cannot be read or loaded.
+    """
+    reqs = options.get("ssl_cert_reqs", "required")
+    modes = {"none": ssl.CERT_NONE, "optional": ssl.CERT_OPTIONAL, "required": ssl.CERT_REQUIRED}
+    mode = reqs if isinstance(reqs, ssl.VerifyMode) else modes.get(str(reqs).lower())
+    if mode is None:
+        raise ValueError(f"ssl_cert_reqs must be none, optional or required (got {reqs!r})")
+    ctx = ssl.create_default_context(cafile=options.get("ssl_ca_certs"))
+    ctx.check_hostname = bool(options.get("ssl_check_hostname", True)) and mode != ssl.CERT_NONE
+    ctx.verify_mode = mode
+    if options.get("ssl_certfile"):
+        ctx.load_cert_chain(options["ssl_certfile"], options.get("ssl_keyfile"))
+    return ctx
 
 
 def _pack(*parts: Any) -> bytes:
@@ -128,8 +172,9 @@ class Wire:
     """A lazily (re)connected connection to one Redis server for the store's ``FCALL`` s.
 
     Args:
-        url: ``redis://[[user]:password@]host[:port][/db]`` or ``unix://path[?db=n]`` (the
-            forms redis-py parses; see :func:`wire_for`).
+        url: ``redis://[[user]:password@]host[:port][/db]``, ``rediss://`` (the same, over
+            TLS: :func:`tls_context`) or ``unix://path[?db=n]`` (the forms redis-py parses; see
+            :func:`wire_for`).
         connect_timeout_s: the most a connection (with ``AUTH`` and ``SELECT``) may take,
             seconds; a call that needs a new connection waits at most that long for it.
         stall_s: a connection whose oldest unanswered call was written longer ago than this
@@ -195,8 +240,16 @@ class Wire:
                 if "path" in o:
                     _, proto = await loop.create_unix_connection(_Protocol, o["path"])
                 else:
+                    host = o.get("host", "localhost")
+                    tls = None
+                    if urlsplit(self.url).scheme == "rediss":
+                        tls = tls_context(o)
                     _, proto = await loop.create_connection(
-                        _Protocol, o.get("host", "localhost"), int(o.get("port", 6379))
+                        _Protocol,
+                        host,
+                        int(o.get("port", 6379)),
+                        ssl=tls,
+                        server_hostname=host if tls is not None else None,
                     )
                 try:
                     if o.get("password") is not None:
