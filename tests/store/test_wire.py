@@ -195,6 +195,53 @@ async def fake_server(answer: bytes) -> AsyncIterator[int]:
         await srv.wait_closed()
 
 
+async def test_closing_fails_a_waiting_call_at_once(server: RedisServer) -> None:
+    """``aclose`` while a call waits on a server that hangs (SIGSTOP): the call fails with a
+    closed connection at once, not when its own deadline passes."""
+    wire = Wire(server.url, connect_timeout_s=2.0, stall_s=30.0)
+    assert await wire.fcall("wt_echo", 0, "warm") == b"warm"
+    server.pause()
+    try:
+        # more than the socket buffers hold: unsent bytes stay in the transport
+        waiting = asyncio.create_task(wire.fcall("wt_echo", 0, "x" * 16_000_000))
+        await asyncio.sleep(0)
+        began = time.monotonic()
+        await wire.aclose()
+        with pytest.raises(RedisConnectionError):
+            async with asyncio.timeout(10):
+                await waiting
+        assert time.monotonic() - began < 2.0
+    finally:
+        server.resume()
+
+
+async def test_closing_during_a_shared_connect_fails_its_callers_as_a_lost_connection() -> None:
+    """Two calls wait for one connection whose ``AUTH`` gets no answer; ``aclose`` calls the
+    attempt off: each call fails with a closed connection (which the store handles), not with
+    a cancellation nobody asked for."""
+    async with fake_server(b"") as port:
+        wire = Wire(f"redis://:pw@127.0.0.1:{port}/0", connect_timeout_s=30.0, stall_s=30.0)
+        calls = [asyncio.create_task(wire.fcall("wt_echo", 0, str(i))) for i in range(2)]
+        # (the calls' tasks run in order before the first check can see the attempt)
+        await wait_for(lambda: wire._connecting is not None, 5, "the connect attempt")
+        assert not any(call.done() for call in calls)
+        await wire.aclose()
+        for call in calls:
+            with pytest.raises(RedisConnectionError):
+                async with asyncio.timeout(5):
+                    await call
+            assert not call.cancelled()
+
+
+async def test_a_tls_setting_that_is_wrong_fails_as_a_connection_error() -> None:
+    url = "rediss://127.0.0.1:1/0?ssl_cert_reqs=bogus"
+    assert not wire_for(url, cluster=False)  # redis-py's client would say so
+    wire = Wire(url, connect_timeout_s=2.0, stall_s=30.0)
+    with pytest.raises(RedisConnectionError, match="ssl_cert_reqs"):
+        await wire.fcall("wt_echo", 0, "x")
+    await wire.aclose()
+
+
 @pytest.mark.parametrize(
     "answer", [b"HTTP/1.1 400 Bad Request\r\n\r\n", b"+OK\r\n+OK\r\n"], ids=["http", "two-replies"]
 )
@@ -218,11 +265,14 @@ async def test_a_server_that_does_not_speak_resp_fails_the_call(answer: bytes) -
             await wire.aclose()
 
 
-def test_which_urls_use_the_wire() -> None:
+def test_which_urls_use_the_wire(tmp_path: Path) -> None:
     assert wire_for("redis://127.0.0.1:6379/0", cluster=False)
     assert wire_for("unix:///run/redis.sock", cluster=False)
     assert not wire_for("redis://127.0.0.1:7000", cluster=True)  # redis-py's cluster client
-    assert wire_for("rediss://redis.example:6380?ssl_ca_certs=/etc/ca.pem", cluster=False)
+    ca = self_signed(tmp_path).certificate
+    assert wire_for(f"rediss://redis.example:6380?ssl_ca_certs={ca}", cluster=False)
+    # a CA file that cannot be read: redis-py's client (which says so)
+    assert not wire_for(f"rediss://redis.example:6380?ssl_ca_certs={tmp_path}/no.pem", False)
     # a TLS setting the wire does not apply: redis-py
     assert not wire_for("rediss://redis.example:6380?ssl_ciphers=HIGH", cluster=False)
 

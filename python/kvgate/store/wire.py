@@ -65,9 +65,12 @@ def wire_for(url: str, cluster: bool) -> bool:
     if scheme == "rediss":
         try:
             options = parse_url(url)
-        except ValueError:  # a setting redis-py cannot read: its client says so
+            if {k for k in options if k.startswith("ssl_")} - TLS_OPTIONS:
+                return False
+            tls_context(dict(options))
+        except (ValueError, OSError):  # a setting or file that is wrong: redis-py says so
             return False
-        return not {k for k in options if k.startswith("ssl_")} - TLS_OPTIONS
+        return True
     return False
 
 
@@ -156,16 +159,17 @@ class _Protocol(asyncio.Protocol):
         return fut
 
     def close(self, error: Exception | None = None) -> None:
-        """Closes the connection; unanswered calls fail with ``error`` (a closed connection
-        by default)."""
-        if error is not None:
-            while self.pending:
-                _, fut = self.pending.popleft()
-                if not fut.done():
-                    fut.set_exception(error)
+        """Closes the connection now (unsent bytes are dropped); unanswered calls fail at once
+        with ``error`` (a closed connection by default)."""
+        error = error or RedisConnectionError("Connection closed.")
+        while self.pending:
+            _, fut = self.pending.popleft()
+            if not fut.done():
+                fut.set_exception(error)
         self.closed = True
         if self.transport is not None:
-            self.transport.close()
+            # at once: no waiting for unsent bytes or a TLS close_notify on a server that hangs
+            self.transport.abort()
 
 
 class Wire:
@@ -201,10 +205,11 @@ class Wire:
 
         Raises:
             redis.exceptions.ResponseError: Redis answered with an error (a subclass as
-                redis-py maps it: e.g. ``OutOfMemoryError``, ``AuthenticationError`` for
-                ``NOAUTH``).
+                redis-py maps it: e.g. ``OutOfMemoryError``).
             redis.exceptions.ConnectionError: no connection could be made, or it closed
-                before the reply (the command may or may not have run).
+                before the reply (the command may or may not have run); its subclasses as
+                redis-py maps an error reply: ``AuthenticationError`` (``NOAUTH``, a refused
+                password), ``BusyLoadingError`` (``LOADING``).
         """
         packed = _pack(*parts)
         proto = self._proto
@@ -228,6 +233,12 @@ class Wire:
         try:
             # shielded: one caller's deadline must not cancel the others' connection
             return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            me = asyncio.current_task()
+            if task.cancelled() and me is not None and not me.cancelling():
+                # the attempt was called off (aclose), not this caller
+                raise RedisConnectionError("Connection closed.") from None
+            raise
         finally:
             if task.done() and self._connecting is task:
                 self._connecting = None
@@ -243,7 +254,10 @@ class Wire:
                     host = o.get("host", "localhost")
                     tls = None
                     if urlsplit(self.url).scheme == "rediss":
-                        tls = tls_context(o)
+                        try:
+                            tls = tls_context(o)
+                        except ValueError as exc:
+                            raise RedisConnectionError(f"TLS settings of the URL: {exc}") from exc
                     _, proto = await loop.create_connection(
                         _Protocol,
                         host,
