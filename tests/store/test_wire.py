@@ -126,6 +126,35 @@ async def test_a_connection_closed_by_the_server_is_opened_again_on_the_next_cal
         await wire.aclose()
 
 
+async def test_a_store_reports_its_connection_and_opens_it_again_once_redis_closed_it(
+    server: RedisServer,
+) -> None:
+    """``/admin/state``'s ``store.connection``: the store's own, opened once; Redis drops it
+    (``CLIENT KILL``): the next message goes on a new one, and the count says so."""
+    from kvgate import AdmissionController
+    from kvgate.config import StoreConfig
+    from kvgate.store.redis_store import RedisStore
+
+    ctl = AdmissionController(backends=1, tenants=1)
+    ctl.add_backend("b", max_concurrency=64, tokens_per_minute=2**40)
+    store = RedisStore(StoreConfig(url=server.url, heartbeat_s=5.0), ctl)
+    await store.start(["b"])
+    try:
+        assert store.state()["connection"] == {"client": "kvgate", "opened": 1}
+        assert server.client().client_kill_filter(_type="normal", skipme=True) >= 1
+        wire = store._wire
+        proto = wire._proto
+        await wait_for(lambda: proto.closed, 10, "the close seen")
+        calls = store.calls
+        store._beat(store._scope("b", "b"))
+        await wait_for(lambda: store.calls > calls and not store._scope("b", "b").busy, 10,
+                       "the next message answered")  # fmt: skip
+        assert store.state()["connection"] == {"client": "kvgate", "opened": 2}
+        assert sum(store.failures.values()) == 0  # the message went on the new connection
+    finally:
+        await store.close()
+
+
 async def test_errors_are_redis_py_errors(server: RedisServer) -> None:
     """An error reply as redis-py maps it (the call did not run: the library is missing), and
     a server that cannot be reached as a lost connection."""

@@ -1495,6 +1495,11 @@ class RedisStore:
             "reaped_replicas": self.reaped,
             "amnesia": self.amnesia,
             "resent": self.resent,
+            # what the messages go on: the store's own connection (with the connections it
+            # opened so far: more than one means Redis closed it, or it stalled) or redis-py's
+            "connection": {"client": "kvgate", "opened": self._wire.connects}
+            if isinstance(self._wire, Wire)
+            else {"client": "redis-py", "opened": None},
             "degraded_admissions": self.degraded_admissions,
             "stranded_slots": slots,
             "stranded_tokens": tokens,
