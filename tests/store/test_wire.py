@@ -38,6 +38,16 @@ redis.register_function('wt_set', function(keys, args) redis.call('SET', keys[1]
 """
 
 
+@contextlib.asynccontextmanager
+async def wire_to(url: str, connect_timeout_s: float, stall_s: float) -> AsyncIterator[Wire]:
+    """A :class:`Wire` to ``url``, closed on the way out."""
+    wire = Wire(url, connect_timeout_s=connect_timeout_s, stall_s=stall_s)
+    try:
+        yield wire
+    finally:
+        await wire.aclose()
+
+
 @pytest.fixture
 def server(redis_server: RedisServer) -> RedisServer:
     redis_server.client().function_load(LIBRARY, replace=True)
@@ -49,8 +59,7 @@ async def test_a_reply_that_comes_after_its_caller_gave_up_is_not_given_to_the_n
 ) -> None:
     """Redis hangs (SIGSTOP) while a call waits; its caller gives up; the next call, written on
     the same connection, gets its own reply once Redis answers, not the first one's."""
-    wire = Wire(server.url, connect_timeout_s=2.0, stall_s=30.0)
-    try:
+    async with wire_to(server.url, connect_timeout_s=2.0, stall_s=30.0) as wire:
         assert await wire.fcall("wt_echo", 0, "warm") == b"warm"
         server.pause()
         try:
@@ -65,19 +74,14 @@ async def test_a_reply_that_comes_after_its_caller_gave_up_is_not_given_to_the_n
             assert await second == b"second"
         assert await wire.fcall("wt_echo", 0, "third") == b"third"
         assert wire.connects == 1  # the connection stayed in use
-    finally:
-        await wire.aclose()
 
 
 async def test_pipelined_calls_each_get_their_own_reply(server: RedisServer) -> None:
-    wire = Wire(server.url, connect_timeout_s=2.0, stall_s=30.0)
-    try:
+    async with wire_to(server.url, connect_timeout_s=2.0, stall_s=30.0) as wire:
         words = [f"w{i}" for i in range(200)]
         got = await asyncio.gather(*(wire.fcall("wt_echo", 0, w) for w in words))
         assert got == [w.encode() for w in words]
         assert wire.connects == 1
-    finally:
-        await wire.aclose()
 
 
 async def test_a_stalled_connection_is_replaced_and_its_waiting_call_fails_as_a_lost_one(
@@ -87,8 +91,7 @@ async def test_a_stalled_connection_is_replaced_and_its_waiting_call_fails_as_a_
     (the waiting call fails with a closed connection, which the store sends again with its
     operation id) and goes on a new one."""
     stall = 0.2
-    wire = Wire(server.url, connect_timeout_s=5.0, stall_s=stall)
-    try:
+    async with wire_to(server.url, connect_timeout_s=5.0, stall_s=stall) as wire:
         assert await wire.fcall("wt_echo", 0, "warm") == b"warm"
         server.pause()
         try:
@@ -105,16 +108,13 @@ async def test_a_stalled_connection_is_replaced_and_its_waiting_call_fails_as_a_
         async with asyncio.timeout(10):
             assert await second == b"second"
         assert wire.connects == 2
-    finally:
-        await wire.aclose()
 
 
 async def test_a_connection_closed_by_the_server_is_opened_again_on_the_next_call(
     server: RedisServer,
 ) -> None:
-    wire = Wire(server.url, connect_timeout_s=2.0, stall_s=30.0)
     client = server.client()
-    try:
+    async with wire_to(server.url, connect_timeout_s=2.0, stall_s=30.0) as wire:
         assert await wire.fcall("wt_echo", 0, "a") == b"a"
         assert client.client_kill_filter(_type="normal", skipme=True) >= 1
         proto = wire._proto
@@ -122,8 +122,6 @@ async def test_a_connection_closed_by_the_server_is_opened_again_on_the_next_cal
         await wait_for(lambda: proto.closed, 10, "the close seen")
         assert await wire.fcall("wt_echo", 0, "b") == b"b"
         assert wire.connects == 2
-    finally:
-        await wire.aclose()
 
 
 async def test_a_store_reports_its_connection_and_opens_it_again_once_redis_closed_it(
@@ -158,19 +156,16 @@ async def test_a_store_reports_its_connection_and_opens_it_again_once_redis_clos
 async def test_errors_are_redis_py_errors(server: RedisServer) -> None:
     """An error reply as redis-py maps it (the call did not run: the library is missing), and
     a server that cannot be reached as a lost connection."""
-    wire = Wire(server.url, connect_timeout_s=2.0, stall_s=30.0)
-    try:
+    async with wire_to(server.url, connect_timeout_s=2.0, stall_s=30.0) as wire:
         with pytest.raises(ResponseError) as caught:
             await wire.fcall("no_such_function", 0)
         assert library_missing(caught.value)
         assert await wire.fcall("wt_echo", 0, "still") == b"still"  # the connection is fine
-    finally:
-        await wire.aclose()
-    nobody = Wire(f"redis://127.0.0.1:{free_port()}/0", connect_timeout_s=2.0, stall_s=30.0)
-    with pytest.raises(RedisConnectionError) as refused:
-        await nobody.fcall("wt_echo", 0, "x")
+    url = f"redis://127.0.0.1:{free_port()}/0"
+    async with wire_to(url, connect_timeout_s=2.0, stall_s=30.0) as nobody:
+        with pytest.raises(RedisConnectionError) as refused:
+            await nobody.fcall("wt_echo", 0, "x")
     assert connection_lost(refused.value)
-    await nobody.aclose()
 
 
 async def test_auth_and_db_from_the_url(server: RedisServer) -> None:
@@ -178,19 +173,16 @@ async def test_auth_and_db_from_the_url(server: RedisServer) -> None:
     client.config_set("requirepass", "s3cret")
     try:
         base = f"127.0.0.1:{server.port}"
-        wrong = Wire(f"redis://:nope@{base}/0", connect_timeout_s=2.0, stall_s=30.0)
-        with pytest.raises(AuthenticationError):
-            await wrong.fcall("wt_echo", 0, "x")
-        await wrong.aclose()
-        none = Wire(f"redis://{base}/0", connect_timeout_s=2.0, stall_s=30.0)
-        with pytest.raises(AuthenticationError):  # NOAUTH, as redis-py maps it
-            await none.fcall("wt_echo", 0, "x")
-        await none.aclose()
-        wire = Wire(f"redis://:s3cret@{base}/3", connect_timeout_s=2.0, stall_s=30.0)
-        try:
+        async with wire_to(f"redis://:nope@{base}/0", connect_timeout_s=2.0, stall_s=30.0) as w:
+            with pytest.raises(AuthenticationError):
+                await w.fcall("wt_echo", 0, "x")
+        async with wire_to(f"redis://{base}/0", connect_timeout_s=2.0, stall_s=30.0) as w:
+            with pytest.raises(AuthenticationError):  # NOAUTH, as redis-py maps it
+                await w.fcall("wt_echo", 0, "x")
+        async with wire_to(
+            f"redis://:s3cret@{base}/3", connect_timeout_s=2.0, stall_s=30.0
+        ) as wire:
             assert await wire.fcall("wt_set", 1, "wt:key", "in-db-3") == 1
-        finally:
-            await wire.aclose()
         authed = server.client(password="s3cret", db=3)
         assert authed.get("wt:key") == "in-db-3"
         authed.config_set("requirepass", "")
@@ -265,10 +257,9 @@ async def test_closing_during_a_shared_connect_fails_its_callers_as_a_lost_conne
 async def test_a_tls_setting_that_is_wrong_fails_as_a_connection_error() -> None:
     url = "rediss://127.0.0.1:1/0?ssl_cert_reqs=bogus"
     assert not wire_for(url, cluster=False)  # redis-py's client would say so
-    wire = Wire(url, connect_timeout_s=2.0, stall_s=30.0)
-    with pytest.raises(RedisConnectionError, match="ssl_cert_reqs"):
-        await wire.fcall("wt_echo", 0, "x")
-    await wire.aclose()
+    async with wire_to(url, connect_timeout_s=2.0, stall_s=30.0) as wire:
+        with pytest.raises(RedisConnectionError, match="ssl_cert_reqs"):
+            await wire.fcall("wt_echo", 0, "x")
 
 
 @pytest.mark.parametrize(
@@ -278,8 +269,9 @@ async def test_a_server_that_does_not_speak_resp_fails_the_call(answer: bytes) -
     """Something else on the port (an HTTP server), or a reply to no call: the call fails as a
     lost connection, within its deadline, and nothing hangs."""
     async with fake_server(answer) as port:
-        wire = Wire(f"redis://127.0.0.1:{port}/0", connect_timeout_s=2.0, stall_s=30.0)
-        try:
+        async with wire_to(
+            f"redis://127.0.0.1:{port}/0", connect_timeout_s=2.0, stall_s=30.0
+        ) as wire:
             async with asyncio.timeout(5):
                 if answer.startswith(b"+OK"):
                     # the first +OK answers the call; the second answers nothing: closed
@@ -290,8 +282,6 @@ async def test_a_server_that_does_not_speak_resp_fails_the_call(answer: bytes) -
                 else:
                     with pytest.raises(RedisConnectionError):
                         await wire.fcall("wt_echo", 0, "x")
-        finally:
-            await wire.aclose()
 
 
 def test_which_urls_use_the_wire(tmp_path: Path) -> None:
@@ -361,20 +351,15 @@ async def test_tls_urls_use_the_wire_and_verify_the_server(tls_redis: TlsRedis) 
     turns verification off."""
     url = tls_redis.url(f"ssl_ca_certs={tls_redis.ca}")
     assert wire_for(url, cluster=False)
-    wire = Wire(url, connect_timeout_s=5.0, stall_s=30.0)
-    try:
+    async with wire_to(url, connect_timeout_s=5.0, stall_s=30.0) as wire:
         assert await wire.fcall("wt_echo", 0, "over tls") == b"over tls"
-    finally:
-        await wire.aclose()
-    unknown_ca = Wire(tls_redis.url(), connect_timeout_s=5.0, stall_s=30.0)
-    with pytest.raises(RedisConnectionError, match=r"(?i)certificate"):
-        await unknown_ca.fcall("wt_echo", 0, "x")
-    await unknown_ca.aclose()
-    unverified = Wire(tls_redis.url("ssl_cert_reqs=none"), connect_timeout_s=5.0, stall_s=30.0)
-    try:
+    async with wire_to(tls_redis.url(), connect_timeout_s=5.0, stall_s=30.0) as unknown_ca:
+        with pytest.raises(RedisConnectionError, match=r"(?i)certificate"):
+            await unknown_ca.fcall("wt_echo", 0, "x")
+    async with wire_to(
+        tls_redis.url("ssl_cert_reqs=none"), connect_timeout_s=5.0, stall_s=30.0
+    ) as unverified:
         assert await unverified.fcall("wt_echo", 0, "y") == b"y"
-    finally:
-        await unverified.aclose()
     # a TLS setting the store's connection does not apply: redis-py's client carries the calls
     assert not wire_for(tls_redis.url("ssl_ciphers=HIGH"), cluster=False)
 
