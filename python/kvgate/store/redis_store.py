@@ -35,6 +35,9 @@ How it works (docs/replicas.md):
   consecutive failures the breaker opens and each limit falls back by its policy (``share``,
   ``strict``, ``open``, ``closed``); a probe closes it again (the first soon after it opened,
   then every heartbeat), and every active scope then re-asserts what the replica holds.
+- The messages go on a connection of the store's own (:mod:`kvgate.store.wire`: written in
+  the sender's step, replies matched in order) to a single server, and on redis-py's client on
+  a Redis Cluster; loading the library and the admin reads use redis-py.
 """
 
 from __future__ import annotations
@@ -154,7 +157,8 @@ class RedisStore:
         self.pod = f"{socket.gethostname()[:24]}-{os.getpid()}-{secrets.token_hex(3)}"
         self._client = client
         #: what the Functions calls go on: a :class:`~kvgate.store.wire.Wire` to a single
-        #: server, else the redis-py client (a cluster, TLS, or ``client`` given)
+        #: server, else the redis-py client (a cluster, a TLS setting it does not apply, or
+        #: ``client`` given)
         self._wire: Any = None
         self._metrics = metrics
         self._on_effective = on_effective
