@@ -3,7 +3,8 @@
 Every path — success, upstream error, timeout, client disconnect (the handler task is cancelled:
 the app runs with ``handler_cancellation=True``), exception — ends in ``finally`` with the
 upstream response *closed* (not released to the keep-alive pool, so the engine sees the
-disconnect and aborts the request) and the reservation released with the tokens actually used.
+disconnect and aborts the request; shut down at once, before the reservation goes back:
+:func:`close_now`) and the reservation released with the tokens actually used.
 
 A stream ends for the client at ``data: [DONE]``, even when the engine keeps the connection
 open afterwards. An answer that ended cleanly may have returned its connection to aiohttp's pool
@@ -15,8 +16,10 @@ before any byte of the answer came is sent again (:func:`reuse_trace`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
+import socket
 import time
 from dataclasses import dataclass
 from email.utils import parsedate_to_datetime
@@ -44,7 +47,7 @@ if TYPE_CHECKING:
 
     from kvgate.config import TimeoutsConfig as Timeouts
 
-__all__ = ["RelayResult", "relay", "reuse_trace"]
+__all__ = ["RelayResult", "close_now", "relay", "reuse_trace"]
 
 logger = logging.getLogger("kvgate.proxy")
 
@@ -287,7 +290,29 @@ async def relay(
     finally:
         if upstream is not None:
             # close, never release: a pooled connection would keep the engine generating
-            upstream.close()
+            close_now(upstream)
+
+
+def close_now(upstream: aiohttp.ClientResponse) -> None:
+    """Closes an answer's upstream connection; one still open (the answer not read to its end:
+    the client went away, a timeout, an error) is shut down at once, so that the engine sees
+    the disconnect — its cue to abort the request — before this request's slot goes back.
+    ``close()`` alone closes the socket only on the event loop's next turn (asyncio and uvloop
+    both defer it), by which time the released slot may already be in the shared store and
+    taken by another replica's request, which could then reach the engine first: for a moment
+    the engine would run one request more than the limit."""
+    conn = upstream.connection
+    transport = conn.transport if conn is not None else None
+    sock = transport.get_extra_info("socket") if transport is not None else None
+    if sock is not None:
+        # a duplicate of the socket's descriptor: shutdown acts on the socket itself (the
+        # transport's own socket object does not offer it)
+        with (
+            contextlib.suppress(OSError),
+            socket.fromfd(sock.fileno(), sock.family, sock.type) as dup,
+        ):
+            dup.shutdown(socket.SHUT_RDWR)
+    upstream.close()
 
 
 async def _read_all(
