@@ -581,6 +581,12 @@ async def _generate(request: web.Request, job: _Job) -> web.StreamResponse:
         )
     if job.n > MAX_N:
         return error_response(400, f"'n' must be at most {MAX_N}, got {job.n}", "BadRequestError")
+    # The engine counts this request only after the disconnects it has already seen: aiohttp
+    # learns of a closed connection at once (connection_lost) but delivers it to that
+    # request's handler one event-loop turn later (handler_cancellation), so without this turn
+    # a request that arrived right after another's disconnect would be counted while the gone
+    # one still is, an overlap no engine has (the gone one's abort is the older event).
+    await asyncio.sleep(0)
     seqs: list[Sequence] = []
     index: dict[int, int] = {}
     for p_i, (tokens, fingerprint) in enumerate(job.prompts):
