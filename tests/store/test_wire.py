@@ -66,7 +66,7 @@ async def test_a_reply_that_comes_after_its_caller_gave_up_is_not_given_to_the_n
             with pytest.raises(TimeoutError):
                 async with asyncio.timeout(0.05):
                     await wire.fcall("wt_echo", 0, "first")
-            second = asyncio.create_task(wire.fcall("wt_echo", 0, "second"))
+            second = asyncio.ensure_future(wire.fcall("wt_echo", 0, "second"))
             await asyncio.sleep(0)
         finally:
             server.resume()
@@ -95,10 +95,10 @@ async def test_a_stalled_connection_is_replaced_and_its_waiting_call_fails_as_a_
         assert await wire.fcall("wt_echo", 0, "warm") == b"warm"
         server.pause()
         try:
-            first = asyncio.create_task(wire.fcall("wt_echo", 0, "first"))
+            first = asyncio.ensure_future(wire.fcall("wt_echo", 0, "first"))
             began = time.monotonic()
             await wait_for(lambda: time.monotonic() - began > stall * 1.5, 10, "the stall")
-            second = asyncio.create_task(wire.fcall("wt_echo", 0, "second"))
+            second = asyncio.ensure_future(wire.fcall("wt_echo", 0, "second"))
             with pytest.raises(RedisConnectionError) as caught:
                 async with asyncio.timeout(10):
                     await first
@@ -224,7 +224,7 @@ async def test_closing_fails_a_waiting_call_at_once(server: RedisServer) -> None
     server.pause()
     try:
         # more than the socket buffers hold: unsent bytes stay in the transport
-        waiting = asyncio.create_task(wire.fcall("wt_echo", 0, "x" * 16_000_000))
+        waiting = asyncio.ensure_future(wire.fcall("wt_echo", 0, "x" * 16_000_000))
         await asyncio.sleep(0)
         began = time.monotonic()
         await wire.aclose()
@@ -242,7 +242,7 @@ async def test_closing_during_a_shared_connect_fails_its_callers_as_a_lost_conne
     a cancellation nobody asked for."""
     async with fake_server(b"") as port:
         wire = Wire(f"redis://:pw@127.0.0.1:{port}/0", connect_timeout_s=30.0, stall_s=30.0)
-        calls = [asyncio.create_task(wire.fcall("wt_echo", 0, str(i))) for i in range(2)]
+        calls = [asyncio.ensure_future(wire.fcall("wt_echo", 0, str(i))) for i in range(2)]
         # (the calls' tasks run in order before the first check can see the attempt)
         await wait_for(lambda: wire._connecting is not None, 5, "the connect attempt")
         assert not any(call.done() for call in calls)

@@ -155,6 +155,9 @@ class RedisStore:
         self.controller = controller
         self.prefix = config.key_prefix
         self.pod = f"{socket.gethostname()[:24]}-{os.getpid()}-{secrets.token_hex(3)}"
+        #: the random part of the epochs this replica proposes (a scope's epoch is the one of
+        #: the message that found no state in Redis: this nonce and the message's sequence)
+        self._nonce = secrets.token_hex(6)
         self._client = client
         #: what the Functions calls go on: a :class:`~kvgate.store.wire.Wire` to a single
         #: server, else the redis-py client (a cluster, a TLS setting it does not apply, or
@@ -1026,7 +1029,7 @@ class RedisStore:
             "pod": self.pod,
             "seq": sc.seq,
             "ttl": int(self._ttl * 1e6),
-            "epoch": secrets.token_hex(8),
+            "epoch": f"{self._nonce}.{sc.seq}",
             "pools": pools,
             "buckets": buckets,
         }
@@ -1230,20 +1233,22 @@ class RedisStore:
                     self._on_effective(sc.name, *self.effective(sc.name))
         near_f = self.config.near_fraction
         granted = reply.get("grants") or {}
+        near_pools: list[Pool] = []
         for name, (q, alloc, limit) in (reply.get("pools") or {}).items():
             pool = sc.pools.get(name)
             if pool is None:
                 continue
-            pool.q = pool.rq = int(q)
-            pool.alloc, pool.limit = int(alloc), int(limit)
+            q, alloc, limit = int(q), int(alloc), int(limit)
+            pool.q = pool.rq = q
+            pool.alloc, pool.limit = alloc, limit
             # near: less free than near_fraction of the limit, or than one request of this
             # replica's last size per live replica (an in-flight token budget)
-            pool.near = pool.limit - pool.alloc < max(near_f * pool.limit, sc.live * pool.unit)
-            if pool.near and pool.q > pool.in_use and not granted.get(name):
-                # near the limit: give the headroom back now, not at a heartbeat (but not a
-                # grant this very reply made: with two pools near their limits, each message
-                # would grant one and give the other back, back to back without end)
-                sc.wake = True
+            near = limit - alloc < max(near_f * limit, live * pool.unit)
+            pool.near = near
+            if near and not granted.get(name):
+                # (not a grant this very reply made: with two pools near their limits, each
+                # message would grant one and give the other back, back to back without end)
+                near_pools.append(pool)
         for name, (avail, burst) in (reply.get("buckets") or {}).items():
             b = sc.buckets.get(name)
             if b is not None:
@@ -1295,6 +1300,13 @@ class RedisStore:
         for adm in admits[len(results) :]:
             if not adm.future.done():
                 adm.future.set_result(None)
+        for pool in near_pools:
+            if pool.q > pool.in_use:
+                # near the limit: give the headroom back now, not at a heartbeat (checked once
+                # this reply's admissions are counted in use: the units Redis admitted for a
+                # waiting request are its, not headroom)
+                sc.wake = True
+                break
 
     def _refusal(self, sc: Scope, adm: Admit, why: str, retry_us: float) -> StoreRefusal:
         """Redis's refusal of ``adm`` by its pool or bucket ``why`` (retry in µs, -1: never),

@@ -34,15 +34,37 @@ _AVAIL, _B_TAKEN, _CHUNK, _B_NEAR, _BURST = range(5)
 
 def _ledger_field(kind: str, n: int, doc: str, flag: bool = False) -> Any:
     """A property reading and writing field ``n`` of this object's entry in the ledger
-    (``kind``: ``pool`` or ``bucket``); a ``flag`` reads as a bool."""
-    get_name, set_name = kind + "_get", kind + "_set"
+    (``kind``: ``pool`` or ``bucket``); a ``flag`` reads as a bool. (One closure per kind and
+    flag: a decision in Redis reads and writes some forty fields, each through one of these.)"""
+    if kind == "pool":
+        if flag:
 
-    def get(self: Any) -> Any:
-        value = getattr(self._l, get_name)(self._i, n)
-        return bool(value) if flag else value
+            def get(self: Any) -> Any:
+                return bool(self._l.pool_get(self._i, n))
 
-    def put(self: Any, value: Any) -> None:
-        getattr(self._l, set_name)(self._i, n, (1 if value else 0) if flag else int(value))
+            def put(self: Any, value: Any) -> None:
+                self._l.pool_set(self._i, n, 1 if value else 0)
+        else:
+
+            def get(self: Any) -> Any:
+                return self._l.pool_get(self._i, n)
+
+            def put(self: Any, value: Any) -> None:
+                self._l.pool_set(self._i, n, int(value))
+    elif flag:
+
+        def get(self: Any) -> Any:
+            return bool(self._l.bucket_get(self._i, n))
+
+        def put(self: Any, value: Any) -> None:
+            self._l.bucket_set(self._i, n, 1 if value else 0)
+    else:
+
+        def get(self: Any) -> Any:
+            return self._l.bucket_get(self._i, n)
+
+        def put(self: Any, value: Any) -> None:
+            self._l.bucket_set(self._i, n, int(value))
 
     return property(get, put, doc=doc)
 

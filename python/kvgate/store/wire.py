@@ -34,6 +34,7 @@ import asyncio
 import collections
 import ssl
 import time
+from collections.abc import Awaitable
 from typing import Any, cast
 from urllib.parse import urlsplit
 
@@ -96,6 +97,13 @@ def tls_context(options: dict[str, Any]) -> ssl.SSLContext:
     if options.get("ssl_certfile"):
         ctx.load_cert_chain(options["ssl_certfile"], options.get("ssl_keyfile"))
     return ctx
+
+
+def _failed(exc: Exception) -> asyncio.Future[Any]:
+    """A future that fails with ``exc`` when awaited."""
+    fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+    fut.set_exception(exc)
+    return fut
 
 
 def _pack(*parts: Any) -> bytes:
@@ -195,13 +203,16 @@ class Wire:
         #: connections opened so far (the first included)
         self.connects = 0
 
-    async def fcall(self, function: str, numkeys: int, *keys_and_args: Any) -> Any:
+    def fcall(self, function: str, numkeys: int, *keys_and_args: Any) -> Awaitable[Any]:
         """``FCALL function numkeys key... arg...``: the function's reply (``bytes`` for a
         bulk string, as redis-py without ``decode_responses``). Raises as :meth:`command`."""
-        return await self.command("FCALL", function, numkeys, *keys_and_args)
+        return self.command("FCALL", function, numkeys, *keys_and_args)
 
-    async def command(self, *parts: Any) -> Any:
-        """Any command (``str``, ``bytes``, ``int`` or ``float`` parts): its reply.
+    def command(self, *parts: Any) -> Awaitable[Any]:
+        """Any command (``str``, ``bytes``, ``int`` or ``float`` parts), to be awaited for its
+        reply. On an open connection it is written at once (the awaitable is the reply's
+        future: a decision near a limit pays no coroutine frames around its call); else it
+        is written once a connection is made.
 
         Raises:
             redis.exceptions.ResponseError: Redis answered with an error (a subclass as
@@ -214,8 +225,14 @@ class Wire:
         packed = _pack(*parts)
         proto = self._proto
         if proto is None or proto.closed or self._stalled(proto):
-            proto = await self._connected()
-        return await proto.call(packed)
+            return self._call_connected(packed)
+        try:
+            return proto.call(packed)
+        except RedisConnectionError as exc:  # its transport is closing: raised when awaited
+            return _failed(exc)
+
+    async def _call_connected(self, packed: bytes) -> Any:
+        return await (await self._connected()).call(packed)
 
     def _stalled(self, proto: _Protocol) -> bool:
         if proto.pending and time.monotonic() - proto.pending[0][0] > self._stall:
