@@ -1092,6 +1092,11 @@ class QuotaLedger:
         """A bucket's field."""
     def bucket_set(self, bucket: int, field: int, value: int) -> None:
         """Sets a bucket's field."""
+    def pool_take(self, pool: int, n: int) -> bool:
+        """Takes ``n`` units of ``pool`` for a request the agent decided (in Redis, or from this
+        replica's quota while it waited): ``in_use`` and ``taken`` grow by ``n``, ``unit``
+        becomes ``n``. Whether the quota left is under the low-water mark (half of
+        :meth:`pool_headroom`). Raises ``ValueError`` for an unknown pool."""
     def pool_gives_back(self, pool: int) -> bool:
         """Whether what ``pool`` holds beyond its use goes back to Redis now rather than at the
         next heartbeat: near its limit, or holding more than twice its headroom (the rule of

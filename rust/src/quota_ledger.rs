@@ -385,6 +385,30 @@ impl QuotaLedger {
         })
     }
 
+    /// Takes `n` units (slots, or tokens of an in-flight budget) of pool `i` for a request
+    /// the agent decided (in Redis, or from this replica's quota while the request waited):
+    /// `in_use` and the demand `taken` grow by `n` and `unit` becomes `n`, as for a hold of
+    /// [`Self::try_admit`]. Returns whether the quota left is under the low-water mark (half
+    /// the headroom): then the pool's scope asks Redis for more.
+    ///
+    /// # Errors
+    /// [`LedgerError::BadIndex`] for an unknown pool.
+    pub fn pool_take(&mut self, i: u32, n: i64) -> Result<bool, LedgerError> {
+        if i as usize >= self.pools.len() {
+            return Err(LedgerError::BadIndex("pool", u64::from(i)));
+        }
+        Ok(self.take(i, n))
+    }
+
+    fn take(&mut self, p: u32, n: i64) -> bool {
+        let pool = &mut self.pools[p as usize];
+        pool.in_use += n;
+        pool.taken += n;
+        pool.unit = n;
+        let pool = &self.pools[p as usize];
+        pool.q - pool.in_use < (self.headroom(pool) + 1) / 2
+    }
+
     /// Sets a pool's field ([`pool_field`]; `NEAR`: non-zero = true).
     ///
     /// # Errors
@@ -660,13 +684,8 @@ impl QuotaLedger {
         }
         self.admissions += 1;
         for &(p, n) in &picks {
-            let pool = &mut self.pools[p as usize];
-            pool.in_use += n;
-            pool.taken += n;
-            pool.unit = n;
-            let pool = &self.pools[p as usize];
-            if pool.q - pool.in_use < (self.headroom(pool) + 1) / 2 {
-                self.kicks.push(pool.scope);
+            if self.take(p, n) {
+                self.kicks.push(self.pools[p as usize].scope);
             }
         }
         let mut i = start + 1;
@@ -883,6 +902,27 @@ mod tests {
         l.try_admit(plan, 5, 0.0).unwrap().unwrap();
         assert_eq!(l.pool_get(burst, pool_field::IN_USE).unwrap(), 1);
         assert!(l.take_kicks().is_empty(), "2 left of 3: above the mark");
+    }
+
+    #[test]
+    fn a_take_decided_by_the_agent_counts_like_a_hold_and_tells_the_low_water_mark() {
+        let mut l = QuotaLedger::new(0.0);
+        let s = l.add_scope();
+        let p = l.add_pool(s, 100).unwrap();
+        l.pool_set(p, pool_field::Q, 4).unwrap();
+        // headroom 2 × 3 tokens = 6 → low-water mark 3: 4 - 3 = 1 left is under it
+        assert!(l.pool_take(p, 3).unwrap());
+        assert_eq!(l.pool_get(p, pool_field::IN_USE).unwrap(), 3);
+        assert_eq!(l.pool_get(p, pool_field::TAKEN).unwrap(), 3);
+        assert_eq!(l.pool_get(p, pool_field::UNIT).unwrap(), 3);
+        l.pool_set(p, pool_field::Q, 20).unwrap();
+        // headroom 2 × 1 = 2 → mark 1: 20 - 4 = 16 left is above it
+        assert!(!l.pool_take(p, 1).unwrap());
+        assert_eq!(l.pool_get(p, pool_field::IN_USE).unwrap(), 4);
+        assert_eq!(l.pool_get(p, pool_field::TAKEN).unwrap(), 4);
+        assert_eq!(l.pool_get(p, pool_field::UNIT).unwrap(), 1);
+        assert!(l.pool_take(p + 1, 1).is_err(), "an unknown pool");
+        assert!(l.take_kicks().is_empty(), "the agent kicks, not the ledger");
     }
 
     #[test]

@@ -76,6 +76,42 @@ async def test_a_reply_that_comes_after_its_caller_gave_up_is_not_given_to_the_n
         assert wire.connects == 1  # the connection stayed in use
 
 
+async def test_deadlines_fail_each_call_at_its_own_time_and_late_replies_are_dropped(
+    server: RedisServer,
+) -> None:
+    """Calls given deadlines (:meth:`Wire.expire`) on a Redis that hangs (SIGSTOP): each fails
+    with ``TimeoutError`` at its own deadline (a later one is not failed early, an earlier one
+    given after it is not failed late), a call answered in time is left alone, and once Redis
+    answers the late replies are dropped: the next call gets its own."""
+    async with wire_to(server.url, connect_timeout_s=2.0, stall_s=30.0) as wire:
+        assert await wire.fcall("wt_echo", 0, "warm") == b"warm"
+        answered = wire.fcall("wt_echo", 0, "in time")
+        wire.expire(answered, 5.0)
+        assert await answered == b"in time"
+        loop = asyncio.get_running_loop()
+        server.pause()
+        try:
+            t0 = loop.time()
+            late = wire.fcall("wt_echo", 0, "late")
+            wire.expire(late, 1.0)
+            early = wire.fcall("wt_echo", 0, "early")
+            wire.expire(early, 0.1)  # given after the later deadline: re-arms the timer
+            with pytest.raises(TimeoutError):
+                await early
+            took_early = loop.time() - t0
+            assert not late.done()  # type: ignore[attr-defined]
+            with pytest.raises(TimeoutError):
+                await late
+            took_late = loop.time() - t0
+        finally:
+            server.resume()
+        assert 0.09 <= took_early < 0.9, took_early
+        assert 0.99 <= took_late < 10, took_late
+        async with asyncio.timeout(10):
+            assert await wire.fcall("wt_echo", 0, "next") == b"next"
+        assert wire.connects == 1  # the connection stayed in use
+
+
 async def test_pipelined_calls_each_get_their_own_reply(server: RedisServer) -> None:
     async with wire_to(server.url, connect_timeout_s=2.0, stall_s=30.0) as wire:
         words = [f"w{i}" for i in range(200)]

@@ -485,11 +485,9 @@ class RedisStore:
         background where what is left falls under the low-water mark."""
         self.admissions += 1
         buckets: list[Bucket] = []
+        take = self._ledger.pool_take
         for pool, n in picks:
-            pool.in_use += n
-            pool.taken += n
-            pool.unit = n
-            if pool.q - pool.in_use < (self._headroom(pool) + 1) // 2:
+            if take(pool._i, n):  # under the low-water mark: more is asked for
                 self._kick(pool.scope)
         for part in parts:
             self._active.add(part.scope)
@@ -971,25 +969,31 @@ class RedisStore:
         # everything no one uses; far from it the headroom stays (Redis has room to spare, and
         # the next requests are decided here)
         for name, pool in sc.pools.items():
-            before = pool.q
+            # (the ledger's fields read once and written once: each access is a call)
+            q = before = pool.q
+            in_use = pool.in_use
             if expired:  # our lease ran out (frozen?): re-assert only what runs
-                pool.q = pool.in_use
-            pool.q = max(pool.q, pool.in_use)  # degraded admissions are re-asserted
-            busy = pool.taken or pool.in_use or admits
+                q = in_use
+            q = max(q, in_use)  # degraded admissions are re-asserted
+            busy = in_use or admits or pool.taken
             h = self._headroom(pool) if busy else 0
-            free = pool.q - pool.in_use
+            free = q - in_use
+            grant = 0
             if h == 0:
-                pool.q = pool.in_use
+                q = in_use
             elif free > 2 * h:
-                pool.q = pool.in_use + h
+                q = in_use + h
             elif free < (h + 1) // 2:
-                grants[name] = h - free
-            if pool.q != before or pool.q != pool.rq or name in grants:
+                grant = grants[name] = h - free
+            if q != before:
+                pool.q = q
+            rq = pool.rq
+            if q != before or q != rq or grant:
                 say = True
-            if pool.q or pool.in_use or pool.rq or name in grants:
+            if q or in_use or rq or grant:
                 pools[name] = pool.spec()
                 # what Redis records if this message runs and its reply is lost (a timeout)
-                pool.rq = max(pool.rq, pool.q + grants.get(name, 0))
+                pool.rq = max(rq, q + grant)
         buckets: dict[str, Any] = {}
         debts: dict[str, int] = {}
         wanted: dict[str, int] = {}  # tokens the waiting requests ask of each bucket
@@ -1077,9 +1081,7 @@ class RedisStore:
         if any(b.avail < n for b, n in adm.buckets):
             return False
         for pool, n in picks:
-            pool.in_use += n
-            pool.taken += n
-            pool.unit = n
+            self._ledger.pool_take(pool._i, n)
         for b, n in adm.buckets:
             b.avail -= n  # from the tokens this replica holds, not from the global bucket
         adm.taken = picks
@@ -1113,28 +1115,28 @@ class RedisStore:
         raw: Any = None
         payload = orjson.dumps(msg)
         try:
-            async with asyncio.timeout(deadline):
-                loaded = resent = False
-                while True:
+            call = client.fcall("kvg_sync", 3, key, key + ":live", op, payload)
+            if isinstance(call, asyncio.Future):
+                # the usual case: written already on the store's own open connection (a
+                # Wire), whose one timer bounds the wait (a timeout context per call costs
+                # 20-40 µs of a decision near a limit on this machine's idle CPUs)
+                client.expire(call, deadline)
+                try:
+                    raw = await call
+                except TimeoutError:
+                    raise
+                except Exception as exc:
+                    if not (library_missing(exc) or connection_lost(exc)):
+                        raise
+                    left = max(0.0, deadline - (time.monotonic() - sent))
+                    async with asyncio.timeout(left):
+                        raw = await self._call_again(client, key, op, payload, exc)
+            else:
+                async with asyncio.timeout(deadline):
                     try:
-                        raw = await client.fcall("kvg_sync", 3, key, key + ":live", op, payload)
-                        break
+                        raw = await call
                     except Exception as exc:
-                        if not loaded and library_missing(exc):
-                            # Redis lost the library (restarted empty, FUNCTION FLUSH): the
-                            # call did not run, so the same message goes again once it is loaded
-                            loaded = True
-                            await load_library(self._client, self.config.cluster)
-                        elif not resent and connection_lost(exc):
-                            # the connection was closed (Redis restarted or failed over, or it
-                            # dropped the connection): the same message goes once more, on a
-                            # new connection, within the same deadline; had the first delivery
-                            # run, its operation id makes Redis answer with that delivery's
-                            # reply and change nothing. A timed-out call is never sent again.
-                            resent = True
-                            self.resent += 1
-                        else:
-                            raise
+                        raw = await self._call_again(client, key, op, payload, exc)
         except asyncio.CancelledError:
             # the sender went away (its client disconnected, the replica closes): the call may
             # still run on the server
@@ -1166,6 +1168,33 @@ class RedisStore:
         if self._breaker.succeeded():
             self._closed_again()
         self._apply(sc, reply, sent, admits, debts)
+
+    async def _call_again(
+        self, client: Any, key: str, op: str, payload: bytes, exc: Exception
+    ) -> Any:
+        """The reply of a ``kvg_sync`` call whose first delivery failed with ``exc``, sent once
+        more where that is safe (within the caller's deadline); else ``exc`` is raised."""
+        loaded = resent = False
+        while True:
+            if not loaded and library_missing(exc):
+                # Redis lost the library (restarted empty, FUNCTION FLUSH): the call did not
+                # run, so the same message goes again once it is loaded
+                loaded = True
+                await load_library(self._client, self.config.cluster)
+            elif not resent and connection_lost(exc):
+                # the connection was closed (Redis restarted or failed over, or it dropped the
+                # connection): the same message goes once more, on a new connection, within the
+                # same deadline; had the first delivery run, its operation id makes Redis
+                # answer with that delivery's reply and change nothing. A timed-out call is
+                # never sent again.
+                resent = True
+                self.resent += 1
+            else:
+                raise exc
+            try:
+                return await client.fcall("kvg_sync", 3, key, key + ":live", op, payload)
+            except Exception as again:
+                exc = again
 
     def _unknown_outcome(self, sc: Scope, msg: dict[str, Any], admits: list[Admit]) -> None:
         """A message without a usable reply (failed, timed out, stale, or its sender
@@ -1271,9 +1300,8 @@ class RedisStore:
                 by_name = {p.name: p for _, ps in adm.alts for p in ps}
                 for (n, _), pname in zip(adm.alts, chosen, strict=False):
                     pool = by_name[pname]
-                    pool.in_use += n  # taken for this request here: no one can take it first
-                    pool.taken += n
-                    pool.unit = n
+                    # taken for this request here: no one can take it first
+                    self._ledger.pool_take(pool._i, n)
                     adm.taken.append((pool, n))
                 adm.admitted = True
                 if adm.future.done():  # its caller gave up: the units become quota

@@ -126,6 +126,10 @@ impl PyQuotaLedger {
         self.inner.bucket_set(bucket, field, value).map_err(err)
     }
 
+    fn pool_take(&mut self, pool: u32, n: i64) -> PyResult<bool> {
+        self.inner.pool_take(pool, n).map_err(err)
+    }
+
     fn pool_gives_back(&self, pool: u32) -> PyResult<bool> {
         self.inner.pool_gives_back(pool).map_err(err)
     }
