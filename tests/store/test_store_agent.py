@@ -755,6 +755,49 @@ async def test_a_request_sent_from_its_own_coroutine_waits_at_most_the_deadline_
         await store.close()
 
 
+async def test_a_connection_that_drops_after_the_write_sends_the_message_again_once(
+    redis_server: RedisServer,
+) -> None:
+    """The store's own connection drops with a decision's message written and its reply not
+    yet read (the reply future the store awaits fails as a lost connection): the message goes
+    once more on a new connection within the same deadline, Redis applies it once (its
+    operation id), and the request is admitted in Redis."""
+    from redis.exceptions import ConnectionError as RedisConnectionError
+
+    from kvgate.store import StoreRefusal
+
+    ctl, backend, tenant = limited(1)
+    store = RedisStore(StoreConfig(url=redis_server.url, heartbeat_s=5.0), ctl)
+    await store.start(["b"])
+    proto = store._wire._proto
+    assert proto is not None
+    assert not proto.closed
+    call = proto.call
+    dropped: list[bytes] = []
+
+    def written_then_dropped(packed: bytes) -> Any:
+        fut = call(packed)
+        if not dropped and b'"admits"' in packed:
+            dropped.append(packed)
+            proto.close(RedisConnectionError("Connection closed by server."))
+        return fut
+
+    proto.call = written_then_dropped  # type: ignore[method-assign]
+    client = redis_server.client()
+    try:
+        hold = await store.admit(backend, tenant, "standard", 1)
+        assert dropped, "no admission went to Redis"
+        assert not isinstance(hold, StoreRefusal), hold
+        assert (store.resent, store.degraded_admissions, sum(store.failures.values())) == (1, 0, 0)
+        assert store._wire.connects == 2
+        await idle_lanes(store)
+        assert int(client.hget(store._scope("t", "t").key, f"q|conc|{store.pod}") or 0) == 1
+        refused = await store.admit(backend, tenant, "standard", 1)
+        assert isinstance(refused, StoreRefusal), refused
+    finally:
+        await store.close()
+
+
 async def test_a_message_resent_to_a_redis_that_restarted_empty_loads_the_library_first(
     redis_server: RedisServer,
 ) -> None:
