@@ -123,15 +123,23 @@ def test_admit_python_reference(benchmark) -> None:  # type: ignore[no-untyped-d
     assert lim.in_use == 0
 
 
+def tenant_controller(n_tenants: int) -> tuple[AdmissionController, int]:
+    """A private controller holding ``n_tenants`` tenants (each with its own TPM and
+    concurrency limit, ids ``0..n_tenants-1``) on one backend: (controller, backend id). The
+    local store of the tenant-count part of ``benches/replicas/run.py`` too."""
+    ctl = AdmissionController(tenants=n_tenants, backends=1)
+    b = ctl.add_backend("b", max_concurrency=64, tokens_per_minute=BIG, inflight_token_limit=BIG)
+    for i in range(n_tenants):
+        ctl.add_tenant(f"t{i}", priority="standard", tokens_per_minute=BIG, max_concurrency=64)
+    return ctl, b
+
+
 def _admit_release_tenants(benchmark, n_tenants: int) -> None:  # type: ignore[no-untyped-def]
     """Times ``BATCH`` admit + release(actual) pairs on a private controller holding
     ``n_tenants`` tenants (each with its own TPM and concurrency limit), going round all of them
     (each round starts where the last one stopped), so a large table is not read from a few warm
     cache lines only."""
-    ctl = AdmissionController(tenants=n_tenants, backends=1)
-    b = ctl.add_backend("b", max_concurrency=64, tokens_per_minute=BIG, inflight_token_limit=BIG)
-    for i in range(n_tenants):
-        ctl.add_tenant(f"t{i}", priority="standard", tokens_per_minute=BIG, max_concurrency=64)
+    ctl, b = tenant_controller(n_tenants)
     ids = list(range(n_tenants)) * max(1, -(-BATCH // n_tenants))
     ids += ids[:BATCH]
     admit = ctl.admit

@@ -927,17 +927,10 @@ class MicroResult:
 def local_core(n: int) -> tuple[Any, int]:
     """The local store: an :class:`~kvgate.AdmissionController` holding ``n`` tenants (each with
     its own TPM and concurrency limit) on one backend, as the core's own tenant-count benchmark
-    builds it. Returns (controller, backend id)."""
-    from kvgate import AdmissionController
+    builds it (``benches/bench_core.py``). Returns (controller, backend id)."""
+    from bench_core import tenant_controller
 
-    big = 10**12
-    ctl = AdmissionController(tenants=n, backends=1)
-    b = ctl.add_backend("b", max_concurrency=64, tokens_per_minute=big, inflight_token_limit=big)
-    for i in range(n):
-        ctl.add_tenant(
-            f"tenant-{i}", priority="standard", tokens_per_minute=big, max_concurrency=64
-        )
-    return ctl, b
+    return tenant_controller(n)
 
 
 def core_pairs_ns(core: tuple[Any, int], ids: list[int], tokens: int = 100) -> float:
