@@ -1118,8 +1118,8 @@ class RedisStore:
             call = client.fcall("kvg_sync", 3, key, key + ":live", op, payload)
             if isinstance(call, asyncio.Future):
                 # the usual case: written already on the store's own open connection (a
-                # Wire), whose one timer bounds the wait (a timeout context per call costs
-                # 20-40 µs of a decision near a limit on this machine's idle CPUs)
+                # Wire), whose one timer bounds the wait (a timeout context per call cost a
+                # decision 0.015-0.02 ms more at p50: benches/replicas/wire_ab.py)
                 client.expire(call, deadline)
                 try:
                     raw = await call
