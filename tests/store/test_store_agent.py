@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from pathlib import Path
 from typing import Any
 
@@ -534,6 +535,57 @@ def limited(limit: int) -> tuple[Any, Named, Named]:
     b = ctl.add_backend("b", max_concurrency=64, tokens_per_minute=2**40)
     t = ctl.add_tenant("t", priority="standard", max_concurrency=limit)
     return ctl, Named(b, "b"), Named(t, "t")
+
+
+async def test_a_caller_gone_while_redis_decides_leaves_no_slot_stranded(
+    redis_server: RedisServer,
+) -> None:
+    """At a limit of one, a request's client goes away while Redis decides it (the server is
+    stopped with the message written, then resumed): the call still admits it in Redis, for
+    no request. The replica re-asserts what it holds right behind that call, so the slot is
+    free in Redis at once and the other replica admits its request; before, the slot stayed
+    with the first replica until its next heartbeat (5 s here) and every replica was refused
+    meanwhile."""
+    from kvgate.store import StoreRefusal
+
+    cfg = StoreConfig(url=redis_server.url, heartbeat_s=5.0, deadline_ms=2000)
+    ctl, backend, tenant = limited(1)
+    one = RedisStore(cfg, ctl)
+    other_ctl, other_backend, other_tenant = limited(1)
+    other = RedisStore(cfg, other_ctl)
+    await one.start(["b"])
+    await other.start(["b"])
+    client = redis_server.client()
+    loop = asyncio.get_running_loop()
+    try:
+        for _ in range(3):
+            redis_server.pause()
+            try:
+                task = asyncio.create_task(one.admit(backend, tenant, "standard", 1))
+                give_up = loop.time() + 10
+                while not (one._wire._proto is not None and one._wire._proto.pending):
+                    assert loop.time() < give_up, "the decision was never written"
+                    await asyncio.sleep(0.001)
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+            finally:
+                redis_server.resume()
+            await idle_lanes(one)
+            key = one._scope("t", "t").key
+            assert int(client.hget(key, f"q|conc|{one.pod}") or 0) == 0
+            began = loop.time()
+            hold = other.try_admit(other_backend, other_tenant, "standard", 1)
+            if hold is None:
+                hold = await other.admit(other_backend, other_tenant, "standard", 1)
+            assert not isinstance(hold, StoreRefusal), hold
+            assert loop.time() - began < 2.5  # well under the 5 s heartbeat
+            other.release(hold, 1, 1)
+            await other.flushed()
+            await idle_lanes(other)
+    finally:
+        await one.close()
+        await other.close()
 
 
 async def test_flushed_returns_once_redis_applied_the_slot_given_back(

@@ -1139,8 +1139,12 @@ class RedisStore:
                         raw = await self._call_again(client, key, op, payload, exc)
         except asyncio.CancelledError:
             # the sender went away (its client disconnected, the replica closes): the call may
-            # still run on the server
+            # still run on the server and give this replica units no request uses; the next
+            # message, right behind it on the connection, re-asserts what the replica holds
+            # (near a limit those units would otherwise be refused to every replica until the
+            # next heartbeat)
             self._unknown_outcome(sc, msg, admits)
+            sc.wake = True
             raise
         except TimeoutError:
             kind = "timeout"
