@@ -537,6 +537,32 @@ def limited(limit: int) -> tuple[Any, Named, Named]:
     return ctl, Named(b, "b"), Named(t, "t")
 
 
+async def admit_and_release(store: RedisStore, backend: Named, tenant: Named) -> None:
+    """``store`` admits one request of ``tenant`` (here or in Redis; a refusal fails the
+    test), gives it back, and waits until the message that gives it back is answered."""
+    from kvgate.store import StoreRefusal
+
+    hold = store.try_admit(backend, tenant, "standard", 1)
+    if hold is None:
+        hold = await store.admit(backend, tenant, "standard", 1)
+    assert not isinstance(hold, StoreRefusal), hold
+    store.release(hold, 1, 1)
+    await store.flushed()
+    await idle_lanes(store)
+
+
+async def applied_once(store: RedisStore, client: Any, backend: Named, tenant: Named) -> None:
+    """After a message that admitted one request of ``tenant`` was delivered twice: Redis
+    records one slot for this replica (the second delivery changed nothing), and the limit of
+    one holds (the next request is refused)."""
+    from kvgate.store import StoreRefusal
+
+    await idle_lanes(store)
+    assert int(client.hget(store._scope("t", "t").key, f"q|conc|{store.pod}") or 0) == 1
+    refused = await store.admit(backend, tenant, "standard", 1)
+    assert isinstance(refused, StoreRefusal), refused
+
+
 async def test_a_caller_gone_while_redis_decides_leaves_no_slot_stranded(
     redis_server: RedisServer,
 ) -> None:
@@ -546,7 +572,6 @@ async def test_a_caller_gone_while_redis_decides_leaves_no_slot_stranded(
     free in Redis at once and the other replica admits its request; before, the slot stayed
     with the first replica until its next heartbeat (5 s here) and every replica was refused
     meanwhile."""
-    from kvgate.store import StoreRefusal
 
     cfg = StoreConfig(url=redis_server.url, heartbeat_s=5.0, deadline_ms=2000)
     ctl, backend, tenant = limited(1)
@@ -575,14 +600,8 @@ async def test_a_caller_gone_while_redis_decides_leaves_no_slot_stranded(
             key = one._scope("t", "t").key
             assert int(client.hget(key, f"q|conc|{one.pod}") or 0) == 0
             began = loop.time()
-            hold = other.try_admit(other_backend, other_tenant, "standard", 1)
-            if hold is None:
-                hold = await other.admit(other_backend, other_tenant, "standard", 1)
-            assert not isinstance(hold, StoreRefusal), hold
+            await admit_and_release(other, other_backend, other_tenant)
             assert loop.time() - began < 2.5  # well under the 5 s heartbeat
-            other.release(hold, 1, 1)
-            await other.flushed()
-            await idle_lanes(other)
     finally:
         await one.close()
         await other.close()
@@ -622,13 +641,7 @@ async def test_flushed_returns_once_redis_applied_the_slot_given_back(
             assert one.unsent
             await one.flushed()
             one._wire.fcall = fcall
-            nxt = other.try_admit(other_backend, other_tenant, "standard", 1)
-            if nxt is None:
-                nxt = await other.admit(other_backend, other_tenant, "standard", 1)
-            assert not isinstance(nxt, StoreRefusal), nxt
-            other.release(nxt, 1, 1)
-            await other.flushed()
-            await idle_lanes(other)
+            await admit_and_release(other, other_backend, other_tenant)
     finally:
         await one.close()
         await other.close()
@@ -667,11 +680,7 @@ async def test_a_message_whose_connection_closed_goes_again_and_is_applied_once(
         assert store.resent == 1
         assert store.degraded_admissions == 0
         assert sum(store.failures.values()) == 0
-        # applied once: Redis records one slot for this replica, and the limit holds
-        await idle_lanes(store)
-        assert int(client.hget(store._scope("t", "t").key, f"q|conc|{store.pod}") or 0) == 1
-        refused = await store.admit(backend, tenant, "standard", 1)
-        assert isinstance(refused, StoreRefusal), refused
+        await applied_once(store, client, backend, tenant)
     finally:
         await store.close()
 
@@ -842,10 +851,7 @@ async def test_a_connection_that_drops_after_the_write_sends_the_message_again_o
         assert not isinstance(hold, StoreRefusal), hold
         assert (store.resent, store.degraded_admissions, sum(store.failures.values())) == (1, 0, 0)
         assert store._wire.connects == 2
-        await idle_lanes(store)
-        assert int(client.hget(store._scope("t", "t").key, f"q|conc|{store.pod}") or 0) == 1
-        refused = await store.admit(backend, tenant, "standard", 1)
-        assert isinstance(refused, StoreRefusal), refused
+        await applied_once(store, client, backend, tenant)
     finally:
         await store.close()
 

@@ -10,6 +10,8 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvgate._core import QuotaLedger
+
 __all__ = [
     "BURST",
     "GUARANTEE",
@@ -34,37 +36,24 @@ _AVAIL, _B_TAKEN, _CHUNK, _B_NEAR, _BURST = range(5)
 
 def _ledger_field(kind: str, n: int, doc: str, flag: bool = False) -> Any:
     """A property reading and writing field ``n`` of this object's entry in the ledger
-    (``kind``: ``pool`` or ``bucket``); a ``flag`` reads as a bool. (One closure per kind and
-    flag: a decision in Redis reads and writes some forty fields, each through one of these.)"""
-    if kind == "pool":
-        if flag:
-
-            def get(self: Any) -> Any:
-                return bool(self._l.pool_get(self._i, n))
-
-            def put(self: Any, value: Any) -> None:
-                self._l.pool_set(self._i, n, 1 if value else 0)
-        else:
-
-            def get(self: Any) -> Any:
-                return self._l.pool_get(self._i, n)
-
-            def put(self: Any, value: Any) -> None:
-                self._l.pool_set(self._i, n, int(value))
-    elif flag:
+    (``kind``: ``pool`` or ``bucket``); a ``flag`` reads as a bool. (The ledger's methods are
+    looked up once, here: a decision in Redis reads and writes some forty fields.)"""
+    ledger_get = getattr(QuotaLedger, kind + "_get")
+    ledger_set = getattr(QuotaLedger, kind + "_set")
+    if flag:
 
         def get(self: Any) -> Any:
-            return bool(self._l.bucket_get(self._i, n))
+            return bool(ledger_get(self._l, self._i, n))
 
         def put(self: Any, value: Any) -> None:
-            self._l.bucket_set(self._i, n, 1 if value else 0)
+            ledger_set(self._l, self._i, n, 1 if value else 0)
     else:
 
         def get(self: Any) -> Any:
-            return self._l.bucket_get(self._i, n)
+            return ledger_get(self._l, self._i, n)
 
         def put(self: Any, value: Any) -> None:
-            self._l.bucket_set(self._i, n, int(value))
+            ledger_set(self._l, self._i, n, int(value))
 
     return property(get, put, doc=doc)
 
