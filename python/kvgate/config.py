@@ -33,6 +33,7 @@ Cross-field rules (checked once the fields themselves are valid), each with its 
 from __future__ import annotations
 
 import difflib
+import json
 import os
 import re
 import typing
@@ -65,6 +66,7 @@ __all__ = [
     "Config",
     "ConfigError",
     "ListenConfig",
+    "MetricsConfig",
     "ModelConfig",
     "QueueConfig",
     "TLSConfig",
@@ -483,6 +485,20 @@ class AccessLogConfig(_Model):
         return str(path.resolve())
 
 
+class MetricsConfig(_Model):
+    """The Prometheus metrics of ``GET /metrics``.
+
+    ``tenant_labels``: the most tenants whose names label the per-tenant series
+    (``kvgate_requests_total``, ``kvgate_tenant_requests_total``, ``kvgate_tenant_tokens_total``,
+    ``kvgate_tenant_usage_tokens_total``). With more tenants configured than that, those series
+    carry ``tenant="*"`` (every tenant summed) and each tenant's requests and tokens are in
+    ``GET /admin/usage``: every tenant label value is a series a scrape writes out and Prometheus
+    stores, and 100,000 of them (several series each) make a scrape take seconds. 0: never by
+    tenant. Applied again on reload."""
+
+    tenant_labels: Int = Field(1000, ge=0, le=MAX_AMOUNT)
+
+
 class ClassTargetConfig(_Model):
     """A priority class's latency targets (seconds; ``None``: no target): the 99th percentile
     of its time to first token and of its time per output token."""
@@ -677,6 +693,7 @@ class Config(_Model):
     mode: Mode = "enforce"
     other_routes: Literal["refuse", "forward"] = "refuse"
     access_log: AccessLogConfig = AccessLogConfig()
+    metrics: MetricsConfig = MetricsConfig()
     store: StoreConfig | None = None
     slo: SloConfig | None = None
     tracing: TracingConfig | None = None
@@ -983,6 +1000,35 @@ for _loader in (_UniqueKeyLoader, _FastUniqueKeyLoader):
     )
 
 
+_NOT_JSON = object()
+
+
+class _DuplicateKey(ValueError):
+    pass
+
+
+def _unique_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        raise _DuplicateKey
+    return out
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _json_object(text: str) -> Any:
+    """``text`` parsed as a JSON object with unique keys, else :data:`_NOT_JSON` (YAML then
+    parses it, and words any error with its line and column: a duplicate key included)."""
+    if not text.lstrip().startswith("{"):
+        return _NOT_JSON
+    try:
+        return json.loads(text, object_pairs_hook=_unique_pairs, parse_constant=_no_constant)
+    except ValueError:  # not JSON (YAML's flow style, say), a duplicate key, NaN
+        return _NOT_JSON
+
+
 def parse_config(
     data: Any,
     *,
@@ -1030,6 +1076,11 @@ def load_config(path: str | Path, *, env: Mapping[str, str] | None = None) -> Co
     Raises:
         ConfigError: the file cannot be read, is not YAML (with line and column), or any field
             is invalid (every bad field listed with its path).
+
+    A file that is a JSON object (JSON is YAML too) is read by the standard library's JSON
+    parser: the same document, several times faster and in a third of the memory (100,000
+    tenants: 1.4 s against 12.7 s and 185 MB against 530 MB at the peak, validation included;
+    ``benches/tenants/run.py``).
     """
     path = Path(path)
     source = str(path)
@@ -1038,6 +1089,9 @@ def load_config(path: str | Path, *, env: Mapping[str, str] | None = None) -> Co
     except (OSError, UnicodeDecodeError) as exc:
         reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
         raise ConfigError([("", f"cannot read the file: {reason}")], source) from None
+    data = _json_object(text)
+    if data is not _NOT_JSON:
+        return parse_config(data, env=env, base_dir=path.parent.resolve(), source=source)
     try:
         try:
             data = yaml.load(text, Loader=_FastUniqueKeyLoader)  # SafeLoader kin: no objects

@@ -371,6 +371,7 @@ def _set_tenants(gateway: Gateway, config: Config) -> None:
     anonymous_name = config.anonymous_tenant or ("anonymous" if not config.tenants else None)
     anonymous = next((t for t in tenants if t.name == anonymous_name), None)
     gateway.set_tenants(tenants, anonymous)
+    gateway.metrics.label_tenants(len(tenants), config.metrics.tenant_labels)
 
 
 def apply_config(gateway: Gateway, new: Config) -> None:

@@ -23,7 +23,11 @@ from kvgate.usage import UsageLedger
 if TYPE_CHECKING:
     from kvgate.proxy.relay import RelayResult
 
-__all__ = ["FLUSH_SECONDS", "GatewayMetrics"]
+__all__ = ["ALL_TENANTS", "FLUSH_SECONDS", "GatewayMetrics"]
+
+#: The ``tenant`` label of the per-tenant series when more tenants are configured than
+#: ``metrics.tenant_labels``: every tenant's requests and tokens summed in one series.
+ALL_TENANTS = "*"
 
 #: How often the app adds the batched per-request counts to the Prometheus metrics (seconds).
 FLUSH_SECONDS = 1.0
@@ -197,6 +201,9 @@ class GatewayMetrics:
         leaks: Callable[[], int],
     ) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
+        #: whether the per-tenant series carry each tenant's name, or :data:`ALL_TENANTS` (every
+        #: tenant summed): :meth:`label_tenants` sets it from the configuration
+        self.per_tenant = True
         self._multiproc = bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
         reg = self.registry
         self.requests = Counter(
@@ -398,6 +405,13 @@ class GatewayMetrics:
         self.stage_gauges = _AdmissionStagesCollector()
         reg.register(self.stage_gauges)
 
+    def label_tenants(self, tenants: int, limit: int) -> None:
+        """Label the per-tenant series by tenant name while ``tenants`` (the tenants configured)
+        ≤ ``limit`` (config ``metrics.tenant_labels``), else by :data:`ALL_TENANTS` (start-up and
+        reload). Requests already batched are labelled the new way at the next flush; series
+        already exported stay (a counter does not go back)."""
+        self.per_tenant = tenants <= limit
+
     def init_backends(self, names: Iterable[str]) -> None:
         """Give every backend its samples from start-up: ``kvgate_shedding{class="sheddable"}``
         and ``kvgate_metrics_stale`` at 0, ``kvgate_metrics_scrape_errors_total`` at 0 (else a
@@ -455,11 +469,13 @@ class GatewayMetrics:
         admits, self._admits = self._admits, []
         settles, self._settles = self._settles, []
         count, observe, use = self._count, self._observe, self._use
+        per_tenant = self.per_tenant
         for backend, tenant, model, reason, seconds in rejects:
+            label = tenant if per_tenant else ALL_TENANTS
             count(self.rejections, (backend, reason))
-            count(self.requests, (backend, tenant, "rejected"))
+            count(self.requests, (backend, label, "rejected"))
             observe(self.admission_seconds, (), seconds)
-            use(tenant, model, "rejected", 0, 0)
+            use(tenant, label, model, "rejected", 0, 0)
         for backend, reserved, seconds in admits:
             count(self.tokens_reserved, (backend,), reserved)
             observe(self.admission_seconds, (), seconds)
@@ -473,22 +489,26 @@ class GatewayMetrics:
                 observe(self.usage_ratio, labels, actual / reserved)
             # the charge split: the prompt first (the engine's count, else kvgate's), the rest
             # completion; a request charged nothing used nothing
-            count(self.tenant_tokens, (tenant,), actual)
+            label = tenant if per_tenant else ALL_TENANTS
+            count(self.tenant_tokens, (label,), actual)
             prompt = min(prompt, actual)
-            use(tenant, model, outcome, prompt, actual - prompt)
+            use(tenant, label, model, outcome, prompt, actual - prompt)
             if ttft is not None:
                 observe(self.ttft_seconds, (backend, cls), ttft)
-            count(self.requests, (backend, tenant, outcome))
+            count(self.requests, (backend, label, outcome))
 
-    def _use(self, tenant: str, model: str, outcome: str, prompt: int, completion: int) -> None:
+    def _use(
+        self, tenant: str, label: str, model: str, outcome: str, prompt: int, completion: int
+    ) -> None:
         """One request of ``tenant`` on ``model`` with ``outcome``, charged ``prompt`` and
-        ``completion`` tokens: the tenant usage counters and the usage ledger's batch."""
+        ``completion`` tokens: the tenant usage counters (labelled ``label``: the tenant's name,
+        or :data:`ALL_TENANTS`) and the usage ledger's batch (by the tenant's name)."""
         count = self._count
-        count(self.tenant_requests, (tenant, model, outcome))
+        count(self.tenant_requests, (label, model, outcome))
         if prompt:
-            count(self.tenant_usage_tokens, (tenant, model, "prompt"), prompt)
+            count(self.tenant_usage_tokens, (label, model, "prompt"), prompt)
         if completion:
-            count(self.tenant_usage_tokens, (tenant, model, "completion"), completion)
+            count(self.tenant_usage_tokens, (label, model, "completion"), completion)
         key = (tenant, model, outcome)
         row = self._usage.get(key)
         if row is None:
@@ -501,16 +521,11 @@ class GatewayMetrics:
     def request_done(self, backend: Any, tenant: Any, outcome: str, model: Any = None) -> None:
         """Count a finished request (``backend``/``tenant``/``model`` may be ``None`` before
         routing; a request without a tenant is in no tenant's usage)."""
-        self._count(
-            self.requests,
-            (
-                backend.name if backend is not None else "",
-                tenant.name if tenant is not None else "",
-                outcome,
-            ),
-        )
+        name = tenant.name if tenant is not None else ""
+        label = name if self.per_tenant or tenant is None else ALL_TENANTS
+        self._count(self.requests, (backend.name if backend is not None else "", label, outcome))
         if tenant is not None:
-            self._use(tenant.name, model.name if model is not None else "", outcome, 0, 0)
+            self._use(name, label, model.name if model is not None else "", outcome, 0, 0)
 
     def rejected(
         self, backend: Any, tenant: Any, reason: str, seconds: float, model: Any = None

@@ -179,6 +179,11 @@ def metrics_page() -> str:
         "`slo` targets, `kvgate_prefill_*` for backends with a prefill budget. Counters carry the",
         "`_total` suffix; histograms `_bucket`, `_sum`, `_count`.",
         "",
+        "The `tenant` label carries each tenant's name while the configuration holds at most",
+        "`metrics.tenant_labels` tenants (1,000 by default); with more, it is `*` (every tenant",
+        "summed), so a scrape stays the same size whatever the tenants that sent requests, and",
+        "each tenant's requests and tokens are read from `GET /admin/usage`.",
+        "",
         "| series | type | labels | meaning |",
         "|---|---|---|---|",
     ]

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,7 @@ from kvgate.server import run_gateway
 from kvgate.sim import SimConfig, run_sim
 
 from .conftest import sha
-from .helpers import until
+from .helpers import get_text, metric, until
 
 TPM = 120  # about 15 tokens a request: a charge stays visible for seconds
 
@@ -176,3 +177,59 @@ async def test_ten_thousand_tenants_in_a_shared_memory_region() -> None:
         await until(lambda: master.backend_state(0)["in_use"] == 0)
         del gateway, ctl
         logging.getLogger(__name__).debug("region of %d bytes", master.region_bytes)
+
+
+async def test_a_hundred_thousand_tenants_keep_scrapes_and_the_dashboard_small(
+    tmp_path: Path,
+) -> None:
+    """With more tenants than ``metrics.tenant_labels`` (default 1,000) the per-tenant series
+    carry ``tenant="*"``: a scrape's size does not grow with the tenants that sent requests
+    (100,000 tenants each with its own series made one take seconds and 90 MB). Each tenant's
+    usage stays in /admin/usage and the dashboard, which reads only its top tenants."""
+    sim_cfg = SimConfig.from_profile("tiny", speed=5, seed=4)
+    model = sim_cfg.model
+    names = [f"t{i}" for i in range(100_000)]
+    used = names[::2_500]  # 40 tenants
+    path = tmp_path / "kvgate.json"
+    async with run_sim(sim_cfg) as sim:
+        path.write_text(json.dumps(scale_config(sim.url, model, names)))
+        gateway = build_gateway(load_config(path), config_path=str(path), poll=False)
+        ctl = gateway.controller
+        assert gateway.metrics.per_tenant is False
+        async with run_gateway(gateway) as url:
+            for n in used:
+                await ask(url, f"sk-{n}", model)
+            for n in used:
+                await until(lambda n=n: charged(ctl, n))
+            text = await get_text(url + "/metrics")
+            assert re.search(r'tenant="t\d', text) is None
+            assert metric(text, "kvgate_tenant_requests_total", tenant="*") == len(used)
+            assert metric(text, "kvgate_requests_total", tenant="*", outcome="ok") == len(used)
+            charged_tokens = metric(text, "kvgate_tenant_tokens_total", tenant="*")
+            assert charged_tokens is not None
+            assert charged_tokens > 0
+            assert len(text) < 64_000, len(text)
+
+            usage = json.loads(await get_text(url + "/admin/usage"))
+            by_tenant = {row["tenant"]: row for row in usage["data"]}
+            assert by_tenant.keys() == set(used)
+            assert all(row["requests"] == 1 for row in by_tenant.values())
+            spent = {n: r["prompt_tokens"] + r["completion_tokens"] for n, r in by_tenant.items()}
+            assert sum(spent.values()) == charged_tokens
+
+            data = json.loads(await get_text(url + "/dashboard/data"))
+            top = sorted(spent.items(), key=lambda kv: (-kv[1], kv[0]))[:10]
+            assert [(t["name"], t["tokens"]) for t in data["tenants"]] == top
+            assert all(t["in_use"] == 0 for t in data["tenants"])
+
+            # a reload that allows 100,000 labels: the next requests carry their tenant's name
+            cfg = scale_config(sim.url, model, names)
+            cfg["metrics"] = {"tenant_labels": 100_000}
+            path.write_text(json.dumps(cfg))
+            assert gateway.reload() is True
+            assert gateway.metrics.per_tenant is True
+            await ask(url, "sk-t7", model)
+            await until(lambda: charged(ctl, "t7"))
+            text = await get_text(url + "/metrics")
+            assert metric(text, "kvgate_tenant_requests_total", tenant="t7") == 1
+            assert metric(text, "kvgate_tenant_requests_total", tenant="*") == len(used)
