@@ -15,7 +15,7 @@ import hmac
 import logging
 import time
 import urllib.parse
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -358,9 +358,9 @@ async def handle_admin_usage(gw: Gateway, request: web.BaseRequest) -> Reply:
     return usage_reply(gw.metrics.usage, request)
 
 
-def admin_state(gw: Gateway) -> dict[str, Any]:
+def admin_state(gw: Gateway, tenants: Iterable[Tenant] | None = None) -> dict[str, Any]:
     """The document ``GET /admin/state`` answers (see :func:`handle_admin_state`); also the
-    source of ``GET /dashboard/data``."""
+    source of ``GET /dashboard/data``, which lists only ``tenants`` (``None``: every tenant)."""
     backends = []
     for b in gw.backends:
         st = dict(gw.controller.backend_state(b.id))
@@ -378,18 +378,18 @@ def admin_state(gw: Gateway) -> dict[str, Any]:
         if found is not None:
             st["discovered"] = found.as_dict()
         backends.append(st)
-    tenants = []
-    for t in gw.tenants:
+    rows = []
+    for t in gw.tenants if tenants is None else tenants:
         st = dict(gw.controller.tenant_state(t.id))
         st.update(
             name=t.name,
             priority=t.priority,
             queue_depth=gw.queue.tenant_depth(t.name) if gw.queue is not None else 0,
         )
-        tenants.append(st)
+        rows.append(st)
     return {
         "backends": backends,
-        "tenants": tenants,
+        "tenants": rows,
         "store": gw.store.state(),
         "prefill": {name: gate.state() for name, gate in gw.prefill.items()},
         "slo": gw.slo.state() if gw.slo is not None else None,
@@ -494,16 +494,24 @@ async def handle_dashboard_asset(gw: Gateway, request: web.BaseRequest) -> Reply
 
 async def handle_dashboard_data(gw: Gateway, request: web.BaseRequest) -> Reply:
     """``GET /dashboard/data``: the live view's JSON (:func:`kvgate.dashboard.dashboard_data`),
-    built from :func:`admin_state`, the metric families (summed over workers) and this
-    worker's wait queue. Needs the admin key (Bearer header or the dashboard's cookie) when
+    built from :func:`admin_state` (the top tenants by tokens only), the metric families
+    (summed over workers; with tenant-less series, the tokens per tenant are this worker's
+    usage ledger's) and this worker's wait queue. Needs the admin key (Bearer header or the dashboard's cookie) when
     ``admin_key_sha256`` is configured, else 401 ``invalid_api_key``."""
     if not admin_key_ok(gw, _dashboard_key(request)):
         return admin_refusal(request)
+    families = gw.metrics.families()  # flushes this process's batches into the usage ledger
+    tokens = (
+        dashboard.tenant_tokens(families)
+        if gw.metrics.per_tenant
+        else gw.metrics.usage.tenant_tokens
+    )
     data = dashboard.dashboard_data(
-        admin_state(gw),
-        gw.metrics.families(),
+        admin_state(gw, dashboard.top_tenants(gw.tenants, tokens)),
+        families,
         gw.queue.backend_depths() if gw.queue is not None else {},
         time.time(),
+        tokens,
     )
     return web.Response(
         body=orjson.dumps(data, option=orjson.OPT_NON_STR_KEYS),

@@ -7,9 +7,12 @@ tokens charged (what the tenant's buckets were charged at settlement: the engine
 kvgate's own count when the engine gave none; a refusal charges nothing). A request counts in
 the minute it was folded, at most :data:`kvgate.metrics.FLUSH_SECONDS` after it ended.
 
-Memory is bounded: at most :data:`MAX_MINUTES` buckets (7 days) are kept, the oldest dropped
-first, each holding one entry (about 200 bytes) per tenant × model × outcome seen in that
-minute. Each worker process of ``--workers N`` keeps its own ledger and answers for itself.
+Memory is bounded: at most :data:`MAX_MINUTES` buckets (7 days) and :data:`MAX_ROWS` rows in
+all are kept, the oldest minutes dropped first (the answer's ``oldest_bucket`` says where what
+is kept starts), each bucket holding one row (about 250 bytes) per tenant × model × outcome seen
+in that minute: a few tenants keep 7 days, 100,000 tenants active every minute keep the last
+few minutes. Each worker process of ``--workers N`` keeps its own ledger and answers for
+itself.
 """
 
 from __future__ import annotations
@@ -34,6 +37,9 @@ __all__ = ["BUCKET_SECONDS", "MAX_MINUTES", "UsageLedger", "parse_time", "usage_
 BUCKET_SECONDS = 60
 #: The most buckets kept (7 days of minutes); the oldest go first.
 MAX_MINUTES = 7 * 24 * 60
+#: The most rows kept over all buckets (about 250 MB); the oldest minutes go first, never the
+#: current one.
+MAX_ROWS = 1_000_000
 
 #: The CSV columns (and the keys of each JSON row), in order.
 COLUMNS = ("tenant", "model", "outcome", "requests", "prompt_tokens", "completion_tokens")
@@ -48,17 +54,33 @@ class UsageLedger:
     Args:
         clock: the wall clock (Unix seconds); tests move it to place requests in minutes.
         max_minutes: the most buckets kept (oldest dropped first).
+        max_rows: the most rows kept over all buckets (the oldest minutes dropped first, never
+            the current one).
     """
 
     def __init__(
-        self, clock: Callable[[], float] = time.time, max_minutes: int = MAX_MINUTES
+        self,
+        clock: Callable[[], float] = time.time,
+        max_minutes: int = MAX_MINUTES,
+        max_rows: int = MAX_ROWS,
     ) -> None:
         self.clock = clock
         self.max_minutes = max_minutes
+        self.max_rows = max_rows
         #: Unix seconds when the ledger started (the default ``from`` of a query)
         self.started = clock()
+        #: tenant name → tokens charged since start (prompt + completion; never dropped: one
+        #: entry per tenant seen)
+        self.tenant_tokens: dict[str, int] = {}
         # minute index (Unix seconds // 60) → key → [requests, prompt tokens, completion tokens]
         self._minutes: dict[int, dict[Key, list[int]]] = {}
+        self._rows = 0  # rows in all buckets
+
+    @property
+    def rows(self) -> int:
+        """Rows kept over all buckets (≤ :attr:`max_rows`, unless the current minute alone
+        holds more)."""
+        return self._rows
 
     def add(self, rows: dict[Key, list[int]]) -> None:
         """Add a batch of ``{key: [requests, prompt_tokens, completion_tokens]}`` to the
@@ -70,15 +92,30 @@ class UsageLedger:
         if bucket is None:
             bucket = self._minutes[minute] = {}
             while len(self._minutes) > self.max_minutes:
-                del self._minutes[min(self._minutes)]
+                self._drop_oldest()
+        tokens = self.tenant_tokens
         for key, (requests, prompt, completion) in rows.items():
             row = bucket.get(key)
             if row is None:
                 bucket[key] = [requests, prompt, completion]
+                self._rows += 1
             else:
                 row[0] += requests
                 row[1] += prompt
                 row[2] += completion
+            if prompt or completion:
+                tokens[key[0]] = tokens.get(key[0], 0) + prompt + completion
+        while self._rows > self.max_rows and len(self._minutes) > 1:
+            if not self._drop_oldest(keep=minute):
+                break
+
+    def _drop_oldest(self, keep: int | None = None) -> bool:
+        """Drop the oldest bucket unless it is minute ``keep``; whether one was dropped."""
+        oldest = min(self._minutes)
+        if oldest == keep:
+            return False
+        self._rows -= len(self._minutes.pop(oldest))
+        return True
 
     @property
     def oldest(self) -> float | None:

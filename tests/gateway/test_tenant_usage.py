@@ -279,6 +279,27 @@ def test_the_ledger_keeps_at_most_max_minutes_buckets() -> None:
     assert ledger.totals(T0 + 180, T0 + 240) == {("alice", "m", "ok"): [1, 10, 5]}
 
 
+def test_the_ledger_keeps_at_most_max_rows_dropping_the_oldest_minutes_never_the_current() -> None:
+    now = [float(T0)]
+    ledger = UsageLedger(clock=lambda: now[0], max_rows=5)
+    for minute in range(3):  # 2 rows a minute: 6 > 5, minute 0 goes
+        now[0] = T0 + 60 * minute + 1
+        ledger.add({("a", "m", "ok"): [1, 10, 5], (f"t{minute}", "m", "ok"): [1, 1, 1]})
+    assert ledger.rows == 4
+    assert ledger.oldest == T0 + 60
+    assert ledger.totals(0, float("inf"))[("a", "m", "ok")] == [2, 20, 10]
+    # a minute with more rows than the whole ledger may hold keeps them all (and only them)
+    now[0] = T0 + 180 + 1
+    ledger.add({(f"u{i}", "m", "ok"): [1, 2, 3] for i in range(8)})
+    assert ledger.rows == 8
+    assert ledger.oldest == T0 + 180
+    # the tokens per tenant since start are kept whatever minutes were dropped
+    assert ledger.tenant_tokens["a"] == 45
+    assert ledger.tenant_tokens["t0"] == 2
+    assert ledger.tenant_tokens["u7"] == 5
+    assert ledger.tenant_tokens.keys() == {"a", "t0", "t1", "t2", *(f"u{i}" for i in range(8))}
+
+
 def test_csv_quotes_fields_as_rfc_4180_says() -> None:
     ledger = UsageLedger(clock=lambda: float(T0))
     ledger.started = float(T0)

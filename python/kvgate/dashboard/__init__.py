@@ -6,7 +6,10 @@ browser).
 :func:`dashboard_data` builds ``GET /dashboard/data`` from what the gateway already knows: the
 ``/admin/state`` document (limits, scale, in-use, KV usage, prefill budget, latency targets,
 store) and the Prometheus metric families (refusals by reason, TTFT histograms by class,
-tokens per tenant). Counters and histogram buckets are sent cumulative; the page turns them
+tokens per tenant — or, with more tenants than ``metrics.tenant_labels``, this process's own
+count of tokens per tenant: the series then carry no tenant names). Only the
+:data:`TOP_TENANTS` tenants are read from the core, so the poll costs the same with 100,000
+tenants as with 10 (ranking them aside). Counters and histogram buckets are sent cumulative; the page turns them
 into rates and windowed quantiles from one poll to the next, so a page opened late or reloaded
 loses nothing the gateway counted.
 
@@ -21,8 +24,9 @@ replica checks it the way it checks a Bearer header, with no session state to sh
 
 from __future__ import annotations
 
+import heapq
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping
 from importlib import resources
 from typing import Any
 
@@ -34,6 +38,8 @@ __all__ = [
     "TOP_TENANTS",
     "asset",
     "dashboard_data",
+    "tenant_tokens",
+    "top_tenants",
 ]
 
 #: The cookie that carries the admin key for ``/dashboard`` and ``/dashboard/data``.
@@ -90,11 +96,33 @@ def _finite(value: Any) -> Any:
     return value
 
 
+def tenant_tokens(families: Iterable[Any]) -> dict[str, float]:
+    """Tokens charged per tenant name (cumulative) from the ``kvgate_tenant_tokens_total``
+    samples of ``families`` (prometheus_client ``Metric`` objects)."""
+    tokens: dict[str, float] = {}
+    for name, labels, value in _samples(families):
+        if name == "kvgate_tenant_tokens_total":
+            tokens[labels["tenant"]] = tokens.get(labels["tenant"], 0) + value
+    return tokens
+
+
+def top_tenants(
+    tenants: Iterable[Any],
+    tokens: Mapping[str, float],
+    n: int = TOP_TENANTS,
+    name: Callable[[Any], str] = lambda t: t.name,
+) -> list[Any]:
+    """The ``n`` of ``tenants`` with the most ``tokens`` (by ``name(tenant)``; none: 0), most
+    first, ties by name: O(tenants × log n)."""
+    return heapq.nsmallest(n, tenants, key=lambda t: (-tokens.get(name(t), 0), name(t)))
+
+
 def dashboard_data(
     admin: dict[str, Any],
     families: Iterable[Any],
     queues: dict[str, dict[str, int]],
     now: float,
+    tokens: Mapping[str, float] | None = None,
 ) -> dict[str, Any]:
     """The ``GET /dashboard/data`` document.
 
@@ -103,6 +131,8 @@ def dashboard_data(
         families: the metric families a scrape sees (:meth:`kvgate.metrics.GatewayMetrics.families`).
         queues: requests waiting in this worker's priority queue, ``{backend: {class: n}}``.
         now: wall-clock time of the snapshot (Unix seconds).
+        tokens: tokens charged per tenant name (cumulative); ``None``: read from ``families``
+            (:func:`tenant_tokens`).
 
     Returns:
         ``{"time", "backends": [...], "tenants": [...], "store": {...}}``. Each backend:
@@ -119,7 +149,9 @@ def dashboard_data(
     """
     refusals: dict[str, dict[str, float]] = {}
     ttft: dict[str, dict[str, dict[str, Any]]] = {}
-    tokens: dict[str, float] = {}
+    families = list(families)
+    if tokens is None:
+        tokens = tenant_tokens(families)
     for name, labels, value in _samples(families):
         if name == "kvgate_rejections_total":
             per = refusals.setdefault(labels["backend"], {})
@@ -136,8 +168,6 @@ def dashboard_data(
                 hist["count"] = value
             elif name.endswith("_sum"):
                 hist["sum"] = value
-        elif name == "kvgate_tenant_tokens_total":
-            tokens[labels["tenant"]] = tokens.get(labels["tenant"], 0) + value
     for per_class in ttft.values():
         for hist in per_class.values():
             hist["buckets"].sort()
