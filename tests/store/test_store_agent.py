@@ -889,3 +889,56 @@ async def test_a_message_resent_to_a_redis_that_restarted_empty_loads_the_librar
         assert client.function_list(library="kvgate")
     finally:
         await store.close()
+
+
+async def test_a_tenants_lone_request_costs_two_messages_and_a_steady_tenant_keeps_its_tokens(
+    redis_server: RedisServer,
+) -> None:
+    """A tenant seen rarely (one of 100,000 API keys, say): its request is decided in Redis,
+    and the next heartbeat gives everything back, tokens included, so the scope goes quiet
+    at the one after with no message: two messages, not three (the tokens used to go back a
+    heartbeat later). A tenant that sends again before that heartbeat is no newcomer there:
+    it keeps tokens sized from its rate."""
+    ctl = AdmissionController(backends=1, tenants=1)
+    backend = Named(ctl.add_backend("b", max_concurrency=10_000, tokens_per_minute=2**40), "b")
+    tenant = Named(
+        ctl.add_tenant("t", priority="standard", max_concurrency=1000, tokens_per_minute=10**9),
+        "t",
+    )
+    # heartbeats only when the test calls tick()
+    cfg = StoreConfig(url=redis_server.url, heartbeat_s=5.0, deadline_ms=2000)
+    st = RedisStore(cfg, ctl)
+    await st.start(["b"])
+    sent: list[str] = []
+    send = st._send
+
+    async def counted(sc: Any, *args: Any, **kwargs: Any) -> Any:
+        sent.append(sc.kind)
+        return await send(sc, *args, **kwargs)
+
+    st._send = counted  # type: ignore[method-assign]
+    sc = st._scope("t", "t")
+    try:
+        await admit_and_release(st, backend, tenant)  # decided in Redis: no quota held
+        assert sent.count("t") == 1
+        st.tick()  # a newcomer that runs nothing: everything goes back
+        await idle_lanes(st)
+        assert sent.count("t") == 2
+        assert not sc.holds(), [(p.q, p.rq, p.in_use) for p in sc.pools.values()]
+        st.tick()  # nothing held, nothing used: the scope goes quiet without a message
+        await idle_lanes(st)
+        assert sent.count("t") == 2
+        assert sc not in st._active
+
+        # steady: requests in two heartbeat periods in a row
+        await admit_and_release(st, backend, tenant)
+        st.tick()
+        await idle_lanes(st)
+        await admit_and_release(st, backend, tenant)
+        st.tick()  # active at the last heartbeat: sized from its rate, tokens kept
+        await idle_lanes(st)
+        tokens = next(iter(sc.buckets.values()))
+        assert tokens.avail > 0, tokens.avail
+        assert sc in st._active
+    finally:
+        await st.close()

@@ -167,6 +167,8 @@ class RedisStore:
         self._on_effective = on_effective
         self.scopes: dict[str, Scope] = {}
         self._active: set[Scope] = set()
+        # the scopes active at the last heartbeat (a scope not among them is a newcomer)
+        self._active_before: set[Scope] = set()
         self._parts: dict[tuple[int, int, bool], list[Part]] = {}
         # the quotas, leases and holds of the local fast path (Rust); scopes by ledger index
         self._ledger = QuotaLedger(
@@ -1420,12 +1422,21 @@ class RedisStore:
         self._backend_live = max(
             (sc.live for sc in self._active if sc.kind == "b"), default=self._backend_live
         )
+        before = self._active_before
         for sc in list(self._active):
+            # a scope that became active since the last heartbeat and runs nothing now (the
+            # one request of a tenant seen rarely: one of 100,000 API keys) keeps no tokens:
+            # they go back with this heartbeat, with its headroom, not with the next one, so
+            # its scope goes quiet a heartbeat sooner (a message less per such request). One
+            # that keeps sending is active at the next heartbeat and sized from its rate then.
+            idle_newcomer = sc not in before and not any(p.in_use for p in sc.pools.values())
             for b in sc.buckets.values():
                 rate = b.taken / period
                 b.taken = 0
                 b.chunk = (
-                    0 if rate == 0 else max(1, min(int(rate * period * 2), self._chunk_cap(b)))
+                    0
+                    if rate == 0 or idle_newcomer
+                    else max(1, min(int(rate * period * 2), self._chunk_cap(b)))
                 )
             used = False
             for p in sc.pools.values():
@@ -1447,6 +1458,7 @@ class RedisStore:
             if sc not in self._active:
                 self._active.add(sc)
                 self._beat(sc)
+        self._active_before = set(self._active)
         if not self._loaded and self._client is not None:
             self._spawn(self._load_again())
 
