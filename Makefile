@@ -61,7 +61,7 @@ format: venv ## cargo fmt + ruff format
 	$(VENV)/bin/ruff check --fix python tests benches
 
 .PHONY: bench
-bench: build llama-server ## every benchmark (~25 min): core + analyser, load, protection, memory, real engine, replicas on Redis; rewrites benches/RESULTS.md and the plots
+bench: build llama-server ## every benchmark (~25 min): core + analyser, load, protection, memory, real engine, replicas on Redis, tenant count end to end; rewrites benches/RESULTS.md and the plots
 	$(PY) benches/core_results.py
 	$(PY) benches/adaptive_results.py
 	$(MAKE) --no-print-directory wrk
@@ -70,6 +70,7 @@ bench: build llama-server ## every benchmark (~25 min): core + analyser, load, p
 	$(PY) benches/memory/run_memory.py
 	$(MAKE) --no-print-directory bench-realengine
 	$(MAKE) --no-print-directory bench-replicas
+	$(MAKE) --no-print-directory bench-tenants
 
 .PHONY: bench-core
 bench-core: build ## pytest-benchmark suites (core + analyser, ~1 min); rewrites their RESULTS.md sections
@@ -90,6 +91,10 @@ bench-realengine: build llama-server ## llama-server alone vs kvgate in front (b
 .PHONY: bench-replicas
 bench-replicas: build wrk test-packages ## 3 replicas on one redis-server vs 1 gateway on its local store: throughput, Redis calls per admission, latency near a limit, kill -9 reclaim, store cost by tenant count (~4 min); writes benches/RESULTS.md
 	$(PY) benches/replicas/run.py
+
+.PHONY: bench-tenants
+bench-tenants: build wrk test-packages ## a gateway of 10 tenants vs one of 100,000, keys drawn at random, local and Redis store: CPU per request, memory, /metrics and dashboard cost, config load (~2 min); writes benches/RESULTS.md
+	$(PY) benches/tenants/run.py
 
 .PHONY: wrk
 wrk: ## install wrk (Debian package) when it is missing
