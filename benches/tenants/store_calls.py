@@ -83,6 +83,9 @@ async def run(url: str, n: int, k: int) -> None:
 
     stats = redis.Redis.from_url(url).info("commandstats").get("cmdstat_fcall", {})
     print(f"Redis's own time per FCALL: {stats.get('usec_per_call')} µs")
+    state = st.state()
+    print(f"store failures by kind: {state.get('failures')}; "
+          f"{state.get('admissions')} admissions in Redis")  # fmt: skip
     await st.close()
 
 

@@ -942,3 +942,60 @@ async def test_a_tenants_lone_request_costs_two_messages_and_a_steady_tenant_kee
         assert sc in st._active
     finally:
         await st.close()
+
+
+async def test_a_heartbeat_of_many_scopes_goes_out_in_groups_spread_over_half_a_period(
+    redis_server: RedisServer,
+) -> None:
+    """A replica holding something in 300 tenants' scopes: a heartbeat sends 32 messages at
+    once and the rest in groups over half the period, so that a decision near a limit waits
+    in Redis behind a group, not behind 300 messages (with thousands, 80 ms and more: past
+    the 25 ms deadline, and the breaker opened with Redis healthy). Every scope still beats
+    within the period."""
+    from kvgate.store import StoreRefusal
+    from kvgate.store.redis_store import BEAT_GROUP
+
+    n = 300
+    ctl = AdmissionController(backends=1, tenants=n)
+    backend = Named(ctl.add_backend("b", max_concurrency=10_000, tokens_per_minute=2**40), "b")
+    tenants = [
+        Named(
+            ctl.add_tenant(
+                f"t{i}", priority="standard", max_concurrency=1000, tokens_per_minute=10**9
+            ),
+            f"t{i}",
+        )
+        for i in range(n)
+    ]
+    # heartbeats only when the test calls tick(); half a period is 1 s
+    cfg = StoreConfig(url=redis_server.url, heartbeat_s=2.0, deadline_ms=2000)
+    st = RedisStore(cfg, ctl)
+    await st.start(["b"])
+    holds = []
+    try:
+        for t in tenants:  # each holds a running request: its scope stays active
+            hold = st.try_admit(backend, t, "standard", 1) or await st.admit(
+                backend, t, "standard", 1
+            )
+            assert not isinstance(hold, StoreRefusal), hold
+            holds.append(hold)
+        await idle_lanes(st)
+        scopes = [st._scope("t", t.name) for t in tenants]
+        seqs = [sc.seq for sc in scopes]
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        st.tick()
+        at_once = sum(sc.busy or sc.hb_due for sc in scopes)
+        assert 0 < at_once <= BEAT_GROUP, at_once
+        give_up = started + 10
+        while any(sc.seq == seq for sc, seq in zip(scopes, seqs, strict=True)):
+            assert loop.time() < give_up, "a scope never beat"
+            await asyncio.sleep(0.02)
+        # spread: the last group went out no sooner than most of half a period later
+        assert loop.time() - started >= 0.8, loop.time() - started
+        await idle_lanes(st)
+        assert st.failures["timeout"] == 0
+    finally:
+        for hold in holds:
+            st.release(hold, 1, 1)
+        await st.close()

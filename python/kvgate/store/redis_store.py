@@ -96,6 +96,13 @@ FIRST_PROBE_S = 0.1
 #: from their backends' replies within a heartbeat
 WARM_HEARTBEATS = 2
 
+#: heartbeat messages sent at once: with more active scopes, the rest go out in groups of
+#: this many spread over the first half of the heartbeat period, so that a decision near a
+#: limit waits in Redis behind at most about this many of them (50 µs each), not behind
+#: thousands (a replica serving a few thousand tenants a second: 80 ms and more, past every
+#: ``deadline_ms``, and the breaker opened with Redis healthy)
+BEAT_GROUP = 32
+
 #: seconds a scope's state surely outlives its last reply (``kvgate.lua`` keeps it 180 s + 4
 #: leases after each message): a state missing sooner was lost by Redis, not expired
 STATE_KEPT_S = 170.0
@@ -1423,6 +1430,7 @@ class RedisStore:
             (sc.live for sc in self._active if sc.kind == "b"), default=self._backend_live
         )
         before = self._active_before
+        beats: list[Scope] = []
         for sc in list(self._active):
             # a scope that became active since the last heartbeat and runs nothing now (the
             # one request of a tenant seen rarely: one of 100,000 API keys) keeps no tokens:
@@ -1452,15 +1460,32 @@ class RedisStore:
                 self._active.discard(sc)
                 self._ledger.set_active(sc._i, False)  # the next admission re-activates it
                 continue
-            self._beat(sc)
+            beats.append(sc)
         for name in self._props:  # backends this replica proposes a scale for
             sc = self._scope("b", name)
             if sc not in self._active:
                 self._active.add(sc)
-                self._beat(sc)
+                beats.append(sc)
         self._active_before = set(self._active)
+        for sc in beats[:BEAT_GROUP]:
+            self._beat(sc)
+        if len(beats) > BEAT_GROUP:
+            self._spawn(self._beat_spread(beats[BEAT_GROUP:], period / 2))
         if not self._loaded and self._client is not None:
             self._spawn(self._load_again())
+
+    async def _beat_spread(self, scopes: list[Scope], within_s: float) -> None:
+        """Heartbeats of ``scopes``, :data:`BEAT_GROUP` at a time, the groups spread evenly
+        over ``within_s`` seconds (a lease is 2 or more heartbeat periods: half a period later
+        is well within it)."""
+        groups = [scopes[i : i + BEAT_GROUP] for i in range(0, len(scopes), BEAT_GROUP)]
+        pause = within_s / len(groups)
+        for group in groups:
+            await asyncio.sleep(pause)
+            if self._closed:
+                return
+            for sc in group:
+                self._beat(sc)
 
     async def _load_again(self) -> None:
         with contextlib.suppress(Exception):
