@@ -91,8 +91,8 @@ class UsageLedger:
         bucket = self._minutes.get(minute)
         if bucket is None:
             bucket = self._minutes[minute] = {}
-            while len(self._minutes) > self.max_minutes:
-                self._drop_oldest()
+            while len(self._minutes) > max(1, self.max_minutes):
+                self._drop_oldest(keep=minute)
         tokens = self.tenant_tokens
         for key, (requests, prompt, completion) in rows.items():
             row = bucket.get(key)
@@ -106,16 +106,13 @@ class UsageLedger:
             if prompt or completion:
                 tokens[key[0]] = tokens.get(key[0], 0) + prompt + completion
         while self._rows > self.max_rows and len(self._minutes) > 1:
-            if not self._drop_oldest(keep=minute):
-                break
+            self._drop_oldest(keep=minute)
 
-    def _drop_oldest(self, keep: int | None = None) -> bool:
-        """Drop the oldest bucket unless it is minute ``keep``; whether one was dropped."""
-        oldest = min(self._minutes)
-        if oldest == keep:
-            return False
+    def _drop_oldest(self, keep: int) -> None:
+        """Drop the oldest bucket other than minute ``keep`` (the one being added to, which is
+        the oldest when the clock stepped back); there must be one."""
+        oldest = min(m for m in self._minutes if m != keep)
         self._rows -= len(self._minutes.pop(oldest))
-        return True
 
     @property
     def oldest(self) -> float | None:

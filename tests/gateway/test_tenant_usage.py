@@ -300,6 +300,28 @@ def test_the_ledger_keeps_at_most_max_rows_dropping_the_oldest_minutes_never_the
     assert ledger.tenant_tokens.keys() == {"a", "t0", "t1", "t2", *(f"u{i}" for i in range(8))}
 
 
+@pytest.mark.parametrize("max_minutes", [3, 1])
+def test_a_clock_that_steps_back_keeps_the_row_count_and_the_bounds(max_minutes: int) -> None:
+    """The wall clock stepping back (NTP) adds to an older minute than the newest: that bucket
+    is kept (another, the oldest of the rest, goes when there are too many), the row count
+    stays the real one, and ``max_rows`` still holds."""
+    now = [float(T0)]
+    ledger = UsageLedger(clock=lambda: now[0], max_minutes=max_minutes, max_rows=5)
+
+    def real_rows() -> int:
+        return sum(len(b) for b in ledger._minutes.values())
+
+    for minute in (100, 101, 102, 99, 99, 101, 103, 98):
+        now[0] = T0 + 60 * minute + 1
+        ledger.add({(f"t{minute}", "m", "ok"): [1, 1, 1], (f"u{minute}", "m", "ok"): [1, 1, 1]})
+        assert ledger.rows == real_rows()
+        assert ledger.rows <= 5
+        assert len(ledger._minutes) <= max_minutes
+        assert T0 // 60 + minute in ledger._minutes  # the minute just added to is kept
+        totals = ledger.totals(0, float("inf"))
+        assert totals[(f"t{minute}", "m", "ok")][0] >= 1
+
+
 def test_csv_quotes_fields_as_rfc_4180_says() -> None:
     ledger = UsageLedger(clock=lambda: float(T0))
     ledger.started = float(T0)
