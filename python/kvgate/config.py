@@ -1018,14 +1018,33 @@ def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
 
 
+#: a float as YAML 1.1 (PyYAML's resolver) reads one: a dot, and an exponent only with its
+#: sign; JSON's other numbers (``1e3``) are strings to YAML, so they are here too
+_YAML_FLOAT = re.compile(r"[-+]?[0-9]*\.[0-9]*(?:[eE][-+][0-9]+)?")
+#: characters YAML reads differently from JSON: line breaks to YAML (NEL, LS, PS) and those it
+#: refuses in a document (DEL, C1 controls, U+FFFE, U+FFFF)
+_NOT_AS_YAML = re.compile("[\x7f-\x9f\u2028\u2029\ufffe\uffff]")
+
+
+def _float_as_yaml(literal: str) -> float | str:
+    return float(literal) if _YAML_FLOAT.fullmatch(literal) else literal
+
+
 def _json_object(text: str) -> Any:
     """``text`` parsed as a JSON object with unique keys, else :data:`_NOT_JSON` (YAML then
-    parses it, and words any error with its line and column: a duplicate key included)."""
-    if not text.lstrip().startswith("{"):
+    parses it, and words any error with its line and column: a duplicate key included). The
+    values are those YAML reads: a number YAML reads as a string (``1e3``) is one here, and a
+    text holding a character YAML reads differently goes to YAML."""
+    if not text.lstrip().startswith("{") or _NOT_AS_YAML.search(text):
         return _NOT_JSON
     try:
-        return json.loads(text, object_pairs_hook=_unique_pairs, parse_constant=_no_constant)
-    except ValueError:  # not JSON (YAML's flow style, say), a duplicate key, NaN
+        return json.loads(
+            text,
+            object_pairs_hook=_unique_pairs,
+            parse_constant=_no_constant,
+            parse_float=_float_as_yaml,
+        )
+    except (ValueError, RecursionError):  # not JSON (YAML's flow style), a duplicate key, NaN
         return _NOT_JSON
 
 
@@ -1089,17 +1108,24 @@ def load_config(path: str | Path, *, env: Mapping[str, str] | None = None) -> Co
     except (OSError, UnicodeDecodeError) as exc:
         reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
         raise ConfigError([("", f"cannot read the file: {reason}")], source) from None
-    data = _json_object(text)
-    if data is not _NOT_JSON:
-        return parse_config(data, env=env, base_dir=path.parent.resolve(), source=source)
+    deep = ConfigError([("", "not a configuration: nested too deeply")], source)
     try:
-        try:
-            data = yaml.load(text, Loader=_FastUniqueKeyLoader)  # SafeLoader kin: no objects
-        except yaml.YAMLError:
-            data = yaml.load(text, Loader=_UniqueKeyLoader)  # for the pure-Python message
+        data = _json_object(text)
+        if data is _NOT_JSON:
+            try:
+                data = yaml.load(text, Loader=_FastUniqueKeyLoader)  # SafeLoader kin: no objects
+            except yaml.YAMLError:
+                data = yaml.load(text, Loader=_UniqueKeyLoader)  # for the pure-Python message
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
         problem = getattr(exc, "problem", None) or str(exc)
         raise ConfigError([("", f"not valid YAML: {where}{problem}")], source) from None
-    return parse_config(data, env=env, base_dir=path.parent.resolve(), source=source)
+    except RecursionError:
+        raise deep from None
+    except ValueError as exc:  # a number Python will not read (an integer of 4,300+ digits)
+        raise ConfigError([("", f"not valid YAML: {exc}")], source) from None
+    try:
+        return parse_config(data, env=env, base_dir=path.parent.resolve(), source=source)
+    except RecursionError:
+        raise deep from None

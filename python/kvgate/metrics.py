@@ -408,8 +408,9 @@ class GatewayMetrics:
     def label_tenants(self, tenants: int, limit: int) -> None:
         """Label the per-tenant series by tenant name while ``tenants`` (the tenants configured)
         ≤ ``limit`` (config ``metrics.tenant_labels``), else by :data:`ALL_TENANTS` (start-up and
-        reload). Requests already batched are labelled the new way at the next flush; series
-        already exported stay (a counter does not go back)."""
+        reload). Series already exported stay (a counter does not go back), and requests
+        around the change may count under either label; the dashboard's tokens per tenant
+        then start again from the new source (the series, or this process's usage ledger)."""
         self.per_tenant = tenants <= limit
 
     def init_backends(self, names: Iterable[str]) -> None:

@@ -495,6 +495,11 @@ def test_env_value_cannot_change_structure(tmp_path: Path) -> None:
             "not valid YAML: line 2, column 2: duplicate key 'workers'",
         ),
         ('{"workers": NaN}', "must be an integer"),  # YAML: the string 'NaN'
+        ('{"workers": 1e0}', "must be an integer"),  # YAML: the string '1e0'
+        ('{"workers": 1.0e+0, "backends": 1}', "must be a list"),  # YAML's float: workers 1
+        ('{"a": ' * 3000 + "1" + "}" * 3000, "not a configuration: nested too deeply"),
+        ('{"a": [' * 400 + "1" + "]}" * 400, "not a configuration: nested too deeply"),
+        ('{"workers": ' + "9" * 5000 + "}", "not valid YAML: Exceeds the limit"),
     ],
 )
 def test_bad_files(tmp_path: Path, text: str, message: str) -> None:
@@ -521,6 +526,22 @@ def test_a_json_file_reads_as_the_same_document_as_yaml(tmp_path: Path) -> None:
     )
     cfg = load_config(flow)
     assert (cfg.workers, cfg.backends[0].models[0].context_window) == (2, 9)
+    # numbers and characters YAML reads differently from JSON read as YAML reads them
+    for name, text in (
+        ("exponent", json.dumps(data).replace('"workers": 2', '"workers": 2e0')),
+        ("nel", json.dumps(data, ensure_ascii=False).replace('"m"', '"m\u0085n"')),
+    ):
+        as_json.write_text(text)
+        as_yaml.write_text("# read by YAML's parser\n" + text)
+        try:
+            expected: Any = load_config(as_yaml, env=env)
+        except ConfigError as exc:
+            expected = exc.issues
+        try:
+            got: Any = load_config(as_json, env=env)
+        except ConfigError as exc:
+            got = exc.issues
+        assert got == expected, name
 
 
 def test_unreadable_files(tmp_path: Path) -> None:
