@@ -126,8 +126,10 @@ def counter(url: str, name: str) -> float:
     return total
 
 
-def store_calls(url: str) -> int:
-    return int(json.loads(get(url + "/admin/state")[1])["store"].get("calls", 0))
+def store_calls(url: str) -> tuple[int, int]:
+    """Redis calls so far and the store's failures (timeouts, errors, late replies)."""
+    store = json.loads(get(url + "/admin/state")[1])["store"]
+    return int(store.get("calls", 0)), sum(int(v) for v in store.get("failures", {}).values())
 
 
 def rss_mb(pid: int) -> float:
@@ -178,13 +180,13 @@ def window(setup: Setup, body: Path, args: argparse.Namespace, redis_url: str | 
     pid = setup.server.proc.pid if setup.server.proc is not None else 0
     on_redis = setup.store == "redis"
     adm0 = counter(url, "kvgate_admission_seconds_count")
-    calls0 = store_calls(url) if on_redis else 0
+    calls0, failed0 = store_calls(url) if on_redis else (0, 0)
     cpu0, rcpu0 = tree_cpu_seconds(pid), redis_cpu(redis_url if on_redis else None)
     r = wrk(setup, body, args, args.duration)
     cpu1, rcpu1 = tree_cpu_seconds(pid), redis_cpu(redis_url if on_redis else None)
     time.sleep(0.3)  # the last requests settle
     adm1 = counter(url, "kvgate_admission_seconds_count")
-    calls1 = store_calls(url) if on_redis else 0
+    calls1, failed1 = store_calls(url) if on_redis else (0, 0)
     n = r["requests"]
     ok = n - r["status_errors"]
     setup.windows.append(
@@ -194,6 +196,7 @@ def window(setup: Setup, body: Path, args: argparse.Namespace, redis_url: str | 
             "socket_errors": r["connect"] + r["read"] + r["write"] + r["timeout"],
             "cpu_us": (cpu1 - cpu0 + rcpu1 - rcpu0) / n * 1e6 if n else float("nan"),
             "calls_per_admission": (calls1 - calls0) / (adm1 - adm0) if adm1 > adm0 else 0.0,
+            "store_failures": failed1 - failed0,
             "p50_ms": r["p50_us"] / 1000,
         }
     )
@@ -321,15 +324,20 @@ def render(setups: list[Setup], load: dict[str, tuple[float, float]], machine: s
         "",
         "Each window:",
         "",
-        "| round | store | tenants | 2xx/s | CPU µs/request | Redis calls per admission |",
-        "|---|---|---|---|---|---|",
+        "| round | store | tenants | 2xx/s | CPU µs/request | Redis calls per admission | store "
+        "failures (timeouts, late replies) |",
+        "|---|---|---|---|---|---|---|",
     ]
     for r in range(args.rounds):
         for s in setups:
             w = s.windows[r]
             lines.append(
                 f"| {r + 1} | {s.store} | {s.tenants:,} | {w['rps']:,.0f} | {w['cpu_us']:.0f} | "
-                + (f"{w['calls_per_admission']:.4f} |" if s.store == "redis" else "– |")
+                + (
+                    f"{w['calls_per_admission']:.4f} | {w.get('store_failures', 0):.0f} |"
+                    if s.store == "redis"
+                    else "– | – |"
+                )
             )
     return "\n".join(lines) + "\n"
 

@@ -58,4 +58,5 @@ def test_the_section_reports_each_store_against_its_own_ten_tenant_gateway() -> 
     assert "| redis | 10 | 9,000 | 100 | 0.010 / 20.0 | 0.020 / 3.0 |" in text
     assert "as JSON 2.0 s and 150 MB of peak memory growth, as YAML 13.0 s and 500 MB" in text
     assert text.count("\n| 2 | ") == 4
+    assert "| 2 | redis | 100,000 | 1,000 | 330 | 0.5000 | 0 |" in text
     assert "— local store 1.19×: **not met**; redis store 1.10×: met." in text
