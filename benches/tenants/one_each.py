@@ -1,4 +1,5 @@
-"""A ``kvgate serve`` holding N tenants (a JSON configuration) in front of the fast
+"""A ``kvgate serve`` holding N tenants (``benches/tenants/run.py``'s configuration, as JSON, with an
+admin key) in front of the fast
 fixed-answer upstream; every tenant sends one request (32 at a time); then the gateway's
 resident memory and the time and size of ``GET /metrics``, ``/admin/state``,
 ``/dashboard/data`` and ``/admin/usage``.
@@ -10,7 +11,6 @@ on 2 cores)
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 import subprocess
 import sys
@@ -22,50 +22,21 @@ import aiohttp
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benches" / "load"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from run import config, rss_mb, sha  # noqa: E402
 from run_load import free_port  # noqa: E402
 
 ADMIN = "bench-admin"
-
-
-def sha(key: str) -> str:
-    return hashlib.sha256(key.encode()).hexdigest()
-
-
-def rss_mb(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
 
 
 def main(n: int) -> None:
     py = sys.executable
     up_port, port = free_port(), free_port()
     up = subprocess.Popen([py, str(ROOT / "benches/load/fast_upstream.py"), str(up_port)])
-    cfg = {
-        "listen": {"host": "127.0.0.1", "port": port},
-        "admin_key_sha256": sha(ADMIN),
-        "backends": [
-            {
-                "name": "fast",
-                "url": f"http://127.0.0.1:{up_port}",
-                "models": [{"name": "fast", "context_window": 8192}],
-                "max_concurrency": 100_000,
-                "adaptive": {"enabled": False},
-            }
-        ],
-        "tenants": [
-            {
-                "name": f"t{i}",
-                "api_key_sha256": [sha(f"sk-t{i}")],
-                "max_concurrency": 1000,
-                "tokens_per_minute": 10**9,
-            }
-            for i in range(n)
-        ],
-        "access_log": {"enabled": False},
-    }
+    # the bench's own gateway configuration (benches/tenants/run.py), with an admin key
+    cfg = config(f"http://127.0.0.1:{up_port}", port, n, None)
+    cfg["admin_key_sha256"] = sha(ADMIN)
     path = Path(tempfile.mkdtemp()) / "kvgate.json"
     path.write_text(json.dumps(cfg))
     t0 = time.perf_counter()

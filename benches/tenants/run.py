@@ -58,6 +58,7 @@ sys.path.insert(0, str(HERE.parent))
 from run_load import Server, free_port, tree_cpu_seconds  # noqa: E402
 
 import core_results  # noqa: E402
+from replicas.run import metric_value, redis_cpu_seconds  # noqa: E402
 
 BODY = {
     "model": "fast",
@@ -119,11 +120,8 @@ def get(url: str, timeout: float = 120.0) -> tuple[float, bytes]:
 
 
 def counter(url: str, name: str) -> float:
-    total = 0.0
-    for line in get(url + "/metrics")[1].decode().splitlines():
-        if line.startswith(name) and line[len(name) : len(name) + 1] in (" ", "{"):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
+    """The samples ``name`` of the gateway's ``/metrics``, summed."""
+    return float(metric_value(get(url + "/metrics")[1].decode(), name))
 
 
 def store_calls(url: str) -> tuple[int, int]:
@@ -150,12 +148,8 @@ def rss_mb(pid: int) -> float:
 
 
 def redis_cpu(url: str | None) -> float:
-    if url is None:
-        return 0.0
-    import redis
-
-    info = redis.Redis.from_url(url).info("cpu")
-    return float(info["used_cpu_sys"]) + float(info["used_cpu_user"])
+    """CPU seconds the Redis server at ``url`` used so far; 0 without one."""
+    return 0.0 if url is None else float(redis_cpu_seconds(url))
 
 
 def wrk(setup: Setup, body: Path, args: argparse.Namespace, seconds: float) -> dict[str, Any]:
