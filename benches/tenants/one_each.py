@@ -1,8 +1,7 @@
-"""A ``kvgate serve`` holding N tenants (``benches/tenants/run.py``'s configuration, as JSON, with an
-admin key) in front of the fast
-fixed-answer upstream; every tenant sends one request (32 at a time); then the gateway's
-resident memory and the time and size of ``GET /metrics``, ``/admin/state``,
-``/dashboard/data`` and ``/admin/usage``.
+"""A ``kvgate serve`` holding N tenants (``benches/tenants/run.py``'s configuration, as JSON,
+with an admin key) in front of the fast fixed-answer upstream; every tenant sends one request
+(32 at a time); then the gateway's resident memory and the time and size of ``GET /metrics``,
+``/admin/state``, ``/dashboard/data`` and ``/admin/usage``.
 
 Usage: ``.venv/bin/python benches/tenants/one_each.py [N]`` (default 100,000; about 2 minutes
 on 2 cores)
