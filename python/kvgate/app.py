@@ -496,8 +496,9 @@ async def handle_dashboard_data(gw: Gateway, request: web.BaseRequest) -> Reply:
     """``GET /dashboard/data``: the live view's JSON (:func:`kvgate.dashboard.dashboard_data`),
     built from :func:`admin_state` (the top tenants by tokens only), the metric families
     (summed over workers; with tenant-less series, the tokens per tenant are this worker's
-    usage ledger's) and this worker's wait queue. Needs the admin key (Bearer header or the dashboard's cookie) when
-    ``admin_key_sha256`` is configured, else 401 ``invalid_api_key``."""
+    usage ledger's) and this worker's wait queue. Needs the admin key (Bearer header or the
+    dashboard's cookie) when ``admin_key_sha256`` is configured, else 401
+    ``invalid_api_key``."""
     if not admin_key_ok(gw, _dashboard_key(request)):
         return admin_refusal(request)
     families = gw.metrics.families()  # flushes this process's batches into the usage ledger

@@ -9,9 +9,9 @@ store) and the Prometheus metric families (refusals by reason, TTFT histograms b
 tokens per tenant — or, with more tenants than ``metrics.tenant_labels``, this process's own
 count of tokens per tenant: the series then carry no tenant names). Only the
 :data:`TOP_TENANTS` tenants are read from the core, so the poll costs the same with 100,000
-tenants as with 10 (ranking them aside). Counters and histogram buckets are sent cumulative; the page turns them
-into rates and windowed quantiles from one poll to the next, so a page opened late or reloaded
-loses nothing the gateway counted.
+tenants as with 10 (ranking them aside). Counters and histogram buckets are sent cumulative;
+the page turns them into rates and windowed quantiles from one poll to the next, so a page
+opened late or reloaded loses nothing the gateway counted.
 
 Access: the page and its data need the admin key when ``admin_key_sha256`` is configured, like
 ``/admin/state``. A browser cannot send a Bearer header on navigation, so the key is accepted
