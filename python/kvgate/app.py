@@ -174,6 +174,9 @@ class Gateway:
     #: backends whose limit is the engine's own rather than configured
     engine_slots: dict[str, int] = field(init=False, default_factory=dict)
     poller: Any = field(init=False, default=None)
+    #: the reload SIGHUP started (:meth:`reload_soon`), and whether another SIGHUP came during it
+    _reloading: asyncio.Future[None] | None = field(init=False, default=None, repr=False)
+    _reload_again: bool = field(init=False, default=False, repr=False)
     queue: Any = field(init=False, default=None)
     registry: Any = field(init=False, default=None)
     #: this worker's admitted, unsettled requests: the retry hints of slot refusals
@@ -235,27 +238,64 @@ class Gateway:
             self.queue.notify()
 
     def reload(self) -> bool:
-        """Re-read ``config_path`` and apply it (SIGHUP), with :attr:`config_overrides`. An
-        invalid file is refused with a log line and the running configuration stays in force;
-        returns whether it was applied. ``listen`` and ``workers`` need a restart (a warning
-        says so when they changed)."""
-        from kvgate.config import load_config
-
+        """Re-read ``config_path`` and apply it, with :attr:`config_overrides`. An invalid file
+        is refused with a log line and the running configuration stays in force; returns
+        whether it was applied. ``listen`` and ``workers`` need a restart (a warning says so
+        when they changed). Reads the file on the calling thread: SIGHUP uses
+        :meth:`reload_soon`, which reads it on a worker thread."""
         if self.config_path is None or self.apply_config is None:
             return False
         try:
-            new = load_config(self.config_path)
-            if self.config_overrides is not None:
-                new = self.config_overrides(new)
+            new = self._read_config()
+        except Exception as exc:
+            self._refused(exc)
+            return False
+        return self._apply(new)
+
+    def reload_soon(self) -> None:
+        """SIGHUP's reload: the file is read and checked on a worker thread (with 100,000
+        tenants that is seconds of work the event loop would otherwise spend answering
+        nothing), then applied on the event loop as :meth:`reload` does. A SIGHUP during a
+        reload reads the file again once that one is done."""
+        if self.config_path is None or self.apply_config is None:
+            return
+        if self._reloading is not None and not self._reloading.done():
+            self._reload_again = True
+            return
+        self._reloading = asyncio.ensure_future(self._reload_in_background())
+
+    async def _reload_in_background(self) -> None:
+        while True:
+            self._reload_again = False
+            try:
+                new = await asyncio.to_thread(self._read_config)
+            except Exception as exc:
+                self._refused(exc)
+            else:
+                self._apply(new)
+            if not self._reload_again:
+                return
+
+    def _read_config(self) -> Any:
+        from kvgate.config import load_config
+
+        assert self.config_path is not None
+        new = load_config(self.config_path)
+        return new if self.config_overrides is None else self.config_overrides(new)
+
+    def _apply(self, new: Any) -> bool:
+        assert self.apply_config is not None
+        try:
             self.apply_config(self, new)
         except Exception as exc:
-            logger.error(
-                "reload of %s refused, keeping the running configuration: %s",
-                self.config_path,
-                exc,
-            )
+            self._refused(exc)
             return False
         return True
+
+    def _refused(self, exc: Exception) -> None:
+        logger.error(
+            "reload of %s refused, keeping the running configuration: %s", self.config_path, exc
+        )
 
     def _observe_wait(self, priority: str, seconds: float) -> None:
         self.metrics.queue_wait.labels(priority).observe(seconds)

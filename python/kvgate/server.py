@@ -212,7 +212,7 @@ async def gateway_runtime(gateway: Gateway) -> AsyncIterator[None]:
     timeouts' watchdog (:class:`~kvgate.proxy.deadline.Watchdog`), the metrics flush every :data:`~kvgate.metrics.FLUSH_SECONDS` (and once at the end), the latency-target
     controller's steps (with ``slo``), the span exporter (with ``tracing``), the shared store
     (with ``store``), the engine metrics
-    pollers (when ``gateway.poll``), SIGHUP → :meth:`Gateway.reload` (when
+    pollers (when ``gateway.poll``), SIGHUP → :meth:`Gateway.reload_soon` (when
     ``gateway.config_path``)."""
     connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300)
     timeout = aiohttp.ClientTimeout(total=None, connect=gateway.timeouts.connect)
@@ -249,7 +249,7 @@ async def gateway_runtime(gateway: Gateway) -> AsyncIterator[None]:
         if gateway.poll:
             poller = await _start_poller(gateway)
         if reload_on_hup:
-            loop.add_signal_handler(signal.SIGHUP, gateway.reload)
+            loop.add_signal_handler(signal.SIGHUP, gateway.reload_soon)
         yield
     finally:
         if reload_on_hup:

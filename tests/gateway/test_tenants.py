@@ -628,3 +628,44 @@ async def test_shadow_tenant_is_not_queued_behind_others_and_queue_refusals_are_
             held.close()
             assert [(await w)[0] for w in waiters] == [200, 200]
             await until(lambda: gateway.controller.backend_state(0)["in_use"] == 0)
+
+
+async def test_a_sighup_reload_reads_the_file_off_the_event_loop_and_a_second_one_rereads_it(
+    tmp_path: Path,
+) -> None:
+    """SIGHUP's reload (``reload_soon``) reads and checks the file on a worker thread: here the
+    read waits until a coroutine on the event loop has run (on the loop it could not: the
+    wait would time out). A SIGHUP during that reload reads the file again once it is done,
+    so the last version of the file is the one in force."""
+    import threading
+
+    path = tmp_path / "kvgate.json"
+    alice = tenant("alice", "sk-alice", tokens_per_minute=100_000)
+    path.write_text(json.dumps(config_data("http://127.0.0.1:9", ["m"], tenants=[alice])))
+    gateway = build_gateway(load_config(path), config_path=str(path), poll=False)
+    ctl = gateway.controller
+    loop_ran, reading = threading.Event(), threading.Event()
+    reads: list[bool] = []
+    read = gateway._read_config
+
+    def slow_read() -> Any:
+        new = read()
+        reading.set()
+        reads.append(loop_ran.wait(10))
+        return new
+
+    gateway._read_config = slow_read  # type: ignore[method-assign]
+    carol = tenant("carol", "sk-carol")
+    path.write_text(json.dumps(config_data("http://127.0.0.1:9", ["m"], tenants=[alice, carol])))
+    gateway.reload_soon()
+    await until(reading.is_set, timeout=10)  # the loop runs while the file is read
+    # a second SIGHUP while the first reload is under way: the file is read again after it
+    dave = tenant("dave", "sk-dave")
+    path.write_text(json.dumps(config_data("http://127.0.0.1:9", ["m"], tenants=[alice, dave])))
+    gateway.reload_soon()
+    loop_ran.set()
+    assert gateway._reloading is not None
+    await asyncio.wait_for(asyncio.shield(gateway._reloading), 20)
+    assert reads == [True, True]
+    assert ctl.tenant_id("dave") is not None
+    assert ctl.tenant_id("carol") is None
