@@ -14,6 +14,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -26,6 +27,15 @@ from kvgate.config import load_config  # noqa: E402
 from kvgate.gateway_build import apply_config, build_gateway  # noqa: E402
 
 
+def churned(cfg: dict[str, Any]) -> dict[str, Any]:
+    """``cfg`` (:func:`run.config`) with its first 100 tenants removed and 100 new ones."""
+    new = [
+        {"name": f"n{i}", "api_key_sha256": [sha(f"sk-n{i}")], "max_concurrency": 5}
+        for i in range(100)
+    ]
+    return {**cfg, "tenants": cfg["tenants"][100:] + new}
+
+
 def main(n: int) -> None:
     cfg = config("http://127.0.0.1:9", 9, n, None)
     path = Path(tempfile.mkdtemp()) / "kvgate.json"
@@ -33,11 +43,7 @@ def main(n: int) -> None:
     t0 = time.perf_counter()
     gw = build_gateway(load_config(path), config_path=str(path), poll=False)
     print(f"{n:,} tenants: read, checked and built in {time.perf_counter() - t0:.2f} s")
-    cfg["tenants"] = cfg["tenants"][100:] + [
-        {"name": f"n{i}", "api_key_sha256": [sha(f"sk-n{i}")], "max_concurrency": 5}
-        for i in range(100)
-    ]
-    path.write_text(json.dumps(cfg))
+    path.write_text(json.dumps(churned(cfg)))
     t0 = time.perf_counter()
     assert gw.reload()
     print(f"reload (100 tenants out, 100 in): {time.perf_counter() - t0:.2f} s")

@@ -22,7 +22,8 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE.parent / "load"))
 
-from run import config, sha  # noqa: E402
+from reload import churned  # noqa: E402
+from run import config  # noqa: E402
 from run_load import free_port  # noqa: E402
 
 
@@ -41,11 +42,7 @@ def main(n: int) -> None:
                     break
             except OSError:
                 time.sleep(0.2)
-        cfg["tenants"] = cfg["tenants"][100:] + [
-            {"name": f"n{i}", "api_key_sha256": [sha(f"sk-n{i}")], "max_concurrency": 5}
-            for i in range(100)
-        ]
-        path.write_text(json.dumps(cfg))
+        path.write_text(json.dumps(churned(cfg)))
         waits = []
         start = time.monotonic()
         sent = False

@@ -891,6 +891,21 @@ async def test_a_message_resent_to_a_redis_that_restarted_empty_loads_the_librar
         await store.close()
 
 
+def far_from_limits(names: list[str]) -> tuple[Any, Named, list[Named]]:
+    """A core with backend ``b`` and a tenant per name, each far from its limits (1,000 at
+    once, 10^9 tokens a minute): what a replica of a gateway with many API keys holds."""
+    ctl = AdmissionController(backends=1, tenants=len(names))
+    backend = Named(ctl.add_backend("b", max_concurrency=10_000, tokens_per_minute=2**40), "b")
+    tenants = [
+        Named(
+            ctl.add_tenant(n, priority="standard", max_concurrency=1000, tokens_per_minute=10**9),
+            n,
+        )
+        for n in names
+    ]
+    return ctl, backend, tenants
+
+
 async def test_a_tenants_lone_request_costs_two_messages_and_a_steady_tenant_keeps_its_tokens(
     redis_server: RedisServer,
 ) -> None:
@@ -899,12 +914,7 @@ async def test_a_tenants_lone_request_costs_two_messages_and_a_steady_tenant_kee
     at the one after with no message: two messages, not three (the tokens used to go back a
     heartbeat later). A tenant that sends again before that heartbeat is no newcomer there:
     it keeps tokens sized from its rate."""
-    ctl = AdmissionController(backends=1, tenants=1)
-    backend = Named(ctl.add_backend("b", max_concurrency=10_000, tokens_per_minute=2**40), "b")
-    tenant = Named(
-        ctl.add_tenant("t", priority="standard", max_concurrency=1000, tokens_per_minute=10**9),
-        "t",
-    )
+    ctl, backend, (tenant,) = far_from_limits(["t"])
     # heartbeats only when the test calls tick()
     cfg = StoreConfig(url=redis_server.url, heartbeat_s=5.0, deadline_ms=2000)
     st = RedisStore(cfg, ctl)
@@ -955,18 +965,7 @@ async def test_a_heartbeat_of_many_scopes_goes_out_in_groups_spread_over_half_a_
     from kvgate.store import StoreRefusal
     from kvgate.store.redis_store import BEAT_GROUP
 
-    n = 300
-    ctl = AdmissionController(backends=1, tenants=n)
-    backend = Named(ctl.add_backend("b", max_concurrency=10_000, tokens_per_minute=2**40), "b")
-    tenants = [
-        Named(
-            ctl.add_tenant(
-                f"t{i}", priority="standard", max_concurrency=1000, tokens_per_minute=10**9
-            ),
-            f"t{i}",
-        )
-        for i in range(n)
-    ]
+    ctl, backend, tenants = far_from_limits([f"t{i}" for i in range(300)])
     # heartbeats only when the test calls tick(); half a period is 1 s
     cfg = StoreConfig(url=redis_server.url, heartbeat_s=2.0, deadline_ms=2000)
     st = RedisStore(cfg, ctl)

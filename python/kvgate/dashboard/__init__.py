@@ -122,7 +122,7 @@ def dashboard_data(
     families: Iterable[Any],
     queues: dict[str, dict[str, int]],
     now: float,
-    tokens: Mapping[str, float] | None = None,
+    tokens: Mapping[str, float],
 ) -> dict[str, Any]:
     """The ``GET /dashboard/data`` document.
 
@@ -131,8 +131,8 @@ def dashboard_data(
         families: the metric families a scrape sees (:meth:`kvgate.metrics.GatewayMetrics.families`).
         queues: requests waiting in this worker's priority queue, ``{backend: {class: n}}``.
         now: wall-clock time of the snapshot (Unix seconds).
-        tokens: tokens charged per tenant name (cumulative); ``None``: read from ``families``
-            (:func:`tenant_tokens`).
+        tokens: tokens charged per tenant name (cumulative): :func:`tenant_tokens` of
+            ``families``, or this process's usage ledger's when the series carry no names.
 
     Returns:
         ``{"time", "backends": [...], "tenants": [...], "store": {...}}``. Each backend:
@@ -149,9 +149,6 @@ def dashboard_data(
     """
     refusals: dict[str, dict[str, float]] = {}
     ttft: dict[str, dict[str, dict[str, Any]]] = {}
-    families = list(families)
-    if tokens is None:
-        tokens = tenant_tokens(families)
     for name, labels, value in _samples(families):
         if name == "kvgate_rejections_total":
             per = refusals.setdefault(labels["backend"], {})
