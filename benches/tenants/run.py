@@ -14,7 +14,8 @@ window: 2xx answers per second and the gateway's CPU per request (utime + stime 
 plus Redis's ``INFO cpu`` for Redis setups), and Redis calls per admission.
 
 Then, per gateway: its resident memory (``VmRSS``), the time and size of ``GET /metrics`` and
-``GET /dashboard/data`` (after every window: 100,000 tenants have sent requests), and, in this
+``GET /dashboard/data`` and ``GET /admin/state`` (its first page of tenants) after every
+window (100,000 tenants have sent requests), and, in this
 process, the time and memory of loading the 100,000-tenant file as JSON and as YAML.
 
 Prints a table and rewrites the ``## Tenant count, end to end`` section of
@@ -204,6 +205,8 @@ def after_phase(setup: Setup) -> None:
     setup.after["metrics_s"], setup.after["metrics_kb"] = secs, len(body) / 1000
     secs, body = get(url + "/dashboard/data")
     setup.after["dashboard_s"], setup.after["dashboard_kb"] = secs, len(body) / 1000
+    secs, body = get(url + "/admin/state")  # its first page of tenants
+    setup.after["state_s"], setup.after["state_kb"] = secs, len(body) / 1000
     setup.after["tenants_seen"] = float(
         len({row["tenant"] for row in json.loads(get(url + "/admin/usage")[1])["data"]})
     )
@@ -299,15 +302,16 @@ def render(setups: list[Setup], load: dict[str, tuple[float, float]], machine: s
         "`tenants seen`):",
         "",
         "| store | tenants | tenants seen | resident memory MB | GET /metrics s / kB | "
-        "GET /dashboard/data s / kB |",
-        "|---|---|---|---|---|---|",
+        "GET /dashboard/data s / kB | GET /admin/state s / kB |",
+        "|---|---|---|---|---|---|---|",
     ]
     for s in setups:
         a = s.after
         lines.append(
             f"| {s.store} | {s.tenants:,} | {a['tenants_seen']:,.0f} | {a['rss_mb']:.0f} | "
             f"{a['metrics_s']:.3f} / {a['metrics_kb']:.1f} | "
-            f"{a['dashboard_s']:.3f} / {a['dashboard_kb']:.1f} |"
+            f"{a['dashboard_s']:.3f} / {a['dashboard_kb']:.1f} | "
+            f"{a['state_s']:.3f} / {a['state_kb']:.1f} |"
         )
     j, y = load["json"], load["yaml"]
     lines += [

@@ -27,7 +27,7 @@ from kvgate import ModelRegistry, dashboard
 from kvgate.admission.identity import TenantTable, api_key
 from kvgate.admission.retry_hint import RunningRequests
 from kvgate.config import TimeoutsConfig
-from kvgate.errors import GatewayError
+from kvgate.errors import GatewayError, invalid_value
 from kvgate.metrics import GatewayMetrics
 from kvgate.proxy.deadline import Watchdog
 from kvgate.proxy.prepared import Reply, error_response
@@ -398,9 +398,72 @@ async def handle_admin_usage(gw: Gateway, request: web.BaseRequest) -> Reply:
     return usage_reply(gw.metrics.usage, request)
 
 
+#: tenants ``GET /admin/state`` lists when not asked for a page size: past a few thousand,
+#: building the document holds the event loop (100,000 tenants: about 25 MB, most of a second)
+ADMIN_STATE_TENANTS = 1000
+#: the largest page (``limit``) one ``GET /admin/state`` takes (names, ``tenant``, are bounded
+#: by the request line: aiohttp's 8,190 bytes)
+ADMIN_STATE_MAX_TENANTS = 10_000
+_STATE_PARAMS = frozenset({"tenant", "offset", "limit"})
+
+
+def state_tenants(gw: Gateway, query: Any) -> tuple[list[Tenant], dict[str, Any]]:
+    """The tenants one ``GET /admin/state`` lists, and its ``tenant_page`` entry, from its
+    query (a ``MultiDict``): ``tenant=<name>`` (repeatable): those tenants, in that order;
+    else the page ``offset`` (default 0) and ``limit`` (default :data:`ADMIN_STATE_TENANTS`,
+    at most :data:`ADMIN_STATE_MAX_TENANTS`) of the tenants in configuration order.
+    ``tenant_page``: ``total`` (tenants configured), ``offset``, ``limit`` and ``next`` (the
+    next page's offset, ``None`` after the last page; always ``None`` with ``tenant``).
+
+    Raises:
+        GatewayError: 400 ``invalid_value`` for an unknown or repeated parameter, an offset or
+            limit that is not a whole number in range, or ``tenant`` together with a page;
+            404 ``tenant_not_found`` for a name no tenant has.
+    """
+    for name in query:
+        if name not in _STATE_PARAMS:
+            raise invalid_value(name, f"Unknown parameter {name!r}: use tenant, offset and limit.")
+        if name != "tenant" and len(query.getall(name)) > 1:
+            raise invalid_value(name, f"Parameter {name!r} is given more than once.")
+    total = len(gw.tenants)
+    names = query.getall("tenant", [])
+    if names:
+        if "offset" in query or "limit" in query:
+            raise invalid_value("tenant", "Give either tenant names or a page (offset, limit).")
+        picked = []
+        for name in names:
+            tenant = gw.identity.named(name)
+            if tenant is None:
+                raise GatewayError(
+                    404,
+                    f"No tenant is called {name!r}.",
+                    "invalid_request_error",
+                    param="tenant",
+                    code="tenant_not_found",
+                )
+            picked.append(tenant)
+        return picked, {"total": total, "offset": 0, "limit": len(picked), "next": None}
+    offset = _whole(query, "offset", 0, 0, 2**63 - 1)
+    limit = _whole(query, "limit", ADMIN_STATE_TENANTS, 1, ADMIN_STATE_MAX_TENANTS)
+    end = offset + limit
+    page = {"total": total, "offset": offset, "limit": limit, "next": end if end < total else None}
+    return gw.tenants[offset:end], page
+
+
+def _whole(query: Any, name: str, default: int, low: int, high: int) -> int:
+    """Query parameter ``name`` as a whole number in ``low..high`` (``default`` when absent)."""
+    text = query.get(name)
+    if text is None:
+        return default
+    if not (text.isascii() and text.isdigit() and len(text) <= 19 and low <= int(text) <= high):
+        raise invalid_value(name, f"{name} must be a whole number from {low:,} to {high:,}.")
+    return int(text)
+
+
 def admin_state(gw: Gateway, tenants: Iterable[Tenant] | None = None) -> dict[str, Any]:
     """The document ``GET /admin/state`` answers (see :func:`handle_admin_state`); also the
-    source of ``GET /dashboard/data``, which lists only ``tenants`` (``None``: every tenant)."""
+    source of ``GET /dashboard/data``, which lists only ``tenants`` (``None``: every tenant,
+    for callers inside the gateway; the endpoint lists a page)."""
     backends = []
     for b in gw.backends:
         st = dict(gw.controller.backend_state(b.id))
@@ -447,11 +510,20 @@ async def handle_admin_state(gw: Gateway, request: web.BaseRequest) -> Reply:
     TPOT); the store (``mode`` ``local``, or
     with Redis: this replica's id, breaker, counters and each active scope's mode, live
     replicas and quotas).
+    Tenants by page (the first :data:`ADMIN_STATE_TENANTS` unless asked otherwise) or by name,
+    with ``tenant_page`` saying which (:func:`state_tenants`; a bad query is a 400, an unknown
+    name a 404).
     Needs the admin key (``Authorization: Bearer``) when ``admin_key_sha256`` is configured."""
     if not admin_key_ok(gw, api_key(request.headers)):
         return admin_refusal(request)
+    try:
+        tenants, page = state_tenants(gw, request.query)
+    except GatewayError as err:
+        return error_response(request, err)
+    doc = admin_state(gw, tenants)
+    doc["tenant_page"] = page
     return web.Response(
-        body=orjson.dumps(admin_state(gw), option=orjson.OPT_NON_STR_KEYS),
+        body=orjson.dumps(doc, option=orjson.OPT_NON_STR_KEYS),
         content_type="application/json",
     )
 

@@ -17,6 +17,7 @@ import orjson
 __all__ = [
     "GatewayError",
     "error_body",
+    "invalid_value",
     "method_not_allowed",
     "reshape_upstream_error",
     "upstream_failed",
@@ -65,6 +66,12 @@ class GatewayError(Exception):
     def body(self) -> bytes:
         """The OpenAI-shaped JSON body (bytes)."""
         return error_body(self.message, self.type, self.param, self.code)
+
+
+def invalid_value(param: str, message: str) -> GatewayError:
+    """400 ``invalid_value`` (``invalid_request_error``) for the query parameter or field
+    ``param``, explained by ``message``."""
+    return GatewayError(400, message, "invalid_request_error", param=param, code="invalid_value")
 
 
 def method_not_allowed(method: str, path: str, allow: str) -> GatewayError:

@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterable
 import orjson
 from aiohttp import web
 
-from kvgate.errors import GatewayError
+from kvgate.errors import GatewayError, invalid_value
 from kvgate.proxy.prepared import Reply, error_response
 
 __all__ = ["BUCKET_SECONDS", "MAX_MINUTES", "UsageLedger", "parse_time", "usage_reply"]
@@ -154,23 +154,19 @@ def parse_time(name: str, value: str) -> float:
     else:
         if math.isfinite(seconds) and seconds >= 0:
             return seconds
-        raise _bad(name, f"{value!r} is not a time (Unix seconds must be finite and ≥ 0).")
+        raise invalid_value(name, f"{value!r} is not a time (Unix seconds must be finite and ≥ 0).")
     try:
         # RFC 3339 allows a lower-case "t" / "z" and a space for "T"; fromisoformat reads them
         moment = datetime.datetime.fromisoformat(text.upper().replace("Z", "+00:00"))
     except ValueError:
         moment = None
     if moment is None or moment.tzinfo is None or len(text) < 20:
-        raise _bad(
+        raise invalid_value(
             name,
             f"{value!r} is not a time: use Unix seconds or an RFC 3339 date-time with its "
             "offset (2026-01-01T00:00:00Z).",
         )
     return moment.timestamp()
-
-
-def _bad(param: str, message: str) -> GatewayError:
-    return GatewayError(400, message, "invalid_request_error", param=param, code="invalid_value")
 
 
 def _iso(seconds: float) -> str:
@@ -197,17 +193,17 @@ def usage_reply(ledger: UsageLedger, request: web.BaseRequest) -> Reply:
     try:
         for name in query:
             if name not in _PARAMS:
-                raise _bad(name, f"Unknown parameter {name!r}: use from, to and format.")
+                raise invalid_value(name, f"Unknown parameter {name!r}: use from, to and format.")
             if len(query.getall(name)) > 1:
-                raise _bad(name, f"Parameter {name!r} is given more than once.")
+                raise invalid_value(name, f"Parameter {name!r} is given more than once.")
         now = ledger.clock()
         start = parse_time("from", query["from"]) if "from" in query else ledger.started
         end = parse_time("to", query["to"]) if "to" in query else now
         if start > end:
-            raise _bad("from", "`from` is after `to`.")
+            raise invalid_value("from", "`from` is after `to`.")
         fmt = query.get("format", "json")
         if fmt not in ("json", "csv"):
-            raise _bad("format", f"Unknown format {fmt!r}: use json or csv.")
+            raise invalid_value("format", f"Unknown format {fmt!r}: use json or csv.")
     except GatewayError as err:
         return error_response(request, err)
     first = math.floor(start / BUCKET_SECONDS) * BUCKET_SECONDS

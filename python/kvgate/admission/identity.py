@@ -44,12 +44,13 @@ class TenantTable:
         anonymous: the tenant of requests that send no key, or ``None`` (they are refused).
     """
 
-    __slots__ = ("_by_hash", "anonymous", "tenants")
+    __slots__ = ("_by_hash", "_by_name", "anonymous", "tenants")
 
     def __init__(self, tenants: list[Tenant], anonymous: Tenant | None) -> None:
         self.tenants: list[Tenant] = []
         self.anonymous: Tenant | None = None
         self._by_hash: dict[bytes, Tenant] = {}
+        self._by_name: dict[str, Tenant] = {}
         self.replace(tenants, anonymous)
 
     def replace(self, tenants: list[Tenant], anonymous: Tenant | None) -> None:
@@ -59,6 +60,11 @@ class TenantTable:
             for digest in tenant.key_hashes:
                 by_hash[bytes.fromhex(digest)] = tenant
         self.tenants, self.anonymous, self._by_hash = tenants, anonymous, by_hash
+        self._by_name = {tenant.name: tenant for tenant in tenants}
+
+    def named(self, name: str) -> Tenant | None:
+        """The tenant called ``name`` (configuration ``tenants[].name``), or ``None``."""
+        return self._by_name.get(name)
 
     def identify(self, headers: Mapping[str, str]) -> tuple[Tenant, str]:
         """The tenant of a request and its priority class (``critical`` | ``standard`` |
