@@ -408,6 +408,19 @@ class AdmissionController:
     ) -> None:
         """Hot reload of base limits (``None`` = unchanged). Held slots and tokens are
         untouched; the bucket's token level is kept."""
+    def replace_backend(
+        self,
+        backend: int,
+        *,
+        max_concurrency: int,
+        tokens_per_minute: int,
+        burst_tokens: int | None = None,
+        inflight_token_limit: int | None = None,
+    ) -> None:
+        """Hot reload of a backend with its whole configuration, as :meth:`add_backend` takes
+        it: ``burst_tokens`` ``None`` is one minute's worth, ``inflight_token_limit`` ``None``
+        no in-flight budget (where :meth:`update_backend` keeps the value in force). Held
+        slots and tokens are untouched. Raises as :meth:`update_backend`."""
     def add_tenant(
         self,
         name: str,
@@ -449,6 +462,22 @@ class AdmissionController:
         backend). Slots held on a guarantee that is lowered or moved to other backends stay
         held until released; meanwhile that backend gives no burst slot beyond its limit.
         Raises as :meth:`add_tenant` (nothing changes then)."""
+    def replace_tenant(
+        self,
+        tenant: int,
+        *,
+        priority: PriorityClass | int,
+        tokens_per_minute: int | None = None,
+        max_concurrency: int | None = None,
+        guaranteed_slots: int | None = None,
+        burst_tokens: int | None = None,
+        guaranteed_backends: Iterable[int] | Literal["all"] | None = None,
+    ) -> None:
+        """Hot reload of a tenant with its whole configuration, as :meth:`add_tenant` takes
+        it: ``None`` is no limit, no guaranteed slot, every backend (where
+        :meth:`update_tenant` keeps the value in force), so a reload that drops a limit from
+        the file drops it here. Held slots stay held, as with :meth:`update_tenant`; raises
+        as :meth:`add_tenant` (nothing changes then)."""
     def set_scale(self, backend: int, scale: float) -> None:
         """Sets the adaptive scale (0 < scale <= 1), applied at once to the backend's
         concurrency and TPM (rate and burst) limits; the in-flight token budget is never scaled

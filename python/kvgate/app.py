@@ -24,7 +24,7 @@ import orjson
 from aiohttp import web
 
 from kvgate import ModelRegistry, dashboard
-from kvgate.admission.identity import TenantTable, api_key
+from kvgate.admission.identity import TenantIndex, TenantTable, api_key
 from kvgate.admission.retry_hint import RunningRequests
 from kvgate.config import TimeoutsConfig
 from kvgate.errors import GatewayError, invalid_value
@@ -161,6 +161,10 @@ class Gateway:
     #: applies a new configuration to this gateway (``gateway_build.apply_config``, given by
     #: the builder so this module does not import it back); ``None``: reload is a no-op
     apply_config: Callable[[Gateway, Any], None] | None = None
+    #: makes a new configuration ready for :attr:`apply_config` without changing this gateway
+    #: (``gateway_build.prepare_reload``: its limits tried, what changes worked out), where the
+    #: file is read (a worker thread at SIGHUP); ``None``: :attr:`apply_config` does it
+    prepare_config: Callable[[Gateway, Any], Any] | None = None
     poll: bool = False
     session: aiohttp.ClientSession = field(init=False)
     watchdog: Watchdog = field(init=False, default_factory=Watchdog)
@@ -253,9 +257,10 @@ class Gateway:
         return self._apply(new)
 
     def reload_soon(self) -> None:
-        """SIGHUP's reload: the file is read and checked on a worker thread (with 100,000
-        tenants that is seconds of work the event loop would otherwise spend answering
-        nothing), then applied on the event loop as :meth:`reload` does. A SIGHUP during a
+        """SIGHUP's reload: the file is read and checked, its limits tried on a scratch core
+        and what it changes worked out, on a worker thread (with 100,000 tenants that is
+        seconds of work the event loop would otherwise spend answering nothing), then the
+        changes are applied on the event loop as :meth:`reload` does. A SIGHUP during a
         reload reads the file again once that one is done."""
         if self.config_path is None or self.apply_config is None:
             return
@@ -277,11 +282,15 @@ class Gateway:
                 return
 
     def _read_config(self) -> Any:
+        """The file, read and checked, made ready for :attr:`apply_config` by
+        :attr:`prepare_config` when given."""
         from kvgate.config import load_config
 
         assert self.config_path is not None
         new = load_config(self.config_path)
-        return new if self.config_overrides is None else self.config_overrides(new)
+        if self.config_overrides is not None:
+            new = self.config_overrides(new)
+        return new if self.prepare_config is None else self.prepare_config(self, new)
 
     def _apply(self, new: Any) -> bool:
         assert self.apply_config is not None
@@ -308,10 +317,13 @@ class Gateway:
         cfg = self.config
         return cfg.other_routes if cfg is not None else "refuse"
 
-    def set_tenants(self, tenants: list[Tenant], anonymous: Tenant | None) -> None:
-        """Replace the tenant table (start-up and reload): keys, classes, wait times."""
+    def set_tenants(
+        self, tenants: list[Tenant], anonymous: Tenant | None, index: TenantIndex | None = None
+    ) -> None:
+        """Replace the tenant table (start-up and reload): keys, classes, wait times;
+        ``index``: its lookups, when built already (:meth:`TenantTable.index`)."""
         self.tenants, self.anonymous = tenants, anonymous
-        self.identity.replace(tenants, anonymous)
+        self.identity.replace(tenants, anonymous, index)
 
     def backend_named(self, name: str) -> Backend:
         """The backend called ``name`` (``KeyError`` if none)."""

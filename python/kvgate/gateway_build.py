@@ -12,19 +12,30 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 # A backend without ``tokens_per_minute`` in the config has no TPM limit; the core's bucket is
 # then sized so it never binds: UNLIMITED_TPM, 2**40 tokens per minute (about 18 billion per
 # second), the rate at or above which the core sends no token headers.
 from kvgate._core import UNLIMITED_TPM
+from kvgate.admission.identity import TenantIndex, TenantTable
 from kvgate.app import Backend, Gateway, ModelRoute, Tenant
 
 if TYPE_CHECKING:
     from kvgate.config import Config
 
-__all__ = ["UNLIMITED_TPM", "apply_config", "build_controller", "build_gateway", "slot_limit"]
+__all__ = [
+    "UNLIMITED_TPM",
+    "Reload",
+    "apply_config",
+    "build_controller",
+    "build_gateway",
+    "check_limits",
+    "prepare_reload",
+    "slot_limit",
+]
 
 logger = logging.getLogger("kvgate.gateway")
 
@@ -260,6 +271,7 @@ def build_gateway(
         poll=poll,
         discovery=dict(discovery or {}),
         apply_config=apply_config,
+        prepare_config=prepare_reload,
     )
     _set_tenants(gateway, config)
     gateway.slo = _slo_controller(gateway, config.slo)
@@ -355,27 +367,118 @@ def check_startup(config: Config) -> str | None:
     return None
 
 
-def _set_tenants(gateway: Gateway, config: Config) -> None:
-    tenants = [
-        Tenant(
-            id=gateway.controller.tenant_id(t.name),
-            name=t.name,
-            priority=t.priority,
-            key_hashes=tuple(t.api_key_sha256),
-            max_wait_ms=t.max_wait_ms,
-            shadow=(t.mode == "shadow"),
-            backends=None if t.backends is None else frozenset(t.backends),
-        )
-        for t in _tenants_of(config)
-    ]
+def _tenant(t: Any, tid: int) -> Tenant:
+    """The request path's :class:`Tenant` for tenant configuration ``t``, core id ``tid``."""
+    return Tenant(
+        id=tid,
+        name=t.name,
+        priority=t.priority,
+        key_hashes=tuple(t.api_key_sha256),
+        max_wait_ms=t.max_wait_ms,
+        shadow=(t.mode == "shadow"),
+        backends=None if t.backends is None else frozenset(t.backends),
+    )
+
+
+def _set_tenants(
+    gateway: Gateway,
+    config: Config,
+    tenants: list[Tenant] | None = None,
+    index: TenantIndex | None = None,
+) -> None:
+    """Installs the gateway's tenant table for ``config`` (keys, classes, wait times):
+    ``tenants`` and their lookups ``index`` when given (one per configured tenant, in
+    order), else built here."""
+    if tenants is None:
+        ctl = gateway.controller
+        tenants = [_tenant(t, ctl.tenant_id(t.name)) for t in _tenants_of(config)]
     anonymous_name = config.anonymous_tenant or ("anonymous" if not config.tenants else None)
-    anonymous = next((t for t in tenants if t.name == anonymous_name), None)
-    gateway.set_tenants(tenants, anonymous)
+    if anonymous_name is None:
+        anonymous = None
+    elif index is not None:
+        anonymous = index.by_name.get(anonymous_name)
+    else:
+        anonymous = next((t for t in tenants if t.name == anonymous_name), None)
+    gateway.set_tenants(tenants, anonymous, index)
     gateway.metrics.label_tenants(len(tenants), config.metrics.tenant_labels)
 
 
-def apply_config(gateway: Gateway, new: Config) -> None:
-    """Hot reload: apply ``new`` to a running gateway (SIGHUP).
+def check_limits(new: Config) -> None:
+    """Tries every limit of ``new`` on a scratch core (a slot limit left to the engine is at
+    least the guarantees, whatever the engine states), as :func:`apply_config` does first.
+
+    Raises:
+        kvgate.InvalidConfigError: the core refuses a limit.
+    """
+    build_controller(new)
+
+
+@dataclass(slots=True)
+class Reload:
+    """A new configuration made ready to apply (:func:`prepare_reload`): what it changes,
+    worked out without touching the running gateway, so that the applying, which holds the
+    event loop, does only the changes (a reload of 100,000 tenants that changes 200 of them
+    no longer walks them all on the loop).
+
+    Attributes:
+        config: the new configuration.
+        ids: tenant name → its core id at preparation (``None``: a tenant this reload adds).
+        changed: the configurations of the tenants whose core limits are set: the new ones and
+            those that differ from the running configuration.
+        tenants: the new tenant table, one per configured tenant in order; ``None`` where a
+            tenant is added (built once the core gives it an id).
+        added_at: the positions of the added tenants in ``tenants``.
+        index: the lookups of ``tenants`` (the added ones go in once built).
+        removed: the names of the running tenants the new configuration drops.
+    """
+
+    config: Config
+    ids: dict[str, int | None]
+    changed: list[Any]
+    tenants: list[Tenant | None]
+    added_at: list[int]
+    index: TenantIndex
+    removed: list[str]
+
+
+def prepare_reload(gateway: Gateway, new: Config) -> Reload:
+    """Checks ``new`` against the core (:func:`check_limits`) and works out what applying it
+    changes. Reads the running gateway, changes nothing: a SIGHUP reload runs it on a worker
+    thread, beside the reading of the file (reloads run one at a time, so what it read still
+    holds when :func:`apply_config` runs).
+
+    Raises:
+        kvgate.InvalidConfigError: the core refuses a limit.
+    """
+    check_limits(new)
+    ctl = gateway.controller
+    old = gateway.config
+    before = {} if old is None else {t.name: t for t in _tenants_of(old)}
+    running = {t.name: t for t in gateway.tenants}
+    ids: dict[str, int | None] = {}
+    changed: list[Any] = []
+    tenants: list[Tenant | None] = []
+    added_at: list[int] = []
+    for t in _tenants_of(new):
+        tid = ids[t.name] = ctl.tenant_id(t.name)
+        if tid is None:
+            changed.append(t)
+            added_at.append(len(tenants))
+            tenants.append(None)
+            continue
+        kept = running.get(t.name)
+        if kept is not None and kept.id == tid and before.get(t.name) == t:
+            tenants.append(kept)  # as it runs: nothing to set
+            continue
+        changed.append(t)
+        tenants.append(_tenant(t, tid))
+    removed = [] if old is None else [name for name in before if name not in ids]
+    return Reload(new, ids, changed, tenants, added_at, TenantTable.index(tenants), removed)
+
+
+def apply_config(gateway: Gateway, new: Config | Reload) -> None:
+    """Hot reload: apply ``new`` (a configuration, or the :class:`Reload`
+    :func:`prepare_reload` made of it) to a running gateway (SIGHUP).
 
     Base limits of existing backends and tenants change in the core (held slots and in-flight
     streams are untouched); new tenants are added; tenants no longer in the file are removed
@@ -394,8 +497,8 @@ def apply_config(gateway: Gateway, new: Config) -> None:
     from kvgate.config import ConfigError
 
     # every limit is tried on a scratch core first, so a refusal leaves the running one as it is
-    # (a slot limit left to the engine is at least the guarantees, whatever the engine states)
-    build_controller(new)
+    plan = new if isinstance(new, Reload) else prepare_reload(gateway, new)
+    new = plan.config
     old = gateway.config
     if old is not None:
         before = [(b.name, b.url, [m.name for m in b.models]) for b in old.backends]
@@ -429,11 +532,9 @@ def apply_config(gateway: Gateway, new: Config) -> None:
         if new.tracing != old.tracing:
             logger.warning("reload: tracing changed in the file; it applies only at the next start")
     ctl = gateway.controller
-    new_tenants = _tenants_of(new)
-    kept = {t.name for t in new_tenants}
-    removed = [] if old is None else [t.name for t in _tenants_of(old) if t.name not in kept]
-    removed_ids = [tid for tid in map(ctl.tenant_id, removed) if tid is not None]
-    adding = sum(1 for t in new_tenants if ctl.tenant_id(t.name) is None)
+    ids = plan.ids
+    removed_ids = [tid for tid in map(ctl.tenant_id, plan.removed) if tid is not None]
+    adding = sum(1 for tid in ids.values() if tid is None)
     # a removed tenant's id can be reused at once only if it holds nothing now
     room = ctl.free_tenant_ids + sum(
         1 for tid in removed_ids if ctl.tenant_state(tid)["in_use"] == 0
@@ -473,16 +574,16 @@ def apply_config(gateway: Gateway, new: Config) -> None:
         # new tenants' smaller guarantees allow is set once they are in place (below)
         held = int(ctl.backend_state(bid)["guaranteed_slots"])
         limits["max_concurrency"] = max(slots, held)
-        ctl.update_backend(bid, **limits)
+        ctl.replace_backend(bid, **limits)
         slot_limits[bid] = slots
     for tid in removed_ids:
         ctl.remove_tenant(tid)
-    for t in new_tenants:
-        tid = ctl.tenant_id(t.name)
+    for t in plan.changed:
+        tid = ids[t.name]
         if tid is None:
-            ctl.add_tenant(t.name, **_tenant_limits(t, ctl))
+            ids[t.name] = ctl.add_tenant(t.name, **_tenant_limits(t, ctl))
         else:
-            ctl.update_tenant(tid, **_tenant_limits(t, ctl))
+            ctl.replace_tenant(tid, **_tenant_limits(t, ctl))
     for bid, slots in slot_limits.items():
         if ctl.backend_state(bid)["max_concurrency"] != slots:
             ctl.update_backend(bid, max_concurrency=slots)
@@ -501,7 +602,16 @@ def apply_config(gateway: Gateway, new: Config) -> None:
     gateway.slo = _slo_controller(gateway, new.slo)
     gateway.store.reload()
     gateway.timeouts = new.timeouts
-    _set_tenants(gateway, new)
+    # the table as prepared, with the added tenants now that the core gave them ids
+    tenants = list(plan.tenants)
+    configs = _tenants_of(new) if plan.added_at else []
+    for at in plan.added_at:
+        t = configs[at]
+        tid = ids[t.name]
+        assert tid is not None
+        tenants[at] = tenant = _tenant(t, tid)
+        plan.index.add(tenant)
+    _set_tenants(gateway, new, cast(list[Tenant], tenants), plan.index)
     gateway.notify_waiters()  # limits that grew: waiters may fit now
     logger.info(
         "configuration reloaded: %d backends, %d tenants", len(new.backends), len(_tenants_of(new))

@@ -10,7 +10,8 @@ priority class with ``x-kvgate-priority``, never raise it.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kvgate.admission.wait_queue import PRIORITY_CLASSES
@@ -19,7 +20,7 @@ from kvgate.errors import GatewayError
 if TYPE_CHECKING:
     from kvgate.app import Tenant
 
-__all__ = ["PRIORITY_HEADER", "TenantTable", "api_key"]
+__all__ = ["PRIORITY_HEADER", "TenantIndex", "TenantTable", "api_key"]
 
 #: the request header that lowers a request's priority class (a higher class is ignored)
 PRIORITY_HEADER = "x-kvgate-priority"
@@ -33,6 +34,22 @@ def api_key(headers: Mapping[str, str]) -> str | None:
     if auth[:7].lower() == "bearer ":
         return auth[7:].strip() or None
     return headers.get("api-key") or None
+
+
+@dataclass(slots=True)
+class TenantIndex:
+    """A tenant table's lookups: the tenant of each API key (by the SHA-256 digest, bytes) and
+    of each name."""
+
+    by_hash: dict[bytes, Tenant]
+    by_name: dict[str, Tenant]
+
+    def add(self, tenant: Tenant) -> None:
+        """Adds ``tenant`` under its name and each of its keys (configuration validation
+        refuses a key or a name used twice)."""
+        for digest in tenant.key_hashes:
+            self.by_hash[bytes.fromhex(digest)] = tenant
+        self.by_name[tenant.name] = tenant
 
 
 class TenantTable:
@@ -53,14 +70,26 @@ class TenantTable:
         self._by_name: dict[str, Tenant] = {}
         self.replace(tenants, anonymous)
 
-    def replace(self, tenants: list[Tenant], anonymous: Tenant | None) -> None:
-        """Takes a new tenant list (start-up and reload): keys, classes, wait times."""
-        by_hash: dict[bytes, Tenant] = {}
+    @staticmethod
+    def index(tenants: Iterable[Tenant | None]) -> TenantIndex:
+        """The lookups of ``tenants`` (``None`` entries skipped; more go in with
+        :meth:`TenantIndex.add`), built apart from the table, so that a reload builds them off
+        the event loop."""
+        index = TenantIndex({}, {})
         for tenant in tenants:
-            for digest in tenant.key_hashes:
-                by_hash[bytes.fromhex(digest)] = tenant
-        self.tenants, self.anonymous, self._by_hash = tenants, anonymous, by_hash
-        self._by_name = {tenant.name: tenant for tenant in tenants}
+            if tenant is not None:
+                index.add(tenant)
+        return index
+
+    def replace(
+        self, tenants: list[Tenant], anonymous: Tenant | None, index: TenantIndex | None = None
+    ) -> None:
+        """Takes a new tenant list (start-up and reload): keys, classes, wait times;
+        ``index``: its lookups (:meth:`index`) when built already."""
+        if index is None:
+            index = self.index(tenants)
+        self.tenants, self.anonymous = tenants, anonymous
+        self._by_hash, self._by_name = index.by_hash, index.by_name
 
     def named(self, name: str) -> Tenant | None:
         """The tenant called ``name`` (configuration ``tenants[].name``), or ``None``."""

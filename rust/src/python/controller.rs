@@ -11,16 +11,14 @@ use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList, PyString, PyTuple};
 
-use crate::admission::{
-    Admission, BackendConfig, Capacity, Pool, Refusal, TenantConfig, Ticket, ALL_BACKENDS,
-};
+use crate::admission::{Admission, Capacity, Pool, Refusal, Ticket};
 use crate::clock::Clock;
 use crate::error::CoreError;
 use crate::headers::RATE_LIMIT_HEADER_NAMES;
 
 use super::convert::{
-    amount, backend_id_arg, backend_mask, opt_amount, priority_of, py_repr, secs, tenant_id_arg,
-    RATE_LIMIT_NAMES,
+    amount, backend_config, backend_id_arg, backend_mask, opt_amount, priority_of, py_repr, secs,
+    tenant_config, tenant_id_arg, RATE_LIMIT_NAMES,
 };
 use super::http::relay_bytes;
 use super::primitives::{clock_of, ManualClock};
@@ -364,13 +362,34 @@ impl AdmissionController {
         burst_tokens: Option<&Bound<'_, PyAny>>,
         inflight_token_limit: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<u32> {
-        let c = BackendConfig {
-            max_concurrency: amount(max_concurrency, "max_concurrency")?,
-            tokens_per_minute: amount(tokens_per_minute, "tokens_per_minute")?,
-            burst_tokens: opt_amount(burst_tokens, "burst_tokens")?,
-            inflight_token_limit: opt_amount(inflight_token_limit, "inflight_token_limit")?,
-        };
+        let c = backend_config(
+            max_concurrency,
+            tokens_per_minute,
+            burst_tokens,
+            inflight_token_limit,
+        )?;
         Ok(self.core.add_backend(name, &c)?)
+    }
+
+    /// Hot reload of a backend with its whole configuration, as `add_backend` takes it:
+    /// `burst_tokens` `None` is one minute's worth, `inflight_token_limit` `None` no budget
+    /// (unlike `update_backend`, where `None` keeps the value in force).
+    #[pyo3(signature = (backend, *, max_concurrency, tokens_per_minute, burst_tokens=None, inflight_token_limit=None))]
+    fn replace_backend(
+        &self,
+        #[pyo3(from_py_with = backend_id_arg)] backend: u32,
+        max_concurrency: &Bound<'_, PyAny>,
+        tokens_per_minute: &Bound<'_, PyAny>,
+        burst_tokens: Option<&Bound<'_, PyAny>>,
+        inflight_token_limit: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<()> {
+        let c = backend_config(
+            max_concurrency,
+            tokens_per_minute,
+            burst_tokens,
+            inflight_token_limit,
+        )?;
+        Ok(self.core.update_backend(backend, &c)?)
     }
 
     #[pyo3(signature = (backend, *, max_concurrency=None, tokens_per_minute=None, burst_tokens=None, inflight_token_limit=None))]
@@ -410,15 +429,41 @@ impl AdmissionController {
         burst_tokens: Option<&Bound<'_, PyAny>>,
         guaranteed_backends: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<u32> {
-        let c = TenantConfig {
-            priority: priority_of(priority)?,
-            tokens_per_minute: opt_amount(tokens_per_minute, "tokens_per_minute")?,
-            burst_tokens: opt_amount(burst_tokens, "burst_tokens")?,
-            max_concurrency: opt_amount(max_concurrency, "max_concurrency")?,
-            guaranteed_slots: opt_amount(guaranteed_slots, "guaranteed_slots")?.unwrap_or(0),
-            guaranteed_backends: backend_mask(guaranteed_backends)?.unwrap_or(ALL_BACKENDS),
-        };
+        let c = tenant_config(
+            priority,
+            tokens_per_minute,
+            max_concurrency,
+            guaranteed_slots,
+            burst_tokens,
+            guaranteed_backends,
+        )?;
         Ok(self.core.add_tenant(name, &c)?)
+    }
+
+    /// Hot reload of a tenant with its whole configuration, as `add_tenant` takes it: `None`
+    /// is no limit, no guaranteed slot, every backend (unlike `update_tenant`, where `None`
+    /// keeps the value in force), so a reload that drops a limit from the file drops it here.
+    #[pyo3(signature = (tenant, *, priority, tokens_per_minute=None, max_concurrency=None, guaranteed_slots=None, burst_tokens=None, guaranteed_backends=None))]
+    #[allow(clippy::too_many_arguments)] // keyword-only Python arguments
+    fn replace_tenant(
+        &self,
+        #[pyo3(from_py_with = tenant_id_arg)] tenant: u32,
+        priority: &Bound<'_, PyAny>,
+        tokens_per_minute: Option<&Bound<'_, PyAny>>,
+        max_concurrency: Option<&Bound<'_, PyAny>>,
+        guaranteed_slots: Option<&Bound<'_, PyAny>>,
+        burst_tokens: Option<&Bound<'_, PyAny>>,
+        guaranteed_backends: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<()> {
+        let c = tenant_config(
+            priority,
+            tokens_per_minute,
+            max_concurrency,
+            guaranteed_slots,
+            burst_tokens,
+            guaranteed_backends,
+        )?;
+        Ok(self.core.update_tenant(tenant, &c)?)
     }
 
     #[pyo3(signature = (tenant, *, priority=None, tokens_per_minute=None, max_concurrency=None, guaranteed_slots=None, burst_tokens=None, guaranteed_backends=None))]

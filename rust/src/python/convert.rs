@@ -7,7 +7,7 @@ use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyBool, PyDict, PyInt, PyString, PyTuple, PyType};
 use pyo3::IntoPyObjectExt;
 
-use crate::admission::{GuaranteedBackends, ALL_BACKENDS};
+use crate::admission::{BackendConfig, GuaranteedBackends, TenantConfig, ALL_BACKENDS};
 use crate::error::{CoreError, MAX_AMOUNT};
 use crate::priority::Priority;
 
@@ -184,6 +184,41 @@ pub(super) fn opt_amount(
         Some(o) if o.is_none() => Ok(None),
         Some(o) => amount(o, what).map(Some),
     }
+}
+
+/// A backend's whole configuration from `add_backend`'s / `replace_backend`'s arguments.
+pub(super) fn backend_config(
+    max_concurrency: &Bound<'_, PyAny>,
+    tokens_per_minute: &Bound<'_, PyAny>,
+    burst_tokens: Option<&Bound<'_, PyAny>>,
+    inflight_token_limit: Option<&Bound<'_, PyAny>>,
+) -> PyResult<BackendConfig> {
+    Ok(BackendConfig {
+        max_concurrency: amount(max_concurrency, "max_concurrency")?,
+        tokens_per_minute: amount(tokens_per_minute, "tokens_per_minute")?,
+        burst_tokens: opt_amount(burst_tokens, "burst_tokens")?,
+        inflight_token_limit: opt_amount(inflight_token_limit, "inflight_token_limit")?,
+    })
+}
+
+/// A tenant's whole configuration from `add_tenant`'s / `replace_tenant`'s arguments (`None`:
+/// no limit, no guaranteed slot, every backend).
+pub(super) fn tenant_config(
+    priority: &Bound<'_, PyAny>,
+    tokens_per_minute: Option<&Bound<'_, PyAny>>,
+    max_concurrency: Option<&Bound<'_, PyAny>>,
+    guaranteed_slots: Option<&Bound<'_, PyAny>>,
+    burst_tokens: Option<&Bound<'_, PyAny>>,
+    guaranteed_backends: Option<&Bound<'_, PyAny>>,
+) -> PyResult<TenantConfig> {
+    Ok(TenantConfig {
+        priority: priority_of(priority)?,
+        tokens_per_minute: opt_amount(tokens_per_minute, "tokens_per_minute")?,
+        burst_tokens: opt_amount(burst_tokens, "burst_tokens")?,
+        max_concurrency: opt_amount(max_concurrency, "max_concurrency")?,
+        guaranteed_slots: opt_amount(guaranteed_slots, "guaranteed_slots")?.unwrap_or(0),
+        guaranteed_backends: backend_mask(guaranteed_backends)?.unwrap_or(ALL_BACKENDS),
+    })
 }
 
 /// `guaranteed_backends`: `None` (absent), `"all"` ([`ALL_BACKENDS`]) or an iterable of
