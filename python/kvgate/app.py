@@ -165,6 +165,9 @@ class Gateway:
     #: (``gateway_build.prepare_reload``: its limits tried, what changes worked out), where the
     #: file is read (a worker thread at SIGHUP); ``None``: :attr:`apply_config` does it
     prepare_config: Callable[[Gateway, Any], Any] | None = None
+    #: a reload failed after it began to change the core (the core refused a step): what the
+    #: core holds is part old file, part new, and the next reload sets every tenant again
+    partly_applied: bool = False
     poll: bool = False
     session: aiohttp.ClientSession = field(init=False)
     watchdog: Watchdog = field(init=False, default_factory=Watchdog)
@@ -302,6 +305,14 @@ class Gateway:
         return True
 
     def _refused(self, exc: Exception) -> None:
+        if self.partly_applied:
+            logger.error(
+                "reload of %s failed part way, some of its limits are in force: %s; reload a "
+                "file that applies (the next reload sets every tenant again)",
+                self.config_path,
+                exc,
+            )
+            return
         logger.error(
             "reload of %s refused, keeping the running configuration: %s", self.config_path, exc
         )
@@ -425,11 +436,14 @@ def state_tenants(gw: Gateway, query: Any) -> tuple[list[Tenant], dict[str, Any]
     else the page ``offset`` (default 0) and ``limit`` (default :data:`ADMIN_STATE_TENANTS`,
     at most :data:`ADMIN_STATE_MAX_TENANTS`) of the tenants in configuration order.
     ``tenant_page``: ``total`` (tenants configured), ``offset``, ``limit`` and ``next`` (the
-    next page's offset, ``None`` after the last page; always ``None`` with ``tenant``).
+    next page's offset, ``None`` after the last page; always ``None`` with ``tenant``). An
+    offset is a position in the configuration's order: a reload between two pages that adds
+    or removes tenants before it shifts the pages after it.
 
     Raises:
         GatewayError: 400 ``invalid_value`` for an unknown or repeated parameter, an offset or
-            limit that is not a whole number in range, or ``tenant`` together with a page;
+            limit that is not a whole number in range, an empty name, or ``tenant`` together
+            with a page;
             404 ``tenant_not_found`` for a name no tenant has.
     """
     for name in query:
@@ -444,6 +458,8 @@ def state_tenants(gw: Gateway, query: Any) -> tuple[list[Tenant], dict[str, Any]
             raise invalid_value("tenant", "Give either tenant names or a page (offset, limit).")
         picked = []
         for name in names:
+            if not name:
+                raise invalid_value("tenant", "A tenant name is not empty.")
             tenant = gw.identity.named(name)
             if tenant is None:
                 raise GatewayError(
@@ -467,9 +483,10 @@ def _whole(query: Any, name: str, default: int, low: int, high: int) -> int:
     text = query.get(name)
     if text is None:
         return default
-    if not (text.isascii() and text.isdigit() and len(text) <= 19 and low <= int(text) <= high):
+    digits = text.lstrip("0") or "0"  # (leading zeros allowed; ASCII digits only)
+    if not (text.isascii() and text.isdigit() and len(digits) <= 19 and low <= int(digits) <= high):
         raise invalid_value(name, f"{name} must be a whole number from {low:,} to {high:,}.")
-    return int(text)
+    return int(digits)
 
 
 def admin_state(gw: Gateway, tenants: Iterable[Tenant] | None = None) -> dict[str, Any]:

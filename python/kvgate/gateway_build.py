@@ -403,6 +403,21 @@ def _set_tenants(
     gateway.metrics.label_tenants(len(tenants), config.metrics.tenant_labels)
 
 
+def _add_tenant(ctl: Any, t: Any) -> int:
+    """Adds tenant ``t`` to the core; its id. One that another worker of the same shared core
+    added a moment ago (each worker applies the file) gets these limits instead."""
+    from kvgate import InvalidConfigError
+
+    try:
+        return int(ctl.add_tenant(t.name, **_tenant_limits(t, ctl)))
+    except InvalidConfigError:
+        tid = ctl.tenant_id(t.name)
+        if tid is None:
+            raise
+        ctl.replace_tenant(tid, **_tenant_limits(t, ctl))
+        return int(tid)
+
+
 def check_limits(new: Config) -> None:
     """Tries every limit of ``new`` on a scratch core (a slot limit left to the engine is at
     least the guarantees, whatever the engine states), as :func:`apply_config` does first.
@@ -453,7 +468,9 @@ def prepare_reload(gateway: Gateway, new: Config) -> Reload:
     check_limits(new)
     ctl = gateway.controller
     old = gateway.config
-    before = {} if old is None else {t.name: t for t in _tenants_of(old)}
+    # (after a reload that failed part way, what the core holds is not the running file's:
+    # every tenant is set again)
+    before = {} if old is None or gateway.partly_applied else {t.name: t for t in _tenants_of(old)}
     running = {t.name: t for t in gateway.tenants}
     ids: dict[str, int | None] = {}
     changed: list[Any] = []
@@ -472,7 +489,17 @@ def prepare_reload(gateway: Gateway, new: Config) -> Reload:
             continue
         changed.append(t)
         tenants.append(_tenant(t, tid))
-    removed = [] if old is None else [name for name in before if name not in ids]
+    if gateway.partly_applied:
+        # the core may hold tenants of the file that failed part way: every live one that the
+        # new file does not name goes
+        live = (
+            ctl.tenant_state(i)["name"]
+            for i in range(ctl.tenant_count)
+            if not ctl.tenant_removed(i)
+        )
+        removed = [name for name in live if name not in ids]
+    else:
+        removed = [name for name in before if name not in ids]
     return Reload(new, ids, changed, tenants, added_at, TenantTable.index(tenants), removed)
 
 
@@ -533,8 +560,13 @@ def apply_config(gateway: Gateway, new: Config | Reload) -> None:
             logger.warning("reload: tracing changed in the file; it applies only at the next start")
     ctl = gateway.controller
     ids = plan.ids
+    # with --workers N every worker applies the file to the one shared core: a tenant another
+    # worker added since this one prepared its reload is there now
+    for t in plan.changed:
+        if ids[t.name] is None:
+            ids[t.name] = ctl.tenant_id(t.name)
     removed_ids = [tid for tid in map(ctl.tenant_id, plan.removed) if tid is not None]
-    adding = sum(1 for tid in ids.values() if tid is None)
+    adding = sum(1 for t in plan.changed if ids[t.name] is None)
     # a removed tenant's id can be reused at once only if it holds nothing now
     room = ctl.free_tenant_ids + sum(
         1 for tid in removed_ids if ctl.tenant_state(tid)["in_use"] == 0
@@ -552,6 +584,8 @@ def apply_config(gateway: Gateway, new: Config | Reload) -> None:
         )
     from kvgate.config import DEFAULT_SLOTS
 
+    # from here a refusal leaves part of the file applied: the next reload sets every tenant
+    gateway.partly_applied = True
     guaranteed = _guaranteed_sums(new)
     slot_limits: dict[int, int] = {}
     for b in new.backends:
@@ -578,12 +612,18 @@ def apply_config(gateway: Gateway, new: Config | Reload) -> None:
         slot_limits[bid] = slots
     for tid in removed_ids:
         ctl.remove_tenant(tid)
+    # guarantees that shrink go first: the core refuses a step that puts a backend's guarantees
+    # above its slots, even where the file as a whole fits (one tenant's guarantee moved to
+    # another); the new tenants last
+    changed = [t for t in plan.changed if ids[t.name] is not None]
+    changed.sort(
+        key=lambda t: t.guaranteed_slots - ctl.tenant_state(ids[t.name])["guaranteed_slots"]
+    )
+    for t in changed:
+        ctl.replace_tenant(ids[t.name], **_tenant_limits(t, ctl))
     for t in plan.changed:
-        tid = ids[t.name]
-        if tid is None:
-            ids[t.name] = ctl.add_tenant(t.name, **_tenant_limits(t, ctl))
-        else:
-            ctl.replace_tenant(tid, **_tenant_limits(t, ctl))
+        if ids[t.name] is None:
+            ids[t.name] = _add_tenant(ctl, t)
     for bid, slots in slot_limits.items():
         if ctl.backend_state(bid)["max_concurrency"] != slots:
             ctl.update_backend(bid, max_concurrency=slots)
@@ -612,6 +652,7 @@ def apply_config(gateway: Gateway, new: Config | Reload) -> None:
         tenants[at] = tenant = _tenant(t, tid)
         plan.index.add(tenant)
     _set_tenants(gateway, new, cast(list[Tenant], tenants), plan.index)
+    gateway.partly_applied = False
     gateway.notify_waiters()  # limits that grew: waiters may fit now
     logger.info(
         "configuration reloaded: %d backends, %d tenants", len(new.backends), len(_tenants_of(new))

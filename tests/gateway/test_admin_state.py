@@ -78,6 +78,9 @@ async def test_admin_state_lists_tenants_by_page_and_by_name_and_refuses_a_bad_q
                 assert page["tenant_page"]["limit"] == 700
                 offset = page["tenant_page"]["next"]
             assert seen == [f"t{i}" for i in range(TENANTS)]
+            # leading zeros are still the number
+            doc = await state("?offset=000000000000000000000000001&limit=0002")
+            assert [t["name"] for t in doc["tenants"]] == ["t1", "t2"]
             # past the end: an empty page
             doc = await state(f"?offset={TENANTS + 5}")
             assert doc["tenants"] == []
@@ -103,6 +106,8 @@ async def test_admin_state_lists_tenants_by_page_and_by_name_and_refuses_a_bad_q
                 ("?offset=1&offset=2", "offset"),
                 ("?tenant=t1&limit=5", "tenant"),
                 ("?tenants=t1", "tenants"),
+                ("?tenant=", "tenant"),
+                ("?offset=" + "9" * 5000, "offset"),  # past int()'s own limit on digits
             ]:
                 err = (await state(query, 400))["error"]
                 assert (err["code"], err["param"], err["type"]) == (

@@ -98,7 +98,7 @@ def view(gw: Any) -> dict[str, Any]:
     owners = {}
     for key in KEYS:
         try:
-            owners[key] = gw.identity.identify({"authorization": f"Bearer {key}"})[0].name
+            owners[key] = gw.identity.identify({"Authorization": f"Bearer {key}"})[0].name
         except GatewayError as err:
             owners[key] = err.status  # 401: no tenant has the key
     backend = ctl.backend_state(0)
@@ -129,6 +129,10 @@ def test_a_reload_leaves_the_gateway_as_a_fresh_build_of_the_new_file(
         apply_config(gw, plan)
         fresh = build_gateway(new, poll=False)
         assert view(gw) == view(fresh)
+        # every tenant with a key answers to it
+        assert set(view(gw)["owners"].values()) - {401} == {
+            t.name for t in new.tenants if t.api_key_sha256
+        }
         # an unchanged tenant keeps its table entry; a changed one gets a new one
         for t in gw.tenants:
             if t.name in before and old[t.name] == next(c for c in new.tenants if c.name == t.name):
@@ -151,3 +155,91 @@ def test_a_prepared_reload_that_the_core_refuses_changes_nothing() -> None:
     with pytest.raises((InvalidConfigError, ValueError)):
         prepare_reload(gw, Config.model_validate(bad))
     assert view(gw) == seen
+
+
+def test_a_reload_that_moves_a_guarantee_between_tenants_applies() -> None:
+    """A backend of 25 slots, A guaranteed 10 and B 15; the new file gives A 20 and B 5. It fits
+    as a whole; B's guarantee shrinks before A's grows (set in file order, A first, the core
+    refused the step and the reload failed part way)."""
+    tenants = [
+        {"name": "A", "api_key_sha256": [sha("sk-k0")], "guaranteed_slots": 10},
+        {"name": "B", "api_key_sha256": [sha("sk-k1")], "guaranteed_slots": 15},
+    ]
+    gw = build_gateway(Config.model_validate(document(tenants, max_concurrency=25)), poll=False)
+    tenants[0]["guaranteed_slots"], tenants[1]["guaranteed_slots"] = 20, 5
+    new = Config.model_validate(document(tenants, max_concurrency=25))
+    apply_config(gw, prepare_reload(gw, new))
+    assert view(gw) == view(build_gateway(new, poll=False))
+    assert not gw.partly_applied
+
+
+def test_a_reload_that_failed_part_way_is_repaired_by_the_next_one() -> None:
+    """The core refuses a step after others were applied (here: t0's limits are set and t1 is
+    added, then t2 is refused, as when the guarantee table is full): the gateway says so, and
+    the next reload sets every tenant again, even those its file did not change, and removes
+    what the failed one added."""
+    x = {"name": "t0", "api_key_sha256": [sha("sk-k0")], "max_concurrency": 5}
+    doc = document([x], max_concurrency=9)
+    gw = build_gateway(Config.model_validate(doc), poll=False)
+    seen = view(gw)
+    more = [
+        {**x, "max_concurrency": 7},
+        {"name": "t1", "api_key_sha256": [sha("sk-k1")]},
+        {"name": "t2", "api_key_sha256": [sha("sk-k2")]},
+    ]
+    plan = prepare_reload(gw, Config.model_validate(document(more, max_concurrency=9)))
+    ctl = gw.controller
+
+    class Refusing:  # the core as it is, but refusing the second tenant added
+        added = 0
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(ctl, name)
+
+        def add_tenant(self, *args: Any, **kwargs: Any) -> int:
+            self.added += 1
+            if self.added > 1:
+                raise ValueError("refused by the test")
+            return int(ctl.add_tenant(*args, **kwargs))
+
+    gw.controller = Refusing()
+    with pytest.raises(ValueError, match="refused by the test"):
+        apply_config(gw, plan)
+    gw.controller = ctl
+    assert gw.partly_applied
+    assert ctl.tenant_id("t1") is not None  # added, and in no file now
+    # the old file again: t0 unchanged against the running configuration, set all the same
+    plan = prepare_reload(gw, Config.model_validate(doc))
+    assert [t.name for t in plan.changed] == ["t0"]
+    apply_config(gw, plan)
+    assert view(gw) == seen
+    assert ctl.tenant_id("t1") is None
+    assert not gw.partly_applied
+
+
+def test_workers_reloading_one_shared_core_at_once_all_apply_the_file() -> None:
+    """With ``--workers N`` every worker applies the file to the one shared core: a worker
+    whose plan (made on its worker thread) adds a tenant that another worker added meanwhile
+    sets that tenant's limits instead of failing, and its own table gets the tenant's key."""
+    import os
+
+    from kvgate.gateway_build import build_controller
+
+    doc = document([{"name": "A", "api_key_sha256": [sha("sk-k0")], "max_concurrency": 2}])
+    config = Config.model_validate(doc)
+    shm = f"kvgtest-{os.getpid()}"
+    master = build_controller(config, shm_name=shm, create=True)
+    try:
+        a = build_gateway(config, shm_name=shm, poll=False)
+        b = build_gateway(config, shm_name=shm, poll=False)
+        tenants = doc["tenants"] + [{"name": "NEW", "api_key_sha256": [sha("sk-k1")]}]
+        new = Config.model_validate(document(tenants))
+        plan_a, plan_b = prepare_reload(a, new), prepare_reload(b, new)
+        apply_config(a, plan_a)
+        apply_config(b, plan_b)  # NEW is there already
+        for gw in (a, b):
+            assert not gw.partly_applied
+            assert view(gw)["owners"]["sk-k1"] == "NEW"
+            assert view(gw) == view(a)
+    finally:
+        del master

@@ -391,19 +391,21 @@ impl Admission {
         if n < cap {
             return Ok((n, false));
         }
-        (0..n)
-            .find(|&i| {
-                let t = self.tenant_at(i as usize);
-                t.ready.load(Ordering::Acquire) == TOMBSTONE && t.conc.in_use() == 0
-            })
-            .map(|i| (i, true))
-            .ok_or_else(|| {
-                CoreError::InvalidConfig(format!(
-                    "tenant capacity reached ({cap} tenants, removed ones still holding \
+        self.reusable_tenant_id().map(|i| (i, true)).ok_or_else(|| {
+            CoreError::InvalidConfig(format!(
+                "tenant capacity reached ({cap} tenants, removed ones still holding \
                      requests included; sized when kvgate started): restart kvgate to add \
                      tenant {name:?}"
-                ))
-            })
+            ))
+        })
+    }
+
+    /// A removed tenant's id that holds nothing, if any (a scan of the ids in use).
+    fn reusable_tenant_id(&self) -> Option<u32> {
+        (0..self.tenant_count()).find(|&i| {
+            let t = self.tenant_at(i as usize);
+            t.ready.load(Ordering::Acquire) == TOMBSTONE && t.conc.in_use() == 0
+        })
     }
 
     /// Tenant ids a new tenant can take now: never-used ones plus removed tenants' ids that
@@ -440,7 +442,15 @@ impl Admission {
         }) {
             return config_err(format!("tenant {name:?} already exists"));
         }
-        let (id, reused) = self.free_tenant_id(name)?;
+        let (mut id, mut reused) = self.free_tenant_id(name)?;
+        if !reused && self.check_entry_room(None, c).is_err() {
+            // The guarantee table is full, and its entries are never freed: a removed tenant's
+            // id comes with the entries it had (on the same backends, they serve the new
+            // tenant), so tenants with guarantees that reloads add and remove do not fill it.
+            if let Some(i) = self.reusable_tenant_id() {
+                (id, reused) = (i, true);
+            }
+        }
         // A reused id's entries were cleared on removal: the old tenant counts as none.
         let totals = self.check_guarantees(reused.then_some(id), c)?;
         self.check_entry_room(Some(id).filter(|_| reused), c)?;

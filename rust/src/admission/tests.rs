@@ -1174,3 +1174,43 @@ fn capacity_limits_say_a_restart_is_needed() {
     assert_eq!(a.tenant_id("g2"), None); // nothing registered
     assert_eq!(a.backend_state(0).unwrap().guaranteed_slots, 2);
 }
+
+#[test]
+fn tenants_with_guarantees_added_and_removed_by_reloads_do_not_fill_the_guarantee_table() {
+    // room for 2 entries and 64 tenants: each round removes the two guaranteed tenants and
+    // adds two new ones; the new ones take the removed ids (and their entries) once the table
+    // is full, not never-used ids that would need entries of their own
+    let cap = Capacity {
+        backends: 1,
+        tenants: 64,
+        guarantees: 2,
+        processes: 1,
+    };
+    let a = Admission::new_heap_with(Clock::Monotonic, cap).unwrap();
+    big_backend(&a, "b0", 8);
+    let mut ids = Vec::new();
+    for round in 0..40 {
+        for id in ids.drain(..) {
+            a.remove_tenant(id).unwrap();
+        }
+        for i in 0..2 {
+            let id = a
+                .add_tenant(
+                    &format!("g{round}-{i}"),
+                    &limited(Priority::Critical, 1, 1, ALL_BACKENDS),
+                )
+                .unwrap_or_else(|e| panic!("round {round}: {e}"));
+            ids.push(id);
+        }
+        assert_eq!(
+            a.backend_state(0).unwrap().guaranteed_slots,
+            2,
+            "round {round}"
+        );
+    }
+    // a third guaranteed tenant still does not fit: the table is full and no id is free
+    let err = a
+        .add_tenant("g-extra", &limited(Priority::Critical, 1, 1, ALL_BACKENDS))
+        .unwrap_err();
+    assert!(err.to_string().contains("guarantee table is full"), "{err}");
+}
