@@ -93,7 +93,7 @@ bench-replicas: build wrk test-packages ## 3 replicas on one redis-server vs 1 g
 	$(PY) benches/replicas/run.py
 
 .PHONY: bench-tenants
-bench-tenants: build wrk test-packages ## a gateway of 10 tenants vs one of 100,000, keys drawn at random, local and Redis store: CPU per request, memory, /metrics and dashboard cost, config load (~2 min); writes benches/RESULTS.md
+bench-tenants: build wrk test-packages ## a gateway of 10 tenants vs one of 100,000, keys drawn at random, local and Redis store: CPU per request, memory, /metrics, dashboard and /admin/state cost, config load (~2 min); writes benches/RESULTS.md
 	$(PY) benches/tenants/run.py
 
 .PHONY: wrk

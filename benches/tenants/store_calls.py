@@ -3,7 +3,8 @@ process, on a ``redis-server`` of its own) holding N tenants far from their limi
 (``max_concurrency`` 1,000, TPM 10^12) admits K requests of tenants drawn at random, 32 at a
 time, each released 10 ms after it was admitted; then 3.5 s of heartbeats. Prints the calls
 per admission (after the requests, and after the heartbeats), this process's CPU per request,
-the messages by what they carried, and Redis's own time per ``FCALL``.
+the messages by what they carried (``*``: several scopes' messages in one ``kvg_sync_many``
+call), and Redis's own time per ``FCALL``.
 
 Usage: ``.venv/bin/python benches/tenants/store_calls.py [N] [K]`` (default 100,000 and 6,000)
 """
@@ -57,6 +58,15 @@ async def run(url: str, n: int, k: int) -> None:
         return await send(sc, msg, *args, **kwargs)
 
     st._send = counted  # type: ignore[method-assign]
+    send_many = st._send_many
+
+    async def counted_many(batch: Any) -> Any:
+        for sc, (msg, _, _), _ in batch:
+            said = ("admits", "pools", "buckets", "grants")
+            kinds[(sc.kind + "*", tuple(x for x in said if msg.get(x)))] += 1
+        return await send_many(batch)
+
+    st._send_many = counted_many  # type: ignore[method-assign]
     gate = asyncio.Semaphore(32)
 
     async def one(t: Named) -> None:
@@ -68,21 +78,24 @@ async def run(url: str, n: int, k: int) -> None:
             st.release(hold, 30, 25)
 
     order = random.Random(1).choices(tenants, k=k)
-    t0, cpu0 = time.monotonic(), time.process_time()
+    t0, cpu0, calls0 = time.monotonic(), time.process_time(), st.calls
     await asyncio.gather(*(one(t) for t in order))
     cpu = time.process_time() - cpu0
-    calls = sum(kinds.values())
+    calls = st.calls - calls0
     print(f"{k:,} requests of {n:,} tenants in {time.monotonic() - t0:.2f} s: "
           f"{calls / k:.3f} Redis calls per request, {cpu / k * 1e6:.0f} µs of this "
           "process's CPU per request")  # fmt: skip
     await asyncio.sleep(3.5)
-    print(f"after 3.5 s of heartbeats: {sum(kinds.values()) / k:.3f} calls per request")
+    print(f"after 3.5 s of heartbeats: {(st.calls - calls0) / k:.3f} calls per request")
+    print("messages (* : several scopes' messages in one call):")
     for (kind, said), count in kinds.most_common():
-        print(f"  {count:7,}  {'tenant' if kind == 't' else 'backend'} scope: {', '.join(said)}")
+        name = ("tenant" if kind[0] == "t" else "backend") + kind[1:]
+        print(f"  {count:7,}  {name} scope: {', '.join(said)}")
     import redis
 
     stats = redis.Redis.from_url(url).info("commandstats").get("cmdstat_fcall", {})
-    print(f"Redis's own time per FCALL: {stats.get('usec_per_call')} µs")
+    print(f"Redis's own time per FCALL: {stats.get('usec_per_call')} µs "
+          f"({stats.get('calls')} calls, {stats.get('usec')} µs in all)")  # fmt: skip
     state = st.state()
     print(f"store failures by kind: {state.get('failures')}; "
           f"{state.get('admissions')} admissions in Redis")  # fmt: skip

@@ -906,6 +906,25 @@ def far_from_limits(names: list[str]) -> tuple[Any, Named, list[Named]]:
     return ctl, backend, tenants
 
 
+def messages_sent(st: RedisStore) -> list[str]:
+    """The kind (``t``, ``b``) of the scope of each message ``st`` sends from now on, whether
+    alone or with others in one call."""
+    sent: list[str] = []
+    send, send_many = st._send, st._send_many
+
+    async def one(sc: Any, *args: Any, **kwargs: Any) -> Any:
+        sent.append(sc.kind)
+        return await send(sc, *args, **kwargs)
+
+    async def many(batch: Any) -> Any:
+        sent.extend(sc.kind for sc, _, _ in batch)
+        return await send_many(batch)
+
+    st._send = one  # type: ignore[method-assign]
+    st._send_many = many  # type: ignore[method-assign]
+    return sent
+
+
 async def test_a_tenants_lone_request_costs_two_messages_and_a_steady_tenant_keeps_its_tokens(
     redis_server: RedisServer,
 ) -> None:
@@ -919,14 +938,7 @@ async def test_a_tenants_lone_request_costs_two_messages_and_a_steady_tenant_kee
     cfg = StoreConfig(url=redis_server.url, heartbeat_s=5.0, deadline_ms=2000)
     st = RedisStore(cfg, ctl)
     await st.start(["b"])
-    sent: list[str] = []
-    send = st._send
-
-    async def counted(sc: Any, *args: Any, **kwargs: Any) -> Any:
-        sent.append(sc.kind)
-        return await send(sc, *args, **kwargs)
-
-    st._send = counted  # type: ignore[method-assign]
+    sent = messages_sent(st)
     sc = st._scope("t", "t")
     try:
         await admit_and_release(st, backend, tenant)  # decided in Redis: no quota held
@@ -950,6 +962,97 @@ async def test_a_tenants_lone_request_costs_two_messages_and_a_steady_tenant_kee
         tokens = next(iter(sc.buckets.values()))
         assert tokens.avail > 0, tokens.avail
         assert sc in st._active
+    finally:
+        await st.close()
+
+
+def held_in_redis(server: RedisServer, st: RedisStore, sc: Any) -> dict[str, str]:
+    """What Redis records ``st``'s replica as holding in scope ``sc`` (its non-zero quotas)."""
+    fields = server.client().hgetall(sc.key)
+    return {k: v for k, v in fields.items() if k.startswith("q|") and k.endswith(st.pod)}
+
+
+async def test_the_give_backs_of_tenants_seen_once_go_32_to_a_call(
+    redis_server: RedisServer,
+) -> None:
+    """200 tenants seen once each (their requests decided in Redis, one call each): the next
+    heartbeat gives back what each took in calls of up to 32 scopes (``kvg_sync_many``), not
+    one call per tenant, and Redis then records nothing held by this replica in any of them."""
+    from kvgate.store.redis_store import BEAT_GROUP
+
+    ctl, backend, tenants = far_from_limits([f"t{i}" for i in range(200)])
+    # heartbeats only when the test calls tick(); half a period is 1 s
+    cfg = StoreConfig(url=redis_server.url, heartbeat_s=2.0, deadline_ms=2000)
+    st = RedisStore(cfg, ctl)
+    await st.start(["b"])
+    try:
+        for t in tenants:
+            await admit_and_release(st, backend, t)
+        scopes = [st._scope("t", t.name) for t in tenants]
+        before = st.calls
+        st.tick()  # 201 scopes (the backend's too): 7 groups of up to 32
+        await wait_for(
+            lambda: not any(sc.holds() or sc.busy for sc in scopes), 10, "every scope gave back"
+        )
+        await idle_lanes(st)
+        groups = -(-(len(scopes) + 1) // BEAT_GROUP)
+        assert st.calls - before <= groups + 2, (st.calls - before, groups)
+        assert st.failures["timeout"] == st.failures["error"] == 0, st.failures
+        assert all(not any(int(v) for v in held_in_redis(redis_server, st, sc).values())
+                   for sc in scopes)  # fmt: skip
+        assert st.stranded() == (0, 0)
+    finally:
+        await st.close()
+
+
+async def test_heartbeats_go_one_call_per_scope_when_the_server_has_no_kvg_sync_many(
+    redis_server: RedisServer,
+) -> None:
+    """A library loaded by an earlier kvgate (a rolling upgrade) has no ``kvg_sync_many``:
+    the heartbeat that tried it ran nothing, its scopes send their messages alone, what they
+    held goes back all the same, and the next heartbeats go one call per scope meanwhile."""
+    from kvgate.store.server import LIBRARY
+
+    ctl, backend, tenants = far_from_limits(["a", "b", "c"])
+    cfg = StoreConfig(url=redis_server.url, heartbeat_s=5.0, deadline_ms=2000)
+    st = RedisStore(cfg, ctl)
+    await st.start(["b"])
+    earlier = LIBRARY.replace("redis.register_function('kvg_sync_many', kvg_sync_many)\n", "")
+    assert earlier != LIBRARY
+    redis_server.client().function_load(earlier, replace=True)
+    sent = messages_sent(st)
+    try:
+        holds = []
+        for t in tenants:  # a request each, still running at the heartbeat
+            hold = st.try_admit(backend, t, "standard", 1) or await st.admit(
+                backend, t, "standard", 1
+            )
+            holds.append(hold)
+        await idle_lanes(st)
+        scopes = [st._scope("t", t.name) for t in tenants]
+        seqs = [sc.seq for sc in scopes]
+        st.tick()  # tried in one call: Function not found
+        await wait_for(
+            lambda: all(
+                sc.seq >= seq + 2 and not sc.busy for sc, seq in zip(scopes, seqs, strict=True)
+            ),
+            10,
+            "each scope sent its heartbeat alone",
+        )
+        await idle_lanes(st)
+        assert st._batch_off_until > 0
+        assert st.failures["error"] == st.failures["timeout"] == 0, st.failures
+        for hold in holds:
+            st.release(hold, 1, 1)
+        await st.flushed()
+        sent.clear()
+        before = st.calls
+        st.tick()  # one call per scope now: three tenants and the backend
+        await wait_for(lambda: not any(sc.holds() or sc.busy for sc in scopes), 10, "given back")
+        await idle_lanes(st)
+        assert st.calls - before == len(sent) == 4, (st.calls - before, sent)
+        assert all(not any(int(v) for v in held_in_redis(redis_server, st, sc).values())
+                   for sc in scopes)  # fmt: skip
     finally:
         await st.close()
 

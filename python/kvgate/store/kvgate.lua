@@ -46,6 +46,8 @@
 -- settles after Redis lost it), pools {name: [q, alloc, limit]},
 -- buckets {name: [available tokens, burst]}, grants {name: taken}, admits [[ok, refusing name,
 -- retry_after µs, chosen pools...]].
+-- kvg_sync_many carries several scopes' messages in one call (a replica's heartbeats on a
+-- single server): each applied as kvg_sync applies it, the replies in order.
 --
 -- Rules: time is the server's (TIME), never a client's. A message whose seq is not above the
 -- stored one is stale (a late delivery of a call that already timed out on the replica) and
@@ -438,6 +440,22 @@ local function kvg_sync(keys, args)
   return encoded
 end
 
+-- several scopes' messages in one call, each applied exactly as kvg_sync applies it alone (a
+-- replica's heartbeats and give-backs, up to 32 at once; a single server only: the keys of
+-- several scopes are in different Cluster slots). KEYS: three per scope, as kvg_sync takes
+-- them; ARGV: one message per scope, in the same order. Answers the replies in that order (a
+-- scope's error reply in its place).
+local function kvg_sync_many(keys, args)
+  if #keys ~= 3 * #args then
+    return redis.error_reply('ERR kvg_sync_many: three keys per message')
+  end
+  local out = {}
+  for i = 1, #args do
+    out[i] = kvg_sync({keys[3 * i - 2], keys[3 * i - 1], keys[3 * i]}, {args[i]})
+  end
+  return out
+end
+
 -- a replica leaving cleanly (drain finished): its quotas go back at once
 local function kvg_leave(keys, args)
   local state, live = keys[1], keys[2]
@@ -462,5 +480,6 @@ local function kvg_peek(keys, args)
 end
 
 redis.register_function('kvg_sync', kvg_sync)
+redis.register_function('kvg_sync_many', kvg_sync_many)
 redis.register_function('kvg_leave', kvg_leave)
 redis.register_function{function_name = 'kvg_peek', callback = kvg_peek, flags = {'no-writes'}}

@@ -103,6 +103,10 @@ WARM_HEARTBEATS = 2
 #: ``deadline_ms``, and the breaker opened with Redis healthy)
 BEAT_GROUP = 32
 
+#: seconds a replica sends its heartbeats one call per scope after Redis answered that it has
+#: no ``kvg_sync_many`` (a library loaded by an earlier kvgate, during a rolling upgrade)
+BATCH_OFF_S = 60.0
+
 #: seconds a scope's state surely outlives its last reply (``kvgate.lua`` keeps it 180 s + 4
 #: leases after each message): a state missing sooner was lost by Redis, not expired
 STATE_KEPT_S = 170.0
@@ -216,6 +220,8 @@ class RedisStore:
         self._last_failure = ""
         #: the share policy turned into after_degraded in this outage (logged once)
         self._share_ended = False
+        #: until when heartbeats go one call per scope (:data:`BATCH_OFF_S`; monotonic s)
+        self._batch_off_until = 0.0
 
     @property
     def admissions(self) -> int:
@@ -896,15 +902,21 @@ class RedisStore:
         except Exception:  # a lane must never die with ``busy`` set
             logger.exception("store: lane %s failed", sc.key)
         finally:
-            sc.busy = False
-            if self._breaker.opened_at is not None:
-                _wake_all(self._composed(sc))  # nothing goes to Redis now: nobody waits
-                for adm in sc.admits:
-                    if not adm.future.done():
-                        adm.future.set_result(None)
-                sc.admits.clear()
-            elif once and (sc.wake or sc.admits):
-                self._kick(sc)
+            self._lane_ended(sc, go_on=once)
+
+    def _lane_ended(self, sc: Scope, go_on: bool) -> None:
+        """``sc`` has no message in flight any more: with the breaker open, those waiting on it
+        are answered (nothing goes to Redis now); else, with ``go_on``, what queued meanwhile
+        goes in a lane of its own."""
+        sc.busy = False
+        if self._breaker.opened_at is not None:
+            _wake_all(self._composed(sc))  # nothing goes to Redis now: nobody waits
+            for adm in sc.admits:
+                if not adm.future.done():
+                    adm.future.set_result(None)
+            sc.admits.clear()
+        elif go_on and (sc.wake or sc.admits):
+            self._kick(sc)
 
     async def _fallbacks_decided(self, sc: Scope) -> None:
         """Waits until the callers of a message with an unknown outcome decided by the
@@ -1171,9 +1183,7 @@ class RedisStore:
                 kind = "stale"
                 self._last_failure = "a stale reply"
         if kind is not None:
-            self.failures[kind] += 1
-            if self._metrics is not None:
-                self._metrics.store_failures.labels(kind).inc()
+            self._count_failure(kind)
             self._unknown_outcome(sc, msg, admits)
             if self._breaker.failed(time.monotonic()):
                 self._opened()
@@ -1181,6 +1191,12 @@ class RedisStore:
         if self._breaker.succeeded():
             self._closed_again()
         self._apply(sc, reply, sent, admits, debts)
+
+    def _count_failure(self, kind: str) -> None:
+        """One failed call (``timeout``, ``error`` or ``stale``), counted and exported."""
+        self.failures[kind] += 1
+        if self._metrics is not None:
+            self._metrics.store_failures.labels(kind).inc()
 
     async def _call_again(
         self, client: Any, key: str, op: str, payload: bytes, exc: Exception
@@ -1467,8 +1483,7 @@ class RedisStore:
                 self._active.add(sc)
                 beats.append(sc)
         self._active_before = set(self._active)
-        for sc in beats[:BEAT_GROUP]:
-            self._beat(sc)
+        self._beat_group(beats[:BEAT_GROUP])
         if len(beats) > BEAT_GROUP:
             self._spawn(self._beat_spread(beats[BEAT_GROUP:], period / 2))
         if not self._loaded and self._client is not None:
@@ -1484,8 +1499,132 @@ class RedisStore:
             await asyncio.sleep(pause)
             if self._closed:
                 return
-            for sc in group:
-                self._beat(sc)
+            self._beat_group(group)
+
+    def _beat_group(self, scopes: list[Scope]) -> None:
+        """Heartbeats of ``scopes`` (at most :data:`BEAT_GROUP`). On a single server, those
+        with no message in flight and no request waiting go in one call (``kvg_sync_many``:
+        a replica that served thousands of tenants each once, every one of them giving its
+        units back at the next heartbeat, makes a call per 32 of them, not one each); the
+        others, all of them on a Redis Cluster (several scopes' keys are in different slots)
+        or while the breaker is open (each heartbeat is then a probe), on their own lanes.
+        Each message is composed here, at once: a request that comes while the call is in
+        flight waits for the next message, as behind a lane's."""
+        rest = scopes
+        batched: list[tuple[Scope, Any, list[asyncio.Future[None]]]] = []
+        if (
+            not self.config.cluster
+            and self._breaker.opened_at is None
+            and time.monotonic() >= self._batch_off_until
+        ):
+            free = [sc for sc in scopes if not (sc.busy or sc.admits or sc.falling)]
+            if len(free) > 1:
+                rest = [sc for sc in scopes if sc.busy or sc.admits or sc.falling]
+                for sc in free:
+                    sc.hb_due = True
+                    built = self._compose(sc)  # (a heartbeat always has something to say)
+                    riding = self._composed(sc)
+                    if built is None:
+                        _wake_all(riding)
+                        continue
+                    sc.busy = True
+                    batched.append((sc, built, riding))
+        if batched:
+            self._spawn(self._send_many(batched))
+        for sc in rest:
+            self._beat(sc)
+
+    async def _send_many(self, batch: list[tuple[Scope, Any, list[asyncio.Future[None]]]]) -> None:
+        """Sends the messages of several scopes (composed by :meth:`_beat_group`, none with a
+        waiting request) in one ``kvg_sync_many`` call and applies each reply as :meth:`_send`
+        does; a failed or late call is an unknown outcome for each. A server without that
+        function (an earlier kvgate's library) ran nothing: each message counts as an unknown
+        outcome (re-asserted by the next), and heartbeats go one call per scope for
+        :data:`BATCH_OFF_S`."""
+        client = self._wire
+        sent = time.monotonic()
+        keys: list[str] = []
+        payloads: list[bytes] = []
+        for sc, (msg, _, _), _ in batch:
+            key = sc.key
+            keys += (key, key + ":live", f"{key}:op:{self.pod}:{msg['seq']}")
+            payloads.append(orjson.dumps(msg))
+        self.calls += 1
+        kind = None
+        raw: Any = None
+        try:
+            call = client.fcall("kvg_sync_many", len(keys), *keys, *payloads)
+            if isinstance(call, asyncio.Future):
+                client.expire(call, self._bg_deadline)
+                raw = await call
+            else:
+                async with asyncio.timeout(self._bg_deadline):
+                    raw = await call
+        except asyncio.CancelledError:
+            for sc, (msg, admits, _), riding in batch:
+                self._unknown_outcome(sc, msg, admits)
+                _wake_all(riding)
+                sc.busy = False
+            raise
+        except TimeoutError:
+            kind = "timeout"
+            self._last_failure = f"no answer within {self._bg_deadline * 1000:g} ms"
+        except Exception as exc:
+            if library_missing(exc):
+                # nothing ran: the next messages, one per scope, re-assert what these carried
+                # (their lanes load the library when there is none)
+                self._batch_off_until = time.monotonic() + BATCH_OFF_S
+                for sc, (msg, admits, _), riding in batch:
+                    self._unknown_outcome(sc, msg, admits)
+                    _wake_all(riding)
+                    sc.hb_due = True
+                    sc.wake = True
+                    self._lane_ended(sc, go_on=True)
+                return
+            kind = "error"
+            self._last_failure = f"{type(exc).__name__}: {short_error(exc)}"
+        if self._metrics is not None:
+            self._metrics.store_call_seconds.observe(time.monotonic() - sent)
+        replies = raw if kind is None and isinstance(raw, list) else []
+        if kind is None and len(replies) != len(batch):
+            kind = "error"
+            self._last_failure = f"kvg_sync_many answered {type(raw).__name__}"
+        if kind is not None:  # the call failed: one failure, an unknown outcome for each
+            self._count_failure(kind)
+        failed = kind is not None
+        for i, (sc, (msg, admits, debts), riding) in enumerate(batch):
+            try:
+                if kind is not None:
+                    self._unknown_outcome(sc, msg, admits)
+                    continue
+                one = None
+                reply: Any = None
+                if isinstance(replies[i], Exception):  # this scope's message failed alone
+                    one = "error"
+                    self._last_failure = short_error(replies[i])
+                else:
+                    reply = orjson.loads(replies[i])
+                    if reply.get("stale"):
+                        one = "stale"
+                        self._last_failure = "a stale reply"
+                if one is not None:
+                    failed = True
+                    self._count_failure(one)
+                    self._unknown_outcome(sc, msg, admits)
+                else:
+                    self._apply(sc, reply, sent, admits, debts)
+                sc.contended = bool(sc.admits)
+            except Exception:
+                logger.exception("store: reply of %s failed", sc.key)
+            finally:
+                _wake_all(riding)
+        if failed:
+            if self._breaker.failed(time.monotonic()):
+                self._opened()
+        elif self._breaker.succeeded():
+            self._closed_again()
+        for sc, _, _ in batch:
+            self._lane_ended(sc, go_on=True)
 
     async def _load_again(self) -> None:
         with contextlib.suppress(Exception):
