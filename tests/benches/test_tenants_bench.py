@@ -39,7 +39,8 @@ def _setup(store: str, n: int, cpu: list[float]) -> object:
         for c in cpu
     ]
     s.after = {"rss_mb": 100.0, "metrics_s": 0.01, "metrics_kb": 20.0, "dashboard_s": 0.02,
-               "dashboard_kb": 3.0, "tenants_seen": 9_000.0}  # fmt: skip
+               "dashboard_kb": 3.0, "state_s": 0.005, "state_kb": 250.0,
+               "tenants_seen": 9_000.0}  # fmt: skip
     return s
 
 
@@ -55,7 +56,7 @@ def test_the_section_reports_each_store_against_its_own_ten_tenant_gateway() -> 
     assert text.startswith(tb.SECTION + "\n")
     assert "| local | 100,000 | 1,000 | 250 | 1.190× | – | 1.00 | 0 |" in text
     assert "| redis | 100,000 | 1,000 | 330 | 1.100× | 0.5000 | 1.00 | 0 |" in text
-    assert "| redis | 10 | 9,000 | 100 | 0.010 / 20.0 | 0.020 / 3.0 |" in text
+    assert "| redis | 10 | 9,000 | 100 | 0.010 / 20.0 | 0.020 / 3.0 | 0.005 / 250.0 |" in text
     assert "as JSON 2.0 s and 150 MB of peak memory growth, as YAML 13.0 s and 500 MB" in text
     assert text.count("\n| 2 | ") == 4
     assert "| 2 | redis | 100,000 | 1,000 | 330 | 0.5000 | 0 |" in text
