@@ -23,7 +23,7 @@ import io
 import math
 import os
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 
 import orjson
 from aiohttp import web
@@ -119,15 +119,20 @@ class UsageLedger:
         """Unix seconds where the oldest bucket kept starts (``None``: nothing counted)."""
         return min(self._minutes) * BUCKET_SECONDS if self._minutes else None
 
-    def totals(self, start: float, end: float) -> dict[Key, list[int]]:
+    def totals(
+        self, start: float, end: float, tenants: Collection[str] | None = None
+    ) -> dict[Key, list[int]]:
         """``{key: [requests, prompt_tokens, completion_tokens]}`` summed over every minute
-        that overlaps ``[start, end)`` (Unix seconds)."""
+        that overlaps ``[start, end)`` (Unix seconds); only the rows of ``tenants`` (names)
+        when given."""
         first = math.floor(start / BUCKET_SECONDS)
         out: dict[Key, list[int]] = {}
         for minute, bucket in self._minutes.items():
             if minute < first or minute * BUCKET_SECONDS >= end:
                 continue
             for key, (requests, prompt, completion) in bucket.items():
+                if tenants is not None and key[0] not in tenants:
+                    continue
                 row = out.get(key)
                 if row is None:
                     out[key] = [requests, prompt, completion]
@@ -173,7 +178,7 @@ def _iso(seconds: float) -> str:
     return datetime.datetime.fromtimestamp(seconds, datetime.UTC).isoformat().replace("+00:00", "Z")
 
 
-_PARAMS = frozenset({"from", "to", "format"})
+_PARAMS = frozenset({"from", "to", "format", "tenant"})
 
 
 def usage_reply(ledger: UsageLedger, request: web.BaseRequest) -> Reply:
@@ -184,18 +189,25 @@ def usage_reply(ledger: UsageLedger, request: web.BaseRequest) -> Reply:
     (:func:`parse_time`); every minute bucket that overlaps ``[from, to)`` is counted, so the
     range is widened to whole minutes (the answer says which). ``format``: ``json`` (default)
     or ``csv`` (RFC 4180: a header line, CRLF line ends, fields quoted when they hold a comma,
-    a quote or a line break; ``Content-Type: text/csv``).
+    a quote or a line break; ``Content-Type: text/csv``). ``tenant`` (repeatable): only those
+    tenants' rows (a name with none, such as one never charged, gives none; a tenant a reload
+    removed keeps the rows it was charged).
 
     Errors (OpenAI's error shape): 400 ``invalid_value`` for an unreadable time or format,
-    ``from`` after ``to``, a repeated or unknown parameter.
+    ``from`` after ``to``, an empty tenant name, a repeated or unknown parameter.
     """
     query = request.query
     try:
         for name in query:
             if name not in _PARAMS:
-                raise invalid_value(name, f"Unknown parameter {name!r}: use from, to and format.")
-            if len(query.getall(name)) > 1:
+                raise invalid_value(
+                    name, f"Unknown parameter {name!r}: use from, to, format and tenant."
+                )
+            if name != "tenant" and len(query.getall(name)) > 1:
                 raise invalid_value(name, f"Parameter {name!r} is given more than once.")
+        tenants = frozenset(query.getall("tenant", [])) or None
+        if tenants is not None and "" in tenants:
+            raise invalid_value("tenant", "A tenant name is not empty.")
         now = ledger.clock()
         start = parse_time("from", query["from"]) if "from" in query else ledger.started
         end = parse_time("to", query["to"]) if "to" in query else now
@@ -208,7 +220,7 @@ def usage_reply(ledger: UsageLedger, request: web.BaseRequest) -> Reply:
         return error_response(request, err)
     first = math.floor(start / BUCKET_SECONDS) * BUCKET_SECONDS
     last = max(first + BUCKET_SECONDS, math.ceil(end / BUCKET_SECONDS) * BUCKET_SECONDS)
-    rows = sorted(ledger.totals(first, last).items())
+    rows = sorted(ledger.totals(first, last, tenants).items())
     if fmt == "csv":
         return _csv(rows)
     data = [dict(zip(COLUMNS, (*key, *vals), strict=True)) for key, vals in rows]

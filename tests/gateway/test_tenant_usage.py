@@ -11,6 +11,7 @@ from typing import Any
 
 import aiohttp
 import openai
+import orjson
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import make_mocked_request
@@ -333,4 +334,52 @@ def test_csv_quotes_fields_as_rfc_4180_says() -> None:
     assert reply.body == (
         b"tenant,model,outcome,requests,prompt_tokens,completion_tokens\r\n"
         b'"team ""a"", west",org/model,ok,2,30,40\r\n'
+    )
+
+
+def test_tenant_names_select_their_rows_and_totals() -> None:
+    """``?tenant=`` (repeatable): only those tenants' rows and their totals (with 100,000
+    tenants, one tenant's bill without the whole export); a name with no rows gives none; an
+    empty name is a 400."""
+    ledger = UsageLedger(clock=lambda: float(T0))
+    ledger.started = float(T0)
+    ledger.add(
+        {
+            ("alice", "m", "ok"): [2, 30, 40],
+            ("alice", "m", "error"): [1, 5, 0],
+            ("bob", "m", "ok"): [7, 70, 700],
+            ("carol", "m", "ok"): [1, 1, 1],
+        }
+    )
+
+    def ask(query: str) -> tuple[int, Any]:
+        reply = usage_reply(ledger, make_mocked_request("GET", "/admin/usage" + query))
+        if isinstance(reply, web.Response):
+            assert isinstance(reply.body, bytes)
+            return reply.status, orjson.loads(reply.body)
+        # an error: a prepared response (status line, headers, body in one buffer)
+        return reply.status, orjson.loads(reply.raw.split(b"\r\n\r\n", 1)[1])
+
+    status, body = ask("?tenant=alice")
+    assert status == 200
+    assert {(r["tenant"], r["outcome"]) for r in body["data"]} == {
+        ("alice", "ok"),
+        ("alice", "error"),
+    }
+    assert body["totals"] == {"requests": 3, "prompt_tokens": 35, "completion_tokens": 40}
+    _, body = ask("?tenant=bob&tenant=carol&format=json")
+    assert sorted(r["tenant"] for r in body["data"]) == ["bob", "carol"]
+    assert body["totals"]["requests"] == 8
+    _, body = ask("?tenant=nobody")
+    assert body["data"] == []
+    assert body["totals"]["requests"] == 0
+    _, body = ask("")  # everyone
+    assert body["totals"]["requests"] == 11
+    status, body = ask("?tenant=alice&tenant=")
+    assert status == 400
+    assert (body["error"]["code"], body["error"]["param"]) == ("invalid_value", "tenant")
+    reply = usage_reply(ledger, make_mocked_request("GET", "/admin/usage?format=csv&tenant=bob"))
+    assert isinstance(reply, web.Response)
+    assert reply.body == (
+        b"tenant,model,outcome,requests,prompt_tokens,completion_tokens\r\nbob,m,ok,7,70,700\r\n"
     )
