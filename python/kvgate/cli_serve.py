@@ -223,6 +223,7 @@ class _BadHttpToDebug(logging.Filter):
 def run(args: argparse.Namespace) -> int:
     """Load or build the configuration and serve until SIGTERM/SIGINT. Returns the exit code."""
     from kvgate.accesslog import configure_access_log, configure_logging
+    from kvgate.app import collector_paused
     from kvgate.config import ConfigError, load_config
 
     logging.getLogger("aiohttp.server").addFilter(_BadHttpToDebug())
@@ -242,7 +243,8 @@ def run(args: argparse.Namespace) -> int:
     discovery: dict[str, Any] = {}
     try:
         if args.config:
-            config = load_config(args.config)
+            with collector_paused():
+                config = load_config(args.config)
         elif args.upstream:
             config, discovery = _config_from_flags(args)
         else:
@@ -566,6 +568,7 @@ def _serve_single(
     discovery: dict[str, Any] | None = None,
 ) -> int:
     from kvgate import CoreError
+    from kvgate.app import collector_paused
     from kvgate.gateway_build import build_gateway
     from kvgate.server import serve_forever
     from kvgate.tls import server_context
@@ -574,9 +577,10 @@ def _serve_single(
     # every worker polls the engines itself: its routing (health) is local, while the scale and
     # shedding it derives land in the shared region (the same readings give the same law output)
     try:
-        gateway = build_gateway(
-            config, shm_name=shm_name, config_path=config_path, poll=True, discovery=discovery
-        )
+        with collector_paused():
+            gateway = build_gateway(
+                config, shm_name=shm_name, config_path=config_path, poll=True, discovery=discovery
+            )
         gateway.config_overrides = overrides
         tls = config.listen.tls
         ssl_context = None if tls is None else server_context(tls.certificate, tls.key)
