@@ -471,7 +471,6 @@ def prepare_reload(gateway: Gateway, new: Config) -> Reload:
     # (after a reload that failed part way, what the core holds is not the running file's:
     # every tenant is set again)
     before = {} if old is None or gateway.partly_applied else {t.name: t for t in _tenants_of(old)}
-    running = {t.name: t for t in gateway.tenants}
     ids: dict[str, int | None] = {}
     changed: list[Any] = []
     tenants: list[Tenant | None] = []
@@ -483,7 +482,7 @@ def prepare_reload(gateway: Gateway, new: Config) -> Reload:
             added_at.append(len(tenants))
             tenants.append(None)
             continue
-        kept = running.get(t.name)
+        kept = gateway.identity.named(t.name)
         if kept is not None and kept.id == tid and before.get(t.name) == t:
             tenants.append(kept)  # as it runs: nothing to set
             continue

@@ -1178,10 +1178,7 @@ class RedisStore:
         if self._metrics is not None:
             self._metrics.store_call_seconds.observe(time.monotonic() - sent)
         if kind is None:
-            reply = orjson.loads(raw)
-            if reply.get("stale"):
-                kind = "stale"
-                self._last_failure = "a stale reply"
+            reply, kind = self._decoded(raw)
         if kind is not None:
             self._count_failure(kind)
             self._unknown_outcome(sc, msg, admits)
@@ -1191,6 +1188,19 @@ class RedisStore:
         if self._breaker.succeeded():
             self._closed_again()
         self._apply(sc, reply, sent, admits, debts)
+
+    def _decoded(self, raw: Any) -> tuple[Any, str | None]:
+        """One ``kvg_sync`` reply, decoded, and the kind of failure it is (``None``: none):
+        ``stale`` (a late delivery, applied nothing) or ``error`` (an error reply in the
+        place of one scope's within a ``kvg_sync_many`` answer)."""
+        if isinstance(raw, Exception):
+            self._last_failure = short_error(raw)
+            return None, "error"
+        reply = orjson.loads(raw)
+        if reply.get("stale"):
+            self._last_failure = "a stale reply"
+            return reply, "stale"
+        return reply, None
 
     def _count_failure(self, kind: str) -> None:
         """One failed call (``timeout``, ``error`` or ``stale``), counted and exported."""
@@ -1517,9 +1527,12 @@ class RedisStore:
             and self._breaker.opened_at is None
             and time.monotonic() >= self._batch_off_until
         ):
-            free = [sc for sc in scopes if not (sc.busy or sc.admits or sc.falling)]
+            free: list[Scope] = []
+            busy: list[Scope] = []
+            for sc in scopes:
+                (busy if sc.busy or sc.admits or sc.falling else free).append(sc)
             if len(free) > 1:
-                rest = [sc for sc in scopes if sc.busy or sc.admits or sc.falling]
+                rest = busy
                 for sc in free:
                     sc.hb_due = True
                     built = self._compose(sc)  # (a heartbeat always has something to say)
@@ -1597,16 +1610,7 @@ class RedisStore:
                 if kind is not None:
                     self._unknown_outcome(sc, msg, admits)
                     continue
-                one = None
-                reply: Any = None
-                if isinstance(replies[i], Exception):  # this scope's message failed alone
-                    one = "error"
-                    self._last_failure = short_error(replies[i])
-                else:
-                    reply = orjson.loads(replies[i])
-                    if reply.get("stale"):
-                        one = "stale"
-                        self._last_failure = "a stale reply"
+                reply, one = self._decoded(replies[i])
                 if one is not None:
                     failed = True
                     self._count_failure(one)
