@@ -33,6 +33,7 @@ def _setup(store: str, n: int, cpu: list[float]) -> object:
             "non_2xx": 0,
             "socket_errors": 0,
             "cpu_us": c,
+            "redis_us": c / 10,
             "calls_per_admission": 0.5,
             "p50_ms": 1.0,
         }
@@ -54,8 +55,8 @@ def test_the_section_reports_each_store_against_its_own_ten_tenant_gateway() -> 
     args = argparse.Namespace(rounds=2, duration=3, connections=32, cmdline=None)
     text = tb.render(setups, {"json": (2.0, 150.0), "yaml": (13.0, 500.0)}, "Machine: m.", args, 99)
     assert text.startswith(tb.SECTION + "\n")
-    assert "| local | 100,000 | 1,000 | 250 | 1.190× | – | 1.00 | 0 |" in text
-    assert "| redis | 100,000 | 1,000 | 330 | 1.100× | 0.5000 | 1.00 | 0 |" in text
+    assert "| local | 100,000 | 1,000 | 250 | – | 1.190× | – | 1.00 | 0 |" in text
+    assert "| redis | 100,000 | 1,000 | 330 | 33 | 1.100× | 0.5000 | 1.00 | 0 |" in text
     assert "| redis | 10 | 9,000 | 100 | 0.010 / 20.0 | 0.020 / 3.0 | 0.005 / 250.0 |" in text
     assert "as JSON 2.0 s and 150 MB of peak memory growth, as YAML 13.0 s and 500 MB" in text
     assert text.count("\n| 2 | ") == 4
