@@ -218,8 +218,13 @@ async def gateway_runtime(gateway: Gateway) -> AsyncIterator[None]:
     timeout = aiohttp.ClientTimeout(total=None, connect=gateway.timeouts.connect)
     # the trace lets the relay resend a request that failed on a pooled connection the engine
     # had closed (kvgate.proxy.relay.reuse_trace)
+    # no cookie jar: a cookie one tenant's answer set (an engine, a load balancer's affinity
+    # cookie) must not ride on every other tenant's requests
     gateway.session = aiohttp.ClientSession(
-        connector=connector, timeout=timeout, trace_configs=[reuse_trace()]
+        connector=connector,
+        timeout=timeout,
+        trace_configs=[reuse_trace()],
+        cookie_jar=aiohttp.DummyCookieJar(),
     )
     loop = asyncio.get_running_loop()
     metrics = gateway.metrics

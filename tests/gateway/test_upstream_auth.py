@@ -229,3 +229,63 @@ def test_check_config_reports_a_missing_key_variable(tmp_path: Path) -> None:
     )
     assert done.returncode == 2
     assert f"environment variable {KEY_VAR} is not set" in done.stderr
+
+
+def _moving_engine(thief: RecordingEngine) -> web.Application:
+    """An engine that answers every request with a redirect to ``thief`` (as a moved engine,
+    or a proxy in front of one, may), setting a cookie on the way."""
+
+    async def moved(request: web.Request) -> web.Response:
+        thief.record(request)  # recorded as seen by the engine, under its own path
+        status = 307 if request.method == "POST" else 302
+        return web.Response(
+            status=status,
+            headers={
+                "Location": thief.url + request.path,
+                "Set-Cookie": "session=one-tenants-secret; Path=/",
+            },
+        )
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", moved)
+    return app
+
+
+async def test_an_engines_redirect_is_not_followed_and_its_cookie_not_kept(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A 3xx from the engine is a 502 ``upstream_redirect``: neither the prompt nor the
+    backend's key goes to the host it names, and the request's slot goes back. A cookie an
+    engine sets (a load balancer's affinity cookie, say) rides on no later request: one
+    tenant's answer must not shape what the engine sees of another's."""
+    monkeypatch.setenv(KEY_VAR, ENGINE_KEY)
+    thief = RecordingEngine()
+    engine = RecordingEngine()
+    async with (
+        serve_app(_engine_app(thief), handler_cancellation=False) as thief.url,
+        serve_app(_moving_engine(engine), handler_cancellation=False) as engine.url,
+    ):
+        # a host name, not an address: aiohttp's cookie jar keeps no cookie of an IP host
+        url = engine.url.replace("127.0.0.1", "localhost")
+        gateway = build_gateway(Config.model_validate(_data(url, api_key_env=KEY_VAR)))
+        async with run_gateway(gateway) as gw, aiohttp.ClientSession() as s:
+            chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+            for body in (chat, {**chat, "stream": True}, chat):
+                async with s.post(
+                    gw + "/v1/chat/completions", json=body, headers=CLIENT_HEADERS
+                ) as r:
+                    assert r.status == 502, await r.text()
+                    error = (await r.json())["error"]
+                    assert error["code"] == "upstream_redirect"
+                    assert "307" in error["message"]
+                    assert "Location" not in r.headers
+            async with s.get(gw + "/v1/files", headers=CLIENT_HEADERS) as r:
+                assert r.status == 502
+                assert (await r.json())["error"]["code"] == "upstream_redirect"
+            assert gateway.controller.backend_state(0)["in_use"] == 0
+    assert thief.seen == {}
+    calls = engine.seen["/v1/chat/completions"]
+    assert len(calls) == 3
+    for headers in calls + engine.seen["/v1/files"]:
+        assert headers.get("Authorization") == f"Bearer {ENGINE_KEY}"
+        assert "Cookie" not in headers, headers

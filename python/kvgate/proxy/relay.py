@@ -35,6 +35,7 @@ from kvgate.errors import (
     error_body,
     reshape_upstream_error,
     upstream_failed,
+    upstream_redirect,
     upstream_timeout,
 )
 from kvgate.proxy.assemble import Assembler, ChunkAssembler, ResponsesAssembler, SSELines
@@ -99,7 +100,8 @@ async def _send(
 ) -> aiohttp.ClientResponse:
     """Send the request upstream (``method``, usually ``POST``), sent again when it failed on a
     pooled connection the engine had closed (see :func:`reuse_trace`): the engine never read
-    it, so sending it again cannot run it twice.
+    it, so sending it again cannot run it twice. A redirect is not followed: the prompt and
+    the backend's key go to the backend's URL only (the caller answers 502).
 
     Raises:
         aiohttp.ClientError: the engine could not be reached, or broke off before the answer.
@@ -109,12 +111,17 @@ async def _send(
         attempt.reused = False
         try:
             return await session.request(
-                method, url, data=body, headers=headers, trace_request_ctx=attempt
+                method,
+                url,
+                data=body,
+                headers=headers,
+                trace_request_ctx=attempt,
+                allow_redirects=False,
             )
         except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
             if not attempt.reused or isinstance(exc, aiohttp.ClientConnectorError):
                 raise
-    return await session.request(method, url, data=body, headers=headers)
+    return await session.request(method, url, data=body, headers=headers, allow_redirects=False)
 
 
 @dataclass(slots=True)
@@ -213,7 +220,8 @@ async def relay(
 
     Raises:
         GatewayError: 502 upstream unreachable / broken before headers (an assembled answer:
-            before its end), 504 upstream timeout before headers (an assembled answer: before
+            before its end), 502 ``upstream_redirect`` (the engine answered 3xx: not
+            followed), 504 upstream timeout before headers (an assembled answer: before
             its end).
         asyncio.CancelledError: the client went away (the handler was cancelled).
     """
@@ -242,6 +250,11 @@ async def relay(
             result.outcome = "upstream_unreachable"
             raise upstream_failed(exc) from None
         result.ttft = time.perf_counter() - started
+        if 300 <= upstream.status < 400:
+            # a redirect (an engine moved, a proxy in front of it): not followed, so neither
+            # the prompt nor the backend's key goes to a host the operator did not name
+            result.outcome = "upstream_error"
+            raise upstream_redirect(upstream.status)
         if upstream.status >= 400:
             result.outcome = "upstream_error"
             raw = await _read_all(upstream, timeouts, deadline, end, result)
