@@ -143,9 +143,16 @@ class UsageLedger:
         return out
 
 
+#: the latest time a query names (Unix seconds, 9999-12-31T23:58:00Z): a later one counts as
+#: this one, so that the range, widened to whole minutes, still ends in a year that a date-time
+#: can spell (``?to=9999-12-31T23:59:59Z`` means "to the end")
+LATEST_S = 253_402_300_680.0
+
+
 def parse_time(name: str, value: str) -> float:
     """A query time: Unix seconds (``1767225600``, ``1767225600.5``) or an RFC 3339 date-time
-    with its offset (``2026-01-01T00:00:00Z``, ``2026-01-01T01:00:00+01:00``).
+    with its offset (``2026-01-01T00:00:00Z``, ``2026-01-01T01:00:00+01:00``), as Unix
+    seconds; a date-time before 1970 counts as 0, any time after :data:`LATEST_S` as that.
 
     Raises:
         GatewayError: 400 ``invalid_value`` (param ``name``) for anything else, a time without
@@ -158,7 +165,7 @@ def parse_time(name: str, value: str) -> float:
         pass
     else:
         if math.isfinite(seconds) and seconds >= 0:
-            return seconds
+            return min(seconds, LATEST_S)
         raise invalid_value(name, f"{value!r} is not a time (Unix seconds must be finite and ≥ 0).")
     try:
         # RFC 3339 allows a lower-case "t" / "z" and a space for "T"; fromisoformat reads them
@@ -171,7 +178,7 @@ def parse_time(name: str, value: str) -> float:
             f"{value!r} is not a time: use Unix seconds or an RFC 3339 date-time with its "
             "offset (2026-01-01T00:00:00Z).",
         )
-    return moment.timestamp()
+    return min(max(moment.timestamp(), 0.0), LATEST_S)
 
 
 def _iso(seconds: float) -> str:

@@ -257,6 +257,29 @@ async def test_bad_parameters_are_400(gateway_for, query: str, param: str) -> No
         assert gw.backend_state()["in_use"] == 0
 
 
+async def test_times_at_the_ends_of_the_calendar_are_clamped_not_a_500(gateway_for) -> None:
+    """Valid times past what the minute rounding can spell (year 9999 rounded up is year
+    10,000), Unix seconds beyond any date, dates before 1970 (one in year 1 with an offset):
+    clamped to 0 .. 9999-12-31T23:58Z, answered 200 — never the 500 of a date-time overflow."""
+    sim_cfg = SimConfig.from_profile("tiny", speed=50)
+    async with run_sim(sim_cfg) as sim, gateway_for(_config(sim.url, "m")) as gw:
+        for query in (
+            "?to=9999-12-31T23:59:59Z",
+            "?to=253402300800",
+            "?to=1e17",
+            "?to=1e300",
+            "?from=9999-12-31T23:59:59Z&to=1e300",
+            "?from=0001-01-01T00:00:00%2B23:59",
+            "?from=0001-01-01T00:00:00-23:59&to=1969-12-31T23:59:59Z",
+        ):
+            status, body, raw = await _usage(gw.url, query)
+            assert status == 200, (query, raw)
+            assert body["data"] == []
+            assert body["from"] <= body["to"] <= "9999-12-31T23:59:00Z", query
+        _, body, _ = await _usage(gw.url, "?from=1969-01-01T00:00:00Z&to=1e300")
+        assert (body["from"], body["to"]) == ("1970-01-01T00:00:00Z", "9999-12-31T23:58:00Z")
+
+
 async def test_usage_needs_the_admin_key(gateway_for) -> None:
     sim_cfg = SimConfig.from_profile("tiny", speed=50)
     async with run_sim(sim_cfg) as sim, gateway_for(_config(sim.url, "m")) as gw:
