@@ -276,6 +276,35 @@ async def test_kvgates_longer_hint_wins_over_the_engines(gateway_for) -> None:
             assert r.headers["Retry-After"] == "1"
 
 
+@pytest.mark.parametrize(
+    "header",
+    [
+        {"Retry_After": "99999999999999999999"},
+        {"retry_after_ms": "1e300"},
+        {"Retry_After": "Wed, 21 Oct 2099 07:28:00 GMT"},
+    ],
+)
+async def test_an_absurd_engine_wait_is_relayed_as_an_hour(
+    gateway_for, header: dict[str, str]
+) -> None:
+    """An engine's wait of centuries (a huge number, a date decades ahead) reaches the client
+    as at most an hour, in whole seconds and whole milliseconds (no float digits)."""
+
+    async def script(writer: asyncio.StreamWriter, body: dict[str, Any]) -> bool:
+        err = b'{"error":{"message":"busy","type":"overloaded","param":null,"code":null}}'
+        writer.write(answer(503, err, **header))
+        return True
+
+    async with raw_engine(script) as engine, gateway_for(config_for(engine.url, ["m"])) as gw:
+        async with (
+            aiohttp.ClientSession() as s,
+            s.post(gw.url + "/v1/chat/completions", json=chat("m")) as r,
+        ):
+            assert r.status == 503
+            assert r.headers["Retry-After"] == "3600"
+            assert r.headers["retry-after-ms"] == "3600000"
+
+
 # ---- A4 + A5: stream heads, [DONE] ------------------------------------------------------------
 
 

@@ -379,10 +379,17 @@ def _with_retry_after(
     )
 
 
+#: the longest wait an engine's ``Retry-After`` / ``retry-after-ms`` is relayed as (seconds):
+#: a longer one (an absurd value, a date years ahead) becomes this — a client that honours it
+#: comes back within the hour (OpenAI's clients ignore a wait over 60 s and back off themselves)
+ENGINE_WAIT_MAX_S = 3600.0
+
+
 def _engine_wait(headers: Any) -> float | None:
     """Seconds the engine asked to wait: ``retry-after-ms`` (milliseconds, what OpenAI's
-    clients read first), else ``Retry-After`` (seconds, or an HTTP-date, RFC 9110 §10.2.3);
-    ``None`` when neither is there or readable (negative, not finite, unparseable)."""
+    clients read first), else ``Retry-After`` (seconds, or an HTTP-date, RFC 9110 §10.2.3), at
+    most :data:`ENGINE_WAIT_MAX_S`; ``None`` when neither is there or readable (negative, not
+    finite, unparseable)."""
     raw = headers.get("retry-after-ms")
     if raw is not None:
         try:
@@ -390,7 +397,7 @@ def _engine_wait(headers: Any) -> float | None:
         except ValueError:
             ms = math.nan
         if math.isfinite(ms) and ms > 0:
-            return ms / 1000
+            return min(ms / 1000, ENGINE_WAIT_MAX_S)
     raw = headers.get("Retry-After")
     if raw is None:
         return None
@@ -401,7 +408,7 @@ def _engine_wait(headers: Any) -> float | None:
             seconds = parsedate_to_datetime(raw).timestamp() - time.time()
         except (TypeError, ValueError, IndexError, OverflowError):
             return None
-    return seconds if math.isfinite(seconds) and seconds > 0 else None
+    return min(seconds, ENGINE_WAIT_MAX_S) if math.isfinite(seconds) and seconds > 0 else None
 
 
 def _stream_headers(upstream_headers: Any) -> Any:
