@@ -689,6 +689,10 @@ class SSEInspector:
     def done(self) -> bool:
         """``True`` once ``data: [DONE]`` was seen (a Responses stream: its terminal event)."""
     @property
+    def overlong(self) -> bool:
+        """``True`` once an event grew past 8 MiB (``EVENT_LIMIT`` of the core) before its end:
+        nothing more is handed out; the relay ends the stream with an error."""
+    @property
     def delivered_text(self) -> list[str]:
         """Text pieces (``delta.content``, ``reasoning_content``, ``reasoning``, tool-call
         ``name`` and ``arguments``, legacy ``text``) of the events handed out so far and not yet

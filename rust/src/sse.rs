@@ -35,6 +35,13 @@ pub const TEXT_LIMIT: usize = 2 * 1024;
 /// counter anyway, cut at a character boundary (the count is then approximate).
 pub const TEXT_HARD_LIMIT: usize = 4 * TEXT_LIMIT;
 
+/// Bytes of one event (or of a line of it) held while its end has not arrived: past this the
+/// stream is broken off ([`SseInspector::overlong`]). No engine's event comes near it (the
+/// largest, a Responses stream's terminal event, repeats the whole answer); an upstream that
+/// sends megabytes without an event's end would otherwise grow the gateway's memory without
+/// bound.
+pub const EVENT_LIMIT: usize = 8 * 1024 * 1024;
+
 use serde_json::{Map, Value};
 
 /// What [`SseInspector::feed`] hands back.
@@ -63,9 +70,22 @@ pub struct SseInspector {
     chunks: u64,
     usage: Option<Value>,
     error: Option<Value>,
-    done: bool,
+    /// Whether the stream is over for the inspector: `[DONE]` (or a Responses terminal event)
+    /// passed, or an event grew past [`EVENT_LIMIT`] before its end.
+    end: End,
     /// Which API's stream this is.
     dialect: Dialect,
+}
+
+/// Whether a stream is still read ([`SseInspector`]'s `end`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum End {
+    /// Events are read and handed out.
+    Open,
+    /// `[DONE]` (a Responses terminal event) passed: nothing after it is handed out.
+    Done,
+    /// An event grew past [`EVENT_LIMIT`] before its end: nothing more is handed out or kept.
+    Overlong,
 }
 
 /// The API whose stream an inspector reads.
@@ -93,7 +113,7 @@ impl SseInspector {
             chunks: 0,
             usage: None,
             error: None,
-            done: false,
+            end: End::Open,
             dialect: Dialect::Chat,
         }
     }
@@ -126,9 +146,11 @@ impl SseInspector {
     /// chunk and each chunk's `"usage": null` member).
     ///
     /// Once `data: [DONE]` has passed, the stream is over: the events after it (in the same
-    /// bytes or later ones) are neither handed out nor kept.
+    /// bytes or later ones) are neither handed out nor kept. Once an event has grown past
+    /// [`EVENT_LIMIT`] bytes without its end, the stream is broken off ([`Self::overlong`]):
+    /// its bytes are dropped, and so is everything after them.
     pub fn feed(&mut self, data: &[u8]) -> Fed {
-        if self.done {
+        if self.end != End::Open {
             return Fed::Bytes(Vec::new());
         }
         if !self.cr && memchr::memchr(b'\r', data).is_some() {
@@ -174,8 +196,11 @@ impl SseInspector {
             None => Fed::Bytes(self.buf[..pos].to_vec()),
         };
         self.buf.drain(..pos);
-        if self.done {
+        if self.done() {
             self.buf = Vec::new(); // a partial event after [DONE]: dropped, not kept
+        } else if self.buf.len() > EVENT_LIMIT {
+            self.end = End::Overlong;
+            self.buf = Vec::new();
         } else if self.buf.is_empty() && self.buf.capacity() > 4096 {
             // one large read must not keep its buffer for the rest of the stream
             self.buf = Vec::new();
@@ -187,7 +212,7 @@ impl SseInspector {
     /// without its `"usage": null` / usage chunk when stripping).
     pub fn flush(&mut self) -> Vec<u8> {
         let rest = std::mem::take(&mut self.buf);
-        if self.done || rest.trim_ascii().is_empty() {
+        if self.done() || rest.trim_ascii().is_empty() {
             return rest;
         }
         match self.inspect(&rest) {
@@ -215,7 +240,13 @@ impl SseInspector {
 
     /// Whether `data: [DONE]` was seen.
     pub fn done(&self) -> bool {
-        self.done
+        self.end == End::Done
+    }
+
+    /// Whether an event grew past [`EVENT_LIMIT`] bytes before its end (the stream is broken:
+    /// the caller ends it with an error).
+    pub fn overlong(&self) -> bool {
+        self.end == End::Overlong
     }
 
     /// Text pieces (content, reasoning, tool-call name and arguments, legacy `text`) of the
@@ -347,7 +378,7 @@ impl SseInspector {
     /// Reads one complete event; says whether to forward it as is, drop it (the usage chunk
     /// when stripping) or forward it rewritten (without `"usage": null` when stripping).
     fn inspect(&mut self, event: &[u8]) -> Verdict {
-        if self.done {
+        if self.done() {
             return Verdict::Drop; // the stream ended at [DONE]
         }
         let mut null_usage = false;
@@ -356,7 +387,7 @@ impl SseInspector {
                 continue;
             };
             if payload == b"[DONE]" {
-                self.done = true;
+                self.end = End::Done;
                 continue;
             }
             let stripping = self.strip && find(payload, b"\"usage\"", 0).is_some();
@@ -406,7 +437,7 @@ impl SseInspector {
         };
         match kind {
             "response.completed" | "response.incomplete" | "response.failed" => {
-                self.done = true;
+                self.end = End::Done;
                 let Some(Value::Object(response)) = obj.get("response") else {
                     return;
                 };
@@ -683,6 +714,40 @@ mod tests {
 
     const USAGE: &[u8] =
         b"data: {\"choices\":[],\"usage\":{\"prompt_tokens\":3,\"completion_tokens\":2}}\n\n";
+
+    #[test]
+    fn an_event_without_an_end_is_cut_off_at_the_event_limit() {
+        let mut insp = SseInspector::new(false);
+        assert_eq!(insp.feed(&chunk("before")), Fed::Same);
+        // an event whose end never comes, fed in 64 KiB pieces: held up to the limit only
+        let piece = vec![b'x'; 64 * 1024];
+        assert_eq!(insp.feed(b"data: "), Fed::Bytes(Vec::new()));
+        let mut fed = 6;
+        while !insp.overlong() {
+            assert_eq!(insp.feed(&piece), Fed::Bytes(Vec::new()));
+            fed += piece.len();
+            assert!(insp.buf.len() <= EVENT_LIMIT);
+            assert!(fed <= EVENT_LIMIT + piece.len(), "{fed} bytes held");
+        }
+        assert!(fed > EVENT_LIMIT);
+        assert!(insp.buf.is_empty());
+        // nothing more is handed out, even whole events
+        assert_eq!(insp.feed(&chunk("after")), Fed::Bytes(Vec::new()));
+        assert!(insp.buf.is_empty());
+        assert!(!insp.done());
+        assert_eq!(insp.delivered_text(), ["before"]);
+    }
+
+    #[test]
+    fn an_event_just_under_the_limit_passes() {
+        let mut insp = SseInspector::new(false);
+        let text = "y".repeat(EVENT_LIMIT - 200);
+        let event = chunk(&text);
+        let (head, tail) = event.split_at(event.len() - 10);
+        assert_eq!(insp.feed(head), Fed::Bytes(Vec::new()));
+        assert_eq!(insp.feed(tail), Fed::Bytes(event.clone()));
+        assert!(!insp.overlong());
+    }
 
     #[test]
     fn whole_stream_in_one_read_is_passed_through_and_read() {

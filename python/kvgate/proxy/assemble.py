@@ -18,7 +18,22 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["Assembler", "ChunkAssembler", "ResponsesAssembler", "SSELines"]
+__all__ = [
+    "EVENT_LIMIT",
+    "Assembler",
+    "ChunkAssembler",
+    "EventTooLong",
+    "ResponsesAssembler",
+    "SSELines",
+]
+
+#: bytes of one event held while its end has not arrived (the core's ``EVENT_LIMIT``): an
+#: upstream that sends megabytes without an event's end is not an engine's stream
+EVENT_LIMIT = 8 * 1024 * 1024
+
+
+class EventTooLong(ValueError):
+    """An event of the stream grew past :data:`EVENT_LIMIT` bytes before its end."""
 
 
 class SSELines:
@@ -26,17 +41,24 @@ class SSELines:
     WHATWG HTML standard: lines end with LF, CRLF or CR; an empty line ends an event; the
     ``data:`` lines of one event are joined with LF; one space after the colon is dropped).
 
-    Only the unfinished last line is held between calls.
+    Only the unfinished last line and the unfinished event's ``data:`` lines are held between
+    calls, at most :data:`EVENT_LIMIT` bytes of them.
     """
 
-    __slots__ = ("_data", "_rest")
+    __slots__ = ("_data", "_held", "_rest")
 
     def __init__(self) -> None:
         self._rest = b""
         self._data: list[bytes] = []
+        self._held = 0  # bytes in _data
 
     def feed(self, chunk: bytes) -> list[bytes]:
-        """The payloads of the events that ``chunk`` completes (maybe none), in order."""
+        """The payloads of the events that ``chunk`` completes (maybe none), in order.
+
+        Raises:
+            EventTooLong: the unfinished event (its lines, and the line without its end)
+                holds more than :data:`EVENT_LIMIT` bytes.
+        """
         buf = self._rest + chunk if self._rest else chunk
         lines = buf.splitlines(keepends=True)
         # a line is complete once its end arrived; a trailing CR may be the first half of CRLF
@@ -44,7 +66,11 @@ class SSELines:
             self._rest = lines.pop()
         else:
             self._rest = b""
-        return self._take(lines)
+        out = self._take(lines)
+        if self._held + len(self._rest) > EVENT_LIMIT:
+            self._rest, self._data, self._held = b"", [], 0
+            raise EventTooLong(f"an event of over {EVENT_LIMIT} bytes")
+        return out
 
     def flush(self) -> list[bytes]:
         """The payloads left at the end of the stream (an event without its closing empty
@@ -54,7 +80,7 @@ class SSELines:
         out = self._take(lines)
         if self._data:
             out.append(b"\n".join(self._data))
-            self._data = []
+            self._data, self._held = [], 0
         return out
 
     def _take(self, lines: list[bytes]) -> list[bytes]:
@@ -64,10 +90,11 @@ class SSELines:
             if not line:
                 if self._data:
                     out.append(b"\n".join(self._data))
-                    self._data = []
+                    self._data, self._held = [], 0
             elif line.startswith(b"data:"):
                 value = line[5:]
                 self._data.append(value[1:] if value.startswith(b" ") else value)
+                self._held += len(value)
             # `event:`, `id:`, `retry:` and comments carry nothing the answer needs
         return out
 

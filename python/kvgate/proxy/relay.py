@@ -38,7 +38,13 @@ from kvgate.errors import (
     upstream_redirect,
     upstream_timeout,
 )
-from kvgate.proxy.assemble import Assembler, ChunkAssembler, ResponsesAssembler, SSELines
+from kvgate.proxy.assemble import (
+    Assembler,
+    ChunkAssembler,
+    EventTooLong,
+    ResponsesAssembler,
+    SSELines,
+)
 from kvgate.proxy.deadline import Deadline, Watchdog
 from kvgate.proxy.prepared import HeadBuilder, PreparedStream, Reply, relayed, start_stream
 from kvgate.proxy.sse import SSEInspector
@@ -257,7 +263,7 @@ async def relay(
             raise upstream_redirect(upstream.status)
         if upstream.status >= 400:
             result.outcome = "upstream_error"
-            raw = await _read_all(upstream, timeouts, deadline, end, result)
+            raw = await _read_all(upstream, timeouts, deadline, end, result, ERROR_BODY_LIMIT)
             result.status = upstream.status
             body = reshape_upstream_error(upstream.status, raw)
             headers_out: tuple[tuple[bytes, bytes], ...] = _JSON
@@ -328,15 +334,22 @@ def close_now(upstream: aiohttp.ClientResponse) -> None:
     upstream.close()
 
 
+#: bytes of an engine's error answer read (its message is at the start; the rest is dropped
+#: with the connection): a 200 MB error page must not sit in the gateway's memory
+ERROR_BODY_LIMIT = 1024 * 1024
+
+
 async def _read_all(
     upstream: aiohttp.ClientResponse,
     timeouts: Timeouts,
     deadline: Deadline,
     end: float | None,
     result: RelayResult,
+    limit: int | None = None,
 ) -> bytes:
     """The whole upstream body, with ``idle`` between chunks and the request's ``end`` (loop
-    time) overall (a body that stalls half-way frees its slot after ``idle``, as a stream does).
+    time) overall (a body that stalls half-way frees its slot after ``idle``, as a stream does);
+    with ``limit``, its first ``limit`` bytes (bytes; the rest is not read).
 
     Raises:
         GatewayError: 504 ``upstream_timeout`` (outcome ``upstream_timeout``), 502
@@ -344,22 +357,26 @@ async def _read_all(
     """
     content = upstream.content
     if content.is_eof():  # the whole body is already here: nothing to wait for
-        return await upstream.read()
+        whole = await upstream.read()
+        return whole if limit is None else whole[:limit]
     idle = timeouts.idle
     parts: list[bytes] = []
+    size = 0
     try:
-        while True:
+        while limit is None or size < limit:
             chunk = content.read_nowait() or await _await_bytes(content, deadline, idle, end)
             if not chunk:
                 break
             parts.append(chunk)
+            size += len(chunk)
     except TimeoutError:
         result.outcome = "upstream_timeout"
         raise upstream_timeout("body") from None
     except aiohttp.ClientError as exc:
         result.outcome = "stream_broken"
         raise upstream_failed(exc, "upstream_broken") from None
-    return b"".join(parts)
+    body = b"".join(parts)
+    return body if limit is None else body[:limit]
 
 
 def _with_retry_after(
@@ -600,6 +617,21 @@ async def _relay_stream(
                     )
                 break
             out = inspector.feed(data)
+            if inspector.overlong:
+                # megabytes without an event's end: not an engine's stream (memory per stream
+                # stays bounded); the complete events before it still go to the client
+                result.outcome = "stream_broken"
+                if out:
+                    with deadline.at(end):
+                        await response.write(out)
+                await _write_error_event(
+                    response,
+                    "upstream sent an event of over 8 MiB",
+                    "upstream_broken",
+                    deadline,
+                    end,
+                )
+                break
             if inspector.done and result.on_end is not None and inspector.error is None:
                 _stream_counts(inspector, result)
                 await _ended(result)
@@ -704,7 +736,17 @@ async def _relay_assembled(
             except aiohttp.ClientError as exc:
                 result.outcome = "stream_broken"
                 raise upstream_failed(exc, "upstream_broken") from None
-            for payload in lines.feed(data) if data else lines.flush():
+            try:
+                payloads = lines.feed(data) if data else lines.flush()
+            except EventTooLong:
+                result.outcome = "stream_broken"
+                raise GatewayError(
+                    502,
+                    "upstream sent an event of over 8 MiB",
+                    "server_error",
+                    code="upstream_broken",
+                ) from None
+            for payload in payloads:
                 if payload == b"[DONE]":
                     assembler.done()
                     continue

@@ -73,6 +73,12 @@ impl PySseInspector {
         self.inner.done()
     }
 
+    /// Whether an event grew past 8 MiB before its end (the stream is broken off).
+    #[getter]
+    fn overlong(&self) -> bool {
+        self.inner.overlong()
+    }
+
     #[getter]
     fn delivered_text(&mut self) -> Vec<String> {
         self.inner.delivered_text()
