@@ -637,6 +637,12 @@ class StoreConfig(_Model):
             db = parts.path.strip("/")
             if db and not db.isdigit():
                 raise ValueError(f"the database after the port must be a number (got {shown!r})")
+        from redis.connection import parse_url
+
+        try:  # the query's arguments, as the client will read them (?db=, ?socket_timeout=, …)
+            parse_url(value)
+        except ValueError as exc:
+            raise ValueError(f"{exc} (got {shown!r})") from None
         return value
 
     @field_validator("lease_ttl_s")

@@ -36,6 +36,10 @@ def cfg_with(store: dict[str, Any]) -> dict[str, Any]:
         ({"url": "redis://127.0.0.1:99999/0"}, "store.url", "port"),
         ({"url": "redis://127.0.0.1:6379/zero"}, "store.url", "database"),
         ({"url": "redis://u:s3cret@127.0.0.1:70000/0"}, "store.url", "port"),
+        # the query's arguments, read as the Redis client reads them (a traceback at start)
+        ({"url": "redis://u:s3cret@127.0.0.1:6379/0?db=abc"}, "store.url", "'db'"),
+        ({"url": "redis://127.0.0.1:6379/0?socket_timeout=abc"}, "store.url", "socket_timeout"),
+        ({"url": "unix:///run/redis.sock?db=x"}, "store.url", "'db'"),
         # a replica silent for less than two heartbeats would be reaped while alive: the
         # others would take its quotas while its requests still run
         ({"url": "redis://h/0", "heartbeat_s": 2, "lease_ttl_s": 0.5}, "store.lease_ttl_s", "2"),

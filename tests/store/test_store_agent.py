@@ -91,6 +91,50 @@ def test_check_config_reports_the_server_and_warns_on_eviction(
     assert "warning: store: maxmemory-policy is 'allkeys-lru'" in err
 
 
+@pytest.mark.parametrize(
+    ("user", "acl", "words"),
+    [
+        # a password for a server that has none: redis-py (which loads the library) carries on,
+        # the replicas' own connection is refused: every request was refused 503 by `serve`
+        (":not-set", None, "AuthenticationError"),
+        # a user that may load the library and read, not FCALL
+        ("ro:ro-pass", "~* +@read +ping +info +function", "NoPermissionError"),
+        # a user that may FCALL but not write the key prefix's keys
+        ("nokeys:nk-pass", "%R~* +@all", "NoPermissionError"),
+    ],
+)
+def test_check_config_sends_a_message_as_the_replicas_do(
+    redis_server: RedisServer,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    user: str,
+    acl: str | None,
+    words: str,
+) -> None:
+    """``check-config`` passed these, and ``serve`` then refused every request (503
+    ``store-unavailable``): it now sends one message the way a replica does and fails (exit
+    2) with the server's reason."""
+    name, _, password = user.partition(":")
+    if acl is not None:
+        redis_server.cli("ACL", "SETUSER", name, "on", ">" + password, *acl.split())
+    url = redis_server.url.replace("redis://", f"redis://{user}@")
+    path = tmp_path / "c.yaml"
+    path.write_text(
+        (ROOT / "examples" / "replicas.yaml")
+        .read_text()
+        .replace("${KVGATE_REDIS_URL:-redis://127.0.0.1:6379/0}", url)
+    )
+    assert main(["check-config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "store.url: a replica's message" in err, err
+    assert words in err, err
+    assert password not in err
+    # the right user on the same server passes
+    redis_server.cli("ACL", "SETUSER", "rw", "on", ">rw-pass", "~*", "+@all")
+    path.write_text(path.read_text().replace(user, "rw:rw-pass"))
+    assert main(["check-config", str(path)]) == 0, capsys.readouterr().err
+
+
 def test_check_config_against_a_cluster(
     redis_cluster: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -73,8 +73,9 @@ async def check_server(config: Any, wait_s: float = 5.0) -> tuple[list[str], lis
     """What ``kvgate check-config`` says of the ``store`` server: ``(problems, notes)``.
 
     Problems (the gateway would not share its limits): the server cannot be reached within
-    ``wait_s`` seconds, is older than Redis 7.0 (no Functions), or refuses to load the
-    ``kvgate`` Functions library. Notes: the server's version, and a warning when its
+    ``wait_s`` seconds, is older than Redis 7.0 (no Functions), refuses to load the ``kvgate``
+    Functions library, or fails a replica's message sent as a replica sends it
+    (:func:`_trial_message`: credentials, ``FCALL`` and key permissions, a kvgate reply). Notes: the server's version, and a warning when its
     ``maxmemory-policy`` is not ``noeviction`` (an evicted key forgets what replicas hold: limits
     would be exceeded) or cannot be read (managed services often disable ``CONFIG``).
     """
@@ -118,6 +119,10 @@ async def check_server(config: Any, wait_s: float = 5.0) -> tuple[list[str], lis
                 problems.append(
                     f"store.url: cannot load kvgate's Functions library: {short_error(exc)}"
                 )
+            else:
+                problem = await _trial_message(config, client, wait_s)
+                if problem is not None:
+                    problems.append(problem)
             try:
                 policy = await client.config_get("maxmemory-policy")
                 if config.cluster and policy and all(isinstance(v, dict) for v in policy.values()):
@@ -139,3 +144,51 @@ async def check_server(config: Any, wait_s: float = 5.0) -> tuple[list[str], lis
         with contextlib.suppress(Exception):
             await client.aclose()
     return problems, notes
+
+
+async def _trial_message(config: Any, client: Any, wait_s: float) -> str | None:
+    """Sends one message to a scope of its own (``{<key_prefix>:check}``) the way a replica
+    sends its messages — on the store's own connection (:class:`~kvgate.store.wire.Wire`) where
+    a replica uses one, else on ``client`` — and leaves it again; returns the problem, or
+    ``None``. It catches what loading the library alone does not: a password the store's
+    connection is refused (redis-py, which loads the library, carries on where a server has
+    none), a user that may not ``FCALL`` or write the prefix's keys, a server whose answer is
+    not kvgate's. The scope's hash expires on its own (within about 200 s)."""
+    import os
+    import secrets
+
+    import orjson
+
+    from kvgate.store.scopes import scope_key
+    from kvgate.store.wire import Wire, wire_for
+
+    key = scope_key(config.key_prefix, "check", "config")
+    pod = f"check-config-{os.getpid()}-{secrets.token_hex(3)}"
+    msg = {"pod": pod, "seq": 1, "ttl": 1_000_000, "epoch": "check." + secrets.token_hex(6)}
+    own = wire_for(config.url, config.cluster)
+    conn: Any = Wire(config.url, connect_timeout_s=wait_s, stall_s=wait_s) if own else client
+    try:
+        async with asyncio.timeout(wait_s):
+            raw = await conn.fcall(
+                "kvg_sync", 3, key, key + ":live", f"{key}:op:{pod}:1", orjson.dumps(msg)
+            )
+            try:
+                reply = orjson.loads(raw)
+            except (TypeError, orjson.JSONDecodeError):
+                reply = None
+            if not isinstance(reply, dict) or "epoch" not in reply:
+                return f"store.url: the server's answer to kvgate's Function is not kvgate's ({str(raw)[:80]!r})"
+            await conn.fcall("kvg_leave", 2, key, key + ":live", pod)
+    except TimeoutError:
+        return f"store.url: a replica's message got no answer within {wait_s:g} s"
+    except Exception as exc:
+        return (
+            f"store.url: a replica's message (FCALL kvg_sync on the key prefix "
+            f"{config.key_prefix!r}, on the connection replicas use) failed: "
+            f"{type(exc).__name__}: {short_error(exc)}"
+        )
+    finally:
+        if own:
+            with contextlib.suppress(Exception):
+                await conn.aclose()
+    return None
