@@ -535,7 +535,8 @@ def admin_state(gw: Gateway, tenants: Iterable[Tenant] | None = None) -> dict[st
             st["discovered"] = found.as_dict()
         backends.append(st)
     rows = []
-    for t in gw.tenants if tenants is None else tenants:
+    listed = gw.tenants if tenants is None else list(tenants)
+    for t in listed:
         st = dict(gw.controller.tenant_state(t.id))
         st.update(
             name=t.name,
@@ -546,7 +547,7 @@ def admin_state(gw: Gateway, tenants: Iterable[Tenant] | None = None) -> dict[st
     return {
         "backends": backends,
         "tenants": rows,
-        "store": gw.store.state(),
+        "store": gw.store.state(None if tenants is None else [t.name for t in listed]),
         "prefill": {name: gate.state() for name, gate in gw.prefill.items()},
         "slo": gw.slo.state() if gw.slo is not None else None,
     }

@@ -18,7 +18,7 @@ were replicas.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -133,8 +133,9 @@ class LocalStore:
     async def close(self) -> None:
         """Nothing to close."""
 
-    def state(self) -> dict[str, Any]:
-        """``/admin/state``'s ``store`` entry."""
+    def state(self, tenants: Iterable[str] | None = None) -> dict[str, Any]:
+        """``/admin/state``'s ``store`` entry (``tenants``: the names listed; nothing here is
+        per tenant)."""
         return {"mode": "local"}
 
     def inflight_allocated(self, backend: str) -> int | None:

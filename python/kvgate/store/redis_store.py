@@ -49,7 +49,7 @@ import os
 import secrets
 import socket
 import time
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Iterable, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -1185,9 +1185,35 @@ class RedisStore:
             if self._breaker.failed(time.monotonic()):
                 self._opened()
             return
+        if not self._applied(sc, msg, reply, sent, admits, debts):
+            if self._breaker.failed(time.monotonic()):
+                self._opened()
+            return
+        # (after the reply is applied, as for the replies of kvg_sync_many: the waiting
+        # requests' futures are set either way, and run once this returns)
         if self._breaker.succeeded():
             self._closed_again()
-        self._apply(sc, reply, sent, admits, debts)
+
+    def _applied(
+        self,
+        sc: Scope,
+        msg: dict[str, Any],
+        reply: dict[str, Any],
+        sent: float,
+        admits: list[Admit],
+        debts: dict[str, int],
+    ) -> bool:
+        """:meth:`_apply`, and whether the reply could be read: one that cannot (a field of the
+        wrong type: not kvgate's library answering) counts as a failed call, its outcome
+        unknown."""
+        try:
+            self._apply(sc, reply, sent, admits, debts)
+        except (TypeError, ValueError, KeyError, AttributeError, IndexError) as exc:
+            self._last_failure = f"an answer that is not kvgate's ({type(exc).__name__}: {exc})"
+            self._count_failure("error")
+            self._unknown_outcome(sc, msg, admits)
+            return False
+        return True
 
     def _decoded(self, raw: Any) -> tuple[Any, str | None]:
         """One ``kvg_sync`` reply, decoded, and the kind of failure it is (``None``: none):
@@ -1196,7 +1222,14 @@ class RedisStore:
         if isinstance(raw, Exception):
             self._last_failure = short_error(raw)
             return None, "error"
-        reply = orjson.loads(raw)
+        try:
+            reply = orjson.loads(raw)
+        except (TypeError, orjson.JSONDecodeError):
+            reply = None
+        if not isinstance(reply, dict) or "epoch" not in reply:
+            # a server that is not Redis with kvgate's library (every reply names the epoch)
+            self._last_failure = f"an answer that is not kvgate's: {str(raw)[:80]!r}"
+            return None, "error"
         if reply.get("stale"):
             self._last_failure = "a stale reply"
             return reply, "stale"
@@ -1615,8 +1648,8 @@ class RedisStore:
                     failed = True
                     self._count_failure(one)
                     self._unknown_outcome(sc, msg, admits)
-                else:
-                    self._apply(sc, reply, sent, admits, debts)
+                elif not self._applied(sc, msg, reply, sent, admits, debts):
+                    failed = True
                 sc.contended = bool(sc.admits)
             except Exception:
                 logger.exception("store: reply of %s failed", sc.key)
@@ -1672,12 +1705,21 @@ class RedisStore:
             out[key] = out.get(key, 0) + 1
         return out
 
-    def state(self) -> dict[str, Any]:
+    def state(self, tenants: Iterable[str] | None = None) -> dict[str, Any]:
         """``/admin/state``'s ``store`` entry: this replica's id, the breaker, counters, and
-        each active scope's mode, live replicas, scale and what is held."""
+        each active scope's mode, live replicas, scale and what is held — every backend's, and
+        the tenants' named in ``tenants`` (``None``: every tenant's; the endpoint names the
+        page it lists: a replica that served 100,000 tenants lately has as many active
+        scopes). ``active_tenant_scopes`` counts them all."""
         now = time.monotonic()
+        named = None if tenants is None else set(tenants)
         scopes = {}
+        active_tenants = 0
         for sc in self._active:
+            if sc.kind == "t":
+                active_tenants += 1
+                if named is not None and sc.name not in named:
+                    continue
             scopes[sc.key] = {
                 "mode": self.scope_mode(sc),
                 "live_replicas": sc.live,
@@ -1731,6 +1773,7 @@ class RedisStore:
             "degraded_admissions": self.degraded_admissions,
             "stranded_slots": slots,
             "stranded_tokens": tokens,
+            "active_tenant_scopes": active_tenants,
             "scopes": scopes,
         }
 
