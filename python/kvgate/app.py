@@ -174,6 +174,10 @@ class Gateway:
     timeouts: TimeoutsConfig = field(default_factory=TimeoutsConfig)
     anonymous: Tenant | None = None
     config: Any = None
+    #: the configuration the gateway started with: a reload that changes what applies only
+    #: at start (store, listen, workers, tracing, model settings) is told so against it, not
+    #: against the last file read (which may carry such a change, not applied)
+    started_config: Any = None
     config_path: str | None = None
     #: applied to every reloaded configuration: the command-line flags that win over the file
     config_overrides: Callable[[Any], Any] | None = None

@@ -267,6 +267,7 @@ def build_gateway(
         max_body_bytes=config.max_body_bytes,
         timeouts=config.timeouts,
         config=config,
+        started_config=config,
         config_path=config_path,
         poll=poll,
         discovery=dict(discovery or {}),
@@ -533,7 +534,9 @@ def apply_config(gateway: Gateway, new: Config | Reload) -> None:
             raise ConfigError(
                 [("backends", "backends and models cannot change on reload; restart kvgate")]
             )
-        models_before = [m for b in old.backends for m in b.models]
+        # what applies only at start is compared with what the gateway started with
+        start = gateway.started_config if gateway.started_config is not None else old
+        models_before = [m for b in start.backends for m in b.models]
         models_after = [m for b in new.backends for m in b.models]
         if models_before != models_after:
             # the request analysers (tokenizer, chat template, context window, default
@@ -542,20 +545,20 @@ def apply_config(gateway: Gateway, new: Config | Reload) -> None:
                 "reload: model settings (tokenizer, chat_template, context_window, "
                 "default_max_tokens) changed in the file; they apply only at the next start"
             )
-        if new.store != old.store:
+        if new.store != start.store:
             logger.warning(
                 "reload: the store section changed in the file; it applies only at the next "
                 "start (the limits stay shared as they were)"
             )
-        if new.listen != old.listen or new.workers != old.workers:
+        if new.listen != start.listen or new.workers != start.workers:
             logger.warning(
                 "reload: listen address and workers changed in the file; they apply only at "
                 "the next start (still %s:%d, %d worker(s))",
-                old.listen.host,
-                old.listen.port,
-                old.workers,
+                start.listen.host,
+                start.listen.port,
+                start.workers,
             )
-        if new.tracing != old.tracing:
+        if new.tracing != start.tracing:
             logger.warning("reload: tracing changed in the file; it applies only at the next start")
     ctl = gateway.controller
     ids = plan.ids

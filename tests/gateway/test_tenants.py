@@ -533,6 +533,17 @@ def test_reload_keeps_the_command_line_overrides_and_warns_about_listen(
     assert gateway.reload() is True
     assert gateway.max_body_bytes == 12_345
     assert "next start" in caplog.text
+    assert "still 127.0.0.1:8080" in caplog.text, caplog.text
+    # the same file again: still not applied, still said; the file back as the gateway started
+    # with: nothing to say (the warning compared with the last file read, not what runs)
+    caplog.clear()
+    assert gateway.reload() is True
+    assert "next start" in caplog.text
+    caplog.clear()
+    del data["listen"]
+    path.write_text(json.dumps(data))
+    assert gateway.reload() is True
+    assert "next start" not in caplog.text, caplog.text
 
 
 def test_tenant_burst_tokens_size_its_bucket_and_a_reload_resets_it(tmp_path: Path) -> None:
