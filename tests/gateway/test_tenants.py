@@ -534,16 +534,30 @@ def test_reload_keeps_the_command_line_overrides_and_warns_about_listen(
     assert gateway.max_body_bytes == 12_345
     assert "next start" in caplog.text
     assert "still 127.0.0.1:8080" in caplog.text, caplog.text
-    # the same file again: still not applied, still said; the file back as the gateway started
-    # with: nothing to say (the warning compared with the last file read, not what runs)
-    caplog.clear()
-    assert gateway.reload() is True
-    assert "next start" in caplog.text
-    caplog.clear()
-    del data["listen"]
+
+
+def test_a_store_section_changed_on_reload_is_told_against_the_running_one(
+    tmp_path: Path, caplog
+) -> None:
+    """The store section applies only at start: a reload that changes it says so, and so does
+    the next reload of the same file (still not applied); a file that restores the section
+    the gateway runs with says nothing (it was compared with the last file read)."""
+    caplog.set_level(logging.WARNING, logger="kvgate.gateway")
+    path = tmp_path / "kvgate.yaml"
+    data = config_data("http://127.0.0.1:9", ["m"])
+    data["store"] = {"url": "redis://127.0.0.1:1/0"}
     path.write_text(json.dumps(data))
-    assert gateway.reload() is True
-    assert "next start" not in caplog.text, caplog.text
+    gateway = build_gateway(load_config(path), config_path=str(path), poll=False)
+    for url, said in (
+        ("redis://127.0.0.1:2/0", True),
+        ("redis://127.0.0.1:2/0", True),
+        ("redis://127.0.0.1:1/0", False),
+    ):
+        caplog.clear()
+        data["store"] = {"url": url}
+        path.write_text(json.dumps(data))
+        assert gateway.reload() is True
+        assert ("store section changed" in caplog.text) is said, (url, caplog.text)
 
 
 def test_tenant_burst_tokens_size_its_bucket_and_a_reload_resets_it(tmp_path: Path) -> None:
