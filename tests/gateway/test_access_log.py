@@ -36,6 +36,7 @@ from .conftest import sha
 from .fake_upstream import serve_app
 from .helpers import (
     free_port,
+    metric,
     start_kvgate,
     stderr_so_far,
     stop_process,
@@ -486,3 +487,65 @@ async def test_serve_no_access_log_flag(engine: tuple[str, list[dict[str, str]]]
     finally:
         err = (await stop_process(proc)).decode()
     assert "quiet-1" not in err
+
+
+async def test_a_client_that_leaves_while_queued_has_a_line_and_a_count(
+    engine: tuple[str, list[dict[str, str]]], access_file: Path
+) -> None:
+    """A request waiting for a slot (``max_wait_ms``) whose client hangs up: one access log
+    line (outcome ``client_disconnect``, reason ``left_while_waiting``, status 0, the time it
+    waited) and ``kvgate_requests_total{outcome="client_disconnect"}`` — before, such a client
+    left no trace, so a client flooding the queue and hanging up was invisible."""
+    url, _seen = engine
+    data = config(url).model_dump()
+    data["tenants"][0].update(max_concurrency=1, max_wait_ms=20_000)
+    gateway = build_gateway(Config.model_validate(data), poll=False)
+    h = {"Authorization": f"Bearer {SECRET}"}
+    msgs = [{"role": "user", "content": "hold"}]
+    async with run_gateway(gateway) as gw_url, aiohttp.ClientSession() as s:
+
+        async def gone_count() -> float:
+            async with s.get(gw_url + "/metrics") as r:
+                text = await r.text()
+            return metric(text, "kvgate_requests_total", outcome="client_disconnect") or 0.0
+
+        async with s.post(
+            gw_url + "/v1/chat/completions",
+            json={"model": "slow", "messages": msgs, "max_tokens": 8, "stream": True},
+            headers={**h, "x-request-id": "holder"},
+        ) as holder:
+            await holder.content.readany()  # alice's one slot is held
+            waiters = [
+                asyncio.create_task(
+                    s.post(
+                        gw_url + "/v1/chat/completions",
+                        json={"model": "ok", "messages": msgs, "max_tokens": 8},
+                        headers={**h, "x-request-id": f"waiter-{i}"},
+                    )
+                )
+                for i in range(3)
+            ]
+            await until(lambda: gateway.queue is not None and gateway.queue.depth() == 3)
+            for task in waiters:
+                task.cancel()
+            await until(lambda: gateway.queue.depth() == 0)
+            await until(lambda: all(line_of(access_file, f"waiter-{i}") for i in range(3)))
+            holder.close()
+        for i in range(3):
+            line = line_of(access_file, f"waiter-{i}")
+            assert line is not None
+            assert (line["outcome"], line["reason"], line["status"]) == (
+                "client_disconnect",
+                "left_while_waiting",
+                0,
+            )
+            assert line["tenant"] == "alice"
+            assert line["queue_wait_s"] > 0
+            assert line["reserved_tokens"] > 0
+        gateway.metrics.flush()
+
+        async def counted() -> bool:
+            return await gone_count() >= 3
+
+        await until(counted, timeout=10)
+        await until(lambda: gateway.controller.backend_state(0)["in_use"] == 0, timeout=10)

@@ -483,19 +483,6 @@ def _both(first: Any, second: Any) -> Any:
     return both
 
 
-def _left_waiting(trace: Any, tenant: Any, backend: Any, model: Any, tokens: int) -> None:
-    """End the trace of a request whose client left during its admission (in the queue):
-    outcome ``client_disconnect``, no status sent."""
-    trace.finish(
-        status=0,
-        outcome="client_disconnect",
-        tenant=tenant,
-        backend=backend,
-        model=model,
-        reserved=tokens,
-    )
-
-
 async def _admission(
     gw: Gateway,
     request: web.BaseRequest,
@@ -527,8 +514,25 @@ async def _admission(
             request.headers,
         )  # fmt: skip
     except asyncio.CancelledError:  # the client left while its request waited
-        if trace is not None:
-            _left_waiting(trace, tenant, backend, model, tokens)
+        # counted and logged like a client that leaves later (outcome client_disconnect,
+        # status 0: no answer was sent), with the time it waited
+        now = time.perf_counter()
+        gw.metrics.request_done(backend, tenant, "client_disconnect", model)
+        end_request(
+            request,
+            rid,
+            started,
+            trace,
+            route=route,
+            queue_wait=now - admitting,
+            status=0,
+            outcome="client_disconnect",
+            tenant=tenant,
+            backend=backend,
+            model=model,
+            reason="left_while_waiting",
+            reserved=tokens,
+        )
         raise
     if not decision.admitted:
         return _refusal(gw, request, decision, rid, (started, admitting), route, tokens, who, trace)
