@@ -33,7 +33,7 @@ from kvgate.metrics import FLUSH_SECONDS
 from kvgate.proxy.handler import handle_forward, handle_inference
 from kvgate.proxy.prepared import Reply, error_response
 from kvgate.proxy.relay import reuse_trace
-from kvgate.proxy.routes import RouteKind, route_of
+from kvgate.proxy.routes import RouteKind, not_forwarded, route_of
 
 if TYPE_CHECKING:
     from kvgate.app import Gateway
@@ -82,6 +82,19 @@ class Dispatcher:
             # and `CONNECT host:port` (RFC 9112 §3.2.3, §3.2.4) are refused whatever the policy
             origin = route.path.startswith("/")
             if origin and gateway.other_routes == "forward":
+                if not_forwarded(request.method, route.path):
+                    return _answer(
+                        request,
+                        GatewayError(
+                            403,
+                            f"{request.method} {route.path} is an engine's own route "
+                            "(administration, or generation without OpenAI's usage): not "
+                            "forwarded. Use /v1/chat/completions, /v1/completions, "
+                            "/v1/embeddings or /v1/responses.",
+                            "invalid_request_error",
+                            code="route_not_forwarded",
+                        ),
+                    )
                 return handle_forward(gateway, request)
             why = "other_routes: refuse" if origin else "only paths that start with '/'"
             return _answer(

@@ -74,6 +74,9 @@ async def test_a_tenant_at_its_tpm_limit_gets_nothing_through_any_path(gateway_f
                 ("/v1/chat/completions/", body),
                 ("//v1//chat/completions", body),
                 ("/v1/chat/completions", body),
+                # the routes without /v1 (llama.cpp's server answers them): inference too
+                ("/chat/completions", body),
+                ("/completions", {"model": "m", "prompt": "hi", "max_tokens": 8}),
                 ("/v1/responses", {"model": "m", "input": "hi", "max_output_tokens": 8}),
                 ("/v1/rerank", {"model": "m", "query": "q", "documents": ["d"]}),
                 ("/v1/score", None),
@@ -95,7 +98,13 @@ async def test_normalised_paths_are_inference_requests(gateway_for) -> None:
         cfg = _with_tenant(config_for(engine.url, ["m"]))
         async with gateway_for(cfg) as gw, aiohttp.ClientSession() as s:
             body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
-            for path in ("//v1//chat/completions", "/v1/chat/completions/", "/v1//embeddings/"):
+            paths = (
+                "//v1//chat/completions",
+                "/v1/chat/completions/",
+                "/v1//embeddings/",
+                "/chat/completions",  # without /v1, as llama.cpp's server also answers it
+            )
+            for path in paths:
                 payload = {"model": "m", "input": "x"} if "embeddings" in path else body
                 status, _, _ = await _raw(s, "POST", gw.url + path, payload)
                 assert status == 200, path
@@ -103,18 +112,19 @@ async def test_normalised_paths_are_inference_requests(gateway_for) -> None:
                 "/v1/chat/completions",
                 "/v1/chat/completions",
                 "/v1/embeddings",
+                "/v1/chat/completions",
             ]
             gw.gateway.metrics.flush()
             text = await get_text(gw.url + "/metrics")
-            assert metric(text, "kvgate_requests_total", tenant="alice", outcome="ok") == 3
+            assert metric(text, "kvgate_requests_total", tenant="alice", outcome="ok") == 4
             # 5 + 1 tokens of usage per chat request and 30 for the embeddings, charged
-            assert metric(text, "kvgate_tenant_tokens_total", tenant="alice") == 42
+            assert metric(text, "kvgate_tenant_tokens_total", tenant="alice") == 48
             for method, path in (("GET", "/v1/chat/completions/"), ("PUT", "//v1/responses")):
                 status, headers, raw = await _raw(s, method, gw.url + path)
                 assert status == 405, path
                 assert headers["Allow"] == "POST"
                 assert json.loads(raw)["error"]["code"] == "method_not_allowed"
-            assert len(engine.seen) == 3
+            assert len(engine.seen) == 4
 
 
 async def test_responses_stream_arrives_incrementally_and_is_reconciled(gateway_for) -> None:
@@ -441,6 +451,11 @@ async def test_responses_default_limit_is_injected_as_max_output_tokens(gateway_
         ("POST", "/metrics/", RouteKind.WRONG_METHOD, "/metrics"),
         ("GET", "/v1/models/org/m-1", RouteKind.MODEL, "/v1/models/org/m-1"),
         ("POST", "/v1/rerank/", RouteKind.OTHER, "/v1/rerank"),
+        ("POST", "/chat/completions", RouteKind.INFERENCE, "/v1/chat/completions"),
+        ("POST", "//embeddings/", RouteKind.INFERENCE, "/v1/embeddings"),
+        ("GET", "/completions", RouteKind.WRONG_METHOD, "/v1/completions"),
+        ("POST", "/responses", RouteKind.INFERENCE, "/v1/responses"),
+        ("POST", "/completion", RouteKind.OTHER, "/completion"),
         ("GET", "/", RouteKind.OTHER, "/"),
         ("GET", "///", RouteKind.OTHER, "/"),
         ("POST", "/v1/../metrics", RouteKind.BAD_PATH, "/v1/../metrics"),
@@ -451,6 +466,42 @@ def test_route_table(method: str, path: str, kind: RouteKind, canonical: str) ->
     route = route_of(method, path)
     assert (route.kind, route.path) == (kind, canonical)
     assert normalize_path(canonical) == canonical
+
+
+async def test_forward_refuses_engine_administration_and_native_generation(gateway_for) -> None:
+    """With ``other_routes: forward``, an engine's own administration routes and its native
+    generation routes are refused (403 ``route_not_forwarded``) and never reach the engine: any
+    tenant could erase llama.cpp's slots, read other tenants' prompts in ``/slots``, load LoRA
+    adapters, or generate through ``/completion`` without its tokens being charged. Reading
+    ``/props`` is forwarded; the routes without ``/v1`` are inference requests."""
+    async with run_routes_engine() as engine:
+        cfg = _forwarding(_with_tenant(config_for(engine.url, ["m"])))
+        async with gateway_for(cfg) as gw, aiohttp.ClientSession() as s:
+            gen = {"prompt": "hello", "n_predict": 400}
+            for method, path, body in (
+                ("POST", "/completion", gen),
+                ("POST", "//completion/", gen),
+                ("POST", "/infill", gen),
+                ("POST", "/generate", {"inputs": "hi"}),
+                ("POST", "/invocations", {"model": "m", "prompt": "hi"}),
+                ("GET", "/slots", None),
+                ("POST", "/slots/0?action=erase", None),
+                ("POST", "/slots%2F0?action=erase", None),
+                ("POST", "/props", {"n_ctx": 1}),
+                ("POST", "/lora-adapters", [{"id": 0, "scale": 9}]),
+                ("POST", "/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "/x"}),
+                ("POST", "/reset_prefix_cache", None),
+                ("POST", "/sleep", None),
+            ):
+                status, _, raw = await _raw(s, method, gw.url + path, body)
+                assert status == 403, (method, path, raw)
+                assert json.loads(raw)["error"]["code"] == "route_not_forwarded", path
+            assert engine.seen == []
+            status, _, _ = await _raw(s, "GET", gw.url + "/props")
+            assert status == 200
+            assert engine.seen[-1][:2] == ("GET", "/props")
+            assert gw.tenant_state("alice")["in_use"] == 0
+            assert gw.backend_state()["in_use"] == 0
 
 
 def test_other_routes_is_validated(tmp_path) -> None:

@@ -10,13 +10,15 @@ engine URL.
 The table (:func:`route_of`):
 
 * ``POST`` on an inference route (:data:`INFERENCE_ROUTES`: chat, completions, embeddings,
-  OpenAI's Responses API) → analysed in Rust, admitted, relayed; any other method → 405.
+  OpenAI's Responses API; also spelt without ``/v1``, :data:`INFERENCE_ALIASES`) → analysed in
+  Rust, admitted, relayed to the ``/v1`` route; any other method → 405.
 * ``GET`` / ``HEAD`` on the gateway's own endpoints (:data:`GATEWAY_ROUTES`) and on
   ``/v1/models/{id}`` (one model, what the ``openai`` client's ``models.retrieve`` asks) →
   answered by kvgate; any other method → 405.
 * anything else → the gateway's ``other_routes`` policy: ``refuse`` (404) or ``forward``
   (admitted against the tenant's and a backend's limits, relayed as it arrives, charged the
-  usage the engine reports).
+  usage the engine reports), except an engine's administration and native generation routes
+  (:func:`not_forwarded`: 403).
 """
 
 from __future__ import annotations
@@ -26,11 +28,14 @@ from dataclasses import dataclass
 
 __all__ = [
     "GATEWAY_ROUTES",
+    "INFERENCE_ALIASES",
     "INFERENCE_ROUTES",
     "MODEL_PREFIX",
+    "NOT_FORWARDED",
     "Route",
     "RouteKind",
     "normalize_path",
+    "not_forwarded",
     "route_of",
 ]
 
@@ -38,6 +43,66 @@ __all__ = [
 INFERENCE_ROUTES = frozenset(
     {"/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses"}
 )
+#: The same routes without ``/v1`` (llama.cpp's server answers these too, and so reaches an
+#: OpenAI client whose base URL lacks ``/v1``): inference requests like the routes they name,
+#: sent upstream to those.
+INFERENCE_ALIASES = {route[3:]: route for route in INFERENCE_ROUTES}
+#: An engine's own routes that ``other_routes: forward`` does not forward, whatever the
+#: method: its administration (llama.cpp's ``/slots`` also shows every slot's prompt — other
+#: tenants' —; vLLM's and SGLang's reset caches, sleep, load LoRA adapters or new weights) and
+#: its native generation routes (llama.cpp's ``/completion``, TGI's and SGLang's ``/generate``,
+#: vLLM's SageMaker ``/invocations``), whose tokens come without OpenAI's ``usage`` and would
+#: not be charged. (Their ``/v1`` OpenAI routes are served.)
+NOT_FORWARDED = frozenset(
+    {
+        # llama.cpp's server
+        "/completion",
+        "/infill",
+        "/slots",
+        # TGI, SGLang
+        "/generate",
+        "/generate_stream",
+        # vLLM
+        "/invocations",
+        "/reset_prefix_cache",
+        "/reset_mm_cache",
+        "/sleep",
+        "/wake_up",
+        "/collective_rpc",
+        "/start_profile",
+        "/stop_profile",
+        "/scale_elastic_ep",
+        "/v1/load_lora_adapter",
+        "/v1/unload_lora_adapter",
+        # SGLang
+        "/flush_cache",
+        "/update_weights_from_disk",
+        "/update_weights_from_tensor",
+        "/update_weights_from_distributed",
+        "/init_weights_update_group",
+        "/release_memory_occupation",
+        "/resume_memory_occupation",
+        "/abort_request",
+        "/configure_logging",
+        "/set_internal_state",
+    }
+)
+#: Path prefixes of :data:`NOT_FORWARDED` routes (llama.cpp's ``/slots/{id}?action=erase``).
+NOT_FORWARDED_PREFIXES = ("/slots/",)
+#: Engine routes forwarded for reading only (``GET``, ``HEAD``): llama.cpp's ``/props`` and
+#: ``/lora-adapters`` change the server's settings on ``POST``.
+READ_ONLY_FORWARDED = frozenset({"/props", "/lora-adapters"})
+
+
+def not_forwarded(method: str, path: str) -> bool:
+    """Whether ``other_routes: forward`` refuses ``method`` on the (normalised) ``path``: one
+    of :data:`NOT_FORWARDED` (or under :data:`NOT_FORWARDED_PREFIXES`), or a write to one of
+    :data:`READ_ONLY_FORWARDED`."""
+    if path in NOT_FORWARDED or path.startswith(NOT_FORWARDED_PREFIXES):
+        return True
+    return path in READ_ONLY_FORWARDED and method not in ("GET", "HEAD")
+
+
 #: The gateway's own ``GET`` (and ``HEAD``) endpoints.
 GATEWAY_ROUTES = frozenset(
     {
@@ -127,6 +192,9 @@ def route_of(method: str, path: str) -> Route:
     path = normalize_path(path)
     if path in INFERENCE_ROUTES:
         return (_INFERENCE if method == "POST" else _INFERENCE_405)[path]
+    alias = INFERENCE_ALIASES.get(path)
+    if alias is not None:
+        return (_INFERENCE if method == "POST" else _INFERENCE_405)[alias]
     if path in GATEWAY_ROUTES:
         return (_GATEWAY if method in _READ else _GATEWAY_405)[path]
     if path.startswith(MODEL_PREFIX):
