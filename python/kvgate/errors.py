@@ -100,8 +100,8 @@ def upstream_failed(exc: BaseException, code: str = "upstream_unreachable") -> G
 
 
 def upstream_redirect(status: int) -> GatewayError:
-    """502 ``upstream_redirect``: the engine answered a redirect (3xx), which the gateway does
-    not follow (the request's prompt and the backend's key go to the backend's URL only)."""
+    """502 ``upstream_redirect``: the engine answered a redirect (3xx but 304), which the
+    gateway does not follow (the request's prompt and the backend's key go to the backend's URL only)."""
     return GatewayError(
         502,
         f"upstream answered {status} (a redirect, not followed): point the backend's url at "

@@ -150,6 +150,8 @@ def _app(state: RoutesEngine) -> web.Application:
             return resp
         if request.path == "/v1/nocontent":
             return web.Response(status=204)
+        if request.path == "/v1/unchanged":
+            return web.Response(status=304, headers={"ETag": '"v1"'})
         answer = {"path": request.path, "usage": FORWARD_USAGE}
         return web.Response(body=orjson.dumps(answer), content_type="application/json")
 

@@ -376,6 +376,14 @@ async def test_forward_bodiless_answers_and_non_path_targets(gateway_for) -> Non
                 )
                 assert head.startswith(b"HTTP/1.1 204 "), head
                 assert b"transfer-encoding" not in head.lower()
+                # a 304 to a conditional GET is relayed (not taken for a redirect)
+                head = await _exchange(
+                    reader,
+                    writer,
+                    f'GET /v1/unchanged HTTP/1.1\r\n{auth}If-None-Match: "v1"\r\n\r\n',
+                )
+                assert head.startswith(b"HTTP/1.1 304 "), head
+                assert b"transfer-encoding" not in head.lower()
                 head = await _exchange(
                     reader, writer, f"GET /v1/files HTTP/1.1\r\n{auth}Connection: close\r\n\r\n"
                 )
@@ -384,7 +392,7 @@ async def test_forward_bodiless_answers_and_non_path_targets(gateway_for) -> Non
                 assert b'"path":"/v1/files"' in rest
             finally:
                 writer.close()
-            assert [m for m, _, _ in engine.seen] == ["HEAD", "DELETE", "GET"]
+            assert [m for m, _, _ in engine.seen] == ["HEAD", "DELETE", "GET", "GET"]
             for target in ("OPTIONS *", f"CONNECT {host}:{port}"):
                 reader, writer = await asyncio.open_connection(host, int(port))
                 try:
@@ -397,7 +405,7 @@ async def test_forward_bodiless_answers_and_non_path_targets(gateway_for) -> Non
                     assert target in err["message"]
                 finally:
                     writer.close()
-            assert len(engine.seen) == 3
+            assert len(engine.seen) == 4
             await until(lambda: gw.backend_state()["in_use"] == 0)
             assert gw.backend_state()["inflight_tokens"] == 0
             assert gw.tenant_state("alice")["in_use"] == 0

@@ -256,9 +256,10 @@ async def relay(
             result.outcome = "upstream_unreachable"
             raise upstream_failed(exc) from None
         result.ttft = time.perf_counter() - started
-        if 300 <= upstream.status < 400:
+        if 300 <= upstream.status < 400 and upstream.status != 304:
             # a redirect (an engine moved, a proxy in front of it): not followed, so neither
-            # the prompt nor the backend's key goes to a host the operator did not name
+            # the prompt nor the backend's key goes to a host the operator did not name (a 304
+            # Not Modified, to a forwarded conditional GET, is relayed)
             result.outcome = "upstream_error"
             raise upstream_redirect(upstream.status)
         if upstream.status >= 400:
