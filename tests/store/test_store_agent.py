@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 import contextlib
 from pathlib import Path
 from typing import Any
@@ -1179,3 +1180,52 @@ async def test_state_lists_the_backends_and_the_named_tenants_scopes(
         assert set(st.state([])["scopes"]) == {"{kvg:b:b}"}
     finally:
         await st.close()
+
+
+async def test_close_leaves_the_scopes_it_is_live_in_not_every_scope_it_saw(
+    redis_server: RedisServer,
+) -> None:
+    """A replica that closes leaves (``kvg_leave``) every scope where Redis may still count it
+    live, concurrently — what it held there goes back at once — and skips those whose lease
+    ran out and where it holds nothing (the others reap them): a replica that served 100,000
+    tenants once each spent its shutdown one round trip per tenant, and past its deadline left
+    the rest to the reaping."""
+    ctl = AdmissionController(backends=1, tenants=300)
+    b = Named(ctl.add_backend("b", max_concurrency=1000, tokens_per_minute=2**40), "b")
+    tenants = [
+        Named(ctl.add_tenant(f"t{i}", priority="standard", max_concurrency=4), f"t{i}")
+        for i in range(300)
+    ]
+    st = RedisStore(StoreConfig(url=redis_server.url, heartbeat_s=5.0), ctl)
+    await st.start(["b"])
+    for t in tenants:
+        hold = st.try_admit(b, t, "standard", 10)
+        if hold is None:
+            hold = await st.admit(b, t, "standard", 10)
+        st.release(hold, 10, 5)
+    await st.flushed()
+    # the first 100 tenants' leases ran out long ago and they hold nothing there any more
+    for t in tenants[:100]:
+        sc = st._scope("t", t.name)
+        for p in sc.pools.values():
+            p.q = 0
+        for bucket in sc.buckets.values():
+            bucket.avail = 0
+        sc.lease_until = time.monotonic() - 3600
+    left: list[str] = []
+    fcall = st._wire.fcall
+
+    def recording(*args: Any) -> Any:
+        if args[0] == "kvg_leave":
+            left.append(args[2])
+        return fcall(*args)
+
+    st._wire.fcall = recording
+    await st.close()
+    assert len(left) == 201, len(left)  # the backend's scope and 200 tenants'
+    assert set(left) == {"{kvg:b:b}"} | {f"{{kvg:t:t{i}}}" for i in range(100, 300)}
+    client = redis_server.client()
+    for key in left:
+        assert client.zscore(key + ":live", st.pod) is None, key
+        held = {k: v for k, v in client.hgetall(key).items() if k.startswith("alloc|")}
+        assert all(int(v) == 0 for v in held.values()), (key, held)
