@@ -4,8 +4,8 @@
 from __future__ import annotations
 
 import asyncio
-import time
 import contextlib
+import time
 from pathlib import Path
 from typing import Any
 
