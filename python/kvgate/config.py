@@ -681,16 +681,17 @@ class Config(_Model):
     """The whole file. See the module docstring for the cross-field rules.
 
     ``other_routes`` is what happens to a request on a path that is neither an inference route
-    (``POST /v1/chat/completions``, ``/v1/completions``, ``/v1/embeddings``, ``/v1/responses``,
-    each also without ``/v1``) nor one of the gateway's own (``/v1/models``,
+    (``POST /v1/chat/completions``, ``/chat/completions``, ``/v1/completions``,
+    ``/v1/embeddings``, ``/v1/responses``) nor one of the gateway's own (``/v1/models``,
     ``/v1/models/{id}``, ``/metrics``, ...): ``refuse`` (404 ``unknown_url``, the default) or
     ``forward`` (admitted against the tenant's and a backend's limits with one token reserved,
     relayed as it arrives, charged the usage the engine reports). ``forward`` opens the
-    engine's other routes to every tenant, except its administration and native generation
-    routes (403 ``route_not_forwarded``: llama.cpp's ``/slots``, ``/completion``, ``/infill``,
-    writes to ``/props`` and ``/lora-adapters``; TGI's and SGLang's ``/generate``; vLLM's
-    ``/invocations``, cache resets, sleep, LoRA loading; SGLang's weight updates and cache
-    flush — ``kvgate.proxy.routes.NOT_FORWARDED``).
+    engine's other routes to every tenant, except the administration and non-OpenAI
+    generation routes of vLLM, SGLang, TGI and llama.cpp's server that kvgate knows (403
+    ``route_not_forwarded``: llama.cpp's ``/slots``, ``/completion``, ``/v1/messages``; TGI's
+    and SGLang's ``/generate``; vLLM's ``/invocations``, cache resets, sleep, LoRA loading,
+    weight updates; ... — ``kvgate.proxy.routes.NOT_FORWARDED``); a route not on that list is
+    forwarded.
     """
 
     listen: ListenConfig = ListenConfig()

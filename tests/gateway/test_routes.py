@@ -74,9 +74,8 @@ async def test_a_tenant_at_its_tpm_limit_gets_nothing_through_any_path(gateway_f
                 ("/v1/chat/completions/", body),
                 ("//v1//chat/completions", body),
                 ("/v1/chat/completions", body),
-                # the routes without /v1 (llama.cpp's server answers them): inference too
+                # llama.cpp's other spelling of the chat route: inference too
                 ("/chat/completions", body),
-                ("/completions", {"model": "m", "prompt": "hi", "max_tokens": 8}),
                 ("/v1/responses", {"model": "m", "input": "hi", "max_output_tokens": 8}),
                 ("/v1/rerank", {"model": "m", "query": "q", "documents": ["d"]}),
                 ("/v1/score", None),
@@ -460,9 +459,10 @@ async def test_responses_default_limit_is_injected_as_max_output_tokens(gateway_
         ("GET", "/v1/models/org/m-1", RouteKind.MODEL, "/v1/models/org/m-1"),
         ("POST", "/v1/rerank/", RouteKind.OTHER, "/v1/rerank"),
         ("POST", "/chat/completions", RouteKind.INFERENCE, "/v1/chat/completions"),
-        ("POST", "//embeddings/", RouteKind.INFERENCE, "/v1/embeddings"),
-        ("GET", "/completions", RouteKind.WRONG_METHOD, "/v1/completions"),
-        ("POST", "/responses", RouteKind.INFERENCE, "/v1/responses"),
+        ("GET", "//chat/completions/", RouteKind.WRONG_METHOD, "/v1/chat/completions"),
+        # llama.cpp's native completion and embeddings (not OpenAI's): other routes
+        ("POST", "/completions", RouteKind.OTHER, "/completions"),
+        ("POST", "/embeddings", RouteKind.OTHER, "/embeddings"),
         ("POST", "/completion", RouteKind.OTHER, "/completion"),
         ("GET", "/", RouteKind.OTHER, "/"),
         ("GET", "///", RouteKind.OTHER, "/"),
@@ -480,8 +480,8 @@ async def test_forward_refuses_engine_administration_and_native_generation(gatew
     """With ``other_routes: forward``, an engine's own administration routes and its native
     generation routes are refused (403 ``route_not_forwarded``) and never reach the engine: any
     tenant could erase llama.cpp's slots, read other tenants' prompts in ``/slots``, load LoRA
-    adapters, or generate through ``/completion`` without its tokens being charged. Reading
-    ``/props`` is forwarded; the routes without ``/v1`` are inference requests."""
+    adapters, or generate through ``/completion`` (or ``/v1/messages``, or TGI's ``POST /``)
+    without its tokens being charged. Reading ``/props`` and ``/`` is forwarded."""
     async with run_routes_engine() as engine:
         cfg = _forwarding(_with_tenant(config_for(engine.url, ["m"])))
         async with gateway_for(cfg) as gw, aiohttp.ClientSession() as s:
@@ -500,6 +500,12 @@ async def test_forward_refuses_engine_administration_and_native_generation(gatew
                 ("POST", "/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "/x"}),
                 ("POST", "/reset_prefix_cache", None),
                 ("POST", "/sleep", None),
+                ("POST", "/completions", gen),  # llama.cpp's native completion
+                ("POST", "/api/chat", {"model": "m", "messages": []}),
+                ("POST", "/v1/messages", {"model": "m", "max_tokens": 10**8, "messages": []}),
+                ("POST", "/", {"inputs": "hi"}),  # TGI's generation
+                ("POST", "/pause", None),
+                ("POST", "/load_lora_adapter", {"lora_name": "x", "lora_path": "/x"}),
             ):
                 status, _, raw = await _raw(s, method, gw.url + path, body)
                 assert status == 403, (method, path, raw)
@@ -508,6 +514,9 @@ async def test_forward_refuses_engine_administration_and_native_generation(gatew
             status, _, _ = await _raw(s, "GET", gw.url + "/props")
             assert status == 200
             assert engine.seen[-1][:2] == ("GET", "/props")
+            status, _, _ = await _raw(s, "GET", gw.url + "/")
+            assert status == 200
+            assert engine.seen[-1][:2] == ("GET", "/")
             assert gw.tenant_state("alice")["in_use"] == 0
             assert gw.backend_state()["in_use"] == 0
 

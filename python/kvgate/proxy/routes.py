@@ -10,8 +10,8 @@ engine URL.
 The table (:func:`route_of`):
 
 * ``POST`` on an inference route (:data:`INFERENCE_ROUTES`: chat, completions, embeddings,
-  OpenAI's Responses API; also spelt without ``/v1``, :data:`INFERENCE_ALIASES`) → analysed in
-  Rust, admitted, relayed to the ``/v1`` route; any other method → 405.
+  OpenAI's Responses API; chat also as llama.cpp spells it, :data:`INFERENCE_ALIASES`) →
+  analysed in Rust, admitted, relayed to the ``/v1`` route; any other method → 405.
 * ``GET`` / ``HEAD`` on the gateway's own endpoints (:data:`GATEWAY_ROUTES`) and on
   ``/v1/models/{id}`` (one model, what the ``openai`` client's ``models.retrieve`` asks) →
   answered by kvgate; any other method → 405.
@@ -43,55 +43,89 @@ __all__ = [
 INFERENCE_ROUTES = frozenset(
     {"/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses"}
 )
-#: The same routes without ``/v1`` (llama.cpp's server answers these too, and so reaches an
-#: OpenAI client whose base URL lacks ``/v1``): inference requests like the routes they name,
-#: sent upstream to those.
-INFERENCE_ALIASES = {route[3:]: route for route in INFERENCE_ROUTES}
-#: An engine's own routes that ``other_routes: forward`` does not forward, whatever the
-#: method: its administration (llama.cpp's ``/slots`` also shows every slot's prompt — other
-#: tenants' —; vLLM's and SGLang's reset caches, sleep, load LoRA adapters or new weights) and
-#: its native generation routes (llama.cpp's ``/completion``, TGI's and SGLang's ``/generate``,
-#: vLLM's SageMaker ``/invocations``), whose tokens come without OpenAI's ``usage`` and would
-#: not be charged. (Their ``/v1`` OpenAI routes are served.)
+#: Other spellings of an inference route that engines answer alike: llama.cpp's server serves
+#: OpenAI's chat at ``/chat/completions`` too (its ``/completions`` and ``/embeddings`` are its
+#: native formats, not OpenAI's). Inference requests like the route they name, sent upstream
+#: to it.
+INFERENCE_ALIASES = {"/chat/completions": "/v1/chat/completions"}
+#: The engines' own routes that ``other_routes: forward`` does not forward, whatever the
+#: method: their administration (llama.cpp's ``/slots`` also shows every slot's prompt —
+#: other tenants' —; caches reset, sleep, pause, LoRA adapters or new weights loaded) and their
+#: generation routes outside OpenAI's API (llama.cpp's ``/completion``, TGI's and SGLang's
+#: ``/generate``, Anthropic's ``/v1/messages`` on llama.cpp, vLLM's SageMaker ``/invocations``),
+#: whose tokens come without OpenAI's ``usage`` and would not be charged, nor their prompts
+#: checked against the context window. The routes of vLLM, SGLang, TGI and llama.cpp's server
+#: known to this version; an engine's route not listed here is forwarded.
 NOT_FORWARDED = frozenset(
     {
-        # llama.cpp's server
+        # llama.cpp's server (and its router mode)
         "/completion",
+        "/completions",  # its native completion, not OpenAI's
         "/infill",
         "/slots",
-        # TGI, SGLang
+        "/api/chat",  # Ollama's chat
+        "/api/generate",
+        "/v1/messages",  # Anthropic's Messages API
+        "/models/load",
+        "/models/unload",
+        # TGI
         "/generate",
         "/generate_stream",
+        "/vertex",
         # vLLM
         "/invocations",
+        "/inference/v1/generate",
         "/reset_prefix_cache",
         "/reset_mm_cache",
         "/sleep",
         "/wake_up",
+        "/pause",
+        "/resume",
+        "/abort_requests",
         "/collective_rpc",
         "/start_profile",
         "/stop_profile",
         "/scale_elastic_ep",
         "/v1/load_lora_adapter",
         "/v1/unload_lora_adapter",
+        "/init_weight_transfer_engine",
+        "/start_weight_update",
+        "/update_weights",
+        "/finish_weight_update",
+        "/update_weight_version",
         # SGLang
+        "/vertex_generate",
+        "/load_lora_adapter",
+        "/unload_lora_adapter",
         "/flush_cache",
         "/update_weights_from_disk",
         "/update_weights_from_tensor",
         "/update_weights_from_distributed",
+        "/update_weights_from_ipc",
         "/init_weights_update_group",
+        "/destroy_weights_update_group",
+        "/get_weights_by_name",
         "/release_memory_occupation",
         "/resume_memory_occupation",
+        "/pause_generation",
+        "/continue_generation",
+        "/slow_down",
         "/abort_request",
+        "/open_session",
+        "/close_session",
+        "/freeze_gc",
         "/configure_logging",
         "/set_internal_state",
+        "/start_expert_distribution_record",
+        "/stop_expert_distribution_record",
+        "/dump_expert_distribution_record",
     }
 )
 #: Path prefixes of :data:`NOT_FORWARDED` routes (llama.cpp's ``/slots/{id}?action=erase``).
 NOT_FORWARDED_PREFIXES = ("/slots/",)
 #: Engine routes forwarded for reading only (``GET``, ``HEAD``): llama.cpp's ``/props`` and
-#: ``/lora-adapters`` change the server's settings on ``POST``.
-READ_ONLY_FORWARDED = frozenset({"/props", "/lora-adapters"})
+#: ``/lora-adapters`` change the server's settings on ``POST``; TGI generates on ``POST /``.
+READ_ONLY_FORWARDED = frozenset({"/", "/props", "/lora-adapters"})
 
 
 def not_forwarded(method: str, path: str) -> bool:
