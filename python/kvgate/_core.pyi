@@ -690,7 +690,7 @@ class SSEInspector:
         """``True`` once ``data: [DONE]`` was seen (a Responses stream: its terminal event)."""
     @property
     def overlong(self) -> bool:
-        """``True`` once an event grew past 8 MiB (``EVENT_LIMIT`` of the core) before its end:
+        """``True`` once an event grew past 32 MiB (``EVENT_LIMIT`` of the core) before its end:
         nothing more is handed out; the relay ends the stream with an error."""
     @property
     def delivered_text(self) -> list[str]:

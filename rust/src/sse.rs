@@ -36,11 +36,11 @@ pub const TEXT_LIMIT: usize = 2 * 1024;
 pub const TEXT_HARD_LIMIT: usize = 4 * TEXT_LIMIT;
 
 /// Bytes of one event (or of a line of it) held while its end has not arrived: past this the
-/// stream is broken off ([`SseInspector::overlong`]). No engine's event comes near it (the
-/// largest, a Responses stream's terminal event, repeats the whole answer); an upstream that
-/// sends megabytes without an event's end would otherwise grow the gateway's memory without
-/// bound.
-pub const EVENT_LIMIT: usize = 8 * 1024 * 1024;
+/// stream is broken off ([`SseInspector::overlong`]). The largest events an engine sends are
+/// a Responses stream's terminal event, which repeats the whole answer (with 20 top logprobs
+/// about 1.3 KB a token: 32 MiB is some 25,000 tokens of it); an upstream that sends more
+/// without an event's end would otherwise grow the gateway's memory without bound.
+pub const EVENT_LIMIT: usize = 32 * 1024 * 1024;
 
 use serde_json::{Map, Value};
 
@@ -73,6 +73,10 @@ pub struct SseInspector {
     /// Whether the stream is over for the inspector: `[DONE]` (or a Responses terminal event)
     /// passed, or an event grew past [`EVENT_LIMIT`] before its end.
     end: End,
+    /// Bytes at the start of `buf` already searched for an event's end (none there): the next
+    /// search starts just before them, not at 0 (an event arriving in many reads is searched
+    /// once, not once per read).
+    scanned: usize,
     /// Which API's stream this is.
     dialect: Dialect,
 }
@@ -114,6 +118,7 @@ impl SseInspector {
             usage: None,
             error: None,
             end: End::Open,
+            scanned: 0,
             dialect: Dialect::Chat,
         }
     }
@@ -171,7 +176,9 @@ impl SseInspector {
         self.buf.extend_from_slice(data);
         let mut out: Option<Vec<u8>> = None; // set once an event is dropped
         let mut pos = 0;
-        while let Some((end, size)) = self.split_point(pos) {
+        // (a separator may begin in the last bytes searched: up to 3 of them again)
+        let mut from = self.scanned.saturating_sub(3);
+        while let Some((end, size)) = self.split_point(from) {
             let stop = end + size;
             let event = self.buf[pos..stop].to_vec();
             match self.inspect(&event) {
@@ -188,6 +195,7 @@ impl SseInspector {
                 }
             }
             pos = stop;
+            from = stop;
         }
         let all = fresh && pos == self.buf.len();
         let kept = match out {
@@ -205,6 +213,7 @@ impl SseInspector {
             // one large read must not keep its buffer for the rest of the stream
             self.buf = Vec::new();
         }
+        self.scanned = self.buf.len(); // what is held has no event's end
         kept
     }
 
@@ -212,6 +221,7 @@ impl SseInspector {
     /// without its `"usage": null` / usage chunk when stripping).
     pub fn flush(&mut self) -> Vec<u8> {
         let rest = std::mem::take(&mut self.buf);
+        self.scanned = 0;
         if self.done() || rest.trim_ascii().is_empty() {
             return rest;
         }

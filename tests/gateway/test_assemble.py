@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import itertools
 import math
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -19,12 +20,20 @@ import openai
 import orjson
 import pytest
 from aiohttp import web
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from tests.gateway.conftest import config_for
 from tests.gateway.fake_upstream import run_upstream, serve_app
 from tests.gateway.helpers import until
 
 from kvgate.config import Config
-from kvgate.proxy.assemble import ChunkAssembler, ResponsesAssembler, SSELines
+from kvgate.proxy.assemble import (
+    EVENT_LIMIT,
+    ChunkAssembler,
+    EventTooLong,
+    ResponsesAssembler,
+    SSELines,
+)
 from kvgate.proxy.handler import rewrite_body
 from kvgate.routing import analyze_now
 from kvgate.sim import SimConfig, run_sim
@@ -83,6 +92,49 @@ def test_sse_lines_accepts_crlf_and_cr_line_ends_and_multiline_data() -> None:
     sse = b'data: {"a":\r\ndata: 1}\r\n\r\ndata: [DONE]\r\rdata:{"b":2}\n\n'
     for piece in (1, 2, 5, len(sse)):
         assert _payloads(sse, piece) == [b'{"a":\n1}', b"[DONE]", b'{"b":2}']
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.lists(st.text(alphabet='ab{}:" \u00e9', max_size=20), min_size=1, max_size=3),
+            st.sampled_from(["\n", "\r\n", "\r"]),
+        ),
+        max_size=6,
+    ),
+    st.lists(st.integers(min_value=1, max_value=300), max_size=10),
+)
+def test_sse_lines_any_chunking_gives_the_payloads_of_one_read(
+    events: list[tuple[list[str], str]], cuts: list[int]
+) -> None:
+    """Cut anywhere (inside a line, between CR and LF), the payloads are those of the whole
+    stream read at once."""
+    raw = b"".join(
+        b"".join(f"data: {line}{end}".encode() for line in lines) + end.encode()
+        for lines, end in events
+    )
+    bounds = [0, *sorted({c for c in cuts if c < len(raw)}), len(raw)]
+    lines = SSELines()
+    cut = [p for a, b in itertools.pairwise(bounds) for p in lines.feed(raw[a:b])]
+    whole = SSELines()
+    assert cut + lines.flush() == whole.feed(raw) + whole.flush()
+
+
+def test_sse_lines_refuse_an_event_past_the_limit() -> None:
+    lines = SSELines()
+    lines.feed(b"data: ")
+    piece = b"x" * (1 << 20)
+    for _ in range(EVENT_LIMIT // len(piece) - 1):
+        assert lines.feed(piece) == []
+    with pytest.raises(EventTooLong):
+        lines.feed(piece)
+    # an event under the limit, in pieces, passes whole
+    lines = SSELines()
+    body = b"y" * (EVENT_LIMIT - 100)
+    assert lines.feed(b"data: " + body[:10]) == []
+    assert lines.feed(body[10:]) == []
+    assert lines.feed(b"\n\n") == [body]
 
 
 def test_chunk_error_event_sets_the_error() -> None:

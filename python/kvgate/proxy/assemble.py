@@ -29,7 +29,7 @@ __all__ = [
 
 #: bytes of one event held while its end has not arrived (the core's ``EVENT_LIMIT``): an
 #: upstream that sends megabytes without an event's end is not an engine's stream
-EVENT_LIMIT = 8 * 1024 * 1024
+EVENT_LIMIT = 32 * 1024 * 1024
 
 
 class EventTooLong(ValueError):
@@ -45,10 +45,11 @@ class SSELines:
     calls, at most :data:`EVENT_LIMIT` bytes of them.
     """
 
-    __slots__ = ("_data", "_held", "_rest")
+    __slots__ = ("_data", "_held", "_rest", "_rest_len")
 
     def __init__(self) -> None:
-        self._rest = b""
+        self._rest: list[bytes] = []  # the unfinished line, in pieces
+        self._rest_len = 0
         self._data: list[bytes] = []
         self._held = 0  # bytes in _data
 
@@ -59,24 +60,34 @@ class SSELines:
             EventTooLong: the unfinished event (its lines, and the line without its end)
                 holds more than :data:`EVENT_LIMIT` bytes.
         """
-        buf = self._rest + chunk if self._rest else chunk
+        if self._rest and b"\n" not in chunk and b"\r" not in chunk:
+            # more of an unfinished line: kept as a piece, not joined and split again
+            self._rest.append(chunk)
+            self._rest_len += len(chunk)
+            self._check()
+            return []
+        buf = b"".join((*self._rest, chunk)) if self._rest else chunk
         lines = buf.splitlines(keepends=True)
         # a line is complete once its end arrived; a trailing CR may be the first half of CRLF
         if lines and (not lines[-1].endswith((b"\n", b"\r")) or lines[-1].endswith(b"\r")):
-            self._rest = lines.pop()
+            last = lines.pop()
+            self._rest, self._rest_len = [last], len(last)
         else:
-            self._rest = b""
+            self._rest, self._rest_len = [], 0
         out = self._take(lines)
-        if self._held + len(self._rest) > EVENT_LIMIT:
-            self._rest, self._data, self._held = b"", [], 0
-            raise EventTooLong(f"an event of over {EVENT_LIMIT} bytes")
+        self._check()
         return out
+
+    def _check(self) -> None:
+        if self._held + self._rest_len > EVENT_LIMIT:
+            self._rest, self._rest_len, self._data, self._held = [], 0, [], 0
+            raise EventTooLong(f"an event of over {EVENT_LIMIT} bytes")
 
     def flush(self) -> list[bytes]:
         """The payloads left at the end of the stream (an event without its closing empty
         line counts: the stream ended)."""
-        lines = [self._rest] if self._rest else []
-        self._rest = b""
+        lines = [b"".join(self._rest)] if self._rest else []
+        self._rest, self._rest_len = [], 0
         out = self._take(lines)
         if self._data:
             out.append(b"\n".join(self._data))

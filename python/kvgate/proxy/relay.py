@@ -627,7 +627,7 @@ async def _relay_stream(
                         await response.write(out)
                 await _write_error_event(
                     response,
-                    "upstream sent an event of over 8 MiB",
+                    "upstream sent an event of over 32 MiB",
                     "upstream_broken",
                     deadline,
                     end,
@@ -743,7 +743,7 @@ async def _relay_assembled(
                 result.outcome = "stream_broken"
                 raise GatewayError(
                     502,
-                    "upstream sent an event of over 8 MiB",
+                    "upstream sent an event of over 32 MiB",
                     "server_error",
                     code="upstream_broken",
                 ) from None

@@ -73,7 +73,7 @@ impl PySseInspector {
         self.inner.done()
     }
 
-    /// Whether an event grew past 8 MiB before its end (the stream is broken off).
+    /// Whether an event grew past 32 MiB before its end (the stream is broken off).
     #[getter]
     fn overlong(&self) -> bool {
         self.inner.overlong()
