@@ -147,6 +147,11 @@ def test_check_config_against_a_cluster(
     out = capsys.readouterr()
     assert "store: Redis 7." in out.out, out
     assert "Redis Cluster" in out.out
+    # one node of the cluster named without cluster: true: every scope on another node's
+    # slots would be a MOVED error for serve
+    path.write_text(text)
+    assert main(["check-config", str(path)]) == 2
+    assert "set store.cluster: true" in capsys.readouterr().err
 
 
 async def test_proposals_of_three_replicas_scale_the_shared_slots(

@@ -73,7 +73,8 @@ async def check_server(config: Any, wait_s: float = 5.0) -> tuple[list[str], lis
     """What ``kvgate check-config`` says of the ``store`` server: ``(problems, notes)``.
 
     Problems (the gateway would not share its limits): the server cannot be reached within
-    ``wait_s`` seconds, is older than Redis 7.0 (no Functions), refuses to load the ``kvgate``
+    ``wait_s`` seconds, is older than Redis 7.0 (no Functions), is a Cluster node while
+    ``cluster`` is off, refuses to load the ``kvgate``
     Functions library, or fails a replica's message sent as a replica sends it
     (:func:`_trial_message`: credentials, ``FCALL`` and key permissions, a kvgate reply). Notes: the server's version, and a warning when its
     ``maxmemory-policy`` is not ``noeviction`` (an evicted key forgets what replicas hold: limits
@@ -113,6 +114,15 @@ async def check_server(config: Any, wait_s: float = 5.0) -> tuple[list[str], lis
                     f"store.url: Redis {version} has no Functions; kvgate needs 7.0 or later"
                 )
                 return problems, notes
+            if not config.cluster:
+                with contextlib.suppress(Exception):  # (INFO cluster may be renamed away)
+                    if int((await client.info("cluster")).get("cluster_enabled", 0)) == 1:
+                        problems.append(
+                            "store.url: the server is a node of a Redis Cluster: set "
+                            "store.cluster: true (each tenant's keys live on the node that "
+                            "owns their slot)"
+                        )
+                        return problems, notes
             try:
                 await load_library(client, config.cluster)
             except Exception as exc:
