@@ -33,6 +33,7 @@ Cross-field rules (checked once the fields themselves are valid), each with its 
 from __future__ import annotations
 
 import difflib
+import functools
 import json
 import os
 import re
@@ -565,6 +566,23 @@ STORE_LIMITS = (
 )
 
 
+@functools.cache
+def _redis_url_options() -> frozenset[str]:
+    """The arguments a store URL's query may carry: those of redis-py's connections (which a
+    URL's query is handed to) and of its URL parser (``max_connections``, ``timeout``)."""
+    import inspect
+
+    from redis.asyncio import connection as conn
+    from redis.connection import URL_QUERY_ARGUMENT_PARSERS
+
+    names = set(URL_QUERY_ARGUMENT_PARSERS)
+    for cls in (conn.AbstractConnection, conn.Connection, conn.SSLConnection,
+                conn.UnixDomainSocketConnection):  # fmt: skip
+        names.update(inspect.signature(cls.__init__).parameters)
+    # (the parser itself names the connection class of a rediss:// or unix:// URL)
+    return frozenset((names - {"self", "kwargs"}) | {"connection_class"})
+
+
 class StoreConfig(_Model):
     """Where the limits live when several gateway replicas share them (docs/replicas.md): a Redis (or Valkey) server, version 7.0 or later (Redis Functions).
 
@@ -640,9 +658,15 @@ class StoreConfig(_Model):
         from redis.connection import parse_url
 
         try:  # the query's arguments, as the client will read them (?db=, ?socket_timeout=, …)
-            parse_url(value)
+            options = parse_url(value)
         except ValueError as exc:
             raise ValueError(f"{exc} (got {shown!r})") from None
+        unknown = sorted(set(options) - _redis_url_options())
+        if unknown:
+            raise ValueError(
+                f"unknown connection argument(s) {', '.join(unknown)} in the URL's query "
+                f"(got {shown!r})"
+            )
         return value
 
     @field_validator("lease_ttl_s")

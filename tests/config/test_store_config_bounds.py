@@ -40,6 +40,7 @@ def cfg_with(store: dict[str, Any]) -> dict[str, Any]:
         ({"url": "redis://u:s3cret@127.0.0.1:6379/0?db=abc"}, "store.url", "'db'"),
         ({"url": "redis://127.0.0.1:6379/0?socket_timeout=abc"}, "store.url", "socket_timeout"),
         ({"url": "unix:///run/redis.sock?db=x"}, "store.url", "'db'"),
+        ({"url": "redis://127.0.0.1:6379/0?foo=1&socket_timeout=2"}, "store.url", "foo"),
         # a replica silent for less than two heartbeats would be reaped while alive: the
         # others would take its quotas while its requests still run
         ({"url": "redis://h/0", "heartbeat_s": 2, "lease_ttl_s": 0.5}, "store.lease_ttl_s", "2"),
@@ -62,6 +63,10 @@ def test_sane_lease_and_urls_still_load() -> None:
         {"url": "redis://h:6379/"},
         {"url": "rediss://u:p@h:6380/3"},
         {"url": "unix:///run/redis.sock"},
+        {"url": "redis://h:6379/0?protocol=3&socket_timeout=2&client_name=gw&max_connections=4"},
+        {
+            "url": "rediss://h:6380/0?ssl_cert_reqs=none&ssl_ca_certs=/x.pem&ssl_check_hostname=false"
+        },
     ):
         assert parse_config(cfg_with(store)).store is not None, store
 
