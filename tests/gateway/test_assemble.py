@@ -158,6 +158,26 @@ def test_responses_answer_is_the_terminal_events_response() -> None:
     assert failed.error == {"message": "boom", "param": None, "code": "server_error"}
 
 
+def test_a_responses_stream_cut_before_its_end_answers_the_text_so_far() -> None:
+    """What a cut stream is charged (the client gone, the engine broken): the text of the
+    ``delta`` events so far, as an answer of one message (it was ``{}``: nothing charged)."""
+    asm = ResponsesAssembler()
+    assert asm.answer() == {}
+    asm.add({"type": "response.created", "response": {"id": "r", "status": "in_progress"}})
+    for delta in ("Hel", "lo", " there"):
+        asm.add({"type": "response.output_text.delta", "delta": delta})
+    asm.add({"type": "response.function_call_arguments.delta", "delta": '{"a":1}'})
+    asm.add({"type": "response.output_text.delta", "delta": 5})  # not text: ignored
+    assert not asm.complete
+    out = asm.answer()["output"]
+    assert out == [
+        {"type": "message", "content": [{"type": "output_text", "text": 'Hello there{"a":1}'}]}
+    ]
+    final = {"id": "r", "object": "response", "status": "completed", "output": []}
+    asm.add({"type": "response.completed", "response": final})
+    assert asm.answer() == final
+
+
 def test_rewrite_body_asks_for_a_stream() -> None:
     plain = SimpleNamespace(inject_max_tokens=None)
     body = b'{"model": "m", "seed": 123456789012345678901234567890}'

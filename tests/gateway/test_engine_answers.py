@@ -227,6 +227,42 @@ async def test_an_error_event_after_tokens_charges_prompt_and_delivered(gateway_
         assert charged == analysis.prompt_tokens + 4
 
 
+async def test_a_non_streamed_responses_answer_cut_mid_way_is_charged_its_text(
+    gateway_for,
+) -> None:
+    """A Responses request the client did not stream goes to the engine as a stream and is
+    assembled; when that stream ends before its terminal event (here the engine breaks off;
+    a client that leaves takes the same settlement), the tenant is charged the prompt plus the
+    text generated so far, as for chat — it was charged the prompt only, so a client leaving
+    just before each answer's end paid no completion tokens."""
+    words = " ".join(["alpha"] * 40)  # 239 bytes: 60 tokens by the byte estimate (no tokenizer)
+
+    async def script(writer: asyncio.StreamWriter, body: dict[str, Any]) -> bool:
+        created = {"type": "response.created", "response": {"id": "r", "status": "in_progress"}}
+        delta = {"type": "response.output_text.delta", "delta": words}
+        events = b"".join(
+            b"event: " + e["type"].encode() + b"\ndata: " + orjson.dumps(e) + b"\n\n"
+            for e in (created, delta)
+        )
+        writer.write(stream_head() + chunk(events) + b"0\r\n\r\n")  # no terminal event
+        return False
+
+    async with raw_engine(script) as engine, gateway_for(tenant_config(engine.url, "m")) as gw:
+        body = {"model": "m", "input": "hello there", "max_output_tokens": 200}
+        raw = orjson.dumps(body)
+        _, analysis = analyze_now(gw.gateway, "/v1/responses", raw)
+        headers = {"Authorization": "Bearer sk-t", "Content-Type": "application/json"}
+        async with (
+            aiohttp.ClientSession() as s,
+            s.post(gw.url + "/v1/responses", data=raw, headers=headers) as r,
+        ):
+            assert r.status == 502
+            assert (await r.json())["error"]["code"] == "upstream_broken"
+        await until(lambda: gw.tenant_state("t")["in_use"] == 0, timeout=10)
+        charged = 1000 - gw.tenant_state("t")["available_tokens"]
+        assert charged == analysis.prompt_tokens + 60
+
+
 # ---- A2: the engine's Retry-After -------------------------------------------------------------
 
 

@@ -364,6 +364,16 @@ def _finish_tool_call(call: dict[str, Any]) -> dict[str, Any]:
 
 #: The Responses events that end a stream with the whole ``response`` object.
 _RESPONSES_TERMINAL = frozenset({"response.completed", "response.incomplete"})
+#: the Responses events whose ``delta`` is generated text (as the stream relay counts them)
+_RESPONSES_DELTAS = frozenset(
+    {
+        "response.output_text.delta",
+        "response.refusal.delta",
+        "response.reasoning_text.delta",
+        "response.reasoning_summary_text.delta",
+        "response.function_call_arguments.delta",
+    }
+)
 
 
 class ResponsesAssembler(Assembler):
@@ -371,13 +381,16 @@ class ResponsesAssembler(Assembler):
     as vLLM, SGLang and llama.cpp's server stream it): the ``response`` object of the terminal
     ``response.completed`` / ``response.incomplete`` event is the whole answer (its ``output``
     items and ``usage``). A ``response.failed`` event (its ``response.error``) or an ``error``
-    event sets :attr:`error`. Nothing of the other events is kept."""
+    event sets :attr:`error`. Until the terminal event, the text of the ``delta`` events is
+    kept, so that a stream cut before it (the client gone, the engine broken) is charged the
+    text generated so far (:meth:`answer`); nothing else of the other events is kept."""
 
-    __slots__ = ("_response",)
+    __slots__ = ("_deltas", "_response")
 
     def __init__(self) -> None:
         super().__init__()
         self._response: dict[str, Any] | None = None
+        self._deltas: list[str] = []
 
     def add(self, event: Any) -> None:
         """Take one parsed event (a JSON object with a ``type``; anything else is ignored)."""
@@ -385,8 +398,13 @@ class ResponsesAssembler(Assembler):
             return
         kind = event.get("type")
         response = event.get("response")
-        if kind in _RESPONSES_TERMINAL and isinstance(response, dict):
+        if kind in _RESPONSES_DELTAS and self._response is None:
+            delta = event.get("delta")
+            if isinstance(delta, str):
+                self._deltas.append(delta)
+        elif kind in _RESPONSES_TERMINAL and isinstance(response, dict):
             self._response = response
+            self._deltas = []  # the response holds the text now
             self.complete = True
         elif kind == "response.failed":
             self.complete = True
@@ -398,5 +416,12 @@ class ResponsesAssembler(Assembler):
             self.error = {k: fields.get(k) for k in ("message", "param", "code")}
 
     def answer(self) -> dict[str, Any]:
-        """The terminal event's ``response`` object (``{}`` before it arrived)."""
-        return self._response if self._response is not None else {}
+        """The terminal event's ``response`` object; before it arrived, ``{}``, or an answer of
+        one message holding the text of the ``delta`` events so far (what a cut stream is
+        charged)."""
+        if self._response is not None:
+            return self._response
+        if not self._deltas:
+            return {}
+        text = "".join(self._deltas)
+        return {"output": [{"type": "message", "content": [{"type": "output_text", "text": text}]}]}
