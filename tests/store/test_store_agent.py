@@ -1153,26 +1153,33 @@ async def test_a_heartbeat_of_many_scopes_goes_out_in_groups_spread_over_half_a_
         await st.close()
 
 
+async def each_tenant_once(url: str, n: int) -> tuple[RedisStore, Named, list[Named]]:
+    """A started store on ``url`` with one backend ``b`` and ``n`` tenants ``t<i>``
+    (``max_concurrency`` 4), each of which has had one request admitted and released."""
+    ctl = AdmissionController(backends=1, tenants=n)
+    b = Named(ctl.add_backend("b", max_concurrency=1000, tokens_per_minute=2**40), "b")
+    tenants = [
+        Named(ctl.add_tenant(f"t{i}", priority="standard", max_concurrency=4), f"t{i}")
+        for i in range(n)
+    ]
+    st = RedisStore(StoreConfig(url=url, heartbeat_s=5.0), ctl)
+    await st.start(["b"])
+    for t in tenants:
+        hold = st.try_admit(b, t, "standard", 10)
+        if hold is None:
+            hold = await st.admit(b, t, "standard", 10)
+        st.release(hold, 10, 5)
+    return st, b, tenants
+
+
 async def test_state_lists_the_backends_and_the_named_tenants_scopes(
     redis_server: RedisServer,
 ) -> None:
     """``/admin/state?tenant=`` (or a page of tenants) lists those tenants' store scopes, not
     every active one (a replica that served 10,000 tenants lately answered 1.8 MB for one
     tenant); ``active_tenant_scopes`` counts them all."""
-    ctl = AdmissionController(backends=1, tenants=50)
-    b = Named(ctl.add_backend("b", max_concurrency=100, tokens_per_minute=2**40), "b")
-    tenants = [
-        Named(ctl.add_tenant(f"t{i}", priority="standard", max_concurrency=4), f"t{i}")
-        for i in range(50)
-    ]
-    st = RedisStore(StoreConfig(url=redis_server.url, heartbeat_s=5.0), ctl)
-    await st.start(["b"])
+    st, _, _ = await each_tenant_once(redis_server.url, 50)
     try:
-        for t in tenants:
-            hold = st.try_admit(b, t, "standard", 10)
-            if hold is None:
-                hold = await st.admit(b, t, "standard", 10)
-            st.release(hold, 10, 5)
         every = st.state()
         assert every["active_tenant_scopes"] == 50
         assert len(every["scopes"]) == 51
@@ -1195,19 +1202,7 @@ async def test_close_leaves_the_scopes_it_is_live_in_not_every_scope_it_saw(
     ran out and where it holds nothing (the others reap them): a replica that served 100,000
     tenants once each spent its shutdown one round trip per tenant, and past its deadline left
     the rest to the reaping."""
-    ctl = AdmissionController(backends=1, tenants=300)
-    b = Named(ctl.add_backend("b", max_concurrency=1000, tokens_per_minute=2**40), "b")
-    tenants = [
-        Named(ctl.add_tenant(f"t{i}", priority="standard", max_concurrency=4), f"t{i}")
-        for i in range(300)
-    ]
-    st = RedisStore(StoreConfig(url=redis_server.url, heartbeat_s=5.0), ctl)
-    await st.start(["b"])
-    for t in tenants:
-        hold = st.try_admit(b, t, "standard", 10)
-        if hold is None:
-            hold = await st.admit(b, t, "standard", 10)
-        st.release(hold, 10, 5)
+    st, _, tenants = await each_tenant_once(redis_server.url, 300)
     await st.flushed()
     # the first 100 tenants' leases ran out long ago and they hold nothing there any more
     for t in tenants[:100]:

@@ -380,13 +380,22 @@ async def _read_all(
     return body if limit is None else body[:limit]
 
 
+#: the longest wait an engine's ``Retry-After`` / ``retry-after-ms`` is relayed as (seconds):
+#: a longer one (an absurd value, a date years ahead) becomes this — a client that honours it
+#: comes back within the hour (OpenAI's clients ignore a wait over 60 s and back off themselves)
+ENGINE_WAIT_MAX_S = 3600.0
+
+
 def _with_retry_after(
     upstream_headers: Any, retry_hint: Callable[[], float | None] | None
 ) -> tuple[tuple[bytes, bytes], ...]:
     """The headers of a relayed 429/503: ``Content-Type``, and ``Retry-After`` /
-    ``retry-after-ms`` for the longer of the engine's wait and kvgate's ``retry_hint`` (none
-    when neither has one)."""
-    waits = [w for w in (_engine_wait(upstream_headers), retry_hint and retry_hint()) if w]
+    ``retry-after-ms`` for the longer of the engine's wait (at most :data:`ENGINE_WAIT_MAX_S`)
+    and kvgate's ``retry_hint`` (none when neither has one)."""
+    engine = _engine_wait(upstream_headers)
+    if engine is not None:
+        engine = min(engine, ENGINE_WAIT_MAX_S)
+    waits = [w for w in (engine, retry_hint and retry_hint()) if w]
     if not waits:
         return _JSON
     seconds = max(waits)
@@ -397,17 +406,11 @@ def _with_retry_after(
     )
 
 
-#: the longest wait an engine's ``Retry-After`` / ``retry-after-ms`` is relayed as (seconds):
-#: a longer one (an absurd value, a date years ahead) becomes this — a client that honours it
-#: comes back within the hour (OpenAI's clients ignore a wait over 60 s and back off themselves)
-ENGINE_WAIT_MAX_S = 3600.0
-
-
 def _engine_wait(headers: Any) -> float | None:
     """Seconds the engine asked to wait: ``retry-after-ms`` (milliseconds, what OpenAI's
-    clients read first), else ``Retry-After`` (seconds, or an HTTP-date, RFC 9110 §10.2.3), at
-    most :data:`ENGINE_WAIT_MAX_S`; ``None`` when neither is there or readable (negative, not
-    finite, unparseable)."""
+    clients read first), else ``Retry-After`` (seconds, or an HTTP-date, RFC 9110 §10.2.3);
+    ``None`` when neither is there or readable (negative, not finite, unparseable). The caller
+    caps it at :data:`ENGINE_WAIT_MAX_S`."""
     raw = headers.get("retry-after-ms")
     if raw is not None:
         try:
@@ -415,7 +418,7 @@ def _engine_wait(headers: Any) -> float | None:
         except ValueError:
             ms = math.nan
         if math.isfinite(ms) and ms > 0:
-            return min(ms / 1000, ENGINE_WAIT_MAX_S)
+            return ms / 1000
     raw = headers.get("Retry-After")
     if raw is None:
         return None
@@ -426,7 +429,7 @@ def _engine_wait(headers: Any) -> float | None:
             seconds = parsedate_to_datetime(raw).timestamp() - time.time()
         except (TypeError, ValueError, IndexError, OverflowError):
             return None
-    return min(seconds, ENGINE_WAIT_MAX_S) if math.isfinite(seconds) and seconds > 0 else None
+    return seconds if math.isfinite(seconds) and seconds > 0 else None
 
 
 def _stream_headers(upstream_headers: Any) -> Any:

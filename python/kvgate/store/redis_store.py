@@ -1199,13 +1199,11 @@ class RedisStore:
             self._metrics.store_call_seconds.observe(time.monotonic() - sent)
         if kind is None:
             reply, kind = self._decoded(raw)
+        if kind is None:
+            kind = self._applied(sc, reply, sent, admits, debts)
         if kind is not None:
             self._count_failure(kind)
             self._unknown_outcome(sc, msg, admits)
-            if self._breaker.failed(time.monotonic()):
-                self._opened()
-            return
-        if not self._applied(sc, msg, reply, sent, admits, debts):
             if self._breaker.failed(time.monotonic()):
                 self._opened()
             return
@@ -1217,23 +1215,20 @@ class RedisStore:
     def _applied(
         self,
         sc: Scope,
-        msg: dict[str, Any],
         reply: dict[str, Any],
         sent: float,
         admits: list[Admit],
         debts: dict[str, int],
-    ) -> bool:
-        """:meth:`_apply`, and whether the reply could be read: one that cannot (a field of the
-        wrong type: not kvgate's library answering) counts as a failed call, its outcome
-        unknown."""
+    ) -> str | None:
+        """:meth:`_apply`; ``None`` once applied, ``error`` for a reply it cannot read (a field
+        of the wrong type: not kvgate's library answering), which the caller counts as a
+        failed call whose outcome is unknown."""
         try:
             self._apply(sc, reply, sent, admits, debts)
         except (TypeError, ValueError, KeyError, AttributeError, IndexError) as exc:
             self._last_failure = f"an answer that is not kvgate's ({type(exc).__name__}: {exc})"
-            self._count_failure("error")
-            self._unknown_outcome(sc, msg, admits)
-            return False
-        return True
+            return "error"
+        return None
 
     def _decoded(self, raw: Any) -> tuple[Any, str | None]:
         """One ``kvg_sync`` reply, decoded, and the kind of failure it is (``None``: none):
@@ -1664,12 +1659,12 @@ class RedisStore:
                     self._unknown_outcome(sc, msg, admits)
                     continue
                 reply, one = self._decoded(replies[i])
+                if one is None:
+                    one = self._applied(sc, reply, sent, admits, debts)
                 if one is not None:
                     failed = True
                     self._count_failure(one)
                     self._unknown_outcome(sc, msg, admits)
-                elif not self._applied(sc, msg, reply, sent, admits, debts):
-                    failed = True
                 sc.contended = bool(sc.admits)
             except Exception:
                 logger.exception("store: reply of %s failed", sc.key)
