@@ -308,6 +308,18 @@ async def test_a_request_that_fits_the_in_flight_budget_is_not_refused_for_stran
         await two.close()
 
 
+def failed_since(store: RedisStore, start: dict[str, int]) -> dict[str, int]:
+    """The failed calls of ``store`` by kind since ``start`` (a copy of ``store.failures``
+    taken after :meth:`RedisStore.start`): a test of one fault counts only what that fault
+    cost. A join answered after the background deadline (250 ms: a loaded machine's Redis
+    can take that long for a first call) is counted at start, and is not the test's fault."""
+    return {
+        kind: n - start.get(kind, 0)
+        for kind, n in store.failures.items()
+        if n != start.get(kind, 0)
+    }
+
+
 async def idle_lanes(store: RedisStore, timeout: float = 10.0) -> None:
     """Waits (bounded) until no scope of ``store`` has a message in flight or queued."""
     loop = asyncio.get_running_loop()
@@ -709,8 +721,10 @@ async def test_a_message_whose_connection_closed_goes_again_and_is_applied_once(
     from kvgate.store import StoreRefusal
 
     ctl, backend, tenant = limited(1)
-    store = RedisStore(StoreConfig(url=redis_server.url, heartbeat_s=5.0), ctl)
+    # a deadline a loaded machine meets: the message goes again within it, never after
+    store = RedisStore(StoreConfig(url=redis_server.url, heartbeat_s=5.0, deadline_ms=2000), ctl)
     await store.start(["b"])
+    at_start = dict(store.failures)
     fcall = store._wire.fcall
     lost: list[bytes] = []
 
@@ -729,7 +743,7 @@ async def test_a_message_whose_connection_closed_goes_again_and_is_applied_once(
         assert not isinstance(hold, StoreRefusal), hold
         assert store.resent == 1
         assert store.degraded_admissions == 0
-        assert sum(store.failures.values()) == 0
+        assert failed_since(store, at_start) == {}
         await applied_once(store, client, backend, tenant)
     finally:
         await store.close()
@@ -878,8 +892,10 @@ async def test_a_connection_that_drops_after_the_write_sends_the_message_again_o
     from kvgate.store import StoreRefusal
 
     ctl, backend, tenant = limited(1)
-    store = RedisStore(StoreConfig(url=redis_server.url, heartbeat_s=5.0), ctl)
+    # a deadline a loaded machine meets: the message goes again within it, never after
+    store = RedisStore(StoreConfig(url=redis_server.url, heartbeat_s=5.0, deadline_ms=2000), ctl)
     await store.start(["b"])
+    at_start = dict(store.failures)
     proto = store._wire._proto
     assert proto is not None
     assert not proto.closed
@@ -899,7 +915,8 @@ async def test_a_connection_that_drops_after_the_write_sends_the_message_again_o
         hold = await store.admit(backend, tenant, "standard", 1)
         assert dropped, "no admission went to Redis"
         assert not isinstance(hold, StoreRefusal), hold
-        assert (store.resent, store.degraded_admissions, sum(store.failures.values())) == (1, 0, 0)
+        assert (store.resent, store.degraded_admissions) == (1, 0)
+        assert failed_since(store, at_start) == {}
         assert store._wire.connects == 2
         await applied_once(store, client, backend, tenant)
     finally:
@@ -917,8 +934,10 @@ async def test_a_message_resent_to_a_redis_that_restarted_empty_loads_the_librar
     from kvgate.store import StoreRefusal
 
     ctl, backend, tenant = limited(1)
-    store = RedisStore(StoreConfig(url=redis_server.url, heartbeat_s=5.0), ctl)
+    # a deadline a loaded machine meets: the message goes again within it, never after
+    store = RedisStore(StoreConfig(url=redis_server.url, heartbeat_s=5.0, deadline_ms=2000), ctl)
     await store.start(["b"])
+    at_start = dict(store.failures)
     fcall = store._wire.fcall
     client = redis_server.client()
     restarted: list[bool] = []
@@ -935,7 +954,8 @@ async def test_a_message_resent_to_a_redis_that_restarted_empty_loads_the_librar
         hold = await store.admit(backend, tenant, "standard", 1)
         assert restarted
         assert not isinstance(hold, StoreRefusal), hold
-        assert (store.resent, store.degraded_admissions, sum(store.failures.values())) == (1, 0, 0)
+        assert (store.resent, store.degraded_admissions) == (1, 0)
+        assert failed_since(store, at_start) == {}
         assert client.function_list(library="kvgate")
     finally:
         await store.close()
@@ -1035,6 +1055,7 @@ async def test_the_give_backs_of_tenants_seen_once_go_32_to_a_call(
     cfg = StoreConfig(url=redis_server.url, heartbeat_s=2.0, deadline_ms=2000)
     st = RedisStore(cfg, ctl)
     await st.start(["b"])
+    at_start = dict(st.failures)
     try:
         for t in tenants:
             await admit_and_release(st, backend, t)
@@ -1047,7 +1068,7 @@ async def test_the_give_backs_of_tenants_seen_once_go_32_to_a_call(
         await idle_lanes(st)
         groups = -(-(len(scopes) + 1) // BEAT_GROUP)
         assert st.calls - before <= groups + 2, (st.calls - before, groups)
-        assert st.failures["timeout"] == st.failures["error"] == 0, st.failures
+        assert failed_since(st, at_start).keys() <= {"stale", "late"}, st.failures
         assert all(not any(int(v) for v in held_in_redis(redis_server, st, sc).values())
                    for sc in scopes)  # fmt: skip
         assert st.stranded() == (0, 0)
@@ -1067,6 +1088,7 @@ async def test_heartbeats_go_one_call_per_scope_when_the_server_has_no_kvg_sync_
     cfg = StoreConfig(url=redis_server.url, heartbeat_s=5.0, deadline_ms=2000)
     st = RedisStore(cfg, ctl)
     await st.start(["b"])
+    at_start = dict(st.failures)
     earlier = LIBRARY.replace("redis.register_function('kvg_sync_many', kvg_sync_many)\n", "")
     assert earlier != LIBRARY
     redis_server.client().function_load(earlier, replace=True)
@@ -1091,7 +1113,7 @@ async def test_heartbeats_go_one_call_per_scope_when_the_server_has_no_kvg_sync_
         )
         await idle_lanes(st)
         assert st._batch_off_until > 0
-        assert st.failures["error"] == st.failures["timeout"] == 0, st.failures
+        assert failed_since(st, at_start).keys() <= {"stale", "late"}, st.failures
         for hold in holds:
             st.release(hold, 1, 1)
         await st.flushed()
@@ -1123,6 +1145,7 @@ async def test_a_heartbeat_of_many_scopes_goes_out_in_groups_spread_over_half_a_
     cfg = StoreConfig(url=redis_server.url, heartbeat_s=2.0, deadline_ms=2000)
     st = RedisStore(cfg, ctl)
     await st.start(["b"])
+    at_start = dict(st.failures)
     holds = []
     try:
         for t in tenants:  # each holds a running request: its scope stays active
@@ -1146,7 +1169,7 @@ async def test_a_heartbeat_of_many_scopes_goes_out_in_groups_spread_over_half_a_
         # spread: the last group went out no sooner than most of half a period later
         assert loop.time() - started >= 0.8, loop.time() - started
         await idle_lanes(st)
-        assert st.failures["timeout"] == 0
+        assert "timeout" not in failed_since(st, at_start), st.failures
     finally:
         for hold in holds:
             st.release(hold, 1, 1)

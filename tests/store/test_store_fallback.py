@@ -65,11 +65,15 @@ def limits(
 
 
 def config(url: str, **kw: Any) -> StoreConfig:
+    """A store's settings for these tests: fast heartbeats, one failure opens the breaker.
+    The deadlines are long enough for a loaded machine's Redis (a join or a decision answered
+    late would fall back before the fault a test injects): Redis killed fails every call at
+    once; a test that stalls Redis sets the short deadline it needs."""
     opts: dict[str, Any] = {
         "heartbeat_s": 0.05,
         "lease_ttl_s": 2.0,
-        "deadline_ms": 150,
-        "background_deadline_ms": 150,
+        "deadline_ms": 1000,
+        "background_deadline_ms": 1000,
         "breaker_failures": 1,
     }
     opts.update(kw)

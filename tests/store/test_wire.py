@@ -173,6 +173,7 @@ async def test_a_store_reports_its_connection_and_opens_it_again_once_redis_clos
     ctl.add_backend("b", max_concurrency=64, tokens_per_minute=2**40)
     store = RedisStore(StoreConfig(url=server.url, heartbeat_s=5.0), ctl)
     await store.start(["b"])
+    at_start = sum(store.failures.values())  # a join answered late on a loaded machine counts
     try:
         assert store.state()["connection"] == {"client": "kvgate", "opened": 1}
         assert server.client().client_kill_filter(_type="normal", skipme=True) >= 1
@@ -184,7 +185,8 @@ async def test_a_store_reports_its_connection_and_opens_it_again_once_redis_clos
         await wait_for(lambda: store.calls > calls and not store._scope("b", "b").busy, 10,
                        "the next message answered")  # fmt: skip
         assert store.state()["connection"] == {"client": "kvgate", "opened": 2}
-        assert sum(store.failures.values()) == 0  # the message went on the new connection
+        # the message went on the new connection
+        assert sum(store.failures.values()) == at_start
     finally:
         await store.close()
 
@@ -420,6 +422,7 @@ async def test_a_store_on_a_tls_url_decides_in_redis(tls_redis: TlsRedis) -> Non
                        SimpleNamespace(id=t, name="t")))  # fmt: skip
     for st, _, _ in stores:
         await st.start(["b"])
+    at_start = [sum(st.failures.values()) for st, _, _ in stores]
     try:
         assert all(isinstance(st._wire, Wire) for st, _, _ in stores)
         (one, b1, t1), (two, b2, t2) = stores
@@ -432,8 +435,9 @@ async def test_a_store_on_a_tls_url_decides_in_redis(tls_redis: TlsRedis) -> Non
         again = await two.admit(b2, t2, "standard", 1)
         assert not isinstance(again, StoreRefusal), again
         two.release(again, 1, 1)
-        for st, _, _ in stores:  # every decision was Redis's: no failure, no fallback
-            assert (sum(st.failures.values()), st.degraded_admissions) == (0, 0)
+        # every decision was Redis's: no failure since the start, no fallback
+        for (st, _, _), failed in zip(stores, at_start, strict=True):
+            assert (sum(st.failures.values()) - failed, st.degraded_admissions) == (0, 0)
     finally:
         for st, _, _ in stores:
             await st.close()
