@@ -83,6 +83,12 @@ class Dispatcher:
             origin = route.path.startswith("/")
             if origin and gateway.other_routes == "forward":
                 if not_forwarded(request.method, route.path):
+                    # a client without a valid key learns nothing of the engine's routes: it
+                    # is answered 401 as on every route that goes upstream
+                    try:
+                        gateway.identity.identify(request.headers)
+                    except GatewayError as err:
+                        return _answer(request, err)
                     return _answer(
                         request,
                         GatewayError(

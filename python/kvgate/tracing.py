@@ -130,8 +130,9 @@ class RequestTrace:
     as it goes and calls :meth:`upstream_headers` before relaying and :meth:`finish` at the end.
 
     Attributes:
-        authenticated: when authentication ended (``None``: it did not start).
-        analysed: when analysis (and routing) ended.
+        authenticated: when authentication (from the request's head, first) ended (``None``:
+            it failed).
+        analysed: when analysis (the body read, analysed, routed) ended.
         admitting: when admission began.
         admitted: when admission decided.
         relay_end: when the relay ended.
@@ -146,8 +147,8 @@ class RequestTrace:
         "admitted",
         "admitting",
         "analysed",
+        "_started",
         "authenticated",
-        "body_read",
         "first_data",
         "relay_end",
         "span",
@@ -194,7 +195,7 @@ class RequestTrace:
         )
         self._upstream: Any = None
         self._upstream_start = 0.0
-        self.body_read: float | None = None
+        self._started = started
         self.authenticated: float | None = None
         self.analysed: float | None = None
         self.admitting: float | None = None
@@ -283,11 +284,12 @@ class RequestTrace:
             return
         # a request refused before admission: the stage it failed in ends now, in error
         failed = reason if outcome == "rejected" and self.admitting is None else None
-        read = self.body_read
-        if read is not None and (self.authenticated is not None or failed):
+        # authentication reads only the head: its span starts with the request; reading the
+        # body is analysis's (analysis needs it)
+        if self.authenticated is not None or failed:
             end = self.authenticated if self.authenticated is not None else now
             error = failed if self.authenticated is None else None
-            self._child("authenticate", read, end, {}, error)
+            self._child("authenticate", self._started, end, {}, error)
         if self.authenticated is not None and (self.analysed is not None or failed):
             end = self.analysed if self.analysed is not None else now
             error = failed if self.analysed is None else None

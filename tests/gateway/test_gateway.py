@@ -686,6 +686,46 @@ async def test_expect_100_continue(gateway_for) -> None:
         assert len(up.requests) == 2
 
 
+async def test_a_client_without_a_key_is_not_asked_for_its_body(gateway_for) -> None:
+    """``Expect: 100-continue`` from a client without a valid key: 401 at once, no ``100
+    Continue`` (the key is checked from the head, before the body is read), nothing forwarded;
+    the same client with its key is asked for the body and served."""
+    tenants = [{"name": "alice", "api_key_sha256": [sha(KEYS["alice"])]}]
+    async with (
+        run_upstream() as up,
+        gateway_for(config_for(up.url, ["replay"], tenants=tenants)) as gw,
+    ):
+        body = orjson.dumps(
+            {"model": "replay", "max_tokens": 5, "messages": [{"role": "user", "content": "x"}]}
+        )
+
+        async def first_head(key: str) -> bytes:
+            reader, writer = await asyncio.open_connection(*gw.url[7:].split(":"))
+            try:
+                writer.write(
+                    b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                    + f"Authorization: Bearer {key}\r\nContent-Length: {len(body)}\r\n".encode()
+                    + b"Content-Type: application/json\r\nExpect: 100-continue\r\n\r\n"
+                )
+                await writer.drain()
+                head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+                if head.startswith(b"HTTP/1.1 100"):
+                    writer.write(body)
+                    await writer.drain()
+                    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+                    return b"100 then " + head
+                return head
+            finally:
+                writer.close()
+
+        refused = await first_head("nope")
+        assert refused.startswith(b"HTTP/1.1 401"), refused
+        assert up.requests == []
+        served = await first_head(KEYS["alice"])
+        assert served.startswith(b"100 then HTTP/1.1 200"), served
+        assert len(up.requests) == 1
+
+
 async def test_a_reload_that_lowers_the_body_cap_applies_to_trickled_bodies(gateway_for) -> None:
     async with run_upstream() as up, gateway_for(config_for(up.url, ["replay"])) as gw:
         gw.gateway.max_body_bytes = 1_000  # what a reload does (gateway_build.apply_config)

@@ -521,6 +521,23 @@ async def test_forward_refuses_engine_administration_and_native_generation(gatew
             assert gw.backend_state()["in_use"] == 0
 
 
+async def test_a_client_without_a_key_learns_nothing_of_the_engines_routes(gateway_for) -> None:
+    """A request without a valid key to a route that is not forwarded gets 401
+    ``invalid_api_key``, as on a route that is: which routes the engine has, and which the
+    gateway refuses, is not told to a client the gateway does not know."""
+    async with run_routes_engine() as engine:
+        cfg = _forwarding(_with_tenant(config_for(engine.url, ["m"])))
+        async with gateway_for(cfg) as gw, aiohttp.ClientSession() as s:
+            for path in ("/slots", "/props", "/no-such-route"):
+                for headers in ({}, {"Authorization": "Bearer nope"}):
+                    async with s.get(gw.url + path, headers=headers) as r:
+                        assert r.status == 401, (path, headers)
+                        assert (await r.json())["error"]["code"] == "invalid_api_key"
+            assert engine.seen == []
+            status, _, raw = await _raw(s, "GET", gw.url + "/slots")  # with the key: 403
+            assert (status, json.loads(raw)["error"]["code"]) == (403, "route_not_forwarded")
+
+
 def test_other_routes_is_validated(tmp_path) -> None:
     """``other_routes`` takes ``refuse`` (the default) or ``forward``; anything else is a
     configuration error naming the field."""

@@ -479,7 +479,7 @@ def test_tracing_cost_per_request() -> None:
     the in-memory exporter). Printed for the report."""
     source = inspect.getsource(handle_inference) + inspect.getsource(settle)
     checks = source.count("if trace is not None") + source.count(" if trace is not None else")
-    assert checks >= 8
+    assert checks >= 7  # one per stage the handler times, at least
     code = (
         "def off(gw):\n    tracing = gw.tracing\n"
         "    trace = None if tracing is None else tracing.begin()\n"
@@ -509,7 +509,7 @@ def test_tracing_cost_per_request() -> None:
 
     def traced() -> None:
         t = tracing.begin(request, "/v1/chat/completions", time.perf_counter(), "rid")  # type: ignore[arg-type]
-        t.body_read = t.authenticated = t.analysed = t.admitting = time.perf_counter()
+        t.authenticated = t.analysed = t.admitting = time.perf_counter()
         t.admitted = time.perf_counter()
         t.upstream_headers({"x-request-id": "rid"}, "http://e/v1/chat/completions", "POST")
         t.data_arrived()

@@ -359,16 +359,16 @@ async def handle_inference(gw: Gateway, request: web.BaseRequest, route: str) ->
     tenant = None
     model = None
     try:
+        # authenticated from the head alone: a client without a valid key is answered before
+        # its body is read (no 100 Continue invites it to send one)
+        tenant, priority = gw.identity.identify(request.headers)
+        if trace is not None:
+            trace.authenticated = time.perf_counter()
         # the common case without a single await: body already here, small enough to analyse
         # on the loop
         body = body_if_complete(request, gw.max_body_bytes)
         if body is None:
             body = await read_body(request, gw.max_body_bytes, gw.timeouts.client_body)
-        if trace is not None:
-            trace.body_read = time.perf_counter()
-        tenant, priority = gw.identity.identify(request.headers)
-        if trace is not None:
-            trace.authenticated = time.perf_counter()
         if len(body) < INLINE_ANALYSIS_BYTES:
             model, analysis = analyze_now(gw, route, body)
         else:
@@ -696,14 +696,12 @@ async def handle_forward(gw: Gateway, request: web.BaseRequest) -> Reply:
     tenant = None
     model = None
     try:
+        tenant, priority = gw.identity.identify(request.headers)  # before the body, as above
+        if trace is not None:
+            trace.authenticated = time.perf_counter()
         body = body_if_complete(request, gw.max_body_bytes)
         if body is None:
             body = await read_body(request, gw.max_body_bytes, gw.timeouts.client_body)
-        if trace is not None:
-            trace.body_read = time.perf_counter()
-        tenant, priority = gw.identity.identify(request.headers)
-        if trace is not None:
-            trace.authenticated = time.perf_counter()
         model = model_of(gw, body)
         backend = pick_backend(gw, model, tenant) if model else pick_any_backend(gw, tenant)
         if trace is not None:
