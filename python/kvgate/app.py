@@ -446,7 +446,7 @@ async def handle_admin_usage(gw: Gateway, request: web.BaseRequest) -> Reply:
     if denied is not None:
         return denied
     gw.metrics.flush()
-    return usage_reply(gw.metrics.usage, request)
+    return await usage_reply(gw.metrics.usage, request)
 
 
 #: tenants ``GET /admin/state`` lists when not asked for a page size: past a few thousand,

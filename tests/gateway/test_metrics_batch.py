@@ -100,7 +100,7 @@ def test_flushed_batches_equal_direct_updates() -> None:
         key = (("kind", kind), ("model", model), ("tenant", tenant))
         assert want.get(("kvgate_tenant_usage_tokens_total", key), 0) == n
     assert sum(tokens.values()) > 0
-    assert rows[("alice", "", "rejected_404")] == [1, 0, 0]
+    assert rows[("alice", "", "rejected_404")] == (1, 0, 0)
 
 
 def test_nothing_shows_before_a_flush_and_nothing_counts_twice() -> None:
