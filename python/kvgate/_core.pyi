@@ -361,6 +361,26 @@ class AdmissionController:
     def free_tenant_ids(self) -> int:
         """Tenants that can still be added: unused ids plus removed tenants' ids that hold
         nothing."""
+    @property
+    def guarantee_entries_free(self) -> int:
+        """Guarantee-table entries not used yet (the table is sized at creation,
+        :attr:`capacity` ``guarantees``). Entries are never freed: a removed tenant's stay with
+        its id and serve the tenant that takes the id next."""
+    def guarantee_entries_needed(
+        self,
+        tenant: int | None = None,
+        *,
+        guaranteed_slots: int | None = None,
+        guaranteed_backends: Iterable[int] | Literal["all"] | None = None,
+    ) -> int:
+        """Guarantee-table entries that setting ``tenant`` (``None``: a tenant added with a
+        fresh id) to this guarantee would add, as ``add_tenant`` / ``replace_tenant`` take it:
+        one per backend it guarantees slots on where the tenant has no entry yet (backend ids
+        past the registered ones count as none). Raises ``TypeError`` / ``ValueError`` for an
+        argument ``add_tenant`` would refuse the same way."""
+    def guarantee_entries_of(self, tenant: int) -> int:
+        """Guarantee-table entries ``tenant`` holds: one per backend it has had a guarantee on
+        (kept after its removal); 0 for an id past the registered tenants."""
     def remove_tenant(self, tenant: int) -> None:
         """Removes a tenant (a reload that drops it). It becomes a tombstone: every admission
         is refused (``tenant-concurrency``), its guarantees go back to the burst pools, its

@@ -404,6 +404,56 @@ def _set_tenants(
     gateway.metrics.label_tenants(len(tenants), config.metrics.tenant_labels)
 
 
+def _check_guarantee_room(
+    ctl: Any, changed: list[Any], ids: dict[str, int | None], removed_ids: list[int]
+) -> None:
+    """Refuses, before anything is changed, a reload whose guarantees cannot fit in the core's
+    guarantee table (one entry per (tenant, backend) pair a guarantee names, sized at start-up
+    and never freed). ``changed``: the tenants the reload sets; ``ids``: their core ids
+    (``None``: added); ``removed_ids``: the tenants it removes.
+
+    The test errs on the side of applying: a new tenant may take a removed tenant's id that
+    holds nothing, with its entries, so every such id's entries count as room. A reload it lets
+    through can still stop part way (``add_tenant`` then names the full table), never one it
+    refuses.
+
+    Raises:
+        kvgate.config.ConfigError: the entries the reload adds exceed the free ones and all
+            that removed tenants' ids hold.
+    """
+    from kvgate.config import ConfigError
+
+    needed = 0
+    for t in changed:
+        if t.guaranteed_slots or t.backends is not None:
+            limits = _tenant_limits(t, ctl)
+            needed += int(
+                ctl.guarantee_entries_needed(
+                    ids[t.name],
+                    guaranteed_slots=limits["guaranteed_slots"],
+                    guaranteed_backends=limits["guaranteed_backends"],
+                )
+            )
+    free = int(ctl.guarantee_entries_free)
+    if needed <= free:
+        return
+    reusable = set(removed_ids) | {i for i in range(ctl.tenant_count) if ctl.tenant_removed(i)}
+    room = free + sum(int(ctl.guarantee_entries_of(i)) for i in reusable)
+    if needed > room:
+        raise ConfigError(
+            [
+                (
+                    "tenants",
+                    f"the guarantees of this configuration need {needed} more (tenant, backend) "
+                    f"entries in the admission core's guarantee table, which was sized at "
+                    f"start-up for {ctl.capacity['guarantees']} and has room for {room} more "
+                    "(one entry per backend a tenant's guaranteed_slots or backends name); "
+                    "restart kvgate to apply this configuration",
+                )
+            ]
+        )
+
+
 def _add_tenant(ctl: Any, t: Any) -> int:
     """Adds tenant ``t`` to the core; its id. One that another worker of the same shared core
     added a moment ago (each worker applies the file) gets these limits instead."""
@@ -516,8 +566,9 @@ def apply_config(gateway: Gateway, new: Config | Reload) -> None:
 
     Raises:
         kvgate.config.ConfigError: the backends or models differ from the running set, or the
-            new tenants do not fit in the core's region, which was sized at start-up (a
-            restart is needed; nothing is changed).
+            new tenants or their guarantees do not fit in the core's region, which was sized
+            at start-up (a restart is needed; nothing is changed;
+            :func:`_check_guarantee_room`).
         kvgate.InvalidConfigError: the core refuses a limit (tried on a scratch core first:
             nothing is changed).
     """
@@ -584,6 +635,7 @@ def apply_config(gateway: Gateway, new: Config | Reload) -> None:
                 )
             ]
         )
+    _check_guarantee_room(ctl, plan.changed, ids, removed_ids)
     from kvgate.config import DEFAULT_SLOTS
 
     # from here a refusal leaves part of the file applied: the next reload sets every tenant

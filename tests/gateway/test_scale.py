@@ -152,6 +152,59 @@ async def test_a_reload_beyond_the_capacity_is_refused_and_says_to_restart(
                 await ask(url, "sk-t0", model)
 
 
+def guarantee_config(names: list[str], backends: int = 4) -> dict[str, Any]:
+    """``backends`` backends; a tenant per name with one guaranteed slot on each (an entry of
+    the core's guarantee table per (tenant, backend))."""
+    return {
+        "backends": [
+            {
+                "name": f"b{i}",
+                "url": "http://127.0.0.1:9",
+                "models": [{"name": f"m{i}", "context_window": 1024}],
+                "max_concurrency": 2000,
+                "adaptive": {"enabled": False},
+            }
+            for i in range(backends)
+        ],
+        "tenants": [
+            {"name": n, "api_key_sha256": [sha(f"sk-{n}")], "guaranteed_slots": 1} for n in names
+        ],
+    }
+
+
+def test_a_reload_whose_guarantees_overflow_the_table_changes_nothing(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The core's guarantee table is sized at start-up (1,024 entries at least) and its entries
+    are never freed. A reload whose guarantees need more than it has room for is refused before
+    anything is changed (it used to stop part way, with some tenants set and others not); one
+    that fits because new tenants take removed tenants' ids, with their entries, goes through."""
+    path = tmp_path / "kvgate.json"
+    names = [f"t{i}" for i in range(100)]  # 400 entries
+    path.write_text(json.dumps(guarantee_config(names)))
+    gateway = build_gateway(load_config(path), config_path=str(path), poll=False)
+    ctl = gateway.controller
+    assert ctl.capacity["guarantees"] == 1024
+    assert ctl.guarantee_entries_free == 1024 - 400
+    # 100 + 200 tenants on 4 backends: 1,200 entries, 1,024 at most
+    path.write_text(json.dumps(guarantee_config(names + [f"n{i}" for i in range(200)])))
+    with caplog.at_level(logging.ERROR):
+        assert gateway.reload() is False
+    assert "guarantee table" in caplog.text
+    assert "restart kvgate" in caplog.text
+    assert ctl.tenant_count == 100  # nothing changed, no tenant added
+    assert ctl.guarantee_entries_free == 1024 - 400
+    assert not gateway.partly_applied
+    assert [b.config.max_concurrency for b in gateway.backends] == [2000] * 4
+    # the same 200 new tenants in place of the 100 (800 entries): 624 are free, and once they
+    # are taken a new tenant takes a removed tenant's id with its 4 entries
+    path.write_text(json.dumps(guarantee_config([f"n{i}" for i in range(200)])))
+    assert gateway.reload() is True
+    assert ctl.tenant_id("n199") is not None
+    assert ctl.tenant_state(ctl.tenant_id("n199"))["guaranteed_slots"] == 1
+    assert ctl.backend_state(0)["guaranteed_slots"] == 200
+
+
 async def test_ten_thousand_tenants_in_a_shared_memory_region() -> None:
     sim_cfg = SimConfig.from_profile("tiny", speed=5, seed=4)
     model = sim_cfg.model

@@ -321,20 +321,9 @@ impl Admission {
     /// Whether the guarantee table can take the entries `c` needs for tenant `id` (checked
     /// before anything is changed).
     fn check_entry_room(&self, id: Option<u32>, c: &TenantConfig) -> Result<(), CoreError> {
-        let needed = self
-            .touched_backends(id, c)
-            .into_iter()
-            .filter(|&bi| {
-                let want = match &c.guaranteed_backends {
-                    GuaranteedBackends::All => c.guaranteed_slots > 0,
-                    GuaranteedBackends::Only(ids) => ids.contains(&bi),
-                };
-                want && id.map_or(true, |t| self.find_entry(t, bi).is_none())
-            })
-            .count() as u64;
-        let used = self.header().n_guar.load(Ordering::Acquire);
+        let needed = self.guarantee_entries_needed(id, c);
         let cap = u64::from(self.capacity().guarantees);
-        if used + needed > cap {
+        if needed > self.guarantee_entries_free() {
             return config_err(format!(
                 "the guarantee table is full ({cap} (tenant, backend) entries, sized when \
                  kvgate started); restart kvgate to size it for the new configuration"
@@ -419,6 +408,43 @@ impl Admission {
             })
             .count() as u32;
         self.capacity().tenants - n + idle
+    }
+
+    /// Guarantee-table entries not used yet. Entries are never freed (a removed tenant's stay
+    /// with its id, and serve the tenant that takes the id next).
+    pub fn guarantee_entries_free(&self) -> u64 {
+        let used = self.header().n_guar.load(Ordering::Acquire);
+        u64::from(self.capacity().guarantees).saturating_sub(used)
+    }
+
+    /// Guarantee-table entries that setting tenant `id` (`None`: a tenant added with a fresh
+    /// id) to `c` would add: one per backend `c` guarantees slots on where the tenant has no
+    /// entry yet. Only `guaranteed_slots` and `guaranteed_backends` of `c` are read; backend
+    /// ids past the registered ones count as none.
+    pub fn guarantee_entries_needed(&self, id: Option<u32>, c: &TenantConfig) -> u64 {
+        let n = self.backend_count();
+        self.touched_backends(id, c)
+            .into_iter()
+            .filter(|&bi| {
+                let want = match &c.guaranteed_backends {
+                    GuaranteedBackends::All => c.guaranteed_slots > 0,
+                    GuaranteedBackends::Only(ids) => ids.contains(&bi),
+                };
+                want && bi < n && id.map_or(true, |t| self.find_entry(t, bi).is_none())
+            })
+            .count() as u64
+    }
+
+    /// Guarantee-table entries tenant `id` holds (one per backend it has had a guarantee on;
+    /// kept after its removal, for the tenant that takes the id next). 0 for an id past the
+    /// registered tenants.
+    pub fn guarantee_entries_of(&self, id: u32) -> u64 {
+        if id >= self.tenant_count() {
+            return 0;
+        }
+        (0..self.backend_count())
+            .filter(|&bi| self.find_entry(id, bi).is_some())
+            .count() as u64
     }
 
     /// Registers a tenant; returns its id. A removed tenant's id is reused only once it holds

@@ -1214,3 +1214,59 @@ fn tenants_with_guarantees_added_and_removed_by_reloads_do_not_fill_the_guarante
         .unwrap_err();
     assert!(err.to_string().contains("guarantee table is full"), "{err}");
 }
+
+#[test]
+fn guarantee_entries_needed_counts_what_setting_a_tenant_would_add() {
+    // 3 backends, room for 8 entries: what `add_tenant` / `update_tenant` would add is what
+    // `guarantee_entries_needed` says, and `guarantee_entries_free` goes down by as much
+    let cap = Capacity {
+        backends: 3,
+        tenants: 8,
+        guarantees: 8,
+        processes: 1,
+    };
+    let a = Admission::new_heap_with(Clock::Monotonic, cap).unwrap();
+    for name in ["b0", "b1", "b2"] {
+        big_backend(&a, name, 8);
+    }
+    let all = limited(Priority::Critical, 4, 1, ALL_BACKENDS);
+    let two = limited(
+        Priority::Standard,
+        4,
+        0,
+        GuaranteedBackends::Only(vec![0, 2]),
+    );
+    let none = limited(Priority::Standard, 4, 0, ALL_BACKENDS);
+    assert_eq!(a.guarantee_entries_free(), 8);
+    assert_eq!(a.guarantee_entries_needed(None, &all), 3);
+    assert_eq!(a.guarantee_entries_needed(None, &two), 2); // a list takes entries, even at 0
+    assert_eq!(a.guarantee_entries_needed(None, &none), 0);
+    let t = a.add_tenant("t", &two).unwrap();
+    assert_eq!(
+        (a.guarantee_entries_of(t), a.guarantee_entries_free()),
+        (2, 6)
+    );
+    // set to every backend: only b1 is missing
+    assert_eq!(a.guarantee_entries_needed(Some(t), &all), 1);
+    a.update_tenant(t, &all).unwrap();
+    assert_eq!(
+        (a.guarantee_entries_of(t), a.guarantee_entries_free()),
+        (3, 5)
+    );
+    // dropping the guarantee adds nothing, and the entries stay (never freed)
+    assert_eq!(a.guarantee_entries_needed(Some(t), &none), 0);
+    a.update_tenant(t, &none).unwrap();
+    assert_eq!(
+        (a.guarantee_entries_of(t), a.guarantee_entries_free()),
+        (3, 5)
+    );
+    // ids past the registered ones: nothing
+    assert_eq!(a.guarantee_entries_of(7), 0);
+    let past = limited(
+        Priority::Standard,
+        4,
+        1,
+        GuaranteedBackends::Only(vec![0, 9]),
+    );
+    assert_eq!(a.guarantee_entries_needed(None, &past), 1);
+}

@@ -11,10 +11,11 @@ use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList, PyString, PyTuple};
 
-use crate::admission::{Admission, Capacity, Pool, Refusal, Ticket};
+use crate::admission::{Admission, Capacity, Pool, Refusal, TenantConfig, Ticket, ALL_BACKENDS};
 use crate::clock::Clock;
 use crate::error::CoreError;
 use crate::headers::RATE_LIMIT_HEADER_NAMES;
+use crate::priority::Priority;
 
 use super::convert::{
     amount, backend_config, backend_id_arg, backend_mask, opt_amount, priority_of, py_repr, secs,
@@ -325,6 +326,38 @@ impl AdmissionController {
     #[getter]
     fn free_tenant_ids(&self) -> u32 {
         self.core.free_tenant_ids()
+    }
+
+    #[getter]
+    fn guarantee_entries_free(&self) -> u64 {
+        self.core.guarantee_entries_free()
+    }
+
+    #[pyo3(signature = (tenant=None, *, guaranteed_slots=None, guaranteed_backends=None))]
+    fn guarantee_entries_needed(
+        &self,
+        tenant: Option<&Bound<'_, PyAny>>,
+        guaranteed_slots: Option<&Bound<'_, PyAny>>,
+        guaranteed_backends: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<u64> {
+        let id = match tenant.filter(|t| !t.is_none()) {
+            Some(t) => Some(tenant_id_arg(t)?),
+            None => None,
+        };
+        // only the guarantee is read: the rest as a tenant without limits has it
+        let c = TenantConfig {
+            priority: Priority::Standard,
+            tokens_per_minute: None,
+            burst_tokens: None,
+            max_concurrency: None,
+            guaranteed_slots: opt_amount(guaranteed_slots, "guaranteed_slots")?.unwrap_or(0),
+            guaranteed_backends: backend_mask(guaranteed_backends)?.unwrap_or(ALL_BACKENDS),
+        };
+        Ok(self.core.guarantee_entries_needed(id, &c))
+    }
+
+    fn guarantee_entries_of(&self, #[pyo3(from_py_with = tenant_id_arg)] tenant: u32) -> u64 {
+        self.core.guarantee_entries_of(tenant)
     }
 
     fn remove_tenant(&self, #[pyo3(from_py_with = tenant_id_arg)] tenant: u32) -> PyResult<()> {
