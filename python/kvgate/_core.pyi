@@ -372,21 +372,29 @@ class AdmissionController:
         *,
         guaranteed_slots: int | None = None,
         guaranteed_backends: Iterable[int] | Literal["all"] | None = None,
-    ) -> int:
-        """Guarantee-table entries that setting ``tenant`` (``None``: a tenant added with a
-        fresh id) to this guarantee would add, as ``add_tenant`` / ``replace_tenant`` take it:
-        one per backend it guarantees slots on where the tenant has no entry yet (backend ids
-        past the registered ones count as none). Raises ``TypeError`` / ``ValueError`` for an
-        argument ``add_tenant`` would refuse the same way."""
-    def guarantee_entries_of(self, tenant: int) -> int:
-        """Guarantee-table entries ``tenant`` holds: one per backend it has had a guarantee on
-        (kept after its removal); 0 for an id past the registered tenants."""
+    ) -> list[int]:
+        """The backends (ids, ascending) on which setting ``tenant`` (``None``: a tenant added
+        with a fresh id) to this guarantee, as ``add_tenant`` / ``replace_tenant`` take it,
+        would add a guarantee-table entry: those it guarantees slots on where the tenant has
+        no entry yet (backend ids past the registered ones count as none). Raises
+        ``TypeError`` / ``ValueError`` for an argument ``add_tenant`` would refuse the same
+        way."""
+    def guarantee_entries_of(self, tenant: int) -> list[int]:
+        """The backends (ids, ascending) on which ``tenant`` holds a guarantee-table entry: one
+        per backend it has had a guarantee on (kept after its removal); none for an id past
+        the registered tenants."""
     def remove_tenant(self, tenant: int) -> None:
         """Removes a tenant (a reload that drops it). It becomes a tombstone: every admission
         is refused (``tenant-concurrency``), its guarantees go back to the burst pools, its
         name is free at once, its held requests release as usual. Its id is given to a new
         tenant only once it holds nothing, so no request of the removed tenant is counted
         against the new one. Raises ``InvalidConfigError`` (unknown or already removed id)."""
+    def remove_tenant_named(self, tenant: int, name: str) -> bool:
+        """Removes ``tenant`` as :meth:`remove_tenant` does if it is still the live tenant
+        ``name``; whether it did. Each worker of ``--workers N`` applies the same reload to the
+        shared core: another may have removed the tenant already and given its id to a tenant
+        it added, which must stay. Raises ``InvalidConfigError`` (an id past the registered
+        tenants)."""
     def tenant_removed(self, tenant: int) -> bool:
         """Whether ``tenant`` was removed and its id not reused yet."""
     @staticmethod

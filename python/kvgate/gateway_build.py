@@ -412,43 +412,73 @@ def _check_guarantee_room(
     and never freed). ``changed``: the tenants the reload sets; ``ids``: their core ids
     (``None``: added); ``removed_ids``: the tenants it removes.
 
-    The test errs on the side of applying: a new tenant may take a removed tenant's id that
-    holds nothing, with its entries, so every such id's entries count as room. A reload it lets
-    through can still stop part way (``add_tenant`` then names the full table), never one it
-    refuses.
+    A tenant already in the core gets its missing entries from the free ones. An added tenant
+    may instead take a removed tenant's id, with the entries it holds: at most one id each,
+    and an id's entry on backend ``b`` serves only a tenant that needs one on ``b``; so on each
+    backend at most ``min(added tenants that need an entry there, removed ids that hold one)``
+    entries come that way. The test counts that much, and every removed id (those still
+    running requests too): it errs on the side of applying, so it never refuses a reload that
+    would apply, while one it lets through can still stop part way (``add_tenant`` then names
+    the full table). The free entries are read before the ids: a tenant another worker of a
+    shared core adds meanwhile has taken entries the count then no longer asks for.
 
     Raises:
-        kvgate.config.ConfigError: the entries the reload adds exceed the free ones and all
-            that removed tenants' ids hold.
+        kvgate.config.ConfigError: the entries the reload needs exceed what can serve them.
     """
     from kvgate.config import ConfigError
 
-    needed = 0
-    for t in changed:
-        if t.guaranteed_slots or t.backends is not None:
-            limits = _tenant_limits(t, ctl)
-            needed += int(
-                ctl.guarantee_entries_needed(
-                    ids[t.name],
-                    guaranteed_slots=limits["guaranteed_slots"],
-                    guaranteed_backends=limits["guaranteed_backends"],
-                )
-            )
     free = int(ctl.guarantee_entries_free)
+    for_kept = 0  # entries tenants already in the core need: only free ones serve them
+    for_added: dict[int, int] = {}  # backend id → added tenants that need an entry there
+    per_added: list[int] = []  # the entries each added tenant needs
+    for t in changed:
+        if not t.guaranteed_slots and t.backends is None:
+            continue  # no guarantee, no list: no entry
+        limits = _tenant_limits(t, ctl)
+        tid = ids[t.name] if ids[t.name] is not None else ctl.tenant_id(t.name)
+        backends = ctl.guarantee_entries_needed(
+            tid,
+            guaranteed_slots=limits["guaranteed_slots"],
+            guaranteed_backends=limits["guaranteed_backends"],
+        )
+        if tid is not None:
+            for_kept += len(backends)
+        elif backends:
+            per_added.append(len(backends))
+            for b in backends:
+                for_added[b] = for_added.get(b, 0) + 1
+    needed = for_kept + sum(per_added)
     if needed <= free:
         return
-    reusable = set(removed_ids) | {i for i in range(ctl.tenant_count) if ctl.tenant_removed(i)}
-    room = free + sum(int(ctl.guarantee_entries_of(i)) for i in reusable)
-    if needed > room:
+    inherited = 0
+    if per_added:
+        held: dict[int, int] = {}  # backend id → removed ids holding an entry there
+        per_id: list[int] = []  # the entries each removed id holds
+        reusable = set(removed_ids) | {i for i in range(ctl.tenant_count) if ctl.tenant_removed(i)}
+        for i in reusable:
+            entries = ctl.guarantee_entries_of(i)
+            per_id.append(len(entries))
+            for b in entries:
+                held[b] = held.get(b, 0) + 1
+        # three bounds, each never below what the ids can pass on: per backend; one tenant per
+        # id (the ids holding most); one id per tenant (the tenants needing most)
+        pairs = min(len(per_added), len(per_id))
+        inherited = min(
+            sum(min(n, held.get(b, 0)) for b, n in for_added.items()),
+            sum(sorted(per_id, reverse=True)[:pairs]),
+            sum(sorted(per_added, reverse=True)[:pairs]),
+        )
+    if needed - inherited > free:
         raise ConfigError(
             [
                 (
                     "tenants",
                     f"the guarantees of this configuration need {needed} more (tenant, backend) "
                     f"entries in the admission core's guarantee table, which was sized at "
-                    f"start-up for {ctl.capacity['guarantees']} and has room for {room} more "
-                    "(one entry per backend a tenant's guaranteed_slots or backends name); "
-                    "restart kvgate to apply this configuration",
+                    f"start-up for {ctl.capacity['guarantees']} and has {free} free (and "
+                    f"{inherited} that removed tenants' ids could pass on); one entry per "
+                    "backend a tenant's guaranteed_slots or backends name; restart kvgate to "
+                    "apply this configuration",
                 )
             ]
         )
@@ -618,7 +648,8 @@ def apply_config(gateway: Gateway, new: Config | Reload) -> None:
     for t in plan.changed:
         if ids[t.name] is None:
             ids[t.name] = ctl.tenant_id(t.name)
-    removed_ids = [tid for tid in map(ctl.tenant_id, plan.removed) if tid is not None]
+    removed = [(tid, name) for name in plan.removed if (tid := ctl.tenant_id(name)) is not None]
+    removed_ids = [tid for tid, _ in removed]
     adding = sum(1 for t in plan.changed if ids[t.name] is None)
     # a removed tenant's id can be reused at once only if it holds nothing now
     room = ctl.free_tenant_ids + sum(
@@ -664,8 +695,10 @@ def apply_config(gateway: Gateway, new: Config | Reload) -> None:
         limits["max_concurrency"] = max(slots, held)
         ctl.replace_backend(bid, **limits)
         slot_limits[bid] = slots
-    for tid in removed_ids:
-        ctl.remove_tenant(tid)
+    for tid, name in removed:
+        # by id and name: with --workers N another worker may have removed the tenant and given
+        # its id to one it added, which stays
+        ctl.remove_tenant_named(tid, name)
     # guarantees that shrink go first: the core refuses a step that puts a backend's guarantees
     # above its slots, even where the file as a whole fits (one tenant's guarantee moved to
     # another); the new tenants last

@@ -30,7 +30,7 @@ from kvgate.accesslog import log_access, request_id, with_request_id
 from kvgate.app import GET_ENDPOINTS, handle_model
 from kvgate.errors import GatewayError, error_body, method_not_allowed
 from kvgate.metrics import FLUSH_SECONDS
-from kvgate.proxy.handler import handle_forward, handle_inference
+from kvgate.proxy.handler import authenticate, handle_forward, handle_inference
 from kvgate.proxy.prepared import Reply, error_response
 from kvgate.proxy.relay import reuse_trace
 from kvgate.proxy.routes import RouteKind, not_forwarded, route_of
@@ -86,7 +86,7 @@ class Dispatcher:
                     # a client without a valid key learns nothing of the engine's routes: it
                     # is answered 401 as on every route that goes upstream
                     try:
-                        gateway.identity.identify(request.headers)
+                        authenticate(gateway, request)
                     except GatewayError as err:
                         return _answer(request, err)
                     return _answer(
@@ -188,6 +188,14 @@ class _Server(web.Server):
         return _RequestHandler(self, loop=self._loop, **self._kwargs)
 
 
+#: After an answer sent before the request's body was read (401, 413, ...), how long the rest
+#: of the body is read and dropped before the connection is closed (seconds): long enough for a
+#: client to finish sending and read the answer (closing at once can reset the connection under
+#: it), short enough that a client streaming an endless body without a key costs a few seconds
+#: of reading, not aiohttp's default 10 (12 GB over loopback).
+LINGER_S = 2.0
+
+
 def make_server(gateway: Gateway) -> web.Server:
     """aiohttp's low-level server for ``gateway``, created inside the running loop.
 
@@ -195,7 +203,8 @@ def make_server(gateway: Gateway) -> web.Server:
     applies to the next request) as ``client_max_size`` (a chunked body over it is cut off while
     it is read); ``handler_cancellation=True`` so a client disconnect cancels the handler at
     once, even while it waits for the engine; keep-alive connections idle for
-    ``timeouts.client_header`` seconds are closed; no access log; the errors aiohttp answers
+    ``timeouts.client_header`` seconds are closed; the rest of a body not read is dropped for
+    :data:`LINGER_S` seconds at most; no access log; the errors aiohttp answers
     itself (unparsable requests, unexpected exceptions) in OpenAI's shape (:class:`_RequestHandler`).
     """
     loop = asyncio.get_running_loop()
@@ -220,6 +229,7 @@ def make_server(gateway: Gateway) -> web.Server:
         auto_decompress=False,
         access_log=None,
         keepalive_timeout=gateway.timeouts.client_header,
+        lingering_time=LINGER_S,
     )
 
 

@@ -688,8 +688,9 @@ async def test_expect_100_continue(gateway_for) -> None:
 
 async def test_a_client_without_a_key_is_not_asked_for_its_body(gateway_for) -> None:
     """``Expect: 100-continue`` from a client without a valid key: 401 at once, no ``100
-    Continue`` (the key is checked from the head, before the body is read), nothing forwarded;
-    the same client with its key is asked for the body and served."""
+    Continue`` (the key is checked from the head, before the body is read) and ``Connection:
+    close`` (a body it announced may still come), nothing forwarded; the same client with its
+    key is asked for the body and served."""
     tenants = [{"name": "alice", "api_key_sha256": [sha(KEYS["alice"])]}]
     async with (
         run_upstream() as up,
@@ -720,10 +721,51 @@ async def test_a_client_without_a_key_is_not_asked_for_its_body(gateway_for) -> 
 
         refused = await first_head("nope")
         assert refused.startswith(b"HTTP/1.1 401"), refused
+        # the body it announced never comes: the connection cannot carry another request
+        assert b"connection: close" in refused.lower(), refused
         assert up.requests == []
         served = await first_head(KEYS["alice"])
         assert served.startswith(b"100 then HTTP/1.1 200"), served
         assert len(up.requests) == 1
+
+
+async def test_an_endless_body_without_a_key_is_read_for_seconds_not_forever(gateway_for) -> None:
+    """A client without a valid key that streams an endless chunked body: 401 (``Connection:
+    close``) at once, and the gateway reads and drops the rest for a couple of seconds
+    (``LINGER_S``), then closes the connection (aiohttp's default went on for 10 s: 12 GB over
+    loopback); nothing reaches the engine."""
+    from kvgate.server import LINGER_S
+
+    tenants = [{"name": "alice", "api_key_sha256": [sha(KEYS["alice"])]}]
+    async with (
+        run_upstream() as up,
+        gateway_for(config_for(up.url, ["replay"], tenants=tenants)) as gw,
+    ):
+        loop = asyncio.get_running_loop()
+        reader, writer = await asyncio.open_connection(*gw.url[7:].split(":"))
+        writer.write(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer nope\r\n"
+            b"Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
+        )
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+        answered = loop.time()
+        assert head.startswith(b"HTTP/1.1 401"), head
+        assert b"connection: close" in head.lower(), head
+        chunk = b"%x\r\n%s\r\n" % (65536, b" " * 65536)
+        closed = None
+        give_up = answered + 30
+        while closed is None and loop.time() < give_up:
+            try:
+                writer.write(chunk)
+                await asyncio.wait_for(writer.drain(), 5)
+            except (ConnectionError, TimeoutError):
+                closed = loop.time()
+        writer.close()
+        assert closed is not None, "the gateway still reads the body after 30 s"
+        # LINGER_S (2 s), plus a loaded machine's delays: well under aiohttp's default 10 s
+        assert LINGER_S <= 2.0
+        assert closed - answered < 6.0, closed - answered
+        assert up.requests == []
 
 
 async def test_a_reload_that_lowers_the_body_cap_applies_to_trickled_bodies(gateway_for) -> None:

@@ -205,6 +205,61 @@ def test_a_reload_whose_guarantees_overflow_the_table_changes_nothing(
     assert ctl.backend_state(0)["guaranteed_slots"] == 200
 
 
+def test_two_workers_reloading_at_once_keep_each_others_new_tenants(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two workers of one shared core apply the same reload (``--workers 2``: each applies the
+    file), one of them wholly between the other's look-up of the tenants to remove and its
+    removals, with the guarantee table full: the first's new tenants take the removed
+    tenants' ids. The second neither refuses the reload (it counts the new tenants as added
+    again, against entries already taken) nor removes the first's new tenants by those ids:
+    every new tenant's id is its own in both workers' tables and in the core."""
+    import kvgate.gateway_build as gb
+    from kvgate.gateway_build import apply_config, prepare_reload
+
+    path = tmp_path / "kvgate.json"
+    base = [f"f{i}" for i in range(100)]
+    path.write_text(json.dumps(guarantee_config(base)))
+    a = build_gateway(load_config(path), config_path=str(path), poll=False)
+    ctl = a.controller
+    b = build_gateway(load_config(path), config_path=str(path), poll=False, controller=ctl)
+
+    def reload_both(names: list[str], interleave: bool) -> None:
+        path.write_text(json.dumps(guarantee_config(names)))
+        config = load_config(path)
+        plan_a, plan_b = prepare_reload(a, config), prepare_reload(b, config)
+        check = gb._check_guarantee_room
+
+        def first_a_whole(*args: Any) -> None:
+            monkeypatch.setattr(gb, "_check_guarantee_room", check)
+            apply_config(a, plan_a)
+            check(*args)
+
+        if interleave:
+            monkeypatch.setattr(gb, "_check_guarantee_room", first_a_whole)
+        apply_config(b, plan_b)
+        monkeypatch.setattr(gb, "_check_guarantee_room", check)
+        if not interleave:
+            apply_config(a, plan_a)
+
+    reload_both(base + [f"x{i}" for i in range(156)], interleave=False)  # 1,024 entries
+    assert ctl.guarantee_entries_free == 0
+    x_ids = {ctl.tenant_id(f"x{i}") for i in range(156)}
+    reload_both(base + [f"r{i}" for i in range(156)], interleave=True)
+    assert not a.partly_applied
+    assert not b.partly_applied
+    r_ids = {ctl.tenant_id(f"r{i}") for i in range(156)}
+    assert r_ids == x_ids  # the removed tenants' ids (and entries), taken by the new ones
+    for i in range(156):
+        tid = ctl.tenant_id(f"r{i}")
+        assert tid is not None
+        assert not ctl.tenant_removed(tid)
+        for worker in (a, b):
+            known = worker.identity.named(f"r{i}")
+            assert known is not None
+            assert known.id == tid
+
+
 async def test_ten_thousand_tenants_in_a_shared_memory_region() -> None:
     sim_cfg = SimConfig.from_profile("tiny", speed=5, seed=4)
     model = sim_cfg.model

@@ -46,9 +46,9 @@ from kvgate.proxy.settle import actual_tokens, end_request, release_at_end, sett
 from kvgate.routing import analyze_in_thread, analyze_now, model_of, pick_any_backend, pick_backend
 
 if TYPE_CHECKING:
-    from kvgate.app import Gateway
+    from kvgate.app import Gateway, Tenant
 
-__all__ = ["FORWARD_RESERVATION", "handle_forward", "handle_inference"]
+__all__ = ["FORWARD_RESERVATION", "authenticate", "handle_forward", "handle_inference"]
 
 #: Bodies shorter than this (bytes) are analysed on the event loop; longer ones in a thread.
 INLINE_ANALYSIS_BYTES = 16_384
@@ -67,6 +67,25 @@ STREAM_UPSTREAM_ROUTES = USAGE_OPTION_ROUTES | {RESPONSES_ROUTE}
 #: before the engine answers, and one token is enough for a tenant whose bucket is empty to be
 #: refused; the usage the engine reports is charged when it ends.
 FORWARD_RESERVATION = 1
+
+
+def authenticate(gw: Gateway, request: web.BaseRequest) -> tuple[Tenant, str]:
+    """The tenant and priority class (``critical`` | ``standard`` | ``sheddable``) of the
+    request's key (:meth:`kvgate.admission.identity.TenantTable.identify`), from its head alone,
+    before its body is read.
+
+    Raises:
+        GatewayError: 401 ``invalid_api_key``; with ``Connection: close`` when the body has not
+            all arrived (as the 413 answered before the body): the connection cannot carry
+            another request while a body nobody reads may still come (a client that sent
+            ``Expect: 100-continue`` and got this answer instead never sends it).
+    """
+    try:
+        return gw.identity.identify(request.headers)
+    except GatewayError as err:
+        if not request.content.is_eof():
+            err.headers = {**(err.headers or {}), "Connection": "close"}
+        raise
 
 
 async def read_body(request: web.BaseRequest, max_body_bytes: int, body_seconds: float) -> bytes:
@@ -361,7 +380,7 @@ async def handle_inference(gw: Gateway, request: web.BaseRequest, route: str) ->
     try:
         # authenticated from the head alone: a client without a valid key is answered before
         # its body is read (no 100 Continue invites it to send one)
-        tenant, priority = gw.identity.identify(request.headers)
+        tenant, priority = authenticate(gw, request)
         if trace is not None:
             trace.authenticated = time.perf_counter()
         # the common case without a single await: body already here, small enough to analyse
@@ -696,7 +715,7 @@ async def handle_forward(gw: Gateway, request: web.BaseRequest) -> Reply:
     tenant = None
     model = None
     try:
-        tenant, priority = gw.identity.identify(request.headers)  # before the body, as above
+        tenant, priority = authenticate(gw, request)  # before the body, as above
         if trace is not None:
             trace.authenticated = time.perf_counter()
         body = body_if_complete(request, gw.max_body_bytes)

@@ -321,7 +321,7 @@ impl Admission {
     /// Whether the guarantee table can take the entries `c` needs for tenant `id` (checked
     /// before anything is changed).
     fn check_entry_room(&self, id: Option<u32>, c: &TenantConfig) -> Result<(), CoreError> {
-        let needed = self.guarantee_entries_needed(id, c);
+        let needed = self.guarantee_entries_needed(id, c).len() as u64;
         let cap = u64::from(self.capacity().guarantees);
         if needed > self.guarantee_entries_free() {
             return config_err(format!(
@@ -417,11 +417,11 @@ impl Admission {
         u64::from(self.capacity().guarantees).saturating_sub(used)
     }
 
-    /// Guarantee-table entries that setting tenant `id` (`None`: a tenant added with a fresh
-    /// id) to `c` would add: one per backend `c` guarantees slots on where the tenant has no
-    /// entry yet. Only `guaranteed_slots` and `guaranteed_backends` of `c` are read; backend
-    /// ids past the registered ones count as none.
-    pub fn guarantee_entries_needed(&self, id: Option<u32>, c: &TenantConfig) -> u64 {
+    /// The backends (ids, ascending) on which setting tenant `id` (`None`: a tenant added
+    /// with a fresh id) to `c` would add a guarantee-table entry: those `c` guarantees slots
+    /// on where the tenant has no entry yet. Only `guaranteed_slots` and `guaranteed_backends`
+    /// of `c` are read; backend ids past the registered ones count as none.
+    pub fn guarantee_entries_needed(&self, id: Option<u32>, c: &TenantConfig) -> Vec<u32> {
         let n = self.backend_count();
         self.touched_backends(id, c)
             .into_iter()
@@ -432,19 +432,19 @@ impl Admission {
                 };
                 want && bi < n && id.map_or(true, |t| self.find_entry(t, bi).is_none())
             })
-            .count() as u64
+            .collect()
     }
 
-    /// Guarantee-table entries tenant `id` holds (one per backend it has had a guarantee on;
-    /// kept after its removal, for the tenant that takes the id next). 0 for an id past the
-    /// registered tenants.
-    pub fn guarantee_entries_of(&self, id: u32) -> u64 {
+    /// The backends (ids, ascending) on which tenant `id` holds a guarantee-table entry (one
+    /// per backend it has had a guarantee on; kept after its removal, for the tenant that takes
+    /// the id next). None for an id past the registered tenants.
+    pub fn guarantee_entries_of(&self, id: u32) -> Vec<u32> {
         if id >= self.tenant_count() {
-            return 0;
+            return Vec::new();
         }
         (0..self.backend_count())
             .filter(|&bi| self.find_entry(id, bi).is_some())
-            .count() as u64
+            .collect()
     }
 
     /// Registers a tenant; returns its id. A removed tenant's id is reused only once it holds
@@ -528,6 +528,29 @@ impl Admission {
         if t.ready.load(Ordering::Acquire) != LIVE {
             return config_err(format!("tenant id {id} is already removed"));
         }
+        self.remove_locked(id)
+    }
+
+    /// Removes tenant `id` if it is still the live tenant `name`; whether it did. With several
+    /// processes on one shared region each applies the same reload: the tenant may have been
+    /// removed by another one already, and its id even given to a tenant that one added, which
+    /// must stay (a removal by id alone would take it away, and the new tenant's requests would
+    /// be counted against whatever took the id next).
+    ///
+    /// Errors: `id` past the registered tenants, or a guarantee the core cannot give back.
+    pub fn remove_tenant_named(&self, id: u32, name: &str) -> Result<bool, CoreError> {
+        let t = self.tenant(id)?;
+        let _g = self.lock_registration();
+        if t.ready.load(Ordering::Acquire) != LIVE || read_name(&t.name) != name {
+            return Ok(false);
+        }
+        self.remove_locked(id)?;
+        Ok(true)
+    }
+
+    /// [`Admission::remove_tenant`] of a live tenant, the registration lock held.
+    fn remove_locked(&self, id: u32) -> Result<(), CoreError> {
+        let t = self.tenant_at(id as usize);
         let mut names = self
             .tenant_names
             .lock()

@@ -1238,35 +1238,62 @@ fn guarantee_entries_needed_counts_what_setting_a_tenant_would_add() {
     );
     let none = limited(Priority::Standard, 4, 0, ALL_BACKENDS);
     assert_eq!(a.guarantee_entries_free(), 8);
-    assert_eq!(a.guarantee_entries_needed(None, &all), 3);
-    assert_eq!(a.guarantee_entries_needed(None, &two), 2); // a list takes entries, even at 0
-    assert_eq!(a.guarantee_entries_needed(None, &none), 0);
+    assert_eq!(a.guarantee_entries_needed(None, &all), [0, 1, 2]);
+    assert_eq!(a.guarantee_entries_needed(None, &two), [0, 2]); // a list takes entries, even at 0
+    assert_eq!(a.guarantee_entries_needed(None, &none), Vec::<u32>::new());
     let t = a.add_tenant("t", &two).unwrap();
     assert_eq!(
         (a.guarantee_entries_of(t), a.guarantee_entries_free()),
-        (2, 6)
+        (vec![0, 2], 6)
     );
     // set to every backend: only b1 is missing
-    assert_eq!(a.guarantee_entries_needed(Some(t), &all), 1);
+    assert_eq!(a.guarantee_entries_needed(Some(t), &all), [1]);
     a.update_tenant(t, &all).unwrap();
     assert_eq!(
         (a.guarantee_entries_of(t), a.guarantee_entries_free()),
-        (3, 5)
+        (vec![0, 1, 2], 5)
     );
     // dropping the guarantee adds nothing, and the entries stay (never freed)
-    assert_eq!(a.guarantee_entries_needed(Some(t), &none), 0);
+    assert_eq!(
+        a.guarantee_entries_needed(Some(t), &none),
+        Vec::<u32>::new()
+    );
     a.update_tenant(t, &none).unwrap();
     assert_eq!(
         (a.guarantee_entries_of(t), a.guarantee_entries_free()),
-        (3, 5)
+        (vec![0, 1, 2], 5)
     );
     // ids past the registered ones: nothing
-    assert_eq!(a.guarantee_entries_of(7), 0);
+    assert_eq!(a.guarantee_entries_of(7), Vec::<u32>::new());
     let past = limited(
         Priority::Standard,
         4,
         1,
         GuaranteedBackends::Only(vec![0, 9]),
     );
-    assert_eq!(a.guarantee_entries_needed(None, &past), 1);
+    assert_eq!(a.guarantee_entries_needed(None, &past), [0]);
+}
+
+#[test]
+fn a_removal_by_name_leaves_a_tenant_that_took_the_id_since() {
+    // two processes apply one reload: the first removed `old` and gave its id to `new`; the
+    // second's removal of `old` (by the id it looked up before) must not remove `new`
+    let cap = Capacity {
+        backends: 1,
+        tenants: 1,
+        guarantees: 1,
+        processes: 1,
+    };
+    let a = Admission::new_heap_with(Clock::Monotonic, cap).unwrap();
+    big_backend(&a, "b0", 8);
+    let cfg = limited(Priority::Standard, 2, 0, ALL_BACKENDS);
+    let old = a.add_tenant("old", &cfg).unwrap();
+    assert!(a.remove_tenant_named(old, "old").unwrap());
+    let new = a.add_tenant("new", &cfg).unwrap();
+    assert_eq!(new, old); // the only id, reused
+    assert!(!a.remove_tenant_named(old, "old").unwrap());
+    assert_eq!(a.tenant_id("new"), Some(new));
+    assert!(!a.tenant_removed(new).unwrap());
+    assert!(a.remove_tenant_named(new, "new").unwrap());
+    assert!(!a.remove_tenant_named(new, "new").unwrap()); // already removed: nothing
 }

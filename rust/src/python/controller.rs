@@ -339,7 +339,7 @@ impl AdmissionController {
         tenant: Option<&Bound<'_, PyAny>>,
         guaranteed_slots: Option<&Bound<'_, PyAny>>,
         guaranteed_backends: Option<&Bound<'_, PyAny>>,
-    ) -> PyResult<u64> {
+    ) -> PyResult<Vec<u32>> {
         let id = match tenant.filter(|t| !t.is_none()) {
             Some(t) => Some(tenant_id_arg(t)?),
             None => None,
@@ -356,12 +356,20 @@ impl AdmissionController {
         Ok(self.core.guarantee_entries_needed(id, &c))
     }
 
-    fn guarantee_entries_of(&self, #[pyo3(from_py_with = tenant_id_arg)] tenant: u32) -> u64 {
+    fn guarantee_entries_of(&self, #[pyo3(from_py_with = tenant_id_arg)] tenant: u32) -> Vec<u32> {
         self.core.guarantee_entries_of(tenant)
     }
 
     fn remove_tenant(&self, #[pyo3(from_py_with = tenant_id_arg)] tenant: u32) -> PyResult<()> {
         Ok(self.core.remove_tenant(tenant)?)
+    }
+
+    fn remove_tenant_named(
+        &self,
+        #[pyo3(from_py_with = tenant_id_arg)] tenant: u32,
+        name: &str,
+    ) -> PyResult<bool> {
+        Ok(self.core.remove_tenant_named(tenant, name)?)
     }
 
     fn tenant_removed(&self, #[pyo3(from_py_with = tenant_id_arg)] tenant: u32) -> PyResult<bool> {
