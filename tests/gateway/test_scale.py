@@ -211,9 +211,10 @@ def test_two_workers_reloading_at_once_keep_each_others_new_tenants(
     """Two workers of one shared core apply the same reload (``--workers 2``: each applies the
     file), one of them wholly between the other's look-up of the tenants to remove and its
     removals, with the guarantee table full: the first's new tenants take the removed
-    tenants' ids. The second neither refuses the reload (it counts the new tenants as added
-    again, against entries already taken) nor removes the first's new tenants by those ids:
-    every new tenant's id is its own in both workers' tables and in the core."""
+    tenants' ids, and one of them has a request running. The second neither refuses the
+    reload (it counts the new tenants as added again, against entries already taken) nor
+    removes the first's new tenants by those ids (then adds them again elsewhere, the busy one
+    included): every new tenant's id is its own in both workers' tables and in the core."""
     import kvgate.gateway_build as gb
     from kvgate.gateway_build import apply_config, prepare_reload
 
@@ -224,6 +225,8 @@ def test_two_workers_reloading_at_once_keep_each_others_new_tenants(
     ctl = a.controller
     b = build_gateway(load_config(path), config_path=str(path), poll=False, controller=ctl)
 
+    held: list[Any] = []
+
     def reload_both(names: list[str], interleave: bool) -> None:
         path.write_text(json.dumps(guarantee_config(names)))
         config = load_config(path)
@@ -233,6 +236,10 @@ def test_two_workers_reloading_at_once_keep_each_others_new_tenants(
         def first_a_whole(*args: Any) -> None:
             monkeypatch.setattr(gb, "_check_guarantee_room", check)
             apply_config(a, plan_a)
+            # the first worker serves a new tenant at once: its id is busy
+            r0 = a.identity.named("r0")
+            assert r0 is not None
+            held.append(ctl.admit(0, r0.id, "standard", 10))
             check(*args)
 
         if interleave:
@@ -248,6 +255,7 @@ def test_two_workers_reloading_at_once_keep_each_others_new_tenants(
     reload_both(base + [f"r{i}" for i in range(156)], interleave=True)
     assert not a.partly_applied
     assert not b.partly_applied
+    assert len(held) == 1
     r_ids = {ctl.tenant_id(f"r{i}") for i in range(156)}
     assert r_ids == x_ids  # the removed tenants' ids (and entries), taken by the new ones
     for i in range(156):
