@@ -922,6 +922,17 @@ fn bench_floor_primitives() {
     );
 }
 
+/// A private core of one process sized for `backends`, `tenants` and `guarantees` entries.
+fn heap_core(backends: u32, tenants: u32, guarantees: u32) -> Arc<Admission> {
+    let cap = Capacity {
+        backends,
+        tenants,
+        guarantees,
+        processes: 1,
+    };
+    Admission::new_heap_with(Clock::Monotonic, cap).unwrap()
+}
+
 fn big_backend(a: &Admission, name: &str, conc: u64) -> u32 {
     a.add_backend(
         name,
@@ -1077,13 +1088,7 @@ fn hundred_thousand_tenants_in_shared_memory_and_reclaim() {
 
 #[test]
 fn a_removed_tenant_id_is_reused_only_once_it_holds_nothing() {
-    let cap = Capacity {
-        backends: 2,
-        tenants: 2,
-        guarantees: 4,
-        processes: 1,
-    };
-    let a = Admission::new_heap_with(Clock::Monotonic, cap).unwrap();
+    let a = heap_core(2, 2, 4);
     let b = big_backend(&a, "b", 4);
     let gold = a
         .add_tenant("gold", &limited(Priority::Critical, 2, 2, ALL_BACKENDS))
@@ -1140,13 +1145,7 @@ fn a_removed_tenant_id_is_reused_only_once_it_holds_nothing() {
 
 #[test]
 fn capacity_limits_say_a_restart_is_needed() {
-    let cap = Capacity {
-        backends: 1,
-        tenants: 8,
-        guarantees: 2,
-        processes: 1,
-    };
-    let a = Admission::new_heap_with(Clock::Monotonic, cap).unwrap();
+    let a = heap_core(1, 8, 2);
     big_backend(&a, "b0", 8);
     let err = a
         .add_backend(
@@ -1180,13 +1179,7 @@ fn tenants_with_guarantees_added_and_removed_by_reloads_do_not_fill_the_guarante
     // room for 2 entries and 64 tenants: each round removes the two guaranteed tenants and
     // adds two new ones; the new ones take the removed ids (and their entries) once the table
     // is full, not never-used ids that would need entries of their own
-    let cap = Capacity {
-        backends: 1,
-        tenants: 64,
-        guarantees: 2,
-        processes: 1,
-    };
-    let a = Admission::new_heap_with(Clock::Monotonic, cap).unwrap();
+    let a = heap_core(1, 64, 2);
     big_backend(&a, "b0", 8);
     let mut ids = Vec::new();
     for round in 0..40 {
@@ -1219,13 +1212,7 @@ fn tenants_with_guarantees_added_and_removed_by_reloads_do_not_fill_the_guarante
 fn guarantee_entries_needed_counts_what_setting_a_tenant_would_add() {
     // 3 backends, room for 8 entries: what `add_tenant` / `update_tenant` would add is what
     // `guarantee_entries_needed` says, and `guarantee_entries_free` goes down by as much
-    let cap = Capacity {
-        backends: 3,
-        tenants: 8,
-        guarantees: 8,
-        processes: 1,
-    };
-    let a = Admission::new_heap_with(Clock::Monotonic, cap).unwrap();
+    let a = heap_core(3, 8, 8);
     for name in ["b0", "b1", "b2"] {
         big_backend(&a, name, 8);
     }
@@ -1278,13 +1265,7 @@ fn guarantee_entries_needed_counts_what_setting_a_tenant_would_add() {
 fn a_removal_by_name_leaves_a_tenant_that_took_the_id_since() {
     // two processes apply one reload: the first removed `old` and gave its id to `new`; the
     // second's removal of `old` (by the id it looked up before) must not remove `new`
-    let cap = Capacity {
-        backends: 1,
-        tenants: 1,
-        guarantees: 1,
-        processes: 1,
-    };
-    let a = Admission::new_heap_with(Clock::Monotonic, cap).unwrap();
+    let a = heap_core(1, 1, 1);
     big_backend(&a, "b0", 8);
     let cfg = limited(Priority::Standard, 2, 0, ALL_BACKENDS);
     let old = a.add_tenant("old", &cfg).unwrap();
