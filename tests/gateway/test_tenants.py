@@ -8,13 +8,16 @@ import json
 import logging
 import signal
 import time
+import types
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import aiohttp
 import orjson
 import pytest
 
+from kvgate.admission import retry_hint
 from kvgate.config import Config, load_config
 from kvgate.gateway_build import build_gateway
 from kvgate.server import run_gateway
@@ -641,12 +644,16 @@ async def test_shadow_tenant_is_not_queued_behind_others_and_queue_refusals_are_
             expected = gateway.running.hint(0, ahead=2)
             assert expected is not None
             assert full_ms / 1000 == pytest.approx(expected, abs=0.05 + elapsed)
-            # one more queued ahead: one more hold (compared at one instant, since the running
-            # stream's remaining time shrinks between the two refusals above)
-            one_ahead, two_ahead = (
-                gateway.running.hint(0, ahead=1),
-                gateway.running.hint(0, ahead=2),
-            )
+            # one more queued ahead: one more hold. Compared at one instant (the running
+            # stream's expected remaining time moves between the two refusals above) and afresh
+            # (a hint is remembered for a few milliseconds: the two calls could otherwise get
+            # values computed at different times)
+            instant = types.SimpleNamespace(monotonic=lambda: now)
+            now = time.monotonic()
+            gateway.running._recent.clear()
+            with mock.patch.object(retry_hint, "time", instant):
+                one_ahead = gateway.running.hint(0, ahead=1)
+                two_ahead = gateway.running.hint(0, ahead=2)
             assert one_ahead is not None
             assert two_ahead is not None
             assert two_ahead >= one_ahead  # equal only when both are at the 50 ms floor
