@@ -6,11 +6,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import random
 import signal
 import socket
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -97,8 +99,26 @@ def bearer(key: str) -> dict[str, str]:
 
 
 def free_port() -> int:
-    """A loopback port that was free a moment ago (for subprocesses that need one up front)."""
-    with socket.socket() as s:
+    """A loopback port that was free a moment ago, for a subprocess that needs one up front.
+
+    Drawn at random below the kernel's ephemeral range (``ip_local_port_range``, 32768-60999
+    by default), not from it: every server a test binds to port 0 (the simulator, a fake
+    engine, an in-process gateway) gets a port from that range, and could otherwise be given
+    this one between now and the subprocess's bind (the subprocess then fails to start, and
+    the test waits out its timeout)."""
+    low = 32768
+    with contextlib.suppress(OSError, ValueError):
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    floor = max(1024, low - 12_000)
+    for _ in range(200):
+        port = random.randint(floor, low - 1)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:  # in use (or in TIME_WAIT): another draw
+                continue
+            return port
+    with socket.socket() as s:  # a machine with no room below its range: the kernel's pick
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
 

@@ -32,7 +32,6 @@ import contextlib
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import time
 from collections.abc import Callable, Iterator
@@ -45,6 +44,7 @@ import redis
 import redis.cluster
 from redis.backoff import NoBackoff
 from redis.retry import Retry
+from tests.gateway.helpers import free_port
 
 HOST = "127.0.0.1"
 
@@ -73,13 +73,6 @@ def require_redis() -> None:
     if os.environ.get("CI"):
         pytest.fail(f"CI is set but {message}; `make test-packages` installs it", pytrace=False)
     pytest.skip(message)
-
-
-def free_port() -> int:
-    """A loopback TCP port that was free a moment ago."""
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return int(s.getsockname()[1])
 
 
 def wait_until(pred: Callable[[], bool], timeout: float, what: str, interval: float = 0.02) -> None:
