@@ -15,9 +15,11 @@ from typing import Any, Final, Literal, Self, final
 from typing_extensions import disjoint_base
 
 __all__ = [
+    "EVENT_LIMIT",
     "MAX_AMOUNT",
     "MAX_PROCS",
     "REASONS",
+    "RESPONSES_TEXT_EVENTS",
     "UNLIMITED_TPM",
     "AdaptiveLaw",
     "AdmissionController",
@@ -58,6 +60,12 @@ gateway gives a backend without ``tokens_per_minute`` this rate, a bucket that n
 sends no token headers for it."""
 REASONS: tuple[str, ...]
 """Every :attr:`Rejection.reason` label."""
+EVENT_LIMIT: int
+"""Bytes of one SSE event held while its end has not arrived (32 MiB): an upstream that sends
+more without an event's end is not an engine's stream (:attr:`SSEInspector.overlong`)."""
+RESPONSES_TEXT_EVENTS: tuple[str, ...]
+"""The Responses API's stream events whose ``delta`` is generated text (output, refusal,
+reasoning, tool-call arguments): what a stream cut before its end is charged from."""
 
 PriorityClass = Literal["critical", "standard", "sheddable"]
 RejectReason = Literal[

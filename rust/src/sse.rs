@@ -484,7 +484,7 @@ fn responses_terminal(payload: &[u8]) -> bool {
 
 /// The Responses events whose `delta` is generated text (output, refusal, reasoning, tool-call
 /// arguments).
-const RESPONSES_TEXT_EVENTS: [&str; 5] = [
+pub const RESPONSES_TEXT_EVENTS: [&str; 5] = [
     "response.output_text.delta",
     "response.refusal.delta",
     "response.reasoning_text.delta",

@@ -110,6 +110,18 @@ def answer(status: int, body: bytes, content_type: str = "application/json", **e
     return ("\r\n".join(head) + "\r\n\r\n").encode() + body
 
 
+def busy(status: int, **headers: str) -> Script:
+    """An engine that answers every request ``status`` with an OpenAI error body (``busy``)
+    and ``headers`` (``_`` for ``-`` in their names)."""
+
+    async def script(writer: asyncio.StreamWriter, body: dict[str, Any]) -> bool:
+        err = b'{"error":{"message":"busy","type":"overloaded","param":null,"code":null}}'
+        writer.write(answer(status, err, **headers))
+        return True
+
+    return script
+
+
 def chunk(data: bytes) -> bytes:
     """One HTTP/1.1 chunk."""
     return b"%x\r\n%s\r\n" % (len(data), data)
@@ -267,12 +279,10 @@ async def test_a_non_streamed_responses_answer_cut_mid_way_is_charged_its_text(
 
 
 async def test_the_engines_retry_after_reaches_the_openai_client(gateway_for) -> None:
-    async def script(writer: asyncio.StreamWriter, body: dict[str, Any]) -> bool:
-        err = b'{"error":{"message":"busy","type":"overloaded","param":null,"code":null}}'
-        writer.write(answer(429, err, retry_after_ms="1500", Retry_After="2"))
-        return True
-
-    async with raw_engine(script) as engine, gateway_for(config_for(engine.url, ["m"])) as gw:
+    async with (
+        raw_engine(busy(429, retry_after_ms="1500", Retry_After="2")) as engine,
+        gateway_for(config_for(engine.url, ["m"])) as gw,
+    ):
         async with aiohttp.ClientSession() as s:
             async with s.post(gw.url + "/v1/chat/completions", json=chat("m")) as r:
                 assert r.status == 429
@@ -295,12 +305,10 @@ async def test_the_engines_retry_after_reaches_the_openai_client(gateway_for) ->
 
 
 async def test_kvgates_longer_hint_wins_over_the_engines(gateway_for) -> None:
-    async def script(writer: asyncio.StreamWriter, body: dict[str, Any]) -> bool:
-        err = b'{"error":{"message":"busy","type":"overloaded","param":null,"code":null}}'
-        writer.write(answer(503, err, retry_after_ms="20"))
-        return True
-
-    async with raw_engine(script) as engine, gateway_for(config_for(engine.url, ["m"])) as gw:
+    async with (
+        raw_engine(busy(503, retry_after_ms="20")) as engine,
+        gateway_for(config_for(engine.url, ["m"])) as gw,
+    ):
         async with (
             aiohttp.ClientSession() as s,
             s.post(gw.url + "/v1/chat/completions", json=chat("m")) as r,
@@ -326,12 +334,10 @@ async def test_an_absurd_engine_wait_is_relayed_as_an_hour(
     """An engine's wait of centuries (a huge number, a date decades ahead) reaches the client
     as at most an hour, in whole seconds and whole milliseconds (no float digits)."""
 
-    async def script(writer: asyncio.StreamWriter, body: dict[str, Any]) -> bool:
-        err = b'{"error":{"message":"busy","type":"overloaded","param":null,"code":null}}'
-        writer.write(answer(503, err, **header))
-        return True
-
-    async with raw_engine(script) as engine, gateway_for(config_for(engine.url, ["m"])) as gw:
+    async with (
+        raw_engine(busy(503, **header)) as engine,
+        gateway_for(config_for(engine.url, ["m"])) as gw,
+    ):
         async with (
             aiohttp.ClientSession() as s,
             s.post(gw.url + "/v1/chat/completions", json=chat("m")) as r,

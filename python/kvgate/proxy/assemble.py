@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvgate._core import EVENT_LIMIT, RESPONSES_TEXT_EVENTS
+
 __all__ = [
     "EVENT_LIMIT",
     "Assembler",
@@ -26,10 +28,6 @@ __all__ = [
     "ResponsesAssembler",
     "SSELines",
 ]
-
-#: bytes of one event held while its end has not arrived (the core's ``EVENT_LIMIT``): an
-#: upstream that sends megabytes without an event's end is not an engine's stream
-EVENT_LIMIT = 32 * 1024 * 1024
 
 
 class EventTooLong(ValueError):
@@ -364,16 +362,8 @@ def _finish_tool_call(call: dict[str, Any]) -> dict[str, Any]:
 
 #: The Responses events that end a stream with the whole ``response`` object.
 _RESPONSES_TERMINAL = frozenset({"response.completed", "response.incomplete"})
-#: the Responses events whose ``delta`` is generated text (as the stream relay counts them)
-_RESPONSES_DELTAS = frozenset(
-    {
-        "response.output_text.delta",
-        "response.refusal.delta",
-        "response.reasoning_text.delta",
-        "response.reasoning_summary_text.delta",
-        "response.function_call_arguments.delta",
-    }
-)
+#: the Responses events whose ``delta`` is generated text (those the stream relay counts)
+_RESPONSES_DELTAS = frozenset(RESPONSES_TEXT_EVENTS)
 
 
 class ResponsesAssembler(Assembler):

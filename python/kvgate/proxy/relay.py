@@ -39,6 +39,7 @@ from kvgate.errors import (
     upstream_timeout,
 )
 from kvgate.proxy.assemble import (
+    EVENT_LIMIT,
     Assembler,
     ChunkAssembler,
     EventTooLong,
@@ -628,13 +629,8 @@ async def _relay_stream(
                 if out:
                     with deadline.at(end):
                         await response.write(out)
-                await _write_error_event(
-                    response,
-                    "upstream sent an event of over 32 MiB",
-                    "upstream_broken",
-                    deadline,
-                    end,
-                )
+                err = _event_too_long()
+                await _write_error_event(response, err.message, str(err.code), deadline, end)
                 break
             if inspector.done and result.on_end is not None and inspector.error is None:
                 _stream_counts(inspector, result)
@@ -744,12 +740,7 @@ async def _relay_assembled(
                 payloads = lines.feed(data) if data else lines.flush()
             except EventTooLong:
                 result.outcome = "stream_broken"
-                raise GatewayError(
-                    502,
-                    "upstream sent an event of over 32 MiB",
-                    "server_error",
-                    code="upstream_broken",
-                ) from None
+                raise _event_too_long() from None
             for payload in payloads:
                 if payload == b"[DONE]":
                     assembler.done()
@@ -875,6 +866,17 @@ def _body_counts(keep: bytearray | None, result: RelayResult) -> None:
         counts = usage_tokens(bytes(keep))
         if counts is not None:
             _take_usage(*counts, result)
+
+
+def _event_too_long() -> GatewayError:
+    """502 ``upstream_broken``: the engine sent an SSE event longer than the core's
+    ``EVENT_LIMIT`` without its end (as an error event once the stream started)."""
+    return GatewayError(
+        502,
+        f"upstream sent an event of over {EVENT_LIMIT // (1024 * 1024)} MiB",
+        "server_error",
+        code="upstream_broken",
+    )
 
 
 async def _write_error_event(

@@ -74,9 +74,9 @@ async def check_server(config: Any, wait_s: float = 5.0) -> tuple[list[str], lis
 
     Problems (the gateway would not share its limits): the server cannot be reached within
     ``wait_s`` seconds, is older than Redis 7.0 (no Functions), is a Cluster node while
-    ``cluster`` is off, refuses to load the ``kvgate``
-    Functions library, or fails a replica's message sent as a replica sends it
-    (:func:`_trial_message`: credentials, ``FCALL`` and key permissions, a kvgate reply). Notes: the server's version, and a warning when its
+    ``cluster`` is off, refuses to load the ``kvgate`` Functions library, or fails a replica's
+    message sent as a replica sends it (:func:`_trial_message`: credentials, ``FCALL`` and key
+    permissions, a kvgate reply). Notes: the server's version, and a warning when its
     ``maxmemory-policy`` is not ``noeviction`` (an evicted key forgets what replicas hold: limits
     would be exceeded) or cannot be read (managed services often disable ``CONFIG``).
     """

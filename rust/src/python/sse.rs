@@ -1,7 +1,7 @@
 //! pyo3 binding of the SSE relay inspector (`rust/src/sse.rs`): `SSEInspector`.
 
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyDict, PyList};
+use pyo3::types::{PyBytes, PyDict, PyList, PyTuple};
 use serde_json::Value;
 
 use crate::sse::{Fed, SseInspector};
@@ -146,6 +146,11 @@ fn usage_tokens(body: &[u8]) -> Option<(Option<u64>, Option<u64>)> {
 }
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add("EVENT_LIMIT", crate::sse::EVENT_LIMIT)?;
+    m.add(
+        "RESPONSES_TEXT_EVENTS",
+        PyTuple::new(m.py(), crate::sse::RESPONSES_TEXT_EVENTS)?,
+    )?;
     m.add_class::<PySseInspector>()?;
     m.add_function(wrap_pyfunction!(usage_tokens, m)?)
 }
