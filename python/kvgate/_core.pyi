@@ -472,14 +472,16 @@ class AdmissionController:
         ``None`` = no tenant limit. ``guaranteed_slots`` (slots, ``None`` = 0) are reserved for
         it on each backend of ``guaranteed_backends``: registered backend ids, or ``None`` /
         ``"all"`` = every backend, including backends added later (which then must have room
-        for it). A sheddable tenant cannot have any.
+        for it). A sheddable tenant cannot have any. A removed tenant's id is reused only
+        once it holds nothing, and only when no never-used id is left or the guarantee table
+        is full; of those ids, the one whose guarantee entries suit the new tenant best (the
+        fewest it must add, then the fewest it leaves unused).
 
         Raises:
             InvalidConfigError: duplicate name, a sheddable tenant with guaranteed slots, an
                 unknown backend id, guarantees that would sum above a backend's
                 ``max_concurrency`` (the message names the backend), or the region's tenant or
-                guarantee capacity reached (the message says a restart is needed). A removed
-                tenant's id is reused only once it holds nothing.
+                guarantee capacity reached (the message says a restart is needed).
             TypeError: ``guaranteed_backends`` is not an iterable of ints, ``"all"`` or
                 ``None``.
         """

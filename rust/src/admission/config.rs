@@ -374,27 +374,60 @@ impl Admission {
 
     /// An id for a new tenant: a never-used one while there are, else a removed tenant's id
     /// that holds nothing any more. Call with the registration lock held.
-    fn free_tenant_id(&self, name: &str) -> Result<(u32, bool), CoreError> {
+    fn free_tenant_id(&self, name: &str, c: &TenantConfig) -> Result<(u32, bool), CoreError> {
         let n = self.tenant_count();
         let cap = self.capacity().tenants;
         if n < cap {
             return Ok((n, false));
         }
-        self.reusable_tenant_id().map(|i| (i, true)).ok_or_else(|| {
-            CoreError::InvalidConfig(format!(
-                "tenant capacity reached ({cap} tenants, removed ones still holding \
+        self.reusable_tenant_id(c)
+            .map(|i| (i, true))
+            .ok_or_else(|| {
+                CoreError::InvalidConfig(format!(
+                    "tenant capacity reached ({cap} tenants, removed ones still holding \
                      requests included; sized when kvgate started): restart kvgate to add \
                      tenant {name:?}"
-            ))
-        })
+                ))
+            })
     }
 
-    /// A removed tenant's id that holds nothing, if any (a scan of the ids in use).
-    fn reusable_tenant_id(&self) -> Option<u32> {
-        (0..self.tenant_count()).find(|&i| {
+    /// A removed tenant's id that holds nothing, if any, chosen for a tenant configured as `c`
+    /// (its guarantee entries stay with the id, and serve the tenant that takes it): the id
+    /// whose entries leave the fewest for `c` to add, then the one whose entries `c` leaves
+    /// the fewest of unused, then the lowest. A scan of the ids in use; the entries of ids
+    /// that have any are looked at only when `c` has a guarantee.
+    fn reusable_tenant_id(&self, c: &TenantConfig) -> Option<u32> {
+        let needs_entries = c.guaranteed_slots > 0
+            || matches!(&c.guaranteed_backends, GuaranteedBackends::Only(ids) if !ids.is_empty());
+        let fresh_need = if needs_entries {
+            self.guarantee_entries_needed(None, c).len()
+        } else {
+            0
+        };
+        let mut best: Option<((usize, usize), u32)> = None;
+        for i in 0..self.tenant_count() {
             let t = self.tenant_at(i as usize);
-            t.ready.load(Ordering::Acquire) == TOMBSTONE && t.conc.in_use() == 0
-        })
+            if t.ready.load(Ordering::Acquire) != TOMBSTONE || t.conc.in_use() != 0 {
+                continue;
+            }
+            let fit = if t.has_entries.load(Ordering::Acquire) == 0 {
+                (fresh_need, 0)
+            } else if needs_entries {
+                let held = self.guarantee_entries_of(i);
+                let unused = held.iter().filter(|&&bi| !wants_entry(c, bi)).count();
+                (self.guarantee_entries_needed(Some(i), c).len(), unused)
+            } else {
+                // Without a guarantee, `c` uses none of them: an id without any fits better.
+                (0, 1)
+            };
+            if best.map_or(true, |(f, _)| fit < f) {
+                best = Some((fit, i));
+                if fit == (0, 0) {
+                    break;
+                }
+            }
+        }
+        best.map(|(_, i)| i)
     }
 
     /// Tenant ids a new tenant can take now: never-used ones plus removed tenants' ids that
@@ -426,11 +459,9 @@ impl Admission {
         self.touched_backends(id, c)
             .into_iter()
             .filter(|&bi| {
-                let want = match &c.guaranteed_backends {
-                    GuaranteedBackends::All => c.guaranteed_slots > 0,
-                    GuaranteedBackends::Only(ids) => ids.contains(&bi),
-                };
-                want && bi < n && id.map_or(true, |t| self.find_entry(t, bi).is_none())
+                wants_entry(c, bi)
+                    && bi < n
+                    && id.map_or(true, |t| self.find_entry(t, bi).is_none())
             })
             .collect()
     }
@@ -468,12 +499,12 @@ impl Admission {
         }) {
             return config_err(format!("tenant {name:?} already exists"));
         }
-        let (mut id, mut reused) = self.free_tenant_id(name)?;
+        let (mut id, mut reused) = self.free_tenant_id(name, c)?;
         if !reused && self.check_entry_room(None, c).is_err() {
             // The guarantee table is full, and its entries are never freed: a removed tenant's
             // id comes with the entries it had (on the same backends, they serve the new
             // tenant), so tenants with guarantees that reloads add and remove do not fill it.
-            if let Some(i) = self.reusable_tenant_id() {
+            if let Some(i) = self.reusable_tenant_id(c) {
                 (id, reused) = (i, true);
             }
         }
@@ -684,5 +715,14 @@ fn set_bit(word: &std::sync::atomic::AtomicU64, bit: u64, on: bool) {
         word.fetch_or(bit, Ordering::AcqRel);
     } else {
         word.fetch_and(!bit, Ordering::AcqRel);
+    }
+}
+
+/// Whether a tenant configured as `c` has a guarantee-table entry on backend `bi`: every
+/// backend for a guarantee on all of them, the named ones for a guarantee on some.
+fn wants_entry(c: &TenantConfig, bi: u32) -> bool {
+    match &c.guaranteed_backends {
+        GuaranteedBackends::All => c.guaranteed_slots > 0,
+        GuaranteedBackends::Only(ids) => ids.contains(&bi),
     }
 }

@@ -1278,3 +1278,31 @@ fn a_removal_by_name_leaves_a_tenant_that_took_the_id_since() {
     assert!(a.remove_tenant_named(new, "new").unwrap());
     assert!(!a.remove_tenant_named(new, "new").unwrap()); // already removed: nothing
 }
+
+#[test]
+fn an_added_tenant_takes_the_removed_id_whose_entries_suit_it_best() {
+    // a full table (2 entries): `on0` holds b0's entry, `on1` b1's; both are removed. A tenant
+    // guaranteed on b1 fits only in `on1`'s id (the first removed id would need a new entry),
+    // and a tenant without a guarantee takes an id without entries, keeping `on0`'s for a
+    // tenant that needs it
+    let a = heap_core(2, 4, 2);
+    big_backend(&a, "b0", 8);
+    big_backend(&a, "b1", 8);
+    let only = |bi: u32| limited(Priority::Critical, 2, 1, GuaranteedBackends::Only(vec![bi]));
+    let plain = limited(Priority::Standard, 2, 0, ALL_BACKENDS);
+    let on0 = a.add_tenant("on0", &only(0)).unwrap();
+    let on1 = a.add_tenant("on1", &only(1)).unwrap();
+    let bare = a.add_tenant("bare", &plain).unwrap();
+    a.add_tenant("keep", &plain).unwrap();
+    assert_eq!(a.guarantee_entries_free(), 0);
+    for id in [on0, on1, bare] {
+        a.remove_tenant(id).unwrap();
+    }
+    assert_eq!(a.add_tenant("new1", &only(1)).unwrap(), on1);
+    assert_eq!(a.add_tenant("plain", &plain).unwrap(), bare);
+    assert_eq!(a.add_tenant("new0", &only(0)).unwrap(), on0);
+    for bi in 0..2 {
+        assert_eq!(a.backend_state(bi).unwrap().guaranteed_slots, 1);
+    }
+    assert_eq!(a.guarantee_entries_free(), 0);
+}
