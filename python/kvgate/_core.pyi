@@ -474,8 +474,9 @@ class AdmissionController:
         ``"all"`` = every backend, including backends added later (which then must have room
         for it). A sheddable tenant cannot have any. A removed tenant's id is reused only
         once it holds nothing, and only when no never-used id is left or the guarantee table
-        is full; of those ids, the one whose guarantee entries suit the new tenant best (the
-        fewest it must add, then the fewest it leaves unused).
+        is full; of those ids, for a tenant with a guarantee the first whose guarantee entries
+        cover it, else (of the first 64 with entries) the one that leaves the fewest to add;
+        for a tenant without, the first without entries.
 
         Raises:
             InvalidConfigError: duplicate name, a sheddable tenant with guaranteed slots, an

@@ -392,10 +392,13 @@ impl Admission {
     }
 
     /// A removed tenant's id that holds nothing, if any, chosen for a tenant configured as `c`
-    /// (its guarantee entries stay with the id, and serve the tenant that takes it): the id
-    /// whose entries leave the fewest for `c` to add, then the one whose entries `c` leaves
-    /// the fewest of unused, then the lowest. A scan of the ids in use; the entries of ids
-    /// that have any are looked at only when `c` has a guarantee.
+    /// (its guarantee entries stay with the id, and serve the tenant that takes it): for a
+    /// tenant with a guarantee, the first id whose entries cover it, else the one whose
+    /// entries leave the fewest for it to add, then the one with the fewest it leaves unused;
+    /// for one without, the first id without entries. A scan of the ids in use; of ids with
+    /// entries, the first [`REUSE_CANDIDATES`] are compared at most (a reload adding many
+    /// tenants to a large, full table would otherwise look at every removed id's entries for
+    /// each).
     fn reusable_tenant_id(&self, c: &TenantConfig) -> Option<u32> {
         let needs_entries = c.guaranteed_slots > 0
             || matches!(&c.guaranteed_backends, GuaranteedBackends::Only(ids) if !ids.is_empty());
@@ -405,6 +408,7 @@ impl Admission {
             0
         };
         let mut best: Option<((usize, usize), u32)> = None;
+        let mut examined = 0;
         for i in 0..self.tenant_count() {
             let t = self.tenant_at(i as usize);
             if t.ready.load(Ordering::Acquire) != TOMBSTONE || t.conc.in_use() != 0 {
@@ -413,6 +417,10 @@ impl Admission {
             let fit = if t.has_entries.load(Ordering::Acquire) == 0 {
                 (fresh_need, 0)
             } else if needs_entries {
+                if examined == REUSE_CANDIDATES {
+                    continue;
+                }
+                examined += 1;
                 let held = self.guarantee_entries_of(i);
                 let unused = held.iter().filter(|&&bi| !wants_entry(c, bi)).count();
                 (self.guarantee_entries_needed(Some(i), c).len(), unused)
@@ -422,7 +430,8 @@ impl Admission {
             };
             if best.map_or(true, |(f, _)| fit < f) {
                 best = Some((fit, i));
-                if fit == (0, 0) {
+                // one that needs no new entry will do (the fewest unused is not worth a scan)
+                if fit.0 == 0 && (needs_entries || fit.1 == 0) {
                     break;
                 }
             }
@@ -717,6 +726,10 @@ fn set_bit(word: &std::sync::atomic::AtomicU64, bit: u64, on: bool) {
         word.fetch_and(!bit, Ordering::AcqRel);
     }
 }
+
+/// Removed tenant ids with guarantee entries that [`Admission::add_tenant`] compares, at
+/// most, to choose the one that suits a new tenant best (each costs a look-up per backend).
+const REUSE_CANDIDATES: usize = 64;
 
 /// Whether a tenant configured as `c` has a guarantee-table entry on backend `bi`: every
 /// backend for a guarantee on all of them, the named ones for a guarantee on some.
