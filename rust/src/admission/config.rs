@@ -395,10 +395,9 @@ impl Admission {
     /// (its guarantee entries stay with the id, and serve the tenant that takes it): for a
     /// tenant with a guarantee, the first id whose entries cover it, else the one whose
     /// entries leave the fewest for it to add, then the one with the fewest it leaves unused;
-    /// for one without, the first id without entries. A scan of the ids in use; of ids with
-    /// entries, the first [`REUSE_CANDIDATES`] are compared at most (a reload adding many
-    /// tenants to a large, full table would otherwise look at every removed id's entries for
-    /// each).
+    /// for one without, the first id without entries. A scan of the ids in use that compares
+    /// the first [`REUSE_CANDIDATES`] reusable ids at most (a reload adding many tenants to a
+    /// large, full table would otherwise look at every removed id, and its entries, for each).
     fn reusable_tenant_id(&self, c: &TenantConfig) -> Option<u32> {
         let needs_entries = c.guaranteed_slots > 0
             || matches!(&c.guaranteed_backends, GuaranteedBackends::Only(ids) if !ids.is_empty());
@@ -414,13 +413,13 @@ impl Admission {
             if t.ready.load(Ordering::Acquire) != TOMBSTONE || t.conc.in_use() != 0 {
                 continue;
             }
+            if examined == REUSE_CANDIDATES {
+                break;
+            }
+            examined += 1;
             let fit = if t.has_entries.load(Ordering::Acquire) == 0 {
                 (fresh_need, 0)
             } else if needs_entries {
-                if examined == REUSE_CANDIDATES {
-                    continue;
-                }
-                examined += 1;
                 let held = self.guarantee_entries_of(i);
                 let unused = held.iter().filter(|&&bi| !wants_entry(c, bi)).count();
                 (self.guarantee_entries_needed(Some(i), c).len(), unused)
@@ -727,8 +726,8 @@ fn set_bit(word: &std::sync::atomic::AtomicU64, bit: u64, on: bool) {
     }
 }
 
-/// Removed tenant ids with guarantee entries that [`Admission::add_tenant`] compares, at
-/// most, to choose the one that suits a new tenant best (each costs a look-up per backend).
+/// Reusable tenant ids that [`Admission::add_tenant`] compares, at most, to choose the one
+/// that suits a new tenant best (one with guarantee entries costs a look-up per backend).
 const REUSE_CANDIDATES: usize = 64;
 
 /// Whether a tenant configured as `c` has a guarantee-table entry on backend `bi`: every
