@@ -62,3 +62,15 @@ def test_the_section_reports_each_store_against_its_own_ten_tenant_gateway() -> 
     assert text.count("\n| 2 | ") == 4
     assert "| 2 | redis | 100,000 | 1,000 | 330 | 0.5000 | 0 |" in text
     assert "— local store 1.19×: **not met**; redis store 1.10×: met." in text
+
+
+def test_reuse_scan_sets_up_a_full_core_and_ends_with_a_refusal(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """benches/tenants/reuse_scan.py: every id taken or removed and no guarantee entry free
+    before it times the adds, and the add that no removed id covers is refused."""
+    load("tenants_reuse_scan", "benches/tenants/reuse_scan.py").main()
+    out = capsys.readouterr().out
+    assert "200,000 ids (200,000 used, 100,000 reusable)" in out
+    assert "(0 free)" in out
+    assert "(refused)" in out
