@@ -89,6 +89,15 @@ def _tenant_limits(t: Any, controller: Any) -> dict[str, Any]:
     }
 
 
+def _entries_wanted(t: Any, backends: int) -> int:
+    """The guarantee-table entries tenant ``t`` holds once set: one per backend its
+    ``backends`` names (even at 0 guaranteed slots), or one per backend (``backends``: how
+    many) for guaranteed slots on every backend."""
+    if t.backends is not None:
+        return len(set(t.backends))
+    return backends if t.guaranteed_slots else 0
+
+
 def _tenants_of(config: Config) -> list[Any]:
     """The configured tenants, or one implicit ``anonymous`` tenant when none are declared."""
     if config.tenants:
@@ -708,9 +717,12 @@ def apply_config(gateway: Gateway, new: Config | Reload) -> None:
     )
     for t in changed:
         ctl.replace_tenant(ids[t.name], **_tenant_limits(t, ctl))
-    for t in plan.changed:
-        if ids[t.name] is None:
-            ids[t.name] = _add_tenant(ctl, t)
+    # the new tenants that need the most guarantee entries first: each takes the removed id
+    # whose entries suit it, before a tenant that needs fewer takes that id
+    added = [t for t in plan.changed if ids[t.name] is None]
+    added.sort(key=lambda t: -_entries_wanted(t, len(plan.config.backends)))
+    for t in added:
+        ids[t.name] = _add_tenant(ctl, t)
     for bid, slots in slot_limits.items():
         if ctl.backend_state(bid)["max_concurrency"] != slots:
             ctl.update_backend(bid, max_concurrency=slots)

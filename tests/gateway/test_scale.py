@@ -143,11 +143,12 @@ async def test_a_reload_beyond_the_capacity_is_refused_and_says_to_restart(
         assert gateway.reload() is True
         assert ctl.tenant_count == 1024
         assert ctl.free_tenant_ids == 0
-        assert ctl.tenant_id("n723") is not None
-        assert ctl.tenant_id("n723") < 100  # a removed tenant's id
+        # (the new tenant with a guarantee, n723, is added first; then the others in order)
+        assert ctl.tenant_id("n722") is not None
+        assert ctl.tenant_id("n722") < 100  # a removed tenant's id
         async with run_gateway(gateway) as url:
-            await ask(url, "sk-n723", model)
-            await until(lambda: charged(ctl, "n723"))
+            await ask(url, "sk-n722", model)
+            await until(lambda: charged(ctl, "n722"))
             with pytest.raises(openai.AuthenticationError):
                 await ask(url, "sk-t0", model)
 
@@ -427,3 +428,37 @@ def test_random_reloads_near_a_full_guarantee_table_apply_whole_or_are_refused_w
         logging.disable(logging.NOTSET)
     assert outcomes["refused"] >= 5, outcomes  # the table was nearly full often enough
     assert outcomes["part way"] * 20 <= outcomes["whole"], outcomes  # at most 5 %
+
+
+def test_a_reload_gives_removed_ids_to_the_new_tenants_that_need_their_entries_most(
+    tmp_path: Path,
+) -> None:
+    """The guarantee table is full; a reload removes ``x`` (entries on b0 and b1) and ``y``
+    (b0), and adds ``a`` (guaranteed on b0), listed first, and ``b`` (b0 and b1). Only
+    ``x``'s id covers ``b``: the new tenants are added most entries first, so ``b`` takes it and
+    ``a`` takes ``y``'s, and the reload applies whole (in the file's order ``a`` took ``x``'s
+    id, and ``b`` found the table full half way through the reload)."""
+    path = tmp_path / "kvgate.json"
+
+    def write(extra: list[dict[str, Any]], fill: int) -> None:
+        cfg = guarantee_config([f"f{i}" for i in range(fill)])
+        cfg["tenants"] += [
+            {"name": n, "api_key_sha256": [sha(f"sk-{n}")], "guaranteed_slots": 1, "backends": b}
+            for n, b in extra
+        ]
+        path.write_text(json.dumps(cfg))
+
+    x, y = ("x", ["b0", "b1"]), ("y", ["b0"])
+    write([x, y], 100)  # 400 + 3 entries of 1,024
+    gateway = build_gateway(load_config(path), config_path=str(path), poll=False)
+    ctl = gateway.controller
+    write([x, y, ("w", ["b3"])], 255)  # 1,020 + 4: full
+    assert gateway.reload() is True
+    assert ctl.guarantee_entries_free == 0
+    x_id, y_id = ctl.tenant_id("x"), ctl.tenant_id("y")
+    write([("a", ["b0"]), ("b", ["b0", "b1"]), ("w", ["b3"])], 255)
+    assert gateway.reload() is True
+    assert not gateway.partly_applied
+    assert (ctl.tenant_id("b"), ctl.tenant_id("a")) == (x_id, y_id)
+    assert ctl.backend_state(0)["guaranteed_slots"] == 255 + 2
+    assert ctl.backend_state(1)["guaranteed_slots"] == 255 + 1
