@@ -18,7 +18,8 @@ Checked after every step (:meth:`StoreMachine.guarantees`):
   after which the others may have reaped it) or, after a Redis restart, the units every replica
   held then (its quota, used or not: each replica re-asserts it, and until its next message it
   may still admit from it);
-- in Redis, ``alloc|<pool>`` equals the sum of the ``q|<pool>|*`` fields in every scope;
+- in Redis, ``alloc|<pool>`` equals the sum of the ``q|<pool>|*`` fields in every scope (and
+  ``alloc|*g`` the sum of the guarantee pools' ``alloc|g:*``);
 - each replica's ``in_use`` of a pool equals the units its running requests hold there (so it
   is never negative and nothing leaks);
 - for every token bucket, the tokens admitted minus the tokens refunded at release stay within
@@ -604,6 +605,9 @@ class StoreMachine(RuleBasedStateMachine):
                     sums[pname] = sums.get(pname, 0) + int(v)
                 elif k.startswith("alloc|"):
                     allocs[k.split("|")[1]] = int(v)
+            guarantees = allocs.pop("*g", None)  # the sum over the guarantee pools
+            if guarantees is not None:
+                assert guarantees == sum(v for p, v in allocs.items() if p.startswith("g:")), f
             for pname in set(sums) | set(allocs):
                 assert allocs.get(pname, 0) == sums.get(pname, 0), (state, pname, f)
         # token buckets: admitted - refunded <= burst x (1 + restarts) + rate x elapsed + 1

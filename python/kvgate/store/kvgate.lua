@@ -12,6 +12,9 @@
 --   seq|<pod>             the replica's last applied sequence number for this scope
 --   q|<pool>|<pod>        units (slots or tokens) of <pool> held by the replica: its quota
 --   alloc|<pool>          sum of the replicas' quotas of <pool>
+--   alloc|*g              sum of alloc|<pool> over the scope's guarantee pools (named g:<tenant>):
+--                         units a guarantee holds beyond what it is now (a reload lowered, moved
+--                         or removed it while its requests ran) leave the burst pool less room
 --   held|<pod>            the pools the replica holds quota in (cjson list; used to reap it)
 --   tat|<bucket>          GCRA theoretical arrival time of a token bucket (server µs, float)
 --   prop|<pod>, shed|<pod>  the replica's proposed adaptive scale (0..1) and shedding flag
@@ -89,7 +92,13 @@ local function reap(state, live, now)
     if held then
       for _, pool in ipairs(cjson.decode(held)) do
         local q = num(redis.call('HGET', state, 'q|' .. pool .. '|' .. pod))
-        if q ~= 0 then redis.call('HINCRBY', state, 'alloc|' .. pool, -q) end
+        if q ~= 0 then
+          redis.call('HINCRBY', state, 'alloc|' .. pool, -q)
+          -- (absent, the sum is made again from the quotas when next needed)
+          if pool:sub(1, 2) == 'g:' and redis.call('HEXISTS', state, 'alloc|*g') == 1 then
+            redis.call('HINCRBY', state, 'alloc|*g', -q)
+          end
+        end
         redis.call('HDEL', state, 'q|' .. pool .. '|' .. pod)
       end
     end
@@ -99,6 +108,23 @@ local function reap(state, live, now)
     redis.call('HINCRBY', state, 'reaped', 1)
   end
   return #dead
+end
+
+-- the units every live replica holds in the scope's guarantee pools (g:<tenant>), from the
+-- pools each one holds quota in
+local function guarantee_units(state, live)
+  local sum = 0
+  for _, pod in ipairs(redis.call('ZRANGE', live, 0, -1)) do
+    local held = redis.call('HGET', state, 'held|' .. pod)
+    if held then
+      for _, pool in ipairs(cjson.decode(held)) do
+        if pool:sub(1, 2) == 'g:' then
+          sum = sum + num(redis.call('HGET', state, 'q|' .. pool .. '|' .. pod))
+        end
+      end
+    end
+  end
+  return sum
 end
 
 local function effective_scale(state, live, msg)
@@ -254,7 +280,9 @@ local function kvg_sync(keys, args)
   -- joined the live set (a set emptied by leaving or reaping is made again without an expiry),
   -- or `kept` lies ahead of the server's clock (a clock stepped back, a failover)
   local kept = tonumber(head[7] or '0')
+  local recount = false  -- (alloc|*g made again from the quotas: below)
   if now - kept >= 10000000 or now < kept or joined == 1 then
+    recount = true
     local keep_ms = math.floor(msg.ttl / 1000) * 4 + 190000
     redis.call('PEXPIRE', live, keep_ms)
     redis.call('PEXPIRE', state, keep_ms)
@@ -273,7 +301,7 @@ local function kvg_sync(keys, args)
 
   -- one read of every field the pools and buckets need (after reaping, which moves them)
   local pools, buckets = msg.pools or {}, msg.buckets or {}
-  local names = {'held|' .. pod}
+  local names = {'held|' .. pod, 'alloc|*g'}
   for name, _ in pairs(pools) do
     names[#names + 1] = 'q|' .. name .. '|' .. pod
     names[#names + 1] = 'alloc|' .. name
@@ -284,12 +312,46 @@ local function kvg_sync(keys, args)
   -- re-assert the replica's quotas, then compute the limits
   local limits, alloc, q = {}, {}, {}
   local held = {}
+  -- the guarantee pools' units (alloc|*g) and each burst pool's scaled total: a burst pool
+  -- lends only what the guarantees' units leave of the total, so that units a guarantee holds
+  -- beyond what it is now (lowered, moved or removed by a reload while its requests ran)
+  -- still count, as they do in one gateway's core
+  local gdelta = 0
+  local guarantee, totals = {}, {}
   for name, p in pairs(pools) do
     local rec = num(f['q|' .. name .. '|' .. pod])
     local want = p.q or 0
     alloc[name] = num(f['alloc|' .. name]) + (want - rec)
     q[name] = want
     limits[name] = pool_limit(p, s)
+    if p.k == 'g' then
+      guarantee[name] = true
+      gdelta = gdelta + (want - rec)
+    elseif p.k == 'b' then
+      totals[name] = pool_limit({l = p.l, k = 't'}, s)
+    end
+  end
+  local gsum = num(f['alloc|*g'])
+  if next(guarantee) or next(totals) then
+    if recount or not f['alloc|*g'] then
+      -- the sum made again from the quotas Redis records (before this message's own), each
+      -- time the scope's expiry is pushed back (every 10 s at most): a scope that never had
+      -- it, or whose pools an earlier version of this library moved without it (a rolling
+      -- upgrade), is right again within 10 s
+      gsum = guarantee_units(state, live)
+    end
+    gsum = gsum + gdelta
+  end
+  -- units a pool can lend now (its limit, and for a burst pool the total the guarantees leave)
+  local function room(name)
+    local r = limits[name] - alloc[name]
+    if totals[name] then r = math.min(r, totals[name] - gsum - alloc[name]) end
+    return r
+  end
+  -- alloc of a pool moved by n (and the guarantees' sum with it)
+  local function take(name, n)
+    alloc[name] = alloc[name] + n
+    if guarantee[name] then gsum = gsum + n end
   end
 
   local bstate = {}
@@ -319,11 +381,11 @@ local function kvg_sync(keys, args)
       local n, pick = alt[1], nil
       for j = 2, #alt do
         local name = alt[j]
-        if limits[name] and alloc[name] + n <= limits[name] then pick = name; break end
+        if limits[name] and n <= room(name) then pick = name; break end
       end
       if not pick then ok, why = false, alt[#alt]; break end
       chosen[#chosen + 1] = pick
-      alloc[pick] = alloc[pick] + n   -- tentative: undone below if a later check refuses
+      take(pick, n)   -- tentative: undone below if a later check refuses
     end
     if ok then
       for name, n in pairs(a.b or {}) do
@@ -342,14 +404,14 @@ local function kvg_sync(keys, args)
     -- undo the tentative pool takes, then apply for real when admitted
     local k = 1
     for _, alt in ipairs(a.p or {}) do
-      if chosen[k] then alloc[chosen[k]] = alloc[chosen[k]] - alt[1] end
+      if chosen[k] then take(chosen[k], -alt[1]) end
       k = k + 1
     end
     if ok then
       k = 1
       for _, alt in ipairs(a.p or {}) do
         local name = chosen[k]
-        alloc[name] = alloc[name] + alt[1]
+        take(name, alt[1])
         q[name] = q[name] + alt[1]
         k = k + 1
       end
@@ -367,19 +429,19 @@ local function kvg_sync(keys, args)
   -- background grants (partial)
   local grants = {}
   for name, want in pairs(msg.grants or {}) do
-    local take = 0
+    local got = 0
     if settling then
-      take = 0
+      got = 0
     elseif limits[name] then
-      take = math.max(0, math.min(want, limits[name] - alloc[name]))
-      alloc[name] = alloc[name] + take
-      q[name] = q[name] + take
+      got = math.max(0, math.min(want, room(name)))
+      take(name, got)
+      q[name] = q[name] + got
     elseif bstate[name] then
       local st = bstate[name]
-      take = math.max(0, math.min(want, bucket_available(st.tat, now, st.interval)))
-      st.tat = st.tat + take * st.interval
+      got = math.max(0, math.min(want, bucket_available(st.tat, now, st.interval)))
+      st.tat = st.tat + got * st.interval
     end
-    grants[name] = take
+    grants[name] = got
   end
   reply.grants = grants
 
@@ -396,7 +458,13 @@ local function kvg_sync(keys, args)
     end
     out[#out + 1] = 'alloc|' .. name
     out[#out + 1] = int(alloc[name])
-    out_pools[name] = {q[name], alloc[name], limits[name]}
+    local limit = limits[name]
+    if totals[name] then limit = math.max(0, math.min(limit, totals[name] - gsum)) end
+    out_pools[name] = {q[name], alloc[name], limit}
+  end
+  if (next(guarantee) or next(totals)) and (gsum ~= num(f['alloc|*g']) or not f['alloc|*g']) then
+    out[#out + 1] = 'alloc|*g'
+    out[#out + 1] = int(gsum)
   end
   -- a pool this message does not mention keeps its place while Redis records units of it for
   -- the replica (a late call's grant): reaping must give back every unit

@@ -461,9 +461,30 @@ class RedisStore:
 
     def reload(self) -> None:
         """Forgets the request plans (a reload or a discovered engine limit changed the base
-        limits); what is held is kept and re-asserted with the new limits."""
+        limits); what is held is kept and re-asserted with the new limits. The guarantee pools
+        take their tenants' guarantees now at once (a tenant that lost its guarantee, or was
+        removed, may send no request again to re-plan it; its units still running are counted
+        against the burst pool in Redis by what the guarantee is now)."""
         self._parts.clear()
         self._ledger.clear_plans()
+        ctl = self.controller
+        for sc in self.scopes.values():
+            if sc.kind != "b" or not any(n.startswith("g:") for n in sc.pools):
+                continue
+            bid = ctl.backend_id(sc.name)
+            if bid is None:
+                continue
+            b = ctl.backend_state(bid)
+            for name, pool in sc.pools.items():
+                if not name.startswith("g:"):
+                    continue
+                tid = ctl.tenant_id(name[2:])
+                g = 0
+                if tid is not None:
+                    t = ctl.tenant_state(tid)
+                    if bid in t["guaranteed_backends"]:
+                        g = int(t["guaranteed_slots"])
+                pool.base, pool.g, pool.gs = b["max_concurrency"], g, b["guaranteed_slots"]
 
     # ---- the local fast path ----------------------------------------------------------------
     def try_admit(self, backend: Any, tenant: Any, priority: str, tokens: int) -> Any | None:

@@ -1,0 +1,88 @@
+"""Reloads while requests run, across replicas on one ``redis-server``: the limits a reload
+changes still bind what runs from before it, as in one gateway's core."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from tests.store.redis_servers import RedisServer
+
+from kvgate import AdmissionController
+from kvgate.config import StoreConfig
+from kvgate.store import StoreRefusal
+from kvgate.store.redis_store import RedisStore
+
+from .test_store_fallback import Ref
+
+
+def replica_core() -> tuple[Any, Ref, Ref, Ref]:
+    """A backend of 6 slots; tenant ``a`` with 4 guaranteed, tenant ``b`` without."""
+    ctl = AdmissionController()
+    gpu = Ref(ctl.add_backend("gpu", max_concurrency=6, tokens_per_minute=2**40), "gpu")
+    a = Ref(ctl.add_tenant("a", priority="critical", guaranteed_slots=4), "a")
+    b = Ref(ctl.add_tenant("b", priority="critical"), "b")
+    return ctl, gpu, a, b
+
+
+async def admit(store: RedisStore, backend: Ref, tenant: Ref) -> Any:
+    """The admission stage's order: the replica's quotas, else Redis."""
+    hold = store.try_admit(backend, tenant, "critical", 1)
+    if hold is None:
+        hold = await store.admit(backend, tenant, "critical", 1)
+    return hold
+
+
+@pytest.mark.parametrize("change", ["lowered", "removed"])
+async def test_a_guarantee_a_reload_drops_still_binds_what_its_requests_hold(
+    redis_server: RedisServer, change: str
+) -> None:
+    """Two replicas each run 2 of tenant a's requests on its guarantee of 4 (the backend's 6
+    slots: 2 left in the burst pool). A reload lowers a's guarantee to 0 (or removes a) on
+    both: the burst pool grows to 6 by the guarantees, but a's 4 requests still hold 4 slots,
+    so tenant b gets 2, not 6 (the engine would run 10 of 6)."""
+    cfg = StoreConfig(url=redis_server.url, heartbeat_s=0.05, deadline_ms=1000)
+    replicas = []
+    for _ in range(2):
+        ctl, gpu, a, b = replica_core()
+        store = RedisStore(cfg, ctl)
+        await store.start(["gpu"])
+        replicas.append((store, ctl, gpu, a, b))
+    try:
+        held = []
+        for store, _, gpu, a, _ in replicas:
+            for _ in range(2):
+                hold = await admit(store, gpu, a)
+                assert not isinstance(hold, StoreRefusal), hold
+                held.append((store, hold))
+        for store, ctl, _, a, _ in replicas:
+            if change == "lowered":
+                ctl.update_tenant(a.id, guaranteed_slots=0)
+            else:
+                ctl.remove_tenant(a.id)
+            store.reload()
+        store, _, gpu, _, b = replicas[1]
+        got = []
+        for _ in range(8):
+            hold = await admit(store, gpu, b)
+            if isinstance(hold, StoreRefusal):
+                break
+            got.append(hold)
+        assert len(got) == 2
+        # a's guarantee pool says what the guarantee is now (a may send no request again)
+        for st, *_ in replicas:
+            assert st.scopes["bgpu"].pools["g:a"].g == 0
+        # a's requests end: b gets the rest
+        for st, hold in held:
+            st.release(hold, 1, 1)
+        for st, _ in held:
+            await st.flushed()
+        for _ in range(8):
+            hold = await admit(store, gpu, b)
+            if isinstance(hold, StoreRefusal):
+                break
+            got.append(hold)
+        assert len(got) == 6
+    finally:
+        for store, *_ in replicas:
+            await store.close()
