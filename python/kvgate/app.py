@@ -207,6 +207,10 @@ class Gateway:
     #: the reload SIGHUP started (:meth:`reload_soon`), and whether another SIGHUP came during it
     _reloading: asyncio.Future[None] | None = field(init=False, default=None, repr=False)
     _reload_again: bool = field(init=False, default=False, repr=False)
+    #: why the last reload was refused (``None`` once one applied)
+    last_refusal: Exception | None = field(init=False, default=None, repr=False)
+    #: a reload waits for requests of removed tenants to end (its refusal was logged once)
+    _retrying: bool = field(init=False, default=False, repr=False)
     queue: Any = field(init=False, default=None)
     registry: Any = field(init=False, default=None)
     #: this worker's admitted, unsettled requests: the retry hints of slot refusals
@@ -304,8 +308,26 @@ class Gateway:
                 self._refused(exc)
             else:
                 self._apply(new)
-            if not self._reload_again:
+            if self._reload_again:
+                continue
+            # a refusal that time mends (``retry_after_s``: requests of removed tenants still
+            # hold the ids the file needs): tried again until it applies or another reload
+            # comes, so that every replica ends up with the file
+            retry = getattr(self.last_refusal, "retry_after_s", None)
+            if retry is None:
                 return
+            await asyncio.sleep(retry)
+
+    def _apply(self, new: Any) -> bool:
+        assert self.apply_config is not None
+        try:
+            self.apply_config(self, new)
+        except Exception as exc:
+            self._refused(exc)
+            return False
+        self.last_refusal = None
+        self._retrying = False
+        return True
 
     def _read_config(self) -> Any:
         """The file, read and checked, made ready for :attr:`apply_config` by
@@ -323,16 +345,14 @@ class Gateway:
                 new = self.config_overrides(new)
             return new if self.prepare_config is None else self.prepare_config(self, new)
 
-    def _apply(self, new: Any) -> bool:
-        assert self.apply_config is not None
-        try:
-            self.apply_config(self, new)
-        except Exception as exc:
-            self._refused(exc)
-            return False
-        return True
-
     def _refused(self, exc: Exception) -> None:
+        self.last_refusal = exc
+        if getattr(exc, "retry_after_s", None) is None:
+            self._retrying = False
+        elif self._retrying:  # said once, at the first try
+            return
+        else:
+            self._retrying = True
         if self.partly_applied:
             logger.error(
                 "reload of %s failed part way, some of its limits are in force: %s; reload a "

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, cast
 from kvgate._core import UNLIMITED_TPM
 from kvgate.admission.identity import TenantIndex, TenantTable
 from kvgate.app import Backend, Gateway, ModelRoute, Tenant
+from kvgate.config import ConfigError
 
 if TYPE_CHECKING:
     from kvgate.config import Config
@@ -493,6 +494,16 @@ def _check_guarantee_room(
         )
 
 
+class RemovedTenantsRunning(ConfigError):
+    """A reload that fits once requests of tenants it removes have ended (their ids go to the
+    tenants it adds): :meth:`kvgate.app.Gateway.reload_soon` tries it again every
+    :attr:`retry_after_s` seconds, so that every replica applies it, whichever had such
+    requests running."""
+
+    #: seconds between tries
+    retry_after_s = 1.0
+
+
 def _add_tenant(ctl: Any, t: Any) -> int:
     """Adds tenant ``t`` to the core; its id. One that another worker of the same shared core
     added a moment ago (each worker applies the file) gets these limits instead."""
@@ -661,9 +672,20 @@ def apply_config(gateway: Gateway, new: Config | Reload) -> None:
     removed_ids = [tid for tid, _ in removed]
     adding = sum(1 for t in plan.changed if ids[t.name] is None)
     # a removed tenant's id can be reused at once only if it holds nothing now
-    room = ctl.free_tenant_ids + sum(
-        1 for tid in removed_ids if ctl.tenant_state(tid)["in_use"] == 0
-    )
+    busy = sum(1 for tid in removed_ids if ctl.tenant_state(tid)["in_use"] != 0)
+    room = ctl.free_tenant_ids + len(removed_ids) - busy
+    if room < adding <= room + busy:
+        raise RemovedTenantsRunning(
+            [
+                (
+                    "tenants",
+                    f"{adding} new tenants need the ids of removed tenants, and {busy} of "
+                    "those still have requests running here (an id is reused once its "
+                    "requests end); a SIGHUP reload is tried again every "
+                    f"{RemovedTenantsRunning.retry_after_s:g} s until it applies",
+                )
+            ]
+        )
     if adding > room:
         raise ConfigError(
             [

@@ -462,3 +462,40 @@ def test_a_reload_gives_removed_ids_to_the_new_tenants_that_need_their_entries_m
     assert (ctl.tenant_id("b"), ctl.tenant_id("a")) == (x_id, y_id)
     assert ctl.backend_state(0)["guaranteed_slots"] == 255 + 2
     assert ctl.backend_state(1)["guaranteed_slots"] == 255 + 1
+
+
+async def test_a_sighup_reload_waits_for_the_removed_tenants_requests_to_end(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Every id of the core is taken; a reload removes 10 tenants and adds 10, and one removed
+    tenant still has a request running: its id cannot go to a new tenant yet. The SIGHUP
+    reload is refused, said once in the log, and tried again every second: it applies once the
+    request ends, with no second SIGHUP (each replica checks its own core, and one that had
+    such a request would otherwise keep the old tenants while the others took the file)."""
+    path = tmp_path / "kvgate.json"
+    names = [f"t{i}" for i in range(512)]
+    path.write_text(json.dumps(scale_config("http://127.0.0.1:9", "m", names)))
+    gateway = build_gateway(load_config(path), config_path=str(path), poll=False)
+    ctl = gateway.controller
+    names += [f"n{i}" for i in range(512)]
+    path.write_text(json.dumps(scale_config("http://127.0.0.1:9", "m", names)))
+    assert gateway.reload() is True
+    assert ctl.free_tenant_ids == 0
+    running = ctl.admit(0, ctl.tenant_id("t0"), "standard", 10)
+    assert running.admitted
+    path.write_text(
+        json.dumps(
+            scale_config("http://127.0.0.1:9", "m", names[10:] + [f"m{i}" for i in range(10)])
+        )
+    )
+    with caplog.at_level(logging.ERROR):
+        gateway.reload_soon()
+        await until(lambda: gateway.last_refusal is not None, timeout=30)
+        assert "still have requests running here" in caplog.text
+        assert ctl.tenant_id("m9") is None
+        assert ctl.tenant_id("t0") is not None
+        running.release()
+        await until(lambda: ctl.tenant_id("m9") is not None, timeout=30)
+    assert ctl.tenant_id("t0") is None
+    assert gateway.last_refusal is None
+    assert caplog.text.count("still have requests running here") == 1
