@@ -737,6 +737,14 @@ def apply_config(gateway: Gateway, new: Config | Reload) -> None:
     changed.sort(
         key=lambda t: t.guaranteed_slots - ctl.tenant_state(ids[t.name])["guaranteed_slots"]
     )
+    # tenants that get a concurrency limit they did not have: their running requests were
+    # admitted without it (the store takes them in, below)
+    limited = [
+        t
+        for t in changed
+        if t.max_concurrency is not None
+        and ctl.tenant_state(ids[t.name])["max_concurrency"] is None
+    ]
     for t in changed:
         ctl.replace_tenant(ids[t.name], **_tenant_limits(t, ctl))
     # the new tenants that need the most guarantee entries first: each takes the removed id
@@ -762,6 +770,8 @@ def apply_config(gateway: Gateway, new: Config | Reload) -> None:
         gateway.set_prefill_capacity(b.name, cap)
     gateway.slo = _slo_controller(gateway, new.slo)
     gateway.store.reload()
+    for t in limited:
+        gateway.store.adopt_running(t.name, ids[t.name])
     gateway.timeouts = new.timeouts
     # the table as prepared, with the added tenants now that the core gave them ids
     tenants = list(plan.tenants)

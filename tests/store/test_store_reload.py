@@ -6,12 +6,13 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from tests.store.redis_servers import RedisServer
+from tests.store.redis_servers import RedisServer, wait_for
 
 from kvgate import AdmissionController
 from kvgate.config import StoreConfig
 from kvgate.store import StoreRefusal
 from kvgate.store.redis_store import RedisStore
+from kvgate.store.scopes import scope_key
 
 from .test_store_fallback import Ref
 
@@ -83,6 +84,59 @@ async def test_a_guarantee_a_reload_drops_still_binds_what_its_requests_hold(
                 break
             got.append(hold)
         assert len(got) == 6
+    finally:
+        for store, *_ in replicas:
+            await store.close()
+
+
+async def test_a_concurrency_limit_a_reload_adds_counts_the_requests_running_since_before(
+    redis_server: RedisServer,
+) -> None:
+    """Tenant a has no concurrency limit and runs 4 requests on the first replica; a reload
+    gives it a limit of 2 on both. The first replica's store takes its 4 running requests in
+    (no hold of the store counted them), so the second replica admits none of a's until they
+    end, as one gateway's core would (before, it admitted 2: the engine ran 6 of a's against
+    a limit of 2); once they have ended, the next heartbeat gives them back."""
+    cfg = StoreConfig(url=redis_server.url, heartbeat_s=0.05, deadline_ms=1000)
+    replicas = []
+    for _ in range(2):
+        ctl = AdmissionController()
+        gpu = Ref(ctl.add_backend("gpu", max_concurrency=100, tokens_per_minute=2**40), "gpu")
+        a = Ref(ctl.add_tenant("a", priority="critical"), "a")
+        store = RedisStore(cfg, ctl)
+        await store.start(["gpu"])
+        replicas.append((store, ctl, gpu, a))
+    try:
+        store0, ctl0, gpu0, a0 = replicas[0]
+        running = []
+        for _ in range(4):
+            reservation = ctl0.admit(gpu0.id, a0.id, "critical", 1)
+            assert reservation.admitted
+            hold = await admit(store0, gpu0, a0)
+            assert not isinstance(hold, StoreRefusal), hold
+            running.append((reservation, hold))
+        for store, ctl, _, a in replicas:
+            ctl.update_tenant(a.id, max_concurrency=2)
+            store.reload()
+            store.adopt_running("a", a.id)
+        key = scope_key(store0.prefix, "t", "a")
+        client = redis_server.client()
+        await wait_for(
+            lambda: int(client.hget(key, "alloc|conc") or 0) == 4, timeout=10.0, what="adopted"
+        )
+        store1, _, gpu1, a1 = replicas[1]
+        refused = await admit(store1, gpu1, a1)
+        assert isinstance(refused, StoreRefusal), refused
+        assert refused.reason == "tenant-concurrency"
+        for reservation, hold in running:
+            reservation.release()
+            store0.release(hold, 1, 1)
+        await wait_for(
+            lambda: int(client.hget(key, "alloc|conc") or 0) == 0, timeout=10.0, what="given back"
+        )
+        assert store0.scopes["ta"].pools["conc"].adopted == 0
+        got = [await admit(store1, gpu1, a1) for _ in range(3)]
+        assert [isinstance(h, StoreRefusal) for h in got] == [False, False, True]
     finally:
         for store, *_ in replicas:
             await store.close()

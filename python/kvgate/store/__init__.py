@@ -130,6 +130,9 @@ class LocalStore:
     def reload(self) -> None:
         """Nothing to forget."""
 
+    def adopt_running(self, tenant: str, tenant_id: int) -> None:
+        """Nothing to do: the core counts every running request of the tenant."""
+
     async def close(self) -> None:
         """Nothing to close."""
 

@@ -486,6 +486,44 @@ class RedisStore:
                         g = int(t["guaranteed_slots"])
                 pool.base, pool.g, pool.gs = b["max_concurrency"], g, b["guaranteed_slots"]
 
+    def adopt_running(self, tenant: str, tenant_id: int) -> None:
+        """A reload gave ``tenant`` a concurrency limit it did not have: its requests running
+        here since before were admitted without one, so no hold of this store counts them.
+        The tenant's pool takes them in (``adopted`` units of its ``in_use``, re-asserted to
+        Redis with the next heartbeat), so that the other replicas count them against the new
+        limit, as one gateway's core does; each heartbeat gives back those that have ended
+        (:meth:`_adopted_ended`). The running count is the admission core's: with
+        ``--workers N`` it is the host's (every worker's), which errs on the safe side.
+
+        Args:
+            tenant: the tenant's name; ``tenant_id``: its core id.
+        """
+        t = self.controller.tenant_state(tenant_id)
+        if t["max_concurrency"] is None:
+            return
+        sc = self._scope("t", tenant)
+        pool = self._pool(sc, "conc", "tenant-concurrency", PLAIN, int(t["max_concurrency"]))
+        untracked = int(t["in_use"]) - (pool.in_use - pool.adopted)
+        if untracked > pool.adopted:
+            pool.in_use += untracked - pool.adopted
+            pool.adopted = untracked
+            self._active.add(sc)
+            self._ledger.set_active(sc._i, True)
+            with contextlib.suppress(RuntimeError):  # no event loop: the next heartbeat says it
+                asyncio.get_running_loop()
+                self._kick(sc)
+
+    def _adopted_ended(self, sc: Scope, pool: Pool) -> None:
+        """Gives back the adopted units of ``pool`` whose requests have ended: those the core
+        no longer counts beyond what this store's holds take (all of them for a tenant removed
+        since)."""
+        tid = self.controller.tenant_id(sc.name)
+        running = 0 if tid is None else int(self.controller.tenant_state(tid)["in_use"])
+        keep = min(pool.adopted, max(0, running - (pool.in_use - pool.adopted)))
+        if keep < pool.adopted:
+            pool.in_use -= pool.adopted - keep
+            pool.adopted = keep
+
     # ---- the local fast path ----------------------------------------------------------------
     def try_admit(self, backend: Any, tenant: Any, priority: str, tokens: int) -> Any | None:
         """A hold taken from this replica's quotas, without Redis (an ``int``: its id in the
@@ -1545,6 +1583,8 @@ class RedisStore:
             for p in sc.pools.values():
                 used = used or p.taken > 0
                 p.taken = 0
+                if p.adopted:
+                    self._adopted_ended(sc, p)
             if not (
                 used
                 or probing

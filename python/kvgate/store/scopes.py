@@ -84,9 +84,24 @@ class Pool:
         limit, alloc: the effective limit and the sum of every replica's quota, as Redis last
             said; ``near``: less than ``near_fraction`` of the limit is free.
         taken: units taken since the last heartbeat (demand).
+        adopted: units of ``in_use`` that no hold of this store took: requests of the tenant
+            that ran before a reload gave it this limit (:meth:`RedisStore.adopt_running`),
+            given back as they end.
     """
 
-    __slots__ = ("_i", "_l", "alloc", "g", "gs", "kind", "limit_name", "name", "rq", "scope")
+    __slots__ = (
+        "_i",
+        "_l",
+        "adopted",
+        "alloc",
+        "g",
+        "gs",
+        "kind",
+        "limit_name",
+        "name",
+        "rq",
+        "scope",
+    )
 
     q = _ledger_field("pool", _Q, "units this replica holds (its quota)")
     in_use = _ledger_field("pool", _IN_USE, "units its requests hold")
@@ -115,7 +130,7 @@ class Pool:
         self._i = self._l.add_pool(scope._i, base)
         self.name, self.limit_name, self.kind = name, limit_name, kind
         self.g, self.gs = g, gs
-        self.alloc = self.rq = 0
+        self.alloc = self.rq = self.adopted = 0
         self.limit = base if kind != GUARANTEE else g
 
     def spec(self) -> dict[str, Any]:
