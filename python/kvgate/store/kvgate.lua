@@ -117,10 +117,14 @@ local function guarantee_units(state, live)
   for _, pod in ipairs(redis.call('ZRANGE', live, 0, -1)) do
     local held = redis.call('HGET', state, 'held|' .. pod)
     if held then
+      local fields = {}
       for _, pool in ipairs(cjson.decode(held)) do
-        if pool:sub(1, 2) == 'g:' then
-          sum = sum + num(redis.call('HGET', state, 'q|' .. pool .. '|' .. pod))
-        end
+        if pool:sub(1, 2) == 'g:' then fields[#fields + 1] = 'q|' .. pool .. '|' .. pod end
+      end
+      -- (in reads of at most 1,000 fields: Lua's stack bounds what unpack may spread)
+      for i = 1, #fields, 1000 do
+        local vals = redis.call('HMGET', state, unpack(fields, i, math.min(i + 999, #fields)))
+        for _, q in ipairs(vals) do sum = sum + num(q) end
       end
     end
   end
