@@ -701,3 +701,46 @@ async def test_a_sighup_reload_reads_the_file_off_the_event_loop_and_a_second_on
     assert reads == [True, True]
     assert ctl.tenant_id("dave") is not None
     assert ctl.tenant_id("carol") is None
+
+
+async def test_a_waiter_whose_tenant_a_reload_removes_is_refused_and_never_takes_another_id(
+    tmp_path: Path,
+) -> None:
+    """alice's request waits for the backend's only slot (bob holds it). A reload removes
+    alice and adds eve while every id of the core is taken, so eve takes alice's id (alice
+    holds nothing). The waiter is refused at once (429, no retry hint: its key no longer
+    works), before bob's slot frees: it must not be admitted, let alone under eve's id and
+    limits (it was, once the slot freed, before: eve was charged for alice's request)."""
+    sim_cfg = SimConfig.from_profile("tiny", speed=5, seed=4)
+    model = sim_cfg.model
+    path = tmp_path / "kvgate.json"
+    alice = tenant("alice", "sk-alice", max_wait_ms=30_000)
+    bob = tenant("bob", "sk-bob")
+    fill = [tenant(f"f{i}", f"sk-f{i}") for i in range(1022)]
+    async with run_sim(sim_cfg) as sim:
+
+        def write(tenants: list[dict[str, Any]]) -> None:
+            path.write_text(
+                json.dumps(config_data(sim.url, [model], max_concurrency=1, tenants=tenants))
+            )
+
+        write([alice, bob] + fill[:510])
+        gateway = build_gateway(load_config(path), config_path=str(path), poll=False)
+        ctl = gateway.controller
+        write([alice, bob] + fill)
+        assert gateway.reload() is True
+        assert ctl.free_tenant_ids == 0
+        alice_id = ctl.tenant_id("alice")
+        held = ctl.admit(0, ctl.tenant_id("bob"), "standard", 10)
+        assert held.admitted
+        async with run_gateway(gateway) as url, aiohttp.ClientSession() as s:
+            waiter = asyncio.create_task(post(s, url, chat(model), "sk-alice"))
+            await until(lambda: gateway.queue is not None and gateway.queue.waiting == 1)
+            write([bob, tenant("eve", "sk-eve")] + fill)
+            assert gateway.reload() is True
+            assert ctl.tenant_id("eve") == alice_id  # the id went to eve
+            status, reason, _ = await asyncio.wait_for(waiter, 10)
+            assert (status, reason) == (429, "tenant-concurrency")
+            assert ctl.tenant_state(alice_id)["in_use"] == 0  # eve runs nothing
+            held.release()
+            assert (await post(s, url, chat(model), "sk-eve"))[0] == 200

@@ -49,6 +49,11 @@ class _NeverFits(Exception):
         self.rejection = rejection
 
 
+#: the refusal of a waiting request whose tenant a reload removed (429 without a retry hint:
+#: its API key no longer works)
+REMOVED = Refusal("tenant-concurrency", scope="tenant", retry_after=None, never=True)
+
+
 def max_wait(tenant: Tenant, asked_ms: str | None) -> float:
     """Seconds a refused request may wait: the tenant's ``max_wait_ms``, shortened (never
     lengthened) by the client's :data:`MAX_WAIT_HEADER` value ``asked_ms`` (milliseconds,
@@ -169,6 +174,10 @@ async def wait_for_admission(
     shared = controller.shm_name is not None
 
     def try_admit() -> Any:
+        if controller.tenant_id(tenant.name) != tenant.id:
+            # a reload removed the tenant while it waited (its id may even be another
+            # tenant's by now): nothing will admit it, and it must not be charged to that one
+            raise _NeverFits(REMOVED)
         decision = controller.admit(backend.id, tenant.id, priority, tokens)
         if decision.admitted:
             if gate is not None:
