@@ -724,10 +724,10 @@ async def test_a_waiter_whose_tenant_a_reload_removes_is_refused_and_never_takes
                 json.dumps(config_data(sim.url, [model], max_concurrency=1, tenants=tenants))
             )
 
-        write([alice, bob] + fill[:510])
+        write([alice, bob, *fill[:510]])
         gateway = build_gateway(load_config(path), config_path=str(path), poll=False)
         ctl = gateway.controller
-        write([alice, bob] + fill)
+        write([alice, bob, *fill])
         assert gateway.reload() is True
         assert ctl.free_tenant_ids == 0
         alice_id = ctl.tenant_id("alice")
@@ -736,7 +736,7 @@ async def test_a_waiter_whose_tenant_a_reload_removes_is_refused_and_never_takes
         async with run_gateway(gateway) as url, aiohttp.ClientSession() as s:
             waiter = asyncio.create_task(post(s, url, chat(model), "sk-alice"))
             await until(lambda: gateway.queue is not None and gateway.queue.waiting == 1)
-            write([bob, tenant("eve", "sk-eve")] + fill)
+            write([bob, tenant("eve", "sk-eve"), *fill])
             assert gateway.reload() is True
             assert ctl.tenant_id("eve") == alice_id  # the id went to eve
             status, reason, _ = await asyncio.wait_for(waiter, 10)
