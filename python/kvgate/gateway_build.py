@@ -10,7 +10,9 @@
 
 from __future__ import annotations
 
+import functools
 import logging
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -770,8 +772,11 @@ def apply_config(gateway: Gateway, new: Config | Reload) -> None:
         gateway.set_prefill_capacity(b.name, cap)
     gateway.slo = _slo_controller(gateway, new.slo)
     gateway.store.reload()
+    now = time.monotonic()
     for t in limited:
-        gateway.store.adopt_running(t.name, ids[t.name])
+        tid = ids[t.name]
+        assert tid is not None  # (a tenant already in the core)
+        gateway.store.adopt_running(t.name, functools.partial(gateway.running.count, tid, now))
     gateway.timeouts = new.timeouts
     # the table as prepared, with the added tenants now that the core gave them ids
     tenants = list(plan.tenants)

@@ -96,7 +96,9 @@ async def test_a_concurrency_limit_a_reload_adds_counts_the_requests_running_sin
     gives it a limit of 2 on both. The first replica's store takes its 4 running requests in
     (no hold of the store counted them), so the second replica admits none of a's until they
     end, as one gateway's core would (before, it admitted 2: the engine ran 6 of a's against
-    a limit of 2); once they have ended, the next heartbeat gives them back."""
+    a limit of 2); once they have ended, the next heartbeat gives them back, though a request
+    of a's that the first replica's core admitted is still waiting for the store (counting the
+    core's admissions instead kept units adopted while clients waited: the tenant starved)."""
     cfg = StoreConfig(url=redis_server.url, heartbeat_s=0.05, deadline_ms=1000)
     replicas = []
     for _ in range(2):
@@ -115,10 +117,10 @@ async def test_a_concurrency_limit_a_reload_adds_counts_the_requests_running_sin
             hold = await admit(store0, gpu0, a0)
             assert not isinstance(hold, StoreRefusal), hold
             running.append((reservation, hold))
-        for store, ctl, _, a in replicas:
+        for i, (store, ctl, _, a) in enumerate(replicas):
             ctl.update_tenant(a.id, max_concurrency=2)
             store.reload()
-            store.adopt_running("a", a.id)
+            store.adopt_running("a", (lambda: len(running)) if i == 0 else (lambda: 0))
         key = scope_key(store0.prefix, "t", "a")
         client = redis_server.client()
         await wait_for(
@@ -128,15 +130,21 @@ async def test_a_concurrency_limit_a_reload_adds_counts_the_requests_running_sin
         refused = await admit(store1, gpu1, a1)
         assert isinstance(refused, StoreRefusal), refused
         assert refused.reason == "tenant-concurrency"
-        for reservation, hold in running:
+        while running:
+            reservation, hold = running.pop()
             reservation.release()
             store0.release(hold, 1, 1)
+        # (before a heartbeat runs) a new request of a's, admitted by the core, waits for the
+        # store
+        waiting = ctl0.admit(gpu0.id, a0.id, "critical", 1)
+        assert waiting.admitted
         await wait_for(
             lambda: int(client.hget(key, "alloc|conc") or 0) == 0, timeout=10.0, what="given back"
         )
         assert store0.scopes["ta"].pools["conc"].adopted == 0
         got = [await admit(store1, gpu1, a1) for _ in range(3)]
         assert [isinstance(h, StoreRefusal) for h in got] == [False, False, True]
+        waiting.release()
     finally:
         for store, *_ in replicas:
             await store.close()

@@ -123,6 +123,11 @@ class RunningRequests:
     def __len__(self) -> int:
         return len(self._running)
 
+    def count(self, tenant: int, started_before: float) -> int:
+        """How many of ``tenant``'s requests that started before ``started_before``
+        (``time.monotonic()`` seconds) still run here (a scan of the running requests)."""
+        return sum(1 for r in self._running if r.tenant == tenant and r.started < started_before)
+
     def start(self, backend: int, tenant: int, completion_tokens: int) -> _Running:
         """Record an admitted request on ``backend`` for ``tenant`` that reserved
         ``completion_tokens`` (0 when it generates nothing, e.g. embeddings); returns the entry

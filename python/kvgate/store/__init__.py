@@ -18,7 +18,7 @@ were replicas.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -90,6 +90,10 @@ class Store(Protocol):
     def reload(self) -> None:
         """The base limits changed (a reload, a limit discovered from the engine)."""
 
+    def adopt_running(self, tenant: str, running: Callable[[], int]) -> None:
+        """A reload gave ``tenant`` a concurrency limit it did not have: count its requests
+        from before against it (``running``: how many of them still run here)."""
+
     async def close(self) -> None:
         """Gives back what this replica holds and disconnects."""
 
@@ -130,7 +134,7 @@ class LocalStore:
     def reload(self) -> None:
         """Nothing to forget."""
 
-    def adopt_running(self, tenant: str, tenant_id: int) -> None:
+    def adopt_running(self, tenant: str, running: Callable[[], int]) -> None:
         """Nothing to do: the core counts every running request of the tenant."""
 
     async def close(self) -> None:

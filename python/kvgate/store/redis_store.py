@@ -486,43 +486,49 @@ class RedisStore:
                         g = int(t["guaranteed_slots"])
                 pool.base, pool.g, pool.gs = b["max_concurrency"], g, b["guaranteed_slots"]
 
-    def adopt_running(self, tenant: str, tenant_id: int) -> None:
+    def adopt_running(self, tenant: str, running: Callable[[], int]) -> None:
         """A reload gave ``tenant`` a concurrency limit it did not have: its requests running
-        here since before were admitted without one, so no hold of this store counts them.
-        The tenant's pool takes them in (``adopted`` units of its ``in_use``, re-asserted to
-        Redis with the next heartbeat), so that the other replicas count them against the new
-        limit, as one gateway's core does; each heartbeat gives back those that have ended
-        (:meth:`_adopted_ended`). The running count is the admission core's: with
-        ``--workers N`` it is the host's (every worker's), which errs on the safe side.
+        here since before were admitted without one, so no hold of this store's pool counts
+        them. The pool takes them in (``adopted`` units of its ``in_use``, re-asserted to
+        Redis at once), so that the other replicas count them against the new limit, as one
+        gateway's core does; each heartbeat gives back those that have ended
+        (:meth:`_adopted_ended`).
 
         Args:
-            tenant: the tenant's name; ``tenant_id``: its core id.
+            tenant: the tenant's name.
+            running: how many of the tenant's requests that started before the reload still
+                run on this replica (its admitted requests, not those still waiting).
         """
-        t = self.controller.tenant_state(tenant_id)
-        if t["max_concurrency"] is None:
+        tid = self.controller.tenant_id(tenant)
+        if tid is None:
+            return
+        limit = self.controller.tenant_state(tid)["max_concurrency"]
+        if limit is None:
             return
         sc = self._scope("t", tenant)
-        pool = self._pool(sc, "conc", "tenant-concurrency", PLAIN, int(t["max_concurrency"]))
-        untracked = int(t["in_use"]) - (pool.in_use - pool.adopted)
+        pool = self._pool(sc, "conc", "tenant-concurrency", PLAIN, int(limit))
+        untracked = running() - (pool.in_use - pool.adopted)
         if untracked > pool.adopted:
             pool.in_use += untracked - pool.adopted
             pool.adopted = untracked
+            pool.adopted_from = running
             self._active.add(sc)
             self._ledger.set_active(sc._i, True)
             with contextlib.suppress(RuntimeError):  # no event loop: the next heartbeat says it
                 asyncio.get_running_loop()
                 self._kick(sc)
 
-    def _adopted_ended(self, sc: Scope, pool: Pool) -> None:
-        """Gives back the adopted units of ``pool`` whose requests have ended: those the core
-        no longer counts beyond what this store's holds take (all of them for a tenant removed
-        since)."""
-        tid = self.controller.tenant_id(sc.name)
-        running = 0 if tid is None else int(self.controller.tenant_state(tid)["in_use"])
-        keep = min(pool.adopted, max(0, running - (pool.in_use - pool.adopted)))
+    def _adopted_ended(self, pool: Pool) -> None:
+        """Gives back the adopted units of ``pool`` whose requests have ended: it keeps at most
+        as many as the tenant's requests from before the reload still run (those of them that
+        a hold of the pool counts end too, so it may keep some a little longer than needed:
+        never fewer)."""
+        keep = 0 if pool.adopted_from is None else min(pool.adopted, pool.adopted_from())
         if keep < pool.adopted:
             pool.in_use -= pool.adopted - keep
             pool.adopted = keep
+        if not keep:
+            pool.adopted_from = None
 
     # ---- the local fast path ----------------------------------------------------------------
     def try_admit(self, backend: Any, tenant: Any, priority: str, tokens: int) -> Any | None:
@@ -1584,7 +1590,7 @@ class RedisStore:
                 used = used or p.taken > 0
                 p.taken = 0
                 if p.adopted:
-                    self._adopted_ended(sc, p)
+                    self._adopted_ended(p)
             if not (
                 used
                 or probing

@@ -7,6 +7,7 @@ of its entries with the names and settings the Redis messages need."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -86,13 +87,14 @@ class Pool:
         taken: units taken since the last heartbeat (demand).
         adopted: units of ``in_use`` that no hold of this store took: requests of the tenant
             that ran before a reload gave it this limit (:meth:`RedisStore.adopt_running`),
-            given back as they end.
+            given back as they end; ``adopted_from``: how many of those still run.
     """
 
     __slots__ = (
         "_i",
         "_l",
         "adopted",
+        "adopted_from",
         "alloc",
         "g",
         "gs",
@@ -131,6 +133,7 @@ class Pool:
         self.name, self.limit_name, self.kind = name, limit_name, kind
         self.g, self.gs = g, gs
         self.alloc = self.rq = self.adopted = 0
+        self.adopted_from: Callable[[], int] | None = None
         self.limit = base if kind != GUARANTEE else g
 
     def spec(self) -> dict[str, Any]:
