@@ -665,17 +665,21 @@ def apply_config(gateway: Gateway, new: Config | Reload) -> None:
             logger.warning("reload: tracing changed in the file; it applies only at the next start")
     ctl = gateway.controller
     ids = plan.ids
-    # with --workers N every worker applies the file to the one shared core: a tenant another
-    # worker added since this one prepared its reload is there now
+    # with --workers N every worker applies the file to the one shared core, at the same time:
+    # another worker may remove and add tenants between the reads below, which come in the
+    # order that can only overstate the room (the tenants to remove, the free ids, then the
+    # tenants another worker added since this one prepared its reload), so that no worker
+    # refuses a file that fits
+    removed = [(tid, name) for name in plan.removed if (tid := ctl.tenant_id(name)) is not None]
+    removed_ids = [tid for tid, _ in removed]
+    free = ctl.free_tenant_ids
     for t in plan.changed:
         if ids[t.name] is None:
             ids[t.name] = ctl.tenant_id(t.name)
-    removed = [(tid, name) for name in plan.removed if (tid := ctl.tenant_id(name)) is not None]
-    removed_ids = [tid for tid, _ in removed]
     adding = sum(1 for t in plan.changed if ids[t.name] is None)
     # a removed tenant's id can be reused at once only if it holds nothing now
     busy = sum(1 for tid in removed_ids if ctl.tenant_state(tid)["in_use"] != 0)
-    room = ctl.free_tenant_ids + len(removed_ids) - busy
+    room = free + len(removed_ids) - busy
     if room < adding <= room + busy:
         raise RemovedTenantsRunning(
             [

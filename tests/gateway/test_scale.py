@@ -499,3 +499,52 @@ async def test_a_sighup_reload_waits_for_the_removed_tenants_requests_to_end(
     assert ctl.tenant_id("t0") is None
     assert gateway.last_refusal is None
     assert caplog.text.count("still have requests running here") == 1
+
+
+def test_two_workers_filling_the_core_at_once_both_apply_the_reload(tmp_path: Path) -> None:
+    """Two workers of one shared core apply a reload that fills it (512 tenants to 1,024),
+    one of them wholly while the other looks its new tenants up. The other must count the
+    room before those look-ups (a tenant the first added is then no longer its to add), not
+    after: read after, the free ids are already gone and it refused a file that fits, keeping
+    the old tenants while the first worker served the new ones."""
+    from kvgate.gateway_build import apply_config, prepare_reload
+
+    path = tmp_path / "kvgate.json"
+    names = [f"t{i}" for i in range(512)]
+    path.write_text(json.dumps(scale_config("http://127.0.0.1:9", "m", names)))
+    a = build_gateway(load_config(path), config_path=str(path), poll=False)
+    ctl = a.controller
+    b = build_gateway(load_config(path), config_path=str(path), poll=False, controller=ctl)
+    path.write_text(
+        json.dumps(scale_config("http://127.0.0.1:9", "m", names + [f"n{i}" for i in range(512)]))
+    )
+    config = load_config(path)
+    plan_a, plan_b = prepare_reload(a, config), prepare_reload(b, config)
+
+    class Interleaved:
+        """The shared core as worker b sees it: worker a applies the reload wholly right
+        after b first looks up one of the new tenants (not there yet)."""
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(ctl, name)
+
+        def tenant_id(self, name: str) -> int | None:
+            found = ctl.tenant_id(name)
+            if name.startswith("n") and not plan_a_applied:
+                plan_a_applied.append(True)
+                apply_config(a, plan_a)
+            return found
+
+    plan_a_applied: list[bool] = []
+    b.controller = Interleaved()
+    try:
+        apply_config(b, plan_b)
+    finally:
+        b.controller = ctl
+    assert plan_a_applied
+    assert ctl.free_tenant_ids == 0
+    for worker in (a, b):
+        assert not worker.partly_applied
+        known = worker.identity.named("n511")
+        assert known is not None
+        assert known.id == ctl.tenant_id("n511")
