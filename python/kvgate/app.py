@@ -279,6 +279,7 @@ class Gateway:
         :meth:`reload_soon`, which reads it on a worker thread."""
         if self.config_path is None or self.apply_config is None:
             return False
+        self._reload_again = True  # a SIGHUP reload that waits reads the file again after this
         try:
             new = self._read_config()
         except Exception as exc:
@@ -307,16 +308,23 @@ class Gateway:
             except Exception as exc:
                 self._refused(exc)
             else:
-                self._apply(new)
-            if self._reload_again:
-                continue
-            # a refusal that time mends (``retry_after_s``: requests of removed tenants still
-            # hold the ids the file needs): tried again until it applies or another reload
-            # comes, so that every replica ends up with the file
-            retry = getattr(self.last_refusal, "retry_after_s", None)
-            if retry is None:
+                # a refusal that time mends (``retry_after_s``: requests of removed tenants
+                # still hold the ids the file needs): the file as read is applied again until
+                # it applies or another reload comes (which reads the file again), so that every
+                # replica ends up with it; it is not read again (100,000 tenants: seconds of CPU)
+                while not self._apply(new) and not self._read_again():
+                    retry = getattr(self.last_refusal, "retry_after_s", None)
+                    if retry is None:
+                        break
+                    await asyncio.sleep(retry)
+                    if self._read_again():
+                        break
+            if not self._read_again():
                 return
-            await asyncio.sleep(retry)
+
+    def _read_again(self) -> bool:
+        """Whether a reload came during this one (the file is read again)."""
+        return self._reload_again
 
     def _apply(self, new: Any) -> bool:
         assert self.apply_config is not None

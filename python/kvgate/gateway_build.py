@@ -496,6 +496,40 @@ def _check_guarantee_room(
         )
 
 
+def _warn_start_only(gateway: Gateway, new: Config) -> None:
+    """Warns about the settings of ``new`` that apply only at the next start (compared with
+    what the gateway started with)."""
+    old = gateway.config
+    if old is None:
+        return
+    # what applies only at start is compared with what the gateway started with
+    start = gateway.started_config if gateway.started_config is not None else old
+    models_before = [m for b in start.backends for m in b.models]
+    models_after = [m for b in new.backends for m in b.models]
+    if models_before != models_after:
+        # the request analysers (tokenizer, chat template, context window, default
+        # max_tokens) are built at start-up
+        logger.warning(
+            "reload: model settings (tokenizer, chat_template, context_window, "
+            "default_max_tokens) changed in the file; they apply only at the next start"
+        )
+    if new.store != start.store:
+        logger.warning(
+            "reload: the store section changed in the file; it applies only at the next "
+            "start (the limits stay shared as they were)"
+        )
+    if new.listen != start.listen or new.workers != start.workers:
+        logger.warning(
+            "reload: listen address and workers changed in the file; they apply only at "
+            "the next start (still %s:%d, %d worker(s))",
+            start.listen.host,
+            start.listen.port,
+            start.workers,
+        )
+    if new.tracing != start.tracing:
+        logger.warning("reload: tracing changed in the file; it applies only at the next start")
+
+
 class RemovedTenantsRunning(ConfigError):
     """A reload that fits once requests of tenants it removes have ended (their ids go to the
     tenants it adds): :meth:`kvgate.app.Gateway.reload_soon` tries it again every
@@ -637,32 +671,6 @@ def apply_config(gateway: Gateway, new: Config | Reload) -> None:
             raise ConfigError(
                 [("backends", "backends and models cannot change on reload; restart kvgate")]
             )
-        # what applies only at start is compared with what the gateway started with
-        start = gateway.started_config if gateway.started_config is not None else old
-        models_before = [m for b in start.backends for m in b.models]
-        models_after = [m for b in new.backends for m in b.models]
-        if models_before != models_after:
-            # the request analysers (tokenizer, chat template, context window, default
-            # max_tokens) are built at start-up
-            logger.warning(
-                "reload: model settings (tokenizer, chat_template, context_window, "
-                "default_max_tokens) changed in the file; they apply only at the next start"
-            )
-        if new.store != start.store:
-            logger.warning(
-                "reload: the store section changed in the file; it applies only at the next "
-                "start (the limits stay shared as they were)"
-            )
-        if new.listen != start.listen or new.workers != start.workers:
-            logger.warning(
-                "reload: listen address and workers changed in the file; they apply only at "
-                "the next start (still %s:%d, %d worker(s))",
-                start.listen.host,
-                start.listen.port,
-                start.workers,
-            )
-        if new.tracing != start.tracing:
-            logger.warning("reload: tracing changed in the file; it applies only at the next start")
     ctl = gateway.controller
     ids = plan.ids
     # with --workers N every worker applies the file to the one shared core, at the same time:
@@ -706,6 +714,7 @@ def apply_config(gateway: Gateway, new: Config | Reload) -> None:
     _check_guarantee_room(ctl, plan.changed, ids, removed_ids)
     from kvgate.config import DEFAULT_SLOTS
 
+    _warn_start_only(gateway, new)
     # from here a refusal leaves part of the file applied: the next reload sets every tenant
     gateway.partly_applied = True
     guaranteed = _guaranteed_sums(new)

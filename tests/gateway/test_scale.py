@@ -465,13 +465,14 @@ def test_a_reload_gives_removed_ids_to_the_new_tenants_that_need_their_entries_m
 
 
 async def test_a_sighup_reload_waits_for_the_removed_tenants_requests_to_end(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Every id of the core is taken; a reload removes 10 tenants and adds 10, and one removed
     tenant still has a request running: its id cannot go to a new tenant yet. The SIGHUP
     reload is refused, said once in the log, and tried again every second: it applies once the
     request ends, with no second SIGHUP (each replica checks its own core, and one that had
-    such a request would otherwise keep the old tenants while the others took the file)."""
+    such a request would otherwise keep the old tenants while the others took the file). The
+    file is read once: the tries apply it as read (an edit meanwhile waits for its SIGHUP)."""
     path = tmp_path / "kvgate.json"
     names = [f"t{i}" for i in range(512)]
     path.write_text(json.dumps(scale_config("http://127.0.0.1:9", "m", names)))
@@ -488,15 +489,27 @@ async def test_a_sighup_reload_waits_for_the_removed_tenants_requests_to_end(
             scale_config("http://127.0.0.1:9", "m", names[10:] + [f"m{i}" for i in range(10)])
         )
     )
+    reads: list[int] = []
+    read = type(gateway)._read_config
+
+    def counted(self: Any) -> Any:
+        reads.append(1)
+        return read(self)
+
+    monkeypatch.setattr(type(gateway), "_read_config", counted)
     with caplog.at_level(logging.ERROR):
         gateway.reload_soon()
         await until(lambda: gateway.last_refusal is not None, timeout=30)
         assert "still have requests running here" in caplog.text
         assert ctl.tenant_id("m9") is None
         assert ctl.tenant_id("t0") is not None
+        # an edit without a SIGHUP
+        path.write_text(json.dumps(scale_config("http://127.0.0.1:9", "m", ["z0"])))
         running.release()
         await until(lambda: ctl.tenant_id("m9") is not None, timeout=30)
     assert ctl.tenant_id("t0") is None
+    assert ctl.tenant_id("z0") is None
+    assert len(reads) == 1
     assert gateway.last_refusal is None
     assert caplog.text.count("still have requests running here") == 1
 
