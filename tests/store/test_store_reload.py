@@ -34,6 +34,17 @@ async def admit(store: RedisStore, backend: Ref, tenant: Ref) -> Any:
     return hold
 
 
+async def admit_until_refused(store: RedisStore, backend: Ref, tenant: Ref) -> list[Any]:
+    """Holds admitted one after another until one is refused (8 at most)."""
+    got = []
+    for _ in range(8):
+        hold = await admit(store, backend, tenant)
+        if isinstance(hold, StoreRefusal):
+            break
+        got.append(hold)
+    return got
+
+
 @pytest.mark.parametrize("change", ["lowered", "removed"])
 async def test_a_guarantee_a_reload_drops_still_binds_what_its_requests_hold(
     redis_server: RedisServer, change: str
@@ -63,12 +74,7 @@ async def test_a_guarantee_a_reload_drops_still_binds_what_its_requests_hold(
                 ctl.remove_tenant(a.id)
             store.reload()
         store, _, gpu, _, b = replicas[1]
-        got = []
-        for _ in range(8):
-            hold = await admit(store, gpu, b)
-            if isinstance(hold, StoreRefusal):
-                break
-            got.append(hold)
+        got = await admit_until_refused(store, gpu, b)
         assert len(got) == 2
         # a's guarantee pool says what the guarantee is now (a may send no request again)
         for st, *_ in replicas:
@@ -78,11 +84,7 @@ async def test_a_guarantee_a_reload_drops_still_binds_what_its_requests_hold(
             st.release(hold, 1, 1)
         for st, _ in held:
             await st.flushed()
-        for _ in range(8):
-            hold = await admit(store, gpu, b)
-            if isinstance(hold, StoreRefusal):
-                break
-            got.append(hold)
+        got += await admit_until_refused(store, gpu, b)
         assert len(got) == 6
     finally:
         for store, *_ in replicas:
