@@ -116,12 +116,7 @@ def _capacity_counts(config: Config) -> tuple[int, int, int]:
     per backend for a tenant with guaranteed slots on every backend."""
     tenants = _tenants_of(config)
     n_backends = len(config.backends)
-    guarantees = sum(
-        len(set(t.backends))
-        if t.backends is not None
-        else (n_backends if t.guaranteed_slots else 0)
-        for t in tenants
-    )
+    guarantees = sum(_entries_wanted(t, n_backends) for t in tenants)
     return n_backends, len(tenants), guarantees
 
 

@@ -468,15 +468,15 @@ class RedisStore:
         self._parts.clear()
         self._ledger.clear_plans()
         ctl = self.controller
-        for sc in self.scopes.values():
-            if sc.kind != "b" or not any(n.startswith("g:") for n in sc.pools):
-                continue
-            bid = ctl.backend_id(sc.name)
-            if bid is None:
-                continue
+        for bid in range(ctl.backend_count):
             b = ctl.backend_state(bid)
+            sc = self.scopes.get("b" + str(b["name"]))
+            if sc is None:
+                continue
             for name, pool in sc.pools.items():
-                if not name.startswith("g:"):
+                # (only those holding units: one that holds none is set again when next
+                # planned, and 100,000 guaranteed tenants would make this a long loop)
+                if not name.startswith("g:") or not (pool.q or pool.in_use or pool.rq):
                     continue
                 tid = ctl.tenant_id(name[2:])
                 g = 0
