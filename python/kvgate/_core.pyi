@@ -34,6 +34,7 @@ __all__ = [
     "OverReleaseError",
     "QuotaLedger",
     "Rejection",
+    "ReplicaSet",
     "RequestAnalyzer",
     "Reservation",
     "SSEInspector",
@@ -1220,3 +1221,50 @@ class QuotaLedger:
         would be half of it. Off by default."""
     @warming.setter
     def warming(self, on: bool) -> None: ...
+
+@final
+class ReplicaSet:
+    """The replicas (backends) that can serve a request, with what the routing stage reads of
+    each: whether its health check passes and its last KV-cache usage. The gateway keeps one
+    per served model (and one of every backend), updated as health checks and engine metrics
+    arrive, so that choosing among a thousand replicas reads the admission core's atomics in
+    Rust and no Python object. Used from one event loop.
+
+    Args:
+        backends: the members' backend ids in the admission core, in order (ties go to the
+            earlier one); every member starts healthy, its KV-cache usage unknown.
+
+    Raises:
+        ValueError: an id given twice.
+    """
+
+    def __new__(cls, backends: Sequence[int]) -> Self: ...
+    def __len__(self) -> int: ...
+    @property
+    def backends(self) -> list[int]:
+        """The members' backend ids, in order."""
+    @property
+    def healthy(self) -> int:
+        """How many members are healthy."""
+    def set_healthy(self, backend: int, healthy: bool) -> None:
+        """Marks member ``backend`` (its id) healthy or not: an unhealthy one is never chosen.
+
+        Raises:
+            ValueError: ``backend`` is not a member.
+        """
+    def set_kv_usage(self, backend: int, kv_usage: float | None) -> None:
+        """Member ``backend``'s KV-cache usage (ratio 0..1 as its engine last reported it;
+        ``None``: unknown, counted as 0).
+
+        Raises:
+            ValueError: ``backend`` is not a member, or ``kv_usage`` is not finite.
+        """
+    def most_headroom(self, controller: AdmissionController) -> int | None:
+        """The position (in :attr:`backends`) of the healthy member with the most headroom in
+        ``controller``: the largest free slot ratio ``(limit - in_use) / limit`` of its
+        effective (scaled) concurrency limit, then the lowest KV-cache usage; ties go to the
+        earlier member. ``None`` when no member is healthy.
+
+        Raises:
+            InvalidConfigError: a member id that ``controller`` does not know.
+        """

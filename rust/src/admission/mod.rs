@@ -33,6 +33,7 @@
 
 mod config;
 mod region;
+mod route;
 mod snapshot;
 #[cfg(test)]
 mod tests;

@@ -1306,3 +1306,49 @@ fn an_added_tenant_takes_the_removed_id_whose_entries_suit_it_best() {
     }
     assert_eq!(a.guarantee_entries_free(), 0);
 }
+
+#[test]
+fn most_headroom_picks_the_freest_replica_then_the_lowest_kv_usage() {
+    let (a, _clock, b0) = setup(); // 4 slots
+    let cfg = BackendConfig {
+        max_concurrency: 8,
+        tokens_per_minute: 60_000,
+        burst_tokens: None,
+        inflight_token_limit: None,
+    };
+    let b1 = a.add_backend("b1", &cfg).unwrap();
+    let t = tenant(&a, "t", Priority::Standard, 0, None);
+    assert_eq!(a.most_headroom::<u8, _>([]).unwrap(), None);
+    // both free: the lower KV usage (unknown counts as 0), ties to the first
+    assert_eq!(
+        a.most_headroom([(0, b0, Some(0.5)), (1, b1, Some(0.2))])
+            .unwrap(),
+        Some(1)
+    );
+    assert_eq!(
+        a.most_headroom([(0, b0, None), (1, b1, Some(0.0))])
+            .unwrap(),
+        Some(0)
+    );
+    // 2 of 4 held on b0 (free 0.5) against 3 of 8 on b1 (free 0.625): b1, whatever its KV
+    let held: Vec<_> = [b0, b0, b1, b1, b1]
+        .iter()
+        .map(|&b| a.admit(b, t, Priority::Standard, 1).unwrap().unwrap())
+        .collect();
+    assert_eq!(
+        a.most_headroom([(0, b0, Some(0.0)), (1, b1, Some(0.9))])
+            .unwrap(),
+        Some(1)
+    );
+    // b1 scaled to 4 slots (3 held: free 0.25): b0 now
+    a.set_scale(b1, 0.5).unwrap();
+    assert_eq!(
+        a.most_headroom([(0, b0, Some(0.9)), (1, b1, Some(0.0))])
+            .unwrap(),
+        Some(0)
+    );
+    for tk in &held {
+        a.release(tk, Some(0)).unwrap();
+    }
+    assert!(a.most_headroom([(0, b0, None), (1, 99, None)]).is_err());
+}

@@ -8,6 +8,7 @@ mod fast;
 mod http;
 mod ledger;
 mod primitives;
+mod route;
 mod sse;
 
 use pyo3::prelude::*;
@@ -66,5 +67,6 @@ pub fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     analyze::register(m)?;
     sse::register(m)?;
     ledger::register(m)?;
+    route::register(m)?;
     Ok(())
 }
