@@ -25,7 +25,7 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from kvgate import ModelRegistry, dashboard
+from kvgate import ModelRegistry, ReplicaSet, dashboard
 from kvgate.admission.identity import TenantIndex, TenantTable, api_key
 from kvgate.admission.retry_hint import RunningRequests
 from kvgate.config import TimeoutsConfig
@@ -72,11 +72,36 @@ class Backend:
     metrics_url: str
     engine: str = "auto"
     config: Any = None
-    healthy: bool = True
     stale: bool = False
-    kv_usage: float | None = None
     waiting: int | None = None
     bound_by: str = "none"
+    #: the routing stage's replica sets (:class:`kvgate.ReplicaSet`) this backend is in, told
+    #: of its health and KV-cache usage as they change (:meth:`Gateway.index_replicas`)
+    replica_sets: list[Any] = field(default_factory=list, repr=False)
+    _healthy: bool = field(default=True, repr=False)
+    _kv_usage: float | None = field(default=None, repr=False)
+
+    @property
+    def healthy(self) -> bool:
+        """Routing flag: a backend whose health check fails is skipped."""
+        return self._healthy
+
+    @healthy.setter
+    def healthy(self, value: bool) -> None:
+        self._healthy = value
+        for replicas in self.replica_sets:
+            replicas.set_healthy(self.id, value)
+
+    @property
+    def kv_usage(self) -> float | None:
+        """Last KV-cache usage ratio (0..1) read from its metrics, or ``None``."""
+        return self._kv_usage
+
+    @kv_usage.setter
+    def kv_usage(self, value: float | None) -> None:
+        self._kv_usage = value
+        for replicas in self.replica_sets:
+            replicas.set_kv_usage(self.id, value)
 
     @property
     def api_key(self) -> str | None:
@@ -102,12 +127,23 @@ class Backend:
 
 @dataclass(slots=True)
 class ModelRoute:
-    """A served model: its analyser and the backends (replicas) that serve it."""
+    """A served model: its analyser and the backends (replicas) that serve it.
+
+    Attributes:
+        replicas: its backends as the routing stage reads them (:class:`kvgate.ReplicaSet`,
+            in the order of :attr:`backends`; made by :meth:`Gateway.index_replicas`).
+        open_to: the replicas open to tenants limited to some backends, by the set of backend
+            names they may use (made when first asked, :meth:`Gateway.replicas_open_to`).
+    """
 
     name: str
     analyzer: Any
     backends: list[Backend]
     count_text: Callable[[str], int] | None = None
+    replicas: Any = field(default=None, repr=False)
+    open_to: dict[frozenset[str], tuple[Any, list[Backend]]] = field(
+        default_factory=dict, repr=False
+    )
 
 
 @contextlib.contextmanager
@@ -226,10 +262,16 @@ class Gateway:
     tracing: Any = None
     #: who is calling: the tenants by API key (:class:`kvgate.admission.identity.TenantTable`)
     identity: TenantTable = field(init=False)
+    #: every backend as the routing stage reads them (:meth:`index_replicas`)
+    replicas: ReplicaSet = field(init=False, repr=False)
+    _by_name: dict[str, Backend] = field(init=False, repr=False)
+    _open_to: dict[frozenset[str], tuple[ReplicaSet, list[Backend]]] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         from kvgate.admission.wait_queue import PriorityWaitQueue
 
+        self._by_name = {b.name: b for b in self.backends}
+        self.index_replicas()
         self.identity = TenantTable(self.tenants, self.anonymous)
         # one JSON parse per request: the registry picks the model's analyser itself
         self.registry = ModelRegistry([m.analyzer for m in self.models.values()])
@@ -394,10 +436,44 @@ class Gateway:
 
     def backend_named(self, name: str) -> Backend:
         """The backend called ``name`` (``KeyError`` if none)."""
+        return self._by_name[name]
+
+    def index_replicas(self) -> None:
+        """(Re)makes the routing stage's replica sets (:class:`kvgate.ReplicaSet`): one of
+        every backend (:attr:`replicas`), one per model (:attr:`ModelRoute.replicas`), each
+        told of its members' health and KV-cache usage now, and each backend told which sets
+        it is in. The sets made for tenants limited to some backends are forgotten (made again
+        when next asked: a reload may have changed those limits)."""
         for b in self.backends:
-            if b.name == name:
-                return b
-        raise KeyError(name)
+            b.replica_sets = []
+        self.replicas = self._replica_set(self.backends)
+        self._open_to = {}
+        for m in self.models.values():
+            m.replicas = self._replica_set(m.backends)
+            m.open_to = {}
+
+    @staticmethod
+    def _replica_set(backends: list[Backend]) -> ReplicaSet:
+        replicas = ReplicaSet([b.id for b in backends])
+        for b in backends:
+            replicas.set_healthy(b.id, b.healthy)
+            replicas.set_kv_usage(b.id, b.kv_usage)
+            b.replica_sets.append(replicas)
+        return replicas
+
+    def replicas_open_to(
+        self, allowed: frozenset[str], model: ModelRoute | None = None
+    ) -> tuple[ReplicaSet, list[Backend]]:
+        """The replicas of ``model`` (of every backend when ``None``) that a tenant limited to
+        the backends named ``allowed`` may use, and those backends in the set's order (made
+        once per set of names and model, then kept up to date like the others)."""
+        cache = self._open_to if model is None else model.open_to
+        got = cache.get(allowed)
+        if got is None:
+            members = [b for b in (self.backends if model is None else model.backends)
+                       if b.name in allowed]  # fmt: skip
+            got = cache[allowed] = (self._replica_set(members), members)
+        return got
 
     # ---- state ----------------------------------------------------------------------------
     def read_state(self) -> list[tuple[str, dict[str, Any]]]:

@@ -796,6 +796,7 @@ def apply_config(gateway: Gateway, new: Config | Reload) -> None:
         tenants[at] = tenant = _tenant(t, tid)
         plan.index.add(tenant)
     _set_tenants(gateway, new, cast(list[Tenant], tenants), plan.index)
+    gateway.index_replicas()  # (forgets the replica sets of the old tenants' backend limits)
     gateway.partly_applied = False
     gateway.notify_waiters()  # limits that grew: waiters may fit now
     logger.info(
