@@ -492,10 +492,11 @@ async def handle_models(gw: Gateway, request: web.BaseRequest) -> web.Response:
 
 
 async def handle_metrics(gw: Gateway, request: web.BaseRequest) -> web.Response:
-    """``GET /metrics``: Prometheus text exposition."""
+    """``GET /metrics``: Prometheus text exposition (the samples read on the event loop, the
+    text written on a worker thread: :meth:`kvgate.metrics.GatewayMetrics.snapshot`)."""
+    body = await asyncio.to_thread(gw.metrics.snapshot())
     return web.Response(
-        body=gw.metrics.render(),
-        headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"},
+        body=body, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"}
     )
 
 

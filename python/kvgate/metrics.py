@@ -591,14 +591,39 @@ class GatewayMetrics:
 
     def render(self) -> bytes:
         """The exposition text for ``GET /metrics`` (this process's batches flushed first)."""
+        return self.snapshot()()
+
+    def snapshot(self) -> Callable[[], bytes]:
+        """:meth:`render` in two steps: this process's batches flushed and its samples read
+        now (on the event loop: the scrape-time collectors read the gateway's state), and the
+        function returned writes the text, which may run on a worker thread (with ``--workers
+        N``, it also reads and sums the workers' files there). With a thousand backends the
+        text is over half a megabyte: writing it is the larger part of a scrape, and off the
+        loop it no longer holds the requests being served."""
         self.flush()
         if self._multiproc:
             from prometheus_client import multiprocess
 
-            merged = CollectorRegistry()
-            multiprocess.MultiProcessCollector(merged)
-            return generate_latest(merged) + generate_latest(_GaugesOnly(self.registry))
-        return generate_latest(self.registry)
+            gauges = _Samples(list(_GaugesOnly(self.registry).collect()))
+
+            def merged_text() -> bytes:
+                merged = CollectorRegistry()
+                multiprocess.MultiProcessCollector(merged)
+                return generate_latest(merged) + generate_latest(gauges)
+
+            return merged_text
+        samples = _Samples(list(self.registry.collect()))
+        return lambda: generate_latest(samples)
+
+
+class _Samples(Collector):
+    """Metric families already collected (:meth:`GatewayMetrics.snapshot`), given as they are."""
+
+    def __init__(self, families: list[Any]) -> None:
+        self._families = families
+
+    def collect(self) -> Iterator[Any]:
+        return iter(self._families)
 
 
 class _GaugesOnly(Collector):
