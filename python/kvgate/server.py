@@ -315,7 +315,7 @@ async def _start_poller(gateway: Gateway) -> Any:
             gateway.queue.shed("sheddable", backend)
 
     sink = AdaptiveSink(gateway, on_shed=shed_waiters)
-    poller = MetricsPoller(gateway.session, sink, poll_targets(gateway))
+    poller = MetricsPoller(None, sink, poll_targets(gateway))  # its own session, no traces
     gateway.poller = poller
     await poller.start()
     return poller

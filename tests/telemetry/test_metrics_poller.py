@@ -475,3 +475,39 @@ async def test_duplicate_backend_names(session: aiohttp.ClientSession) -> None:
     t = PollTarget(name="b", metrics_url="http://127.0.0.1:1/metrics")
     with pytest.raises(ValueError, match="duplicate"):
         MetricsPoller(session, Recorder(), [t, t])
+
+
+async def test_targets_are_polled_at_phases_spread_over_the_interval(
+    engine: Engine, session: aiohttp.ClientSession, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Four targets, a poll every 0.4 s: after the first polls (all at once) the ``i``-th is
+    polled ``i / 4`` of an interval after the first, round after round, rather than all four
+    in the same moment (a thousand backends would send a thousand scrapes at once)."""
+    loop = asyncio.get_running_loop()
+    called: dict[str, list[float]] = {}
+    poll_once = MetricsPoller.poll_once
+
+    polled = asyncio.Event()
+
+    async def timed(self: MetricsPoller, backend: str) -> None:
+        called.setdefault(backend, []).append(loop.time())
+        polled.set()
+        await poll_once(self, backend)
+
+    monkeypatch.setattr(MetricsPoller, "poll_once", timed)
+    sink = Recorder()
+    slow = {"poll_interval": 0.4, "scrape_timeout": 0.35, "stale_after": 5.0}
+    names = ["b1", "b2", "b3", "b4"]
+    async with MetricsPoller(session, sink, [target(engine, name=n, **slow) for n in names]):
+        async with asyncio.timeout(10):
+            while min(len(called.get(n, [])) for n in names) < 5:
+                polled.clear()
+                await polled.wait()
+    # rounds 2 to 5: b4 comes 0.3 s after b1 (0 without phases; a stalled loop delays a poll
+    # but keeps the phases, so the median round shows them)
+    gaps = sorted(called["b4"][k] - called["b1"][k] for k in range(1, 5))
+    assert 0.15 < (gaps[1] + gaps[2]) / 2 < 0.4, gaps
+    # each target is still polled once an interval (the first two polls a phase apart)
+    for n in names:
+        steps = [b - a for a, b in zip(called[n][1:], called[n][2:], strict=False)]
+        assert 0.3 < sorted(steps)[len(steps) // 2] < 0.5, (n, steps)

@@ -1,7 +1,8 @@
 """MetricsPoller: one asyncio task per backend that scrapes the engine's ``/metrics`` and health.
 
-What: every ``poll_interval`` seconds (default 1 s) each backend's metrics URL is fetched with the
-gateway's shared :class:`aiohttp.ClientSession` and a timeout shorter than the interval, turned
+What: every ``poll_interval`` seconds (default 1 s, each backend at its own phase of the interval)
+each backend's metrics URL is fetched with the poller's :class:`aiohttp.ClientSession` and a
+timeout shorter than the interval, turned
 into an :class:`~kvgate.telemetry.engine_metrics.EngineReading` by the engine adapters, and handed
 to a :class:`ReadingSink`. A failure (connection refused, timeout, HTTP error, garbage, missing
 or out-of-range metric) is handed to the sink as a reason and counted. When no good reading has
@@ -171,7 +172,10 @@ class MetricsPoller:
     """Polls every target on its own asyncio task; see the module docstring.
 
     Args:
-        session: the gateway's shared client session (not closed by the poller).
+        session: a client session to poll with (not closed by the poller), or ``None``: the
+            poller makes its own at :meth:`start` (no cookie jar, no trace hooks: a scrape
+            costs less than on the gateway's upstream session, which carries the relay's
+            connection-reuse trace) and closes it at :meth:`stop`.
         sink: receives readings, failures and stale / health transitions.
         targets: one :class:`PollTarget` per backend (names must be unique).
         clock: seconds, monotonic; default ``loop.time()`` of the running loop.
@@ -182,12 +186,13 @@ class MetricsPoller:
 
     def __init__(
         self,
-        session: aiohttp.ClientSession,
+        session: aiohttp.ClientSession | None,
         sink: ReadingSink,
         targets: Iterable[PollTarget],
         *,
         clock: Callable[[], float] | None = None,
     ) -> None:
+        self._given = session
         self._session = session
         self._sink = sink
         self._targets: dict[str, PollTarget] = {}
@@ -205,22 +210,45 @@ class MetricsPoller:
     # ----------------------------------------------------------------------------- lifecycle
 
     async def start(self) -> None:
-        """Start one polling task per target (idempotent). Must run on the event loop."""
+        """Start one polling task per target (idempotent). Must run on the event loop.
+
+        Each target is polled once at once, then every ``poll_interval`` at its own phase: the
+        ``i``-th of ``n`` targets ``i / n`` of an interval after the others, so that a gateway
+        of a thousand backends spreads its scrapes over the second rather than sending them
+        all at the same moment (a burst that would hold the event loop for the requests it
+        serves)."""
+        self._http()
         now = self._now()
-        for name, target in self._targets.items():
+        n = len(self._targets)
+        for i, (name, target) in enumerate(self._targets.items()):
             if name in self._tasks:
                 continue
             self._status.setdefault(name, BackendStatus(target=target, started_at=now))
-            self._tasks[name] = asyncio.create_task(self._run(name), name=f"kvgate-poll-{name}")
+            self._tasks[name] = asyncio.create_task(
+                self._run(name, i / n * target.poll_interval), name=f"kvgate-poll-{name}"
+            )
+
+    def _http(self) -> aiohttp.ClientSession:
+        """The session to poll with (the poller's own is made on first use)."""
+        if self._session is None:
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300),
+                cookie_jar=aiohttp.DummyCookieJar(),
+            )
+        return self._session
 
     async def stop(self) -> None:
-        """Cancel every polling task and wait for them to end."""
+        """Cancel every polling task and wait for them to end (and close the poller's own
+        session)."""
         tasks, self._tasks = list(self._tasks.values()), {}
         for task in tasks:
             task.cancel()
         for task in tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        if self._given is None and self._session is not None:
+            await self._session.close()
+            self._session = None
 
     async def __aenter__(self) -> MetricsPoller:
         await self.start()
@@ -243,10 +271,10 @@ class MetricsPoller:
 
     # ----------------------------------------------------------------------------- polling
 
-    async def _run(self, name: str) -> None:
+    async def _run(self, name: str, phase: float) -> None:
         target = self._targets[name]
         loop = asyncio.get_running_loop()
-        next_at = loop.time()
+        next_at = loop.time() + phase  # the first poll now, then one interval after the phase
         while True:
             try:
                 await self.poll_once(name)
@@ -254,11 +282,15 @@ class MetricsPoller:
                 raise
             except Exception:  # a bug in a sink must not end polling
                 logger.exception("backend %s: unexpected error while polling", name)
-            next_at += target.poll_interval
+            interval = target.poll_interval
+            next_at += interval
             now = loop.time()
-            if next_at < now:  # a slow tick: skip the missed ones rather than bunch up
-                next_at = now
-            await asyncio.sleep(next_at - now)
+            if next_at < now:
+                # late (a slow scrape, a busy loop): poll now, the missed ones skipped, and
+                # keep the phase for the next ones (taking "now" as the new phase would let
+                # every stall of the loop bunch the targets up again)
+                next_at += (now - next_at) // interval * interval
+            await asyncio.sleep(max(0.0, next_at - now))
 
     async def poll_once(self, backend: str) -> None:
         """One scrape (and one health check, when configured) of ``backend``, then the staleness
@@ -331,7 +363,7 @@ class MetricsPoller:
         timeout = aiohttp.ClientTimeout(total=target.timeout)
         started = time.monotonic()
         try:
-            async with self._session.get(url, timeout=timeout, headers=target.headers) as resp:
+            async with self._http().get(url, timeout=timeout, headers=target.headers) as resp:
                 if resp.status != 200:
                     raise _ScrapeFailed("http_status", f"GET {url} answered HTTP {resp.status}")
                 if resp.content_length is not None and resp.content_length > target.max_body_bytes:
@@ -357,7 +389,7 @@ class MetricsPoller:
         assert target.health_url is not None
         timeout = aiohttp.ClientTimeout(total=target.timeout)
         try:
-            async with self._session.get(
+            async with self._http().get(
                 target.health_url, timeout=timeout, headers=target.headers
             ) as resp:
                 ok = 200 <= resp.status < 300
