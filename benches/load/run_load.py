@@ -128,6 +128,12 @@ class Server:
             self.proc.wait(timeout=5)
 
 
+def fast_upstream() -> Server:
+    """The fast fixed-answer upstream (``fast_upstream.py``) on a free port, not yet started."""
+    port = free_port()
+    return Server("upstream", [sys.executable, str(HERE / "fast_upstream.py"), str(port)], port)
+
+
 def tree_cpu_seconds(root: int) -> float:
     """utime+stime (seconds) of ``root`` and all its descendants, from ``/proc/<pid>/stat``."""
     parents: dict[int, int] = {}

@@ -31,7 +31,7 @@ HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent / "load"), str(HERE.parent), str(HERE.parents[1])]
 
 import run as R  # noqa: E402
-from run_load import Server, free_port  # noqa: E402
+from run_load import Server, fast_upstream  # noqa: E402
 
 
 def store_counts(servers: list[Server]) -> list[tuple[int, int]]:
@@ -58,10 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     logdir = Path(tempfile.mkdtemp(prefix="cold-burst-"))
     body = logdir / "body.json"
     body.write_text(json.dumps(R.BODY))
-    py = sys.executable
-    up_port = free_port()
-    up = Server("upstream", [py, str(HERE.parent / "load" / "fast_upstream.py"), str(up_port)],
-                up_port)  # fmt: skip
+    up = fast_upstream()
     with start_redis(logdir / "redis") as redis:
         subprocess.run(["taskset", "-p", "-c", args.server_cpu, str(redis.pid)],
                        check=True, capture_output=True)  # fmt: skip

@@ -36,7 +36,7 @@ ROOT = HERE.parents[1]
 sys.path[:0] = [str(HERE.parent / "load"), str(HERE.parent), str(HERE), str(ROOT)]
 
 import run as tenants_run  # noqa: E402
-from run_load import Server, free_port, tree_cpu_seconds  # noqa: E402
+from run_load import Server, fast_upstream, free_port, tree_cpu_seconds  # noqa: E402
 
 COUNTS = (1, 1_000)
 
@@ -111,9 +111,7 @@ def main() -> int:
     body = logdir / "body.json"
     body.write_text(json.dumps(tenants_run.BODY))
     py = sys.executable
-    up_port = free_port()
-    up = Server("upstream", [py, str(HERE.parent / "load" / "fast_upstream.py"), str(up_port)],
-                up_port)  # fmt: skip
+    up = fast_upstream()
     setups: list[tenants_run.Setup] = []
     for n in COUNTS:
         port = free_port()
@@ -125,12 +123,7 @@ def main() -> int:
     idle: dict[str, list[float]] = {s.name: [] for s in setups}
     rows: dict[str, list[tuple[float, float, float]]] = {s.name: [] for s in setups}
     try:
-        up.start(args.client_cpu, logdir)
-        up.wait_ready(60)
-        for s in setups:
-            s.server.start(args.server_cpu, logdir)
-        for s in setups:
-            s.server.wait_ready(180)
+        tenants_run.start_all(up, [s.server for s in setups], args, logdir)
         for s in setups:
             tenants_run.wrk(s, body, args, 1)  # warm-up
         time.sleep(2)

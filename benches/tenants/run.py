@@ -56,7 +56,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(HERE.parent / "load"))
 sys.path.insert(0, str(HERE.parent))
 
-from run_load import Server, free_port, tree_cpu_seconds  # noqa: E402
+from run_load import Server, fast_upstream, free_port, tree_cpu_seconds  # noqa: E402
 
 import core_results  # noqa: E402
 from replicas.run import metric_value, redis_cpu_seconds  # noqa: E402
@@ -242,6 +242,17 @@ def load_cost(cfg: dict[str, Any], logdir: Path) -> dict[str, tuple[float, float
     return out
 
 
+def start_all(up: Server, servers: list[Server], args: argparse.Namespace, logdir: Path) -> None:
+    """Starts the upstream on the client CPU and ``servers`` on the server CPU, and waits for
+    each to answer."""
+    up.start(args.client_cpu, logdir)
+    up.wait_ready(60)
+    for s in servers:
+        s.start(args.server_cpu, logdir)
+    for s in servers:
+        s.wait_ready(180)
+
+
 def median(values: list[float]) -> float:
     return statistics.median(values) if values else float("nan")
 
@@ -367,9 +378,7 @@ def main(argv: list[str] | None = None) -> int:
     body = logdir / "body.json"
     body.write_text(json.dumps(BODY))
     py = sys.executable
-    up_port = free_port()
-    up = Server("upstream", [py, str(HERE.parent / "load" / "fast_upstream.py"), str(up_port)],
-                up_port)  # fmt: skip
+    up = fast_upstream()
     stack = contextlib.ExitStack()
     redis_url = None
     redis_note = "no Redis"
@@ -394,12 +403,7 @@ def main(argv: list[str] | None = None) -> int:
             )
     try:
         with stack:
-            up.start(args.client_cpu, logdir)
-            up.wait_ready(60)
-            for s in setups:
-                s.server.start(args.server_cpu, logdir)
-            for s in setups:
-                s.server.wait_ready(180)
+            start_all(up, [s.server for s in setups], args, logdir)
             for s in setups:  # warm-up: the first requests of each gateway
                 wrk(s, body, args, args.warmup)
             for r in range(args.rounds):
