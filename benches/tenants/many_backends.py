@@ -13,16 +13,22 @@ request less the idle rate (what a request itself costs). Then ``GET /metrics``:
 size, and the event loop's longest stop while it is served (the gap between answers of
 ``GET /healthz`` sent one after another meanwhile).
 
-Usage: ``.venv/bin/python benches/tenants/many_backends.py [--rounds 3] [--duration 3]``
-(prints only; figures go into ``benches/RESULTS.md`` by hand)
+With ``--redis`` both gateways keep their limits on a Redis store (a ``redis-server`` of the
+bench's own, pinned to the server CPU, its CPU counted with the gateway's), and the Redis calls
+per second while idle and per request are printed too.
+
+Usage: ``.venv/bin/python benches/tenants/many_backends.py [--rounds 3] [--duration 3]
+[--redis]`` (prints only; figures go into ``benches/RESULTS.md`` by hand)
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -41,8 +47,8 @@ from run_load import Server, fast_upstream, free_port, tree_cpu_seconds  # noqa:
 COUNTS = (1, 1_000)
 
 
-def config(upstream: str, port: int, n: int) -> dict[str, Any]:
-    return {
+def config(upstream: str, port: int, n: int, store: dict[str, Any] | None) -> dict[str, Any]:
+    cfg: dict[str, Any] = {
         "listen": {"host": "127.0.0.1", "port": port},
         "backends": [
             {
@@ -64,14 +70,27 @@ def config(upstream: str, port: int, n: int) -> dict[str, Any]:
         ],
         "access_log": {"enabled": False},
     }
+    if store is not None:
+        cfg["store"] = store
+    return cfg
 
 
-def idle_cpu(server: Server, seconds: float) -> float:
-    """CPU seconds per second the idle gateway uses."""
+def cpu(server: Server, redis_url: str | None) -> float:
+    """CPU seconds the gateway (and the Redis server, with one) used so far."""
     assert server.proc is not None
-    c0 = tree_cpu_seconds(server.proc.pid)
+    return tree_cpu_seconds(server.proc.pid) + tenants_run.redis_cpu(redis_url)
+
+
+def idle_cpu(server: Server, redis_url: str | None, seconds: float) -> float:
+    """CPU seconds per second the idle gateway (and Redis) use."""
+    c0 = cpu(server, redis_url)
     time.sleep(seconds)
-    return (tree_cpu_seconds(server.proc.pid) - c0) / seconds
+    return (cpu(server, redis_url) - c0) / seconds
+
+
+def store_calls(url: str, redis_url: str | None) -> int:
+    """Redis calls the gateway made so far (0 on the local store)."""
+    return tenants_run.store_calls(url)[0] if redis_url else 0
 
 
 def scrape_stall(url: str) -> tuple[float, float, float]:
@@ -105,6 +124,7 @@ def main() -> int:
     p.add_argument("--duration", type=float, default=3)
     p.add_argument("--server-cpu", default="1")
     p.add_argument("--client-cpu", default="0")
+    p.add_argument("--redis", action="store_true", help="both gateways on a Redis store")
     args = p.parse_args()
     args.connections = 32
     logdir = Path(tempfile.mkdtemp(prefix="backends-"))
@@ -112,36 +132,53 @@ def main() -> int:
     body.write_text(json.dumps(tenants_run.BODY))
     py = sys.executable
     up = fast_upstream()
+    stack = contextlib.ExitStack()
+    redis_url = None
+    if args.redis:
+        from tests.store.redis_servers import start_redis
+
+        redis = stack.enter_context(start_redis(logdir / "redis"))
+        subprocess.run(["taskset", "-p", "-c", args.server_cpu, str(redis.pid)], check=True,
+                       capture_output=True)  # fmt: skip
+        redis_url = redis.url
     setups: list[tenants_run.Setup] = []
     for n in COUNTS:
         port = free_port()
         path = logdir / f"backends-{n}.json"
-        path.write_text(json.dumps(config(up.url, port, n)))
+        store = None if redis_url is None else {"url": redis_url, "key_prefix": f"kvgb{n}"}
+        path.write_text(json.dumps(config(up.url, port, n, store)))
         argv = [py, "-m", "kvgate", "serve", "--config", str(path), "--log-level", "WARNING"]
         setups.append(tenants_run.Setup(f"{n} backends", 1, "local",
                                         Server(f"backends-{n}", argv, port, "/healthz")))  # fmt: skip
     idle: dict[str, list[float]] = {s.name: [] for s in setups}
     rows: dict[str, list[tuple[float, float, float]]] = {s.name: [] for s in setups}
     try:
+        stack.__enter__()
         tenants_run.start_all(up, [s.server for s in setups], args, logdir)
         for s in setups:
             tenants_run.wrk(s, body, args, 1)  # warm-up
         time.sleep(2)
         for r in range(args.rounds):
             for s in setups if r % 2 == 0 else setups[::-1]:
-                rate = idle_cpu(s.server, 3)
+                calls0 = store_calls(s.server.url, redis_url)
+                rate = idle_cpu(s.server, redis_url, 3)
+                calls1 = store_calls(s.server.url, redis_url)
                 idle[s.name].append(rate)
-                assert s.server.proc is not None
-                cpu0 = tree_cpu_seconds(s.server.proc.pid)
+                c1 = cpu(s.server, redis_url)
                 w = tenants_run.wrk(s, body, args, args.duration)
-                cpu = tree_cpu_seconds(s.server.proc.pid) - cpu0
+                used = cpu(s.server, redis_url) - c1
                 secs = w["duration_us"] / 1e6
                 n = w["requests"]
-                rows[s.name].append((n / secs, cpu / n * 1e6, (cpu - rate * secs) / n * 1e6))
+                calls2 = store_calls(s.server.url, redis_url)
+                rows[s.name].append((n / secs, used / n * 1e6, (used - rate * secs) / n * 1e6))
+                calls = ""
+                if redis_url:
+                    calls = (f"  Redis calls: idle {(calls1 - calls0) / 3:.1f}/s, "
+                             f"{(calls2 - calls1) / n:.4f} per request")  # fmt: skip
                 print(f"  round {r + 1} {s.name:<14} idle {100 * rate:4.1f}% of a core  "
-                      f"{n / secs:7,.0f} 2xx/s  {cpu / n * 1e6:5.0f} µs/request  "
-                      f"{(cpu - rate * secs) / n * 1e6:5.0f} less idle  non-2xx "
-                      f"{w['status_errors']}", flush=True)  # fmt: skip
+                      f"{n / secs:7,.0f} 2xx/s  {used / n * 1e6:5.0f} µs/request  "
+                      f"{(used - rate * secs) / n * 1e6:5.0f} less idle  non-2xx "
+                      f"{w['status_errors']}{calls}", flush=True)  # fmt: skip
         print()
         print("| gateway | idle CPU (% of a core) | 2xx/s | CPU µs/request | less idle | "
               "`GET /metrics` s / kB | loop's longest stop meanwhile (ms) |")  # fmt: skip
@@ -155,6 +192,7 @@ def main() -> int:
         for s in setups:
             s.server.stop()
         up.stop()
+        stack.close()
     return 0
 
 
