@@ -6,7 +6,8 @@ Each ``kvgate serve`` sits in front of the fast fixed-answer upstream
 backend points at it, serves the model ``fast``, has 100,000 slots and adaptive limits off, so
 each request is routed among all of a gateway's backends (the one with the most headroom). The
 engine pollers run as in production: each backend's metrics and health are read every second.
-Per gateway: CPU per second while idle (the pollers), then ``wrk`` windows (32 connections,
+First, in this process, the time of the choice alone among 1 to 1,000 replicas. Then, per
+gateway: CPU per second while idle (the pollers), then ``wrk`` windows (32 connections,
 one tenant far from its limits; the gateways pinned to the *server CPU*, ``wrk`` and the
 upstream to the *client CPU*, the two gateways in turn): 2xx/s, CPU per request, and CPU per
 request less the idle rate (what a request itself costs). Then ``GET /metrics``: its time and
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import hashlib
 import json
 import statistics
@@ -33,6 +35,7 @@ import sys
 import tempfile
 import threading
 import time
+import timeit
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -88,6 +91,23 @@ def idle_cpu(server: Server, redis_url: str | None, seconds: float) -> float:
     return (cpu(server, redis_url) - c0) / seconds
 
 
+def choice_alone() -> None:
+    """Prints the time of one ``ReplicaSet.most_headroom`` (the routing stage's choice) among
+    1, 10, 100 and 1,000 replicas, in this process (best of 5 rounds of 20,000)."""
+    from kvgate import AdmissionController, ReplicaSet
+
+    for n in (1, 10, 100, 1000):
+        ctl = AdmissionController(backends=n, tenants=1)
+        ids = [ctl.add_backend(f"b{i}", max_concurrency=100, tokens_per_minute=10**9)
+               for i in range(n)]  # fmt: skip
+        replicas = ReplicaSet(ids)
+        for i in ids:
+            replicas.set_kv_usage(i, (i % 7) / 10)
+        choose = functools.partial(replicas.most_headroom, ctl)
+        best = min(timeit.repeat(choose, number=20_000, repeat=5))
+        print(f"  the choice among {n:5,} replicas: {best / 20_000 * 1e6:.2f} µs", flush=True)
+
+
 def store_calls(url: str, redis_url: str | None) -> int:
     """Redis calls the gateway made so far (0 on the local store)."""
     return tenants_run.store_calls(url)[0] if redis_url else 0
@@ -127,6 +147,7 @@ def main() -> int:
     p.add_argument("--redis", action="store_true", help="both gateways on a Redis store")
     args = p.parse_args()
     args.connections = 32
+    choice_alone()
     logdir = Path(tempfile.mkdtemp(prefix="backends-"))
     body = logdir / "body.json"
     body.write_text(json.dumps(tenants_run.BODY))
