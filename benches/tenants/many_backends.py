@@ -6,7 +6,9 @@ Each ``kvgate serve`` sits in front of the fast fixed-answer upstream
 backend points at it, serves the model ``fast``, has 100,000 slots and adaptive limits off, so
 each request is routed among all of a gateway's backends (the one with the most headroom). The
 engine pollers run as in production: each backend's metrics and health are read every second.
-First, in this process, the time of the choice alone among 1 to 1,000 replicas. Then, per
+First, in this process, the time of the choice alone among 1 to 1,000 replicas, and what a
+scrape of ``/metrics`` and the dashboard's data cost on the event loop and off it when every
+one of 1,000 backends has served. Then, per
 gateway: CPU per second while idle (the pollers), then ``wrk`` windows (32 connections,
 one tenant far from its limits; the gateways pinned to the *server CPU*, ``wrk`` and the
 upstream to the *client CPU*, the two gateways in turn): 2xx/s, CPU per request, and CPU per
@@ -108,6 +110,51 @@ def choice_alone() -> None:
         print(f"  the choice among {n:5,} replicas: {best / 20_000 * 1e6:.2f} µs", flush=True)
 
 
+def scrape_parts(n: int = 1_000) -> None:
+    """Prints, in this process, what ``GET /metrics`` and ``GET /dashboard/data`` cost a gateway
+    of ``n`` backends whose every backend has served (a refusal, a request, a first token
+    each): the part on the event loop and the part a worker thread takes, against all of it
+    on the loop (best of 5)."""
+    from prometheus_client import generate_latest
+
+    from kvgate.config import Config
+    from kvgate.gateway_build import build_gateway
+
+    cfg = Config.model_validate(
+        {
+            "backends": [
+                {
+                    "name": f"b{i}",
+                    "url": "http://127.0.0.1:9",
+                    "models": [{"name": "fast", "context_window": 8192}],
+                    "max_concurrency": 100,
+                }
+                for i in range(n)
+            ],
+            "tenants": [{"name": "t0", "api_key_sha256": ["0" * 64]}],
+        }
+    )
+    m = build_gateway(cfg, poll=False).metrics
+    for i in range(n):
+        m.rejections.labels(f"b{i}", "backend-slots").inc()
+        m.requests.labels(f"b{i}", "t0", "ok").inc()
+        m.ttft_seconds.labels(f"b{i}", "standard").observe(0.3)
+        m.tokens_reserved.labels(f"b{i}").inc(16)
+
+    def best(f: Any) -> float:
+        return min(timeit.repeat(f, number=1, repeat=5)) * 1000
+
+    rows = [
+        ("`GET /metrics`, all on the loop (before)", best(lambda: generate_latest(m.registry)), 0.0),
+        ("`GET /metrics`, now", best(m.snapshot), best(m.snapshot())),
+        ("`GET /dashboard/data`'s families, all on the loop (before)", best(m.families), 0.0),
+        ("`GET /dashboard/data`'s families, now", best(m.dashboard_families),
+         best(m.dashboard_families())),
+    ]  # fmt: skip
+    for what, loop, thread in rows:
+        print(f"  {what}: {loop:.1f} ms on the loop, {thread:.1f} ms on a worker thread")
+
+
 def store_calls(url: str, redis_url: str | None) -> int:
     """Redis calls the gateway made so far (0 on the local store)."""
     return tenants_run.store_calls(url)[0] if redis_url else 0
@@ -148,6 +195,7 @@ def main() -> int:
     args = p.parse_args()
     args.connections = 32
     choice_alone()
+    scrape_parts()
     logdir = Path(tempfile.mkdtemp(prefix="backends-"))
     body = logdir / "body.json"
     body.write_text(json.dumps(tenants_run.BODY))

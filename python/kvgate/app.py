@@ -776,7 +776,8 @@ async def handle_dashboard_data(gw: Gateway, request: web.BaseRequest) -> Reply:
     ``invalid_api_key``."""
     if not admin_key_ok(gw, _dashboard_key(request)):
         return admin_refusal(request)
-    families = gw.metrics.families()  # flushes this process's batches into the usage ledger
+    # (flushes this process's batches into the usage ledger, then reads off the event loop)
+    families = await asyncio.to_thread(gw.metrics.dashboard_families())
     tokens = (
         dashboard.tenant_tokens(families)
         if gw.metrics.per_tenant

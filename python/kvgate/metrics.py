@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.registry import Collector
 
 from kvgate.usage import UsageLedger
@@ -397,13 +398,19 @@ class GatewayMetrics:
             self.ttft_seconds: _TTFT_BUCKETS,
             self.usage_ratio: _RATIO_BUCKETS,
         }
-        reg.register(_StateCollector(read_state))
+        #: the metrics above: each reads its own values under its own lock, so they may be
+        #: read off the event loop (:meth:`snapshot`)
+        self._standard = tuple(v for v in vars(self).values() if isinstance(v, MetricWrapperBase))
+        self._state_gauges = _StateCollector(read_state)
+        reg.register(self._state_gauges)
         #: the shared store the ``kvgate_store_*`` gauges read (set by the gateway's builder)
         self.store_gauges = _StoreCollector()
         reg.register(self.store_gauges)
         #: the gateway the prefill and latency-target gauges read (set by the gateway)
         self.stage_gauges = _AdmissionStagesCollector()
         reg.register(self.stage_gauges)
+        #: the collectors that read the gateway's state when scraped: on the event loop
+        self._live = (self._state_gauges, self.store_gauges, self.stage_gauges)
 
     def label_tenants(self, tenants: int, limit: int) -> None:
         """Label the per-tenant series by tenant name while ``tenants`` (the tenants configured)
@@ -579,32 +586,53 @@ class GatewayMetrics:
     def families(self) -> list[Any]:
         """The metric families a scrape would see (prometheus_client ``Metric`` objects, with
         their samples): this process's batches flushed first; with ``--workers N`` the
-        counters and histograms summed over the workers. For the dashboard's data."""
+        counters and histograms summed over the workers."""
         self.flush()
         if self._multiproc:
             from prometheus_client import multiprocess
 
             merged = CollectorRegistry()
             multiprocess.MultiProcessCollector(merged)
-            return [*merged.collect(), *_GaugesOnly(self.registry).collect()]
+            return [*merged.collect(), *self._state_gauges.collect()]
         return list(self.registry.collect())
+
+    def dashboard_families(self) -> Callable[[], list[Any]]:
+        """What the dashboard reads of :meth:`families` — refusals by reason, time to first
+        token by class, tokens per tenant — in two steps: this process's batches flushed now
+        (on the event loop), and the function returned reads the samples, which may run on a
+        worker thread (1,000 backends' histograms take tens of milliseconds to read). With
+        ``--workers N``: every family, summed over the workers."""
+        self.flush()
+        if self._multiproc:
+            from prometheus_client import multiprocess
+
+            gauges = list(self._state_gauges.collect())
+
+            def merged() -> list[Any]:
+                workers = CollectorRegistry()
+                multiprocess.MultiProcessCollector(workers)
+                return [*workers.collect(), *gauges]
+
+            return merged
+        wanted = (self.rejections, self.ttft_seconds, self.tenant_tokens)
+        return lambda: [f for m in wanted for f in m.collect()]
 
     def render(self) -> bytes:
         """The exposition text for ``GET /metrics`` (this process's batches flushed first)."""
         return self.snapshot()()
 
     def snapshot(self) -> Callable[[], bytes]:
-        """:meth:`render` in two steps: this process's batches flushed and its samples read
-        now (on the event loop: the scrape-time collectors read the gateway's state), and the
-        function returned writes the text, which may run on a worker thread (with ``--workers
-        N``, it also reads and sums the workers' files there). With a thousand backends the
-        text is over half a megabyte: writing it is the larger part of a scrape, and off the
-        loop it no longer holds the requests being served."""
+        """:meth:`render` in two steps: this process's batches flushed and the gauges that read
+        the gateway's state read now (on the event loop), and the function returned reads the
+        counters and histograms (each under its own lock) and writes the text, which may run
+        on a worker thread (with ``--workers N``, it reads and sums the workers' files there).
+        With a thousand backends a scrape reads tens of thousands of samples and writes over
+        half a megabyte: off the loop, that no longer holds the requests being served."""
         self.flush()
         if self._multiproc:
             from prometheus_client import multiprocess
 
-            gauges = _Samples(list(_GaugesOnly(self.registry).collect()))
+            gauges = _Samples(list(self._state_gauges.collect()))
 
             def merged_text() -> bytes:
                 merged = CollectorRegistry()
@@ -612,8 +640,13 @@ class GatewayMetrics:
                 return generate_latest(merged) + generate_latest(gauges)
 
             return merged_text
-        samples = _Samples(list(self.registry.collect()))
-        return lambda: generate_latest(samples)
+        live = [f for c in self._live for f in c.collect()]
+        standard = self._standard
+
+        def text() -> bytes:
+            return generate_latest(_Samples([*(f for m in standard for f in m.collect()), *live]))
+
+        return text
 
 
 class _Samples(Collector):
@@ -624,24 +657,3 @@ class _Samples(Collector):
 
     def collect(self) -> Iterator[Any]:
         return iter(self._families)
-
-
-class _GaugesOnly(Collector):
-    """In multiprocess mode: only the scrape-time collectors of this registry."""
-
-    def __init__(self, registry: CollectorRegistry) -> None:
-        self._registry = registry
-
-    def collect(self) -> Iterator[Any]:
-        for metric in self._registry.collect():
-            if metric.name.startswith(
-                (
-                    "kvgate_slots",
-                    "kvgate_concurrency",
-                    "kvgate_tpm",
-                    "kvgate_tokens_available",
-                    "kvgate_inflight",
-                    "kvgate_scale",
-                )
-            ):
-                yield metric
