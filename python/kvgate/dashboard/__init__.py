@@ -128,7 +128,8 @@ def dashboard_data(
 
     Args:
         admin: the ``/admin/state`` document (:func:`kvgate.app.admin_state`).
-        families: the metric families a scrape sees (:meth:`kvgate.metrics.GatewayMetrics.families`).
+        families: metric families with at least the refusals, the time to first token and the
+            tokens per tenant (:meth:`kvgate.metrics.GatewayMetrics.dashboard_families`).
         queues: requests waiting in this worker's priority queue, ``{backend: {class: n}}``.
         now: wall-clock time of the snapshot (Unix seconds).
         tokens: tokens charged per tenant name (cumulative): :func:`tenant_tokens` of
