@@ -262,6 +262,8 @@ class Gateway:
     tracing: Any = None
     #: who is calling: the tenants by API key (:class:`kvgate.admission.identity.TenantTable`)
     identity: TenantTable = field(init=False)
+    #: the ``GET /metrics`` text being written (:meth:`metrics_text`)
+    _metrics_text: asyncio.Future[bytes] | None = field(init=False, default=None, repr=False)
     #: every backend as the routing stage reads them (:meth:`index_replicas`)
     replicas: ReplicaSet = field(init=False, repr=False)
     _by_name: dict[str, Backend] = field(init=False, repr=False)
@@ -434,6 +436,20 @@ class Gateway:
         self.tenants, self.anonymous = tenants, anonymous
         self.identity.replace(tenants, anonymous, index)
 
+    def metrics_text(self) -> Awaitable[bytes]:
+        """The ``GET /metrics`` text: the gauges of the gateway's state read on the event loop,
+        the counters and histograms read and the text written on a worker thread
+        (:meth:`kvgate.metrics.GatewayMetrics.snapshot`). One at a time: a scrape that comes
+        while another's text is being written gets that text, so a flood of scrapes costs
+        about one (the text is at most that scrape's age older)."""
+        writing = self._metrics_text
+        if writing is None or writing.done():
+            writing = self._metrics_text = asyncio.ensure_future(
+                asyncio.to_thread(self.metrics.snapshot())
+            )
+        # (one scrape's client going away must not cancel the text the others wait for)
+        return asyncio.shield(writing)
+
     def backend_named(self, name: str) -> Backend:
         """The backend called ``name`` (``KeyError`` if none)."""
         return self._by_name[name]
@@ -492,9 +508,8 @@ async def handle_models(gw: Gateway, request: web.BaseRequest) -> web.Response:
 
 
 async def handle_metrics(gw: Gateway, request: web.BaseRequest) -> web.Response:
-    """``GET /metrics``: Prometheus text exposition (the samples read on the event loop, the
-    text written on a worker thread: :meth:`kvgate.metrics.GatewayMetrics.snapshot`)."""
-    body = await asyncio.to_thread(gw.metrics.snapshot())
+    """``GET /metrics``: Prometheus text exposition (:meth:`Gateway.metrics_text`)."""
+    body = await gw.metrics_text()
     return web.Response(
         body=body, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"}
     )
