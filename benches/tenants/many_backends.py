@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
-import hashlib
 import json
 import statistics
 import subprocess
@@ -53,30 +52,11 @@ COUNTS = (1, 1_000)
 
 
 def config(upstream: str, port: int, n: int, store: dict[str, Any] | None) -> dict[str, Any]:
-    cfg: dict[str, Any] = {
-        "listen": {"host": "127.0.0.1", "port": port},
-        "backends": [
-            {
-                "name": f"b{i}",
-                "url": upstream,
-                "models": [{"name": "fast", "context_window": 8192}],
-                "max_concurrency": 100_000,
-                "adaptive": {"enabled": False},
-            }
-            for i in range(n)
-        ],
-        "tenants": [
-            {
-                "name": "t0",
-                "api_key_sha256": [hashlib.sha256(b"sk-t0").hexdigest()],
-                "max_concurrency": 1000,
-                "tokens_per_minute": 10**12,
-            }
-        ],
-        "access_log": {"enabled": False},
-    }
-    if store is not None:
-        cfg["store"] = store
+    """The tenants bench's gateway of one tenant (``t0``, key ``sk-t0``, far from its limits)
+    with ``n`` backends ``b<i>`` serving the model ``fast``."""
+    cfg = tenants_run.config(upstream, port, 1, store)
+    one = cfg["backends"][0]
+    cfg["backends"] = [{**one, "name": f"b{i}"} for i in range(n)]
     return cfg
 
 
