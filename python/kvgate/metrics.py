@@ -589,11 +589,7 @@ class GatewayMetrics:
         counters and histograms summed over the workers."""
         self.flush()
         if self._multiproc:
-            from prometheus_client import multiprocess
-
-            merged = CollectorRegistry()
-            multiprocess.MultiProcessCollector(merged)
-            return [*merged.collect(), *self._state_gauges.collect()]
+            return [*_workers_families(), *self._state_gauges.collect()]
         return list(self.registry.collect())
 
     def dashboard_families(self) -> Callable[[], list[Any]]:
@@ -604,16 +600,8 @@ class GatewayMetrics:
         ``--workers N``: every family, summed over the workers."""
         self.flush()
         if self._multiproc:
-            from prometheus_client import multiprocess
-
             gauges = list(self._state_gauges.collect())
-
-            def merged() -> list[Any]:
-                workers = CollectorRegistry()
-                multiprocess.MultiProcessCollector(workers)
-                return [*workers.collect(), *gauges]
-
-            return merged
+            return lambda: [*_workers_families(), *gauges]
         wanted = (self.rejections, self.ttft_seconds, self.tenant_tokens)
         return lambda: [f for m in wanted for f in m.collect()]
 
@@ -630,16 +618,8 @@ class GatewayMetrics:
         half a megabyte: off the loop, that no longer holds the requests being served."""
         self.flush()
         if self._multiproc:
-            from prometheus_client import multiprocess
-
-            gauges = _Samples(list(self._state_gauges.collect()))
-
-            def merged_text() -> bytes:
-                merged = CollectorRegistry()
-                multiprocess.MultiProcessCollector(merged)
-                return generate_latest(merged) + generate_latest(gauges)
-
-            return merged_text
+            gauges = list(self._state_gauges.collect())
+            return lambda: generate_latest(_Samples([*_workers_families(), *gauges]))
         live = [f for c in self._live for f in c.collect()]
         standard = self._standard
 
@@ -647,6 +627,16 @@ class GatewayMetrics:
             return generate_latest(_Samples([*(f for m in standard for f in m.collect()), *live]))
 
         return text
+
+
+def _workers_families() -> list[Any]:
+    """With ``--workers N``: the counters, histograms and gauges of every worker, summed from
+    their files (prometheus_client's multiprocess mode)."""
+    from prometheus_client import multiprocess
+
+    merged = CollectorRegistry()
+    multiprocess.MultiProcessCollector(merged)
+    return list(merged.collect())
 
 
 class _Samples(Collector):

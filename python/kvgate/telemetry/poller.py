@@ -217,7 +217,6 @@ class MetricsPoller:
         of a thousand backends spreads its scrapes over the second rather than sending them
         all at the same moment (a burst that would hold the event loop for the requests it
         serves)."""
-        self._http()
         now = self._now()
         n = len(self._targets)
         for i, (name, target) in enumerate(self._targets.items()):
