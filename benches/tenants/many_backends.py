@@ -121,13 +121,17 @@ def scrape_parts(n: int = 1_000) -> None:
         m.ttft_seconds.labels(f"b{i}", "standard").observe(0.3)
         m.tokens_reserved.labels(f"b{i}").inc(16)
 
+    def every_family() -> list[Any]:  # what the dashboard read before: the whole registry
+        m.flush()
+        return list(m.registry.collect())
+
     def best(f: Any) -> float:
         return min(timeit.repeat(f, number=1, repeat=5)) * 1000
 
     rows = [
         ("`GET /metrics`, all on the loop (before)", best(lambda: generate_latest(m.registry)), 0.0),
         ("`GET /metrics`, now", best(m.snapshot), best(m.snapshot())),
-        ("`GET /dashboard/data`'s families, all on the loop (before)", best(m.families), 0.0),
+        ("`GET /dashboard/data`'s families, all on the loop (before)", best(every_family), 0.0),
         ("`GET /dashboard/data`'s families, now", best(m.dashboard_families),
          best(m.dashboard_families())),
     ]  # fmt: skip

@@ -583,18 +583,9 @@ class GatewayMetrics:
             self.reservation_leaks.inc(leaks - self._leaks_seen)
             self._leaks_seen = leaks
 
-    def families(self) -> list[Any]:
-        """The metric families a scrape would see (prometheus_client ``Metric`` objects, with
-        their samples): this process's batches flushed first; with ``--workers N`` the
-        counters and histograms summed over the workers."""
-        self.flush()
-        if self._multiproc:
-            return [*_workers_families(), *self._state_gauges.collect()]
-        return list(self.registry.collect())
-
     def dashboard_families(self) -> Callable[[], list[Any]]:
-        """What the dashboard reads of :meth:`families` — refusals by reason, time to first
-        token by class, tokens per tenant — in two steps: this process's batches flushed now
+        """The metric families the dashboard reads — refusals by reason, time to first token by
+        class, tokens per tenant — in two steps: this process's batches flushed now
         (on the event loop), and the function returned reads the samples, which may run on a
         worker thread (1,000 backends' histograms take tens of milliseconds to read). With
         ``--workers N``: every family, summed over the workers."""
