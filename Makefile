@@ -61,7 +61,7 @@ format: venv ## cargo fmt + ruff format
 	$(VENV)/bin/ruff check --fix python tests benches
 
 .PHONY: bench
-bench: build llama-server ## every benchmark (~25 min): core + analyser, load, protection, memory, real engine, replicas on Redis, tenant count end to end; rewrites benches/RESULTS.md and the plots
+bench: build llama-server ## every benchmark (~28 min): core + analyser, load, protection, memory, real engine, replicas on Redis, tenant count end to end, the garbage collector; rewrites benches/RESULTS.md and the plots
 	$(PY) benches/core_results.py
 	$(PY) benches/adaptive_results.py
 	$(MAKE) --no-print-directory wrk
@@ -71,6 +71,7 @@ bench: build llama-server ## every benchmark (~25 min): core + analyser, load, p
 	$(MAKE) --no-print-directory bench-realengine
 	$(MAKE) --no-print-directory bench-replicas
 	$(MAKE) --no-print-directory bench-tenants
+	$(MAKE) --no-print-directory bench-gc
 
 .PHONY: bench-core
 bench-core: build ## pytest-benchmark suites (core + analyser, ~1 min); rewrites their RESULTS.md sections
@@ -95,6 +96,10 @@ bench-replicas: build wrk test-packages ## 3 replicas on one redis-server vs 1 g
 .PHONY: bench-tenants
 bench-tenants: build wrk test-packages ## a gateway of 10 tenants vs one of 100,000, keys drawn at random, local and Redis store: CPU per request, memory, /metrics, dashboard and /admin/state cost, config load (~2 min); writes benches/RESULTS.md
 	$(PY) benches/tenants/run.py
+
+.PHONY: bench-gc
+bench-gc: build wrk test-packages ## the garbage collector's share of a request: Python's thresholds vs kvgate serve's, 10 and 100,000 tenants, local and Redis store (~3 min); writes benches/RESULTS.md
+	$(PY) benches/tenants/gc_threshold.py --local
 
 .PHONY: wrk
 wrk: ## install wrk (Debian package) when it is missing
