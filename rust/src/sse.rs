@@ -42,6 +42,14 @@ pub const TEXT_HARD_LIMIT: usize = 4 * TEXT_LIMIT;
 /// without an event's end would otherwise grow the gateway's memory without bound.
 pub const EVENT_LIMIT: usize = 32 * 1024 * 1024;
 
+/// The most an inspector keeps allocated for a partial event between reads when that event
+/// is short (bytes): a larger buffer, left by a large read, is given back.
+const HELD_CAPACITY: usize = 4 * 1024;
+
+/// The most text pieces' ends an inspector keeps allocated once they are counted (a larger
+/// vector, left by a large read, is given back).
+const HELD_ENDS: usize = 256;
+
 use serde_json::{Map, Value};
 
 /// What [`SseInspector::feed`] hands back.
@@ -209,9 +217,10 @@ impl SseInspector {
         } else if self.buf.len() > EVENT_LIMIT {
             self.end = End::Overlong;
             self.buf = Vec::new();
-        } else if self.buf.is_empty() && self.buf.capacity() > 4096 {
-            // one large read must not keep its buffer for the rest of the stream
-            self.buf = Vec::new();
+        } else if self.buf.capacity() > HELD_CAPACITY && self.buf.len() <= HELD_CAPACITY / 2 {
+            // one large read (a gateway behind a fast engine reads what piled up) must not keep
+            // its buffer for the rest of the stream: only the partial event stays
+            self.buf.shrink_to(HELD_CAPACITY / 2);
         }
         self.scanned = self.buf.len(); // what is held has no event's end
         kept
@@ -319,8 +328,13 @@ impl SseInspector {
         if !self.text.is_empty() {
             self.ends.push(self.text.len());
         }
-        if self.text.capacity() > 2 * TEXT_HARD_LIMIT {
-            self.text.shrink_to(TEXT_HARD_LIMIT);
+        // what one large read left allocated (thousands of events' text and ends, when the
+        // gateway was behind a fast engine) is given back, not kept for the rest of the stream
+        if self.text.capacity() > TEXT_HARD_LIMIT && self.text.len() <= TEXT_LIMIT {
+            self.text.shrink_to(TEXT_LIMIT);
+        }
+        if self.ends.capacity() > HELD_ENDS {
+            self.ends.shrink_to(HELD_ENDS / 8);
         }
         Some(piece)
     }
@@ -1092,6 +1106,47 @@ mod tests {
         }
         got.extend(cjk.take_countable(true));
         assert_eq!(got, "語".repeat(10_000));
+    }
+
+    #[test]
+    fn a_large_read_leaves_no_large_buffer_behind() {
+        // a gateway behind a fast engine reads 128 KiB at once, ending inside an event; once
+        // its text is counted, what the inspector keeps allocated is back to a few KiB
+        let event = chunk(" tok");
+        let mut big: Vec<u8> = event.repeat(2_000);
+        big.extend_from_slice(&event[..20]);
+        let mut insp = SseInspector::new(false);
+        let out = insp.feed(&big);
+        assert_eq!(out, Fed::Bytes(event.repeat(2_000)));
+        while insp.take_countable(false).is_some() {}
+        assert_eq!(insp.buf.len(), 20);
+        assert!(
+            insp.buf.capacity() <= HELD_CAPACITY,
+            "{}",
+            insp.buf.capacity()
+        );
+        assert!(
+            insp.raw.capacity() <= 2 * RAW_LIMIT,
+            "{}",
+            insp.raw.capacity()
+        );
+        assert!(
+            insp.text.capacity() <= TEXT_HARD_LIMIT,
+            "{}",
+            insp.text.capacity()
+        );
+        assert!(
+            insp.ends.capacity() <= HELD_ENDS,
+            "{}",
+            insp.ends.capacity()
+        );
+        // and the stream goes on as before: the rest of the event, then the next ones
+        assert_eq!(insp.feed(&event[20..]), Fed::Bytes(event.clone()));
+        assert_eq!(insp.feed(&event), Fed::Same);
+        let mut text: String = std::iter::from_fn(|| insp.take_countable(false)).collect();
+        text.extend(insp.take_countable(true));
+        assert!(text.ends_with(" tok tok"), "{text:?}");
+        assert_eq!(insp.content_chunks(), 2_002);
     }
 
     #[test]
