@@ -26,6 +26,7 @@ import aiohttp
 from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 
+from kvgate import memtrim
 from kvgate.accesslog import log_access, request_id, with_request_id
 from kvgate.app import GET_ENDPOINTS, handle_model
 from kvgate.errors import GatewayError, error_body, method_not_allowed
@@ -237,12 +238,13 @@ def make_server(gateway: Gateway) -> web.Server:
 async def gateway_runtime(gateway: Gateway) -> AsyncIterator[None]:
     """The gateway's background parts for the life of a server, in this order (and closed in
     reverse): the upstream ``ClientSession`` (no pool limit, ``connect`` timeout, the relay's
-    connection-reuse trace), the upstream
-    timeouts' watchdog (:class:`~kvgate.proxy.deadline.Watchdog`), the metrics flush every :data:`~kvgate.metrics.FLUSH_SECONDS` (and once at the end), the latency-target
-    controller's steps (with ``slo``), the span exporter (with ``tracing``), the shared store
-    (with ``store``), the engine metrics
-    pollers (when ``gateway.poll``), SIGHUP → :meth:`Gateway.reload_soon` (when
-    ``gateway.config_path``)."""
+    connection-reuse trace), the upstream timeouts' watchdog
+    (:class:`~kvgate.proxy.deadline.Watchdog`), the metrics flush every
+    :data:`~kvgate.metrics.FLUSH_SECONDS` (and once at the end), the latency-target
+    controller's steps (with ``slo``), the C heap's trim every
+    :data:`~kvgate.memtrim.TRIM_SECONDS` (with glibc), the span exporter (with ``tracing``), the
+    shared store (with ``store``), the engine metrics pollers (when ``gateway.poll``), SIGHUP →
+    :meth:`Gateway.reload_soon` (when ``gateway.config_path``)."""
     connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300)
     timeout = aiohttp.ClientTimeout(total=None, connect=gateway.timeouts.connect)
     # the trace lets the relay resend a request that failed on a pooled connection the engine
@@ -273,6 +275,14 @@ async def gateway_runtime(gateway: Gateway) -> AsyncIterator[None]:
             slo.tick()
 
     stepper = asyncio.create_task(slo_forever()) if slo is not None else None
+
+    async def trim_forever() -> None:
+        # the C heap's free pages back to the system (kvgate.memtrim), off the event loop
+        while True:
+            await asyncio.sleep(memtrim.TRIM_SECONDS)
+            await asyncio.to_thread(memtrim.trim_heap)
+
+    trimmer = asyncio.create_task(trim_forever()) if memtrim.AVAILABLE else None
     gateway.watchdog.start()
     if gateway.tracing is not None:
         gateway.tracing.start()
@@ -293,10 +303,11 @@ async def gateway_runtime(gateway: Gateway) -> AsyncIterator[None]:
         flusher.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await flusher
-        if stepper is not None:
-            stepper.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await stepper
+        for task in (stepper, trimmer):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         await gateway.watchdog.stop()
         await gateway.store.close()
         metrics.flush()
