@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -42,7 +41,18 @@ sys.path.insert(0, str(HERE.parent / "load"))
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
-from run import BODY, COUNTS, OUT, RESULTS, config, median, start_all, wrk  # noqa: E402
+from run import (  # noqa: E402
+    BODY,
+    COUNTS,
+    OUT,
+    RESULTS,
+    config,
+    load_arguments,
+    median,
+    missing,
+    start_all,
+    wrk,
+)
 from run import Setup as WrkSetup  # noqa: E402
 from run_load import Server, fast_upstream, free_port, tree_cpu_seconds  # noqa: E402
 
@@ -166,20 +176,11 @@ def render(setups: list[Setup], args: argparse.Namespace, machine: str, took: fl
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--rounds", type=int, default=3, help="rounds (default 3)")
-    p.add_argument("--duration", type=float, default=4, help="seconds per window (default 4)")
-    p.add_argument("--warmup", type=float, default=2, help="warm-up seconds per setup")
-    p.add_argument("--connections", type=int, default=32, help="wrk connections")
-    p.add_argument("--server-cpu", default="1", help="taskset CPU list for gateways and Redis")
-    p.add_argument("--client-cpu", default="0", help="taskset CPU list for wrk and upstream")
+    p = load_arguments(__doc__, rounds=3, duration=4)
     p.add_argument("--local", action="store_true", help="also the local store")
-    p.add_argument("--no-write", action="store_true", help="do not touch benches/RESULTS.md")
     args = p.parse_args(argv)
-    for tool in ("wrk", "taskset", "redis-server"):
-        if shutil.which(tool) is None:
-            print(f"gc bench: `{tool}` not found (apt-get install -y {tool})", file=sys.stderr)
-            return 2
+    if missing(("wrk", "taskset", "redis-server"), "gc bench"):
+        return 2
     from tests.store.redis_servers import start_redis
 
     t0 = time.monotonic()

@@ -354,22 +354,37 @@ def render(setups: list[Setup], load: dict[str, tuple[float, float]], machine: s
     return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--rounds", type=int, default=4, help="rounds (default 4)")
-    p.add_argument("--duration", type=float, default=3, help="seconds per window")
+def load_arguments(doc: str, rounds: int, duration: float) -> argparse.ArgumentParser:
+    """The command line of a bench driven by :func:`wrk` (rounds of windows, CPUs, connections,
+    ``--no-write``), with ``doc``'s first paragraph as its description."""
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    p.add_argument("--rounds", type=int, default=rounds, help=f"rounds (default {rounds})")
+    p.add_argument("--duration", type=float, default=duration,
+                   help=f"seconds per window (default {duration:g})")  # fmt: skip
     p.add_argument("--warmup", type=float, default=2, help="warm-up seconds per setup")
     p.add_argument("--connections", type=int, default=32, help="wrk connections")
     p.add_argument("--server-cpu", default="1", help="taskset CPU list for gateways and Redis")
     p.add_argument("--client-cpu", default="0", help="taskset CPU list for wrk and upstream")
-    p.add_argument("--no-redis", action="store_true", help="the local store only")
     p.add_argument("--no-write", action="store_true", help="do not touch benches/RESULTS.md")
+    return p
+
+
+def missing(tools: tuple[str, ...], who: str) -> bool:
+    """Whether one of ``tools`` is not installed (said on stderr, with its Debian package)."""
+    for tool in tools:
+        if shutil.which(tool) is None:
+            print(f"{who}: `{tool}` not found (apt-get install -y {tool})", file=sys.stderr)
+            return True
+    return False
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = load_arguments(__doc__, rounds=4, duration=3)
+    p.add_argument("--no-redis", action="store_true", help="the local store only")
     p.add_argument("--cmdline", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    for tool in ("wrk", "taskset"):
-        if shutil.which(tool) is None:
-            print(f"tenants bench: `{tool}` not found (apt-get install -y {tool})", file=sys.stderr)
-            return 2
+    if missing(("wrk", "taskset"), "tenants bench"):
+        return 2
     use_redis = not args.no_redis and shutil.which("redis-server") is not None
     t0 = time.monotonic()
     load_start = os.getloadavg()

@@ -74,3 +74,38 @@ def test_reuse_scan_sets_up_a_full_core_and_ends_with_a_refusal(
     assert "200,000 ids (200,000 used, 100,000 reusable)" in out
     assert "(0 free)" in out
     assert "(refused)" in out
+
+
+def test_the_collector_section_sets_each_threshold_against_its_own_ten_tenant_gateway() -> None:
+    """benches/tenants/gc_threshold.py: the section starts with its heading (what
+    ``write_section`` needs), one row per setup, and the 100,000 ÷ 10 ratio per store and
+    thresholds."""
+    gc = load("tenants_gc", "benches/tenants/gc_threshold.py")
+    setups = []
+    for store, base in (("local", 250.0), ("redis", 280.0)):
+        for n in (10, 100_000):
+            for th, extra in ((gc.PYTHON_DEFAULT, 30.0), (gc.KVGATE, 0.0)):
+                cpu = base + extra + (base if store == "redis" and n == 100_000 else 0)
+                s = gc.Setup(f"{store}-{n}", store, n, th, tb.Server("x", [], 1), None)
+                s.windows = [
+                    {
+                        "rps": 3000.0,
+                        "cpu_us": cpu,
+                        "gc_us": extra / 2,
+                        "collections": 400.0,
+                        "p50_ms": 8.0,
+                        "p99_ms": 20.0,
+                        "non_2xx": 0,
+                    }
+                    for _ in range(3)
+                ]
+                setups.append(s)
+    args = argparse.Namespace(rounds=3, duration=4.0, connections=32, local=True)
+    text = gc.render(setups, args, "Machine: m.", 140)
+    assert text.startswith(gc.SECTION + "\n\n")
+    assert "| redis | 100,000 | 700, 10, 10 | 3,000 | 590 | 15.0 | 100 | 8.00 | 20.00 | 0 |" in text
+    assert (
+        "| redis | 100,000 | 10,000, 10, 10 | 3,000 | 560 | 0.0 | 100 | 8.00 | 20.00 | 0 |" in text
+    )
+    assert "| local | 1.00× | 1.00× |" in text
+    assert "| redis | 1.90× | 2.00× |" in text  # 590 ÷ 310, 560 ÷ 280
