@@ -45,18 +45,17 @@ from run import (  # noqa: E402
     BODY,
     COUNTS,
     OUT,
-    RESULTS,
     config,
     load_arguments,
     median,
     missing,
+    publish,
     start_all,
     wrk,
 )
 from run import Setup as WrkSetup  # noqa: E402
 from run_load import Server, fast_upstream, free_port, tree_cpu_seconds  # noqa: E402
 
-import core_results  # noqa: E402
 from kvgate.cli_serve import YOUNG_COLLECTION as KVGATE  # noqa: E402
 
 SECTION = "## The collector's thresholds"
@@ -234,11 +233,7 @@ def main(argv: list[str] | None = None) -> int:
         f"Machine: {os.cpu_count()} vCPUs, shared (load average {load_start[0]:.2f} at start, "
         f"{os.getloadavg()[0]:.2f} at end). redis-server {version}."
     )
-    text = render(setups, args, machine, time.monotonic() - t0)
-    print("\n" + text)
-    if not args.no_write:
-        core_results.write_section(RESULTS, SECTION, text)
-        print(f"wrote {SECTION!r} in {RESULTS.relative_to(ROOT)}", flush=True)
+    publish(SECTION, render(setups, args, machine, time.monotonic() - t0), args.no_write)
     return 0
 
 

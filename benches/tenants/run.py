@@ -449,12 +449,17 @@ def main(argv: list[str] | None = None) -> int:
         f"{load_start[0]:.2f} at start, {os.getloadavg()[0]:.2f} at end). {redis_note}. "
         f"Python {platform.python_version()}, aiohttp {aiohttp.__version__}, uvloop."
     )
-    text = render(setups, load, machine, args, time.monotonic() - t0)
-    print("\n" + text)
-    if not args.no_write:
-        core_results.write_section(RESULTS, SECTION, text)
-        print(f"wrote {SECTION!r} in {RESULTS.relative_to(ROOT)}", flush=True)
+    publish(SECTION, render(setups, load, machine, args, time.monotonic() - t0), args.no_write)
     return 0
+
+
+def publish(section: str, text: str, no_write: bool) -> None:
+    """Prints ``text`` and, unless ``no_write``, makes it the ``section`` of
+    ``benches/RESULTS.md``."""
+    print("\n" + text)
+    if not no_write:
+        core_results.write_section(RESULTS, section, text)
+        print(f"wrote {section!r} in {RESULTS.relative_to(ROOT)}", flush=True)
 
 
 if __name__ == "__main__":
