@@ -39,9 +39,11 @@ ROOT = HERE.parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(HERE.parent / "load"))
 sys.path.insert(0, str(HERE.parent))
-sys.path.insert(0, str(HERE))
 
-from run import (  # noqa: E402
+from run_load import Server, fast_upstream, free_port, tree_cpu_seconds  # noqa: E402
+
+from kvgate.cli_serve import YOUNG_COLLECTION as KVGATE  # noqa: E402
+from tenants.run import (  # noqa: E402
     BODY,
     COUNTS,
     OUT,
@@ -53,10 +55,7 @@ from run import (  # noqa: E402
     start_all,
     wrk,
 )
-from run import Setup as WrkSetup  # noqa: E402
-from run_load import Server, fast_upstream, free_port, tree_cpu_seconds  # noqa: E402
-
-from kvgate.cli_serve import YOUNG_COLLECTION as KVGATE  # noqa: E402
+from tenants.run import Setup as WrkSetup  # noqa: E402
 
 SECTION = "## The collector's thresholds"
 PYTHON_DEFAULT = (700, 10, 10)
