@@ -5,9 +5,9 @@ bytes, the engine's reads and the SSE inspector's buffers (Rust) come from the C
 they are freed, the heap keeps their pages: glibc gives back on its own only free space at the
 heap's top, and the long-lived allocations made in between pin everything below. The resident
 memory then shows the peak of the busiest moment long after it, not what the gateway holds.
-Measured with 1,000 open streams of 8,000 tokens (``make bench-memory``, 2026-12-05): the heap
-held 90.5 MiB, of which 54.6 MiB free; ``malloc_trim(0)`` took 4.5 ms and the resident memory
-went from 160.0 to 111.6 MiB.
+Measured under ``make bench-memory``'s load (1,000 open streams of 8,000 tokens, 2026-12-05;
+``benches/RESULTS.md``): the heap held 90.5 MiB, of which 54.6 MiB free; ``malloc_trim(0)``
+took 4.5 ms and the resident memory went from 160.0 to 111.6 MiB.
 
 :func:`trim_heap` calls ``malloc_trim(0)`` (glibc ≥ 2.8; since 2.8 it also releases whole free
 pages inside the heap, not only at its top). The server calls it every :data:`TRIM_SECONDS` on
