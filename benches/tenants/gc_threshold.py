@@ -28,7 +28,6 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,14 +43,13 @@ from run_load import Server, fast_upstream, free_port, tree_cpu_seconds  # noqa:
 
 from kvgate.cli_serve import YOUNG_COLLECTION as KVGATE  # noqa: E402
 from tenants.run import (  # noqa: E402
-    BODY,
     COUNTS,
-    OUT,
     config,
     load_arguments,
     median,
     missing,
     publish,
+    run_dir,
     start_all,
     wrk,
 )
@@ -183,10 +181,7 @@ def main(argv: list[str] | None = None) -> int:
 
     t0 = time.monotonic()
     load_start = os.getloadavg()
-    OUT.mkdir(parents=True, exist_ok=True)
-    logdir = Path(tempfile.mkdtemp(prefix="gc-", dir=OUT))
-    body = logdir / "body.json"
-    body.write_text(json.dumps(BODY))
+    logdir, body = run_dir("gc-")
     up = fast_upstream()
     with start_redis(logdir / "redis") as redis:
         subprocess.run(["taskset", "-p", "-c", args.server_cpu, str(redis.pid)],

@@ -369,6 +369,16 @@ def load_arguments(doc: str, rounds: int, duration: float) -> argparse.ArgumentP
     return p
 
 
+def run_dir(prefix: str) -> tuple[Path, Path]:
+    """A fresh directory for one run's logs under ``benches/.out`` (named ``prefix``…) and the
+    request body file in it (:data:`BODY`)."""
+    OUT.mkdir(parents=True, exist_ok=True)
+    logdir = Path(tempfile.mkdtemp(prefix=prefix, dir=OUT))
+    body = logdir / "body.json"
+    body.write_text(json.dumps(BODY))
+    return logdir, body
+
+
 def missing(tools: tuple[str, ...], who: str) -> bool:
     """Whether one of ``tools`` is not installed (said on stderr, with its Debian package)."""
     for tool in tools:
@@ -388,10 +398,7 @@ def main(argv: list[str] | None = None) -> int:
     use_redis = not args.no_redis and shutil.which("redis-server") is not None
     t0 = time.monotonic()
     load_start = os.getloadavg()
-    OUT.mkdir(parents=True, exist_ok=True)
-    logdir = Path(tempfile.mkdtemp(prefix="tenants-", dir=OUT))
-    body = logdir / "body.json"
-    body.write_text(json.dumps(BODY))
+    logdir, body = run_dir("tenants-")
     py = sys.executable
     up = fast_upstream()
     stack = contextlib.ExitStack()
