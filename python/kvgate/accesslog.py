@@ -7,9 +7,13 @@
 * W3C Trace Context (https://www.w3.org/TR/trace-context/): the client's ``traceparent`` and
   ``tracestate`` go to the engine unchanged when ``traceparent`` is valid
   (:func:`valid_traceparent`); an invalid one is dropped with its ``tracestate``.
-* The access log (:func:`log_access`): one JSON object per request on the ``kvgate.access``
-  logger, built only when that logger is enabled for INFO. It never holds an API key (the
-  tenant's declared name instead) nor any text of the request.
+* The access log (:func:`log_access`): one JSON object per request, built only when the log is
+  on (:func:`configure_access_log`). It never holds an API key (the tenant's declared name
+  instead) nor any text of the request. Its lines are not written one by one: they wait in a
+  buffer, written out when :data:`FLUSH_BYTES` are waiting or :data:`FLUSH_SECONDS` after the
+  first of them, and when the server stops (:func:`flush_access_log`) — nginx's
+  ``access_log ... buffer= flush=``. Through Python's ``logging`` (a record, a handler's lock, a
+  write and a flush per line) a line cost as much CPU as the rest of a refusal.
 
 Nothing here configures logging at import; ``kvgate serve`` calls :func:`configure_logging` and
 :func:`configure_access_log` once.
@@ -17,25 +21,32 @@ Nothing here configures logging at import; ``kvgate serve`` calls :func:`configu
 
 from __future__ import annotations
 
+import asyncio
+import atexit
 import datetime
 import logging
+import os
 import re
+import select
 import sys
+import time
 import uuid
-from typing import Any
+from typing import Any, TextIO
 
 import orjson
 
 from kvgate.proxy.prepared import HeadBuilder, PreparedResponse
 
 __all__ = [
-    "ACCESS_LOGGER",
+    "FLUSH_BYTES",
+    "FLUSH_SECONDS",
     "LOG_FORMATS",
     "MAX_REQUEST_ID",
     "JsonFormatter",
     "bytes_sent",
     "configure_access_log",
     "configure_logging",
+    "flush_access_log",
     "id_builder",
     "log_access",
     "request_id",
@@ -44,8 +55,16 @@ __all__ = [
     "with_request_id",
 ]
 
-#: The logger the access log lines go to (one INFO record per request).
-ACCESS_LOGGER = logging.getLogger("kvgate.access")
+#: The access log's lines are written out once this many bytes of them wait (bytes) ...
+FLUSH_BYTES = 64 * 1024
+#: ... or this long after the first of them was logged (seconds), whichever comes first.
+FLUSH_SECONDS = 0.5
+#: A write of at most this many bytes to a pipe is never interleaved with another process's
+#: (POSIX ``PIPE_BUF``): the workers of ``kvgate serve --workers N`` share stderr, so the lines
+#: go out in pieces of at most this size, each cut at a line's end.
+_ATOMIC_WRITE = select.PIPE_BUF
+
+_warn = logging.getLogger("kvgate.serve")
 
 #: The longest client ``x-request-id`` kept (characters); a longer one is replaced.
 MAX_REQUEST_ID = 128
@@ -158,10 +177,10 @@ def log_access(
     ttft: float | None = None,
     reply: Any = None,
 ) -> None:
-    """Write the access log line of one request (nothing when ``kvgate.access`` is not enabled
-    for INFO: the dict is not even built).
+    """Log the access log line of one request (nothing when the access log is off: the line is
+    not even built). It reaches the file or stderr with the next flush of the log's buffer.
 
-    Fields (JSON): ``time`` (UTC, ISO 8601, added by :class:`JsonFormatter`), ``request_id``,
+    Fields (JSON): ``time`` (UTC, ISO 8601, in milliseconds), ``request_id``,
     ``method``, ``route``, ``tenant`` (declared name, never the key), ``backend``, ``model``,
     ``status`` (0: the client left before an answer), ``outcome`` (``ok``, ``rejected``,
     ``upstream_error``, ``upstream_timeout``, ``upstream_unreachable``, ``client_disconnect``,
@@ -176,48 +195,150 @@ def log_access(
         started, now: ``time.perf_counter()`` at its start and end (seconds).
         reply: the answer (for ``bytes_sent``), ``None`` when there is none.
     """
-    if not ACCESS_LOGGER.isEnabledFor(logging.INFO):
+    log = _ACCESS
+    if log is None:
         return
-    line = {
-        "request_id": rid,
-        "method": request.method,
-        "route": route,
-        "tenant": tenant.name if tenant is not None else None,
-        "backend": backend.name if backend is not None else None,
-        "model": model.name if model is not None else None,
-        "status": status,
-        "outcome": outcome,
-        "reason": reason,
-        "reserved_tokens": reserved,
-        "prompt_tokens": prompt,
-        "completion_tokens": completion,
-        "queue_wait_s": None if queue_wait is None else round(queue_wait, 6),
-        "ttft_s": None if ttft is None else round(ttft, 6),
-        "duration_s": round(now - started, 6),
-        "bytes_sent": bytes_sent(request, reply),
-    }
-    # the record is made here, not by Logger.info: that one walks the stack for the caller's
-    # file and line (findCaller), most of its cost, which this line does not carry
-    record = logging.LogRecord(ACCESS_LOGGER.name, logging.INFO, "", 0, "access", None, None)
-    record.access = line
-    ACCESS_LOGGER.handle(record)
+    log.write(
+        {
+            "time": _stamp(time.time()),
+            "request_id": rid,
+            "method": request.method,
+            "route": route,
+            "tenant": tenant.name if tenant is not None else None,
+            "backend": backend.name if backend is not None else None,
+            "model": model.name if model is not None else None,
+            "status": status,
+            "outcome": outcome,
+            "reason": reason,
+            "reserved_tokens": reserved,
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "queue_wait_s": None if queue_wait is None else round(queue_wait, 6),
+            "ttft_s": None if ttft is None else round(ttft, 6),
+            "duration_s": round(now - started, 6),
+            "bytes_sent": bytes_sent(request, reply),
+        }
+    )
+
+
+class _AccessLog:
+    """The access log's buffered writer: each line (one JSON object and a newline) is appended to
+    a buffer, written to ``fd`` (a file descriptor, appended to) or ``stream`` (a text stream
+    without one: a test's captured stderr) when :data:`FLUSH_BYTES` wait, or
+    :data:`FLUSH_SECONDS` after the first waiting line (a timer on the running event loop; with
+    no loop running, at once). A write that fails (a full disk, a closed pipe) drops what was
+    waiting and says so once on the ``kvgate.serve`` logger; serving goes on."""
+
+    __slots__ = ("_buf", "_fd", "_owned", "_stream", "_timer", "_warned")
+
+    def __init__(self, fd: int | None, stream: TextIO | None, owned: bool) -> None:
+        self._fd = fd
+        self._stream = stream
+        self._owned = owned  # the descriptor is the log's own (a file it opened)
+        self._buf = bytearray()
+        self._timer: asyncio.TimerHandle | None = None
+        self._warned = False
+
+    def write(self, line: dict[str, Any]) -> None:
+        """Append one line; write the buffer out when it is full, else make sure it will be."""
+        buf = self._buf
+        buf += orjson.dumps(line, option=orjson.OPT_APPEND_NEWLINE)
+        if len(buf) >= FLUSH_BYTES:
+            self.flush()
+        elif self._timer is None:
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:
+                self.flush()
+                return
+            self._timer = loop.call_later(FLUSH_SECONDS, self.flush)
+
+    def flush(self) -> None:
+        """Write out every waiting line, in pieces of at most :data:`_ATOMIC_WRITE` bytes that
+        each end at a line's end (a longer line: alone, whole)."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        buf = self._buf
+        if not buf:
+            return
+        self._buf = bytearray()
+        view = memoryview(buf)
+        try:
+            start = 0
+            while start < len(buf):
+                cut = start + _ATOMIC_WRITE
+                if cut < len(buf):
+                    end = buf.rfind(b"\n", start, cut) + 1
+                    if end <= start:  # one line longer than a piece
+                        end = buf.index(b"\n", cut) + 1
+                else:
+                    end = len(buf)
+                self._put(view[start:end])
+                start = end
+        except OSError as exc:
+            if not self._warned:
+                self._warned = True
+                _warn.warning("access log lines lost: cannot write them (%s)", exc)
+        finally:
+            view.release()
+
+    def _put(self, piece: memoryview) -> None:
+        if self._fd is None:
+            assert self._stream is not None
+            self._stream.write(bytes(piece).decode())
+            self._stream.flush()
+            return
+        while piece:
+            piece = piece[os.write(self._fd, piece) :]
+
+    def close(self) -> None:
+        """Write out what waits and close the file the log opened."""
+        self.flush()
+        if self._owned and self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+_ACCESS: _AccessLog | None = None
+_AT_EXIT: list[bool] = []  # whether flush_access_log is registered to run at exit
+
+
+def flush_access_log() -> None:
+    """Write out the access log lines that wait in its buffer (``kvgate serve`` calls it as a
+    server stops; a process that ends without it loses at most :data:`FLUSH_SECONDS` of
+    lines)."""
+    if _ACCESS is not None:
+        _ACCESS.flush()
 
 
 def _time(created: float) -> str:
+    """``created`` (seconds since the epoch) as UTC, ISO 8601, in milliseconds."""
     return datetime.datetime.fromtimestamp(created, datetime.UTC).isoformat(timespec="milliseconds")
 
 
+_second = [-1, ""]  # the last whole second stamped, and its text up to the seconds
+
+
+def _stamp(created: float) -> str:
+    """What :func:`_time` gives, the date and time of day made once a second: the access log
+    stamps every line, and ``datetime``'s conversion cost several µs of a refusal's 50."""
+    whole = int(created)
+    micro = round((created - whole) * 1e6)  # datetime rounds to µs first (half to even)
+    if micro >= 1_000_000:
+        whole, micro = whole + 1, micro - 1_000_000
+    if whole != _second[0]:
+        _second[0], _second[1] = whole, time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(whole))
+    return f"{_second[1]}.{micro // 1000:03d}+00:00"
+
+
 class JsonFormatter(logging.Formatter):
-    """One JSON object per line (orjson): an access record (:func:`log_access`) as its fields
-    after ``time``; any other record as ``time``, ``level``, ``logger``, ``message`` (and
-    ``exception``, the traceback, when it carries one). ``time`` is UTC, ISO 8601, in
-    milliseconds."""
+    """One JSON object per line (orjson), for ``kvgate serve --log-format json``: a record as
+    ``time``, ``level``, ``logger``, ``message`` (and ``exception``, the traceback, when it
+    carries one). ``time`` is UTC, ISO 8601, in milliseconds."""
 
     def format(self, record: logging.LogRecord) -> str:
         """The record as one JSON line (no newline; the handler adds it)."""
-        access = getattr(record, "access", None)
-        if access is not None:
-            return orjson.dumps({"time": _time(record.created), **access}).decode()
         out: dict[str, Any] = {
             "time": _time(record.created),
             "level": record.levelname,
@@ -252,28 +373,39 @@ def configure_logging(level: str, fmt: str = "text") -> None:
     root.setLevel(level.upper())
 
 
-def configure_access_log(enabled: bool, path: str | None = None) -> logging.Handler | None:
-    """Send the access log (``kvgate.access``) to stderr (``path`` ``None``) or append it to the
-    file ``path``, one JSON line per request, whatever the ``--log-level`` and ``--log-format``;
-    ``enabled`` false turns it off (the lines are then not even built). Returns the handler
-    (``None`` when off).
+def configure_access_log(enabled: bool, path: str | None = None) -> None:
+    """Send the access log to stderr (``path`` ``None``) or append it to the file ``path``, one
+    JSON line per request, whatever the ``--log-level`` and ``--log-format``; ``enabled`` false
+    turns it off (the lines are then not even built). What the previous configuration still
+    held is written out first, and a file it had opened is closed.
 
     Raises:
         OSError: the file cannot be opened for appending.
     """
-    for old in ACCESS_LOGGER.handlers[:]:
-        ACCESS_LOGGER.removeHandler(old)
+    global _ACCESS
+    if not _AT_EXIT:
+        # what the last requests logged after the server's own flush, in a process that ends
+        # normally (a forked worker ends with os._exit: its server flushes as it stops)
+        atexit.register(flush_access_log)
+        _AT_EXIT.append(True)
+    fresh: _AccessLog | None = None
+    if enabled:
+        if path is not None:
+            fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            fresh = _AccessLog(fd, None, owned=True)
+        else:
+            fresh = _stderr_log(sys.stderr)
+    old, _ACCESS = _ACCESS, fresh
+    if old is not None:
         old.close()
-    ACCESS_LOGGER.propagate = False
-    if not enabled:
-        ACCESS_LOGGER.setLevel(logging.CRITICAL + 1)
-        return None
-    handler: logging.Handler
-    if path is None:
-        handler = logging.StreamHandler(sys.stderr)
-    else:
-        handler = logging.FileHandler(path, mode="a", encoding="utf-8")
-    handler.setFormatter(JsonFormatter())
-    ACCESS_LOGGER.addHandler(handler)
-    ACCESS_LOGGER.setLevel(logging.INFO)
-    return handler
+
+
+def _stderr_log(stream: TextIO) -> _AccessLog:
+    """A log to ``stream`` (stderr): through its file descriptor when it has one (what is in
+    its own buffer is flushed first), else through the stream itself."""
+    try:
+        fd = stream.fileno()
+    except (AttributeError, OSError, ValueError):
+        return _AccessLog(None, stream, owned=False)
+    stream.flush()
+    return _AccessLog(fd, None, owned=False)

@@ -462,8 +462,9 @@ class QueueConfig(_Model):
 class AccessLogConfig(_Model):
     """The access log: one JSON line per request (docs/operations.md, "Logs and request ids"), on by
     default, to stderr (``path`` null) or appended to the file ``path`` (relative to the
-    configuration file's directory; its directory must exist). Read at start-up (a reload does
-    not change it)."""
+    configuration file's directory; its directory must exist), written in batches (64 KiB, or
+    half a second after a batch's first line, and when the server stops). Read at start-up (a
+    reload does not change it)."""
 
     enabled: bool = True
     path: str | None = None

@@ -27,7 +27,7 @@ from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 
 from kvgate import memtrim
-from kvgate.accesslog import log_access, request_id, with_request_id
+from kvgate.accesslog import flush_access_log, log_access, request_id, with_request_id
 from kvgate.app import GET_ENDPOINTS, handle_model
 from kvgate.errors import GatewayError, error_body, method_not_allowed
 from kvgate.metrics import FLUSH_SECONDS
@@ -311,6 +311,7 @@ async def gateway_runtime(gateway: Gateway) -> AsyncIterator[None]:
         await gateway.watchdog.stop()
         await gateway.store.close()
         metrics.flush()
+        flush_access_log()
         await gateway.session.close()
         if gateway.tracing is not None:  # the last spans go out (bounded by the export timeout)
             await asyncio.to_thread(gateway.tracing.shutdown)

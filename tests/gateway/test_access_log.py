@@ -7,8 +7,11 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import re
+import select
 import signal
+import time
 import timeit
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -20,10 +23,13 @@ import orjson
 import pytest
 from aiohttp import web
 
+from kvgate import accesslog
 from kvgate.accesslog import (
-    ACCESS_LOGGER,
+    FLUSH_BYTES,
+    FLUSH_SECONDS,
     JsonFormatter,
     configure_access_log,
+    flush_access_log,
     log_access,
     request_id,
     valid_traceparent,
@@ -111,11 +117,11 @@ def access_file(tmp_path: Path) -> Iterator[Path]:
     try:
         yield path
     finally:
-        configure_access_log(True)
-        for h in ACCESS_LOGGER.handlers[:]:
-            ACCESS_LOGGER.removeHandler(h)
-        ACCESS_LOGGER.setLevel(logging.NOTSET)
-        ACCESS_LOGGER.propagate = True
+        configure_access_log(False)
+
+
+def _size(path: Path) -> int:
+    return path.stat().st_size
 
 
 def log_text(path: Path) -> str:
@@ -343,33 +349,99 @@ async def test_disabled_access_log_writes_nothing(
     assert log_text(access_file) == ""
 
 
+class _Named:
+    name = "n"
+
+
+class _Req:
+    method = "POST"
+    writer = None
+
+
+def _emit(rid: str = "0" * 32) -> None:
+    who = _Named()
+    log_access(
+        _Req(), rid, 0.0, 0.5, route="/v1/chat/completions", status=200, outcome="ok",
+        tenant=who, backend=who, model=who, reserved=100, prompt=10, completion=5,
+        queue_wait=0.001, ttft=0.1,
+    )  # fmt: skip
+
+
 def test_access_log_cost_per_request(access_file: Path) -> None:
-    """The emit function's cost, enabled (to a file) and disabled; printed for the report."""
-
-    class Named:
-        name = "n"
-
-    class Req:
-        method = "POST"
-        writer = None
-
-    who = Named()
-
-    def emit() -> None:
-        log_access(
-            Req(), "0" * 32, 0.0, 0.5, route="/v1/chat/completions", status=200, outcome="ok",
-            tenant=who, backend=who, model=who, reserved=100, prompt=10, completion=5,
-            queue_wait=0.001, ttft=0.1,
-        )  # fmt: skip
-
+    """The cost of a line, enabled (to a file, buffered as in a server: on a running event
+    loop) and disabled; printed for the report. Every line reaches the file whole."""
     n = 2000
-    on = min(timeit.repeat(emit, number=n, repeat=3)) / n
+
+    async def timed() -> float:
+        return min(timeit.repeat(_emit, number=n, repeat=3)) / n
+
+    on = asyncio.run(timed())
+    flush_access_log()
+    written = lines(access_file)
+    assert len(written) == 3 * n
+    assert all(x["request_id"] == "0" * 32 and x["status"] == 200 for x in written)
     configure_access_log(False)
-    off = min(timeit.repeat(emit, number=n, repeat=3)) / n
+    off = min(timeit.repeat(_emit, number=n, repeat=3)) / n
     # the figures, in the report of a failure or with `pytest -s`
-    print(f"\naccess log emit: {on * 1e6:.1f} us enabled (file), {off * 1e6:.2f} us disabled")
+    print(f"\naccess log line: {on * 1e6:.1f} us enabled (file), {off * 1e6:.2f} us disabled")
     assert off < on
     assert on < 200e-6  # generous: a loaded 2-core machine
+
+
+async def test_lines_wait_in_the_buffer_until_it_fills_or_the_flush_period_ends(
+    access_file: Path,
+) -> None:
+    started = time.monotonic()
+    _emit("first")
+    assert log_text(access_file) == ""  # on a running loop: buffered, not yet written
+    await until(lambda: line_of(access_file, "first") is not None, timeout=FLUSH_SECONDS + 10)
+    assert time.monotonic() - started >= FLUSH_SECONDS * 0.9
+    # a full buffer is written at once, without waiting for the period
+    size = _size(access_file)
+    for i in range(FLUSH_BYTES // 300 + 1):
+        _emit(f"many-{i}")
+    assert _size(access_file) - size >= FLUSH_BYTES
+    flush_access_log()
+    assert len(lines(access_file)) == 1 + FLUSH_BYTES // 300 + 1
+
+
+def test_lines_go_out_in_whole_lines_of_at_most_pipe_buf_bytes(
+    access_file: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Workers share stderr: a write of at most PIPE_BUF bytes to a pipe is never interleaved
+    with another process's, so every write holds whole lines and at most that many bytes (a
+    longer line goes alone, whole)."""
+    writes: list[bytes] = []
+    real = os.write
+
+    def recording(fd: int, data: Any) -> int:
+        writes.append(bytes(data))
+        return real(fd, data)
+
+    monkeypatch.setattr(accesslog.os, "write", recording)
+
+    async def many() -> None:
+        for i in range(200):
+            _emit(f"id-{i}")
+        _emit("x" * 128)  # the longest id kept
+        flush_access_log()
+
+    asyncio.run(many())
+    assert len(writes) > 1
+    assert all(w.endswith(b"\n") and len(w) <= select.PIPE_BUF for w in writes)
+    assert b"".join(writes) == access_file.read_bytes()
+    assert len(lines(access_file)) == 201
+
+
+def test_a_write_that_fails_loses_its_lines_with_one_warning(
+    access_file: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    configure_access_log(True, "/dev/full")  # every write fails: ENOSPC
+    with caplog.at_level(logging.WARNING, logger="kvgate.serve"):
+        _emit("lost-1")
+        _emit("lost-2")
+    warned = [r for r in caplog.records if "access log lines lost" in r.getMessage()]
+    assert len(warned) == 1
 
 
 def test_json_formatter_plain_record() -> None:
