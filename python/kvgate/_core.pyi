@@ -40,6 +40,7 @@ __all__ = [
     "SSEInspector",
     "SharedStateError",
     "SlotPool",
+    "StreamAssembler",
     "TokenBucket",
     "__version__",
     "check_content_length",
@@ -748,6 +749,63 @@ class SSEInspector:
     @property
     def content_chunks(self) -> int:
         """Events handed out so far that carried generated text."""
+
+@final
+class StreamAssembler:
+    """Rebuilds the non-streamed answer of one request from the SSE stream the engine sent
+    instead (one per request; not shared between threads). The bytes are cut into the
+    ``data:`` payloads of their events (LF, CRLF or CR line ends; an event's ``data:`` lines
+    joined with LF; other fields and comments skipped); ``data: [DONE]`` marks the stream
+    complete; a payload that is not JSON is skipped; every other event is merged in.
+
+    Chat and legacy completions (OpenAI's streaming chunks, as vLLM, SGLang, TGI and
+    llama.cpp's server send them): :meth:`answer` has ``id``, ``object``
+    (``chat.completion`` / ``text_completion``), ``created`` and ``model`` (the first non-null
+    value of each), every other top-level member (the last non-null value), ``choices`` in
+    ``index`` order and the last ``usage`` object. Each choice has ``index``, ``logprobs``
+    (its list members concatenated over the chunks), the last non-null ``finish_reason`` and
+    its other members' last non-null value; a chat choice's ``message`` has ``role``, its
+    string members concatenated (``content`` null when none came), ``function_call`` and
+    ``tool_calls`` put together by ``index`` (the first ``id``, ``type`` and
+    ``function.name``, the ``function.arguments`` concatenated); a legacy choice has ``text``.
+
+    Responses (OpenAI's Responses API): the answer is the ``response`` object of the terminal
+    ``response.completed`` / ``response.incomplete`` event; before it, ``{}`` or one message
+    holding the text of the ``delta`` events so far (what a cut stream is charged).
+
+    Args:
+        kind: ``"chat"``, ``"completions"`` or ``"responses"``.
+
+    Raises:
+        ValueError: another ``kind``.
+    """
+
+    def __new__(cls, kind: str) -> Self: ...
+    def feed(self, data: bytes) -> None:
+        """Take the next bytes of the stream; every event they complete is merged in. Nothing
+        more is taken once :attr:`overlong`."""
+    def finish(self) -> None:
+        """The stream ended: an event it left without its closing empty line is merged in."""
+    @property
+    def complete(self) -> bool:
+        """Whether the stream's end was seen: ``data: [DONE]``, or a Responses terminal or
+        ``response.failed`` event."""
+    @property
+    def overlong(self) -> bool:
+        """Whether an event grew past :data:`EVENT_LIMIT` bytes before its end (the stream is
+        broken; what was held is dropped)."""
+    @property
+    def all_finished(self) -> bool:
+        """Whether the chat or completions answer so far has choices, each with its
+        ``finish_reason`` (a stream complete without ``data: [DONE]``); never for Responses."""
+    @property
+    def error(self) -> dict[str, Any] | None:
+        """The ``error`` object of the last error event (a chunk's ``error`` object; a
+        Responses ``response.failed`` event's ``response.error``, else ``{"message": "response
+        failed"}``; a Responses ``error`` event's ``message``, ``param`` and ``code``), or
+        ``None``."""
+    def answer(self) -> bytes:
+        """The non-streamed answer built so far, as JSON (UTF-8)."""
 
 def usage_tokens(body: bytes) -> tuple[int | None, int | None] | None:
     """``(prompt_tokens, completion_tokens)`` of the ``usage`` object of a non-streamed JSON

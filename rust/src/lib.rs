@@ -7,6 +7,7 @@
 
 pub mod adaptive;
 pub mod admission;
+pub mod assemble;
 pub mod clock;
 pub mod error;
 pub mod headers;

@@ -1,17 +1,12 @@
-"""Build a non-streamed answer from the stream the engine sent instead (no I/O here).
+"""The reference the gateway's stream assembler is held to: the first version of
+``kvgate.proxy.assemble``, in Python (kvgate now runs ``kvgate._core.StreamAssembler``, its Rust
+port, which ``test_assemble.py`` checks against this one on any stream).
 
-kvgate forwards a request whose client did not ask for streaming to the engine as a stream
-(``"stream": true``, and ``stream_options.include_usage`` on chat and completions) so that the
-engine notices at its next token write when the request is abandoned: llama.cpp's server checks a
-non-streaming client only when no other result arrived for a second, and every ``/metrics`` or
-``/slots`` answer resets that wait, so a non-streamed request whose client left keeps generating
-to ``max_tokens``. The client still gets the one JSON body the engine would have sent;
-:class:`ChunkAssembler` (chat and legacy completions) and :class:`ResponsesAssembler` (OpenAI's
-Responses API) rebuild it from the parsed events, and :class:`SSELines` cuts the byte stream into
-their ``data:`` payloads.
-
-Only the answer being built is kept (its text, logprobs and tool-call pieces, each once), never
-the events themselves.
+A non-streamed request goes upstream as a stream; the client gets the one JSON body the engine
+would have sent: :class:`ChunkAssembler` (chat and legacy completions) and
+:class:`ResponsesAssembler` (OpenAI's Responses API) rebuild it from the parsed events, and
+:class:`SSELines` cuts the byte stream into their ``data:`` payloads. Only the answer being
+built is kept, never the events themselves.
 """
 
 from __future__ import annotations
@@ -387,6 +382,8 @@ class ResponsesAssembler(Assembler):
         if not isinstance(event, dict):
             return
         kind = event.get("type")
+        if not isinstance(kind, str):  # (a list here raised TypeError: a 500 in the relay)
+            return
         response = event.get("response")
         if kind in _RESPONSES_DELTAS and self._response is None:
             delta = event.get("delta")

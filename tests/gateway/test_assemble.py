@@ -22,18 +22,13 @@ import pytest
 from aiohttp import web
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tests.gateway import assemble_reference as reference
 from tests.gateway.conftest import config_for
 from tests.gateway.fake_upstream import run_upstream, serve_app
 from tests.gateway.helpers import until
 
 from kvgate.config import Config
-from kvgate.proxy.assemble import (
-    EVENT_LIMIT,
-    ChunkAssembler,
-    EventTooLong,
-    ResponsesAssembler,
-    SSELines,
-)
+from kvgate.proxy.assemble import EVENT_LIMIT, StreamAssembler
 from kvgate.proxy.handler import rewrite_body
 from kvgate.routing import analyze_now
 from kvgate.sim import SimConfig, run_sim
@@ -62,24 +57,23 @@ def _without_ids(answer: dict[str, Any]) -> dict[str, Any]:
 # ---- the assembler alone ------------------------------------------------------------------
 
 
-def _payloads(sse: bytes, piece: int) -> list[bytes]:
-    lines = SSELines()
-    out: list[bytes] = []
+def _feed(asm: StreamAssembler, sse: bytes, piece: int) -> StreamAssembler:
     for i in range(0, len(sse), piece):
-        out += lines.feed(sse[i : i + piece])
-    return out + lines.flush()
+        asm.feed(sse[i : i + piece])
+    asm.finish()
+    return asm
 
 
-def _assemble(sse: bytes, piece: int = 7) -> dict[str, Any]:
-    asm = ChunkAssembler(chat=True)
-    for payload in _payloads(sse, piece):
-        if payload == b"[DONE]":
-            asm.done()
-        else:
-            asm.add(orjson.loads(payload))
+def _assemble(sse: bytes, piece: int = 7, kind: str = "chat") -> dict[str, Any]:
+    asm = _feed(StreamAssembler(kind), sse, piece)
     assert asm.complete
     assert asm.error is None
-    return asm.answer()
+    return dict(orjson.loads(asm.answer()))
+
+
+def _sse(*events: Any, done: bool = True) -> bytes:
+    out = b"".join(b"data: " + orjson.dumps(e) + b"\n\n" for e in events)
+    return out + (b"data: [DONE]\n\n" if done else b"")
 
 
 def test_recorded_openai_stream_assembles_to_its_non_streamed_answer() -> None:
@@ -88,10 +82,221 @@ def test_recorded_openai_stream_assembles_to_its_non_streamed_answer() -> None:
         assert _assemble(TOOLS_SSE, piece) == TOOLS_JSON
 
 
-def test_sse_lines_accepts_crlf_and_cr_line_ends_and_multiline_data() -> None:
-    sse = b'data: {"a":\r\ndata: 1}\r\n\r\ndata: [DONE]\r\rdata:{"b":2}\n\n'
+def test_sse_lines_accept_crlf_and_cr_line_ends_and_multiline_data() -> None:
+    sse = b'data: {"a":\r\ndata: 1}\r\n\r\ndata: [DONE]\r\rdata:{"model":"m","choices":[]}\n\n'
     for piece in (1, 2, 5, len(sse)):
-        assert _payloads(sse, piece) == [b'{"a":\n1}', b"[DONE]", b'{"b":2}']
+        asm = _feed(StreamAssembler("chat"), sse, piece)
+        assert asm.complete
+        assert orjson.loads(asm.answer())["model"] == "m"  # the event after [DONE] still read
+
+
+def test_an_event_past_the_limit_breaks_the_stream_off() -> None:
+    asm = StreamAssembler("chat")
+    asm.feed(b"data: ")
+    piece = b"x" * (1 << 20)
+    for _ in range(EVENT_LIMIT // len(piece) - 1):
+        asm.feed(piece)
+        assert not asm.overlong
+    asm.feed(piece)
+    assert asm.overlong
+    # an event under the limit, in pieces, passes whole
+    asm = StreamAssembler("completions")
+    text = "y" * (EVENT_LIMIT - 100)
+    event = orjson.dumps({"choices": [{"text": text}]})[: EVENT_LIMIT - 100]
+    assert len(event) < EVENT_LIMIT
+    asm.feed(b"data: ")
+    asm.feed(event[:10])
+    asm.feed(event[10:] + b"\n\n")
+    assert not asm.overlong
+
+
+def test_unknown_kind_is_refused() -> None:
+    with pytest.raises(ValueError, match="expected 'chat'"):
+        StreamAssembler("embeddings")
+
+
+def test_chunk_error_event_sets_the_error() -> None:
+    asm = StreamAssembler("chat")
+    asm.feed(_sse({"id": "x", "choices": [{"index": 0, "delta": {"content": "hi"}}]}, done=False))
+    err = {"message": "CUDA out of memory", "type": "InternalServerError"}
+    asm.feed(_sse({"error": err}, done=False))
+    assert asm.error == err
+    assert not asm.complete
+
+
+def test_responses_answer_is_the_terminal_events_response() -> None:
+    asm = StreamAssembler("responses")
+    asm.feed(b"event: response.created\n")
+    asm.feed(_sse({"type": "response.created", "response": {"id": "r"}}, done=False))
+    asm.feed(_sse({"type": "response.output_text.delta", "delta": "hi"}, done=False))
+    assert not asm.complete
+    final = {"id": "r", "object": "response", "status": "completed", "usage": {}}
+    asm.feed(_sse({"type": "response.completed", "response": final}, done=False))
+    assert asm.complete
+    assert orjson.loads(asm.answer()) == final
+    failed = StreamAssembler("responses")
+    boom = {"type": "error", "code": "server_error", "message": "boom", "param": None}
+    failed.feed(_sse(boom, done=False))
+    assert failed.error == {"message": "boom", "param": None, "code": "server_error"}
+
+
+def test_a_responses_stream_cut_before_its_end_answers_the_text_so_far() -> None:
+    """What a cut stream is charged (the client gone, the engine broken): the text of the
+    ``delta`` events so far, as an answer of one message (it was ``{}``: nothing charged)."""
+    asm = StreamAssembler("responses")
+    assert orjson.loads(asm.answer()) == {}
+    events = [{"type": "response.created", "response": {"id": "r", "status": "in_progress"}}]
+    events += [{"type": "response.output_text.delta", "delta": d} for d in ("Hel", "lo", " x")]
+    events.append({"type": "response.function_call_arguments.delta", "delta": '{"a":1}'})
+    events.append({"type": "response.output_text.delta", "delta": 5})  # not text: ignored
+    asm.feed(_sse(*events, done=False))
+    assert not asm.complete
+    out = orjson.loads(asm.answer())["output"]
+    assert out == [
+        {"type": "message", "content": [{"type": "output_text", "text": 'Hello x{"a":1}'}]}
+    ]
+    final = {"id": "r", "object": "response", "status": "completed", "output": []}
+    asm.feed(_sse({"type": "response.completed", "response": final}, done=False))
+    assert orjson.loads(asm.answer()) == final
+
+
+# ---- the Rust assembler against the reference (the first, Python, version) -------------------
+
+_KEYS = st.sampled_from(
+    ["id", "created", "model", "object", "usage", "error", "choices", "system_fingerprint",
+     "index", "delta", "text", "logprobs", "finish_reason", "stop_reason", "role", "content",
+     "reasoning_content", "refusal", "tool_calls", "function_call", "function", "name",
+     "arguments", "type", "message", "tokens", "response", "code", "param"]
+)  # fmt: skip
+_WORDS = st.sampled_from(
+    ["response.completed", "response.output_text.delta", "error", "response.failed", "stop",
+     "function"]
+)  # fmt: skip
+_SCALARS = (
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-3, max_value=3)
+    | st.floats(min_value=-1e300, max_value=1e300, allow_nan=False)
+    | st.text(alphabet='ab é\n"\\', max_size=4)
+    | _WORDS
+)
+_JSON = st.recursive(
+    _SCALARS,
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(_KEYS, inner, max_size=5),
+    max_leaves=8,
+)
+_EVENT = st.dictionaries(_KEYS, _JSON, max_size=6)
+
+
+#: a small JSON value of any type (a member of the wrong type)
+_ANY = _SCALARS | st.lists(_SCALARS, max_size=2) | st.dictionaries(_KEYS, _SCALARS, max_size=2)
+
+
+def _or_any(strategy: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
+    """``strategy`` mostly, any small JSON value sometimes."""
+    return st.one_of(strategy, strategy, strategy, _ANY)
+
+
+_INDEX = _or_any(st.integers(min_value=0, max_value=2))
+_TEXT = _or_any(st.text(alphabet="ab {}", max_size=3))
+_FUNCTION = st.fixed_dictionaries({}, optional={"name": _TEXT, "arguments": _TEXT, "x": _ANY})
+_TOOL_CALL = st.fixed_dictionaries(
+    {},
+    optional={"index": _INDEX, "id": _TEXT, "type": _or_any(st.just("function")),
+              "function": _or_any(_FUNCTION), "x": _ANY},
+)  # fmt: skip
+_DELTA = st.fixed_dictionaries(
+    {},
+    optional={"role": _or_any(st.just("assistant")), "content": _TEXT,
+              "reasoning_content": _TEXT, "refusal": _TEXT,
+              "tool_calls": _or_any(st.lists(_or_any(_TOOL_CALL), max_size=2)),
+              "function_call": _or_any(_FUNCTION), "x": _ANY},
+)  # fmt: skip
+_LOGPROBS = st.fixed_dictionaries(
+    {},
+    optional={"content": _or_any(st.lists(_ANY, max_size=2)),
+              "tokens": _or_any(st.lists(_TEXT, max_size=2)), "x": _ANY},
+)  # fmt: skip
+_CHOICE = st.fixed_dictionaries(
+    {},
+    optional={"index": _INDEX, "delta": _or_any(_DELTA), "text": _TEXT,
+              "logprobs": _or_any(_LOGPROBS), "finish_reason": _or_any(st.just("stop")),
+              "stop_reason": _ANY, "message": _ANY},
+)  # fmt: skip
+_CHUNK = st.fixed_dictionaries(
+    {},
+    optional={"id": _TEXT, "created": _INDEX, "model": _TEXT, "object": _TEXT,
+              "choices": _or_any(st.lists(_or_any(_CHOICE), max_size=2)),
+              "usage": _or_any(st.fixed_dictionaries({"prompt_tokens": _INDEX})),
+              "error": _or_any(st.fixed_dictionaries({"message": _TEXT})),
+              "system_fingerprint": _ANY},
+)  # fmt: skip
+_RESPONSES_EVENT = st.fixed_dictionaries(
+    {"type": _or_any(st.sampled_from(
+        ["response.output_text.delta", "response.refusal.delta", "response.completed",
+         "response.incomplete", "response.failed", "error", "response.created"]))},
+    optional={"delta": _TEXT, "response": _or_any(st.fixed_dictionaries(
+        {}, optional={"id": _TEXT, "error": _ANY, "usage": _ANY})),
+        "error": _ANY, "message": _TEXT, "code": _ANY},
+)  # fmt: skip
+
+
+def _reference(kind: str, payloads: list[bytes]) -> tuple[Any, Any, bool, bool]:
+    """(answer, error, complete, all finished) by the reference assembler."""
+    ref: reference.Assembler = (
+        reference.ResponsesAssembler() if kind == "responses" else
+        reference.ChunkAssembler(chat=kind == "chat")
+    )  # fmt: skip
+    for payload in payloads:
+        if payload == b"[DONE]":
+            ref.done()
+            continue
+        try:
+            ref.add(orjson.loads(payload))
+        except orjson.JSONDecodeError:
+            continue
+    answer = ref.answer()
+    choices = answer.get("choices")
+    finished = (
+        kind != "responses"
+        and isinstance(choices, list)
+        and bool(choices)
+        and all(isinstance(c, dict) and c.get("finish_reason") is not None for c in choices)
+    )
+    return answer, ref.error, ref.complete, finished
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.sampled_from(["chat", "completions", "responses"]),
+    st.lists(
+        _CHUNK | _RESPONSES_EVENT | _EVENT | st.sampled_from([b"[DONE]", b"not json", b"[1]"]),
+        max_size=6,
+    ),
+    st.sampled_from(["\n", "\r\n", "\r"]),
+    st.lists(st.integers(min_value=1, max_value=400), max_size=8),
+)
+def test_the_rust_assembler_builds_the_references_answer_from_any_stream(
+    kind: str, events: list[Any], end: str, cuts: list[int]
+) -> None:
+    """On any stream of events (chunks and Responses events with every member the merge reads,
+    each sometimes of the wrong type; any JSON object; payloads that are not objects or not
+    JSON), cut anywhere, with any line end, the Rust assembler gives the answer (its members in
+    the same order), error and end state of the reference."""
+    payloads = [e if isinstance(e, bytes) else orjson.dumps(e) for e in events]
+    eol = end.encode()
+    raw = b"".join(b"data: " + p + eol + eol for p in payloads)
+    bounds = [0, *sorted({c for c in cuts if c < len(raw)}), len(raw)]
+    asm = StreamAssembler(kind)
+    for a, b in itertools.pairwise(bounds):
+        asm.feed(raw[a:b])
+    asm.finish()
+    answer, error, complete, finished = _reference(kind, payloads)
+    assert orjson.loads(asm.answer()) == answer
+    assert list(orjson.loads(asm.answer())) == list(answer)  # the members' order too
+    assert asm.error == error
+    assert asm.complete == complete
+    assert asm.all_finished == finished
 
 
 @settings(max_examples=80, deadline=None)
@@ -105,77 +310,20 @@ def test_sse_lines_accepts_crlf_and_cr_line_ends_and_multiline_data() -> None:
     ),
     st.lists(st.integers(min_value=1, max_value=300), max_size=10),
 )
-def test_sse_lines_any_chunking_gives_the_payloads_of_one_read(
+def test_the_reference_sse_lines_any_chunking_gives_the_payloads_of_one_read(
     events: list[tuple[list[str], str]], cuts: list[int]
 ) -> None:
-    """Cut anywhere (inside a line, between CR and LF), the payloads are those of the whole
-    stream read at once."""
+    """The reference's line splitting, cut anywhere (inside a line, between CR and LF), gives
+    the payloads of the whole stream read at once (the Rust one is held to the reference)."""
     raw = b"".join(
         b"".join(f"data: {line}{end}".encode() for line in lines) + end.encode()
         for lines, end in events
     )
     bounds = [0, *sorted({c for c in cuts if c < len(raw)}), len(raw)]
-    lines = SSELines()
+    lines = reference.SSELines()
     cut = [p for a, b in itertools.pairwise(bounds) for p in lines.feed(raw[a:b])]
-    whole = SSELines()
+    whole = reference.SSELines()
     assert cut + lines.flush() == whole.feed(raw) + whole.flush()
-
-
-def test_sse_lines_refuse_an_event_past_the_limit() -> None:
-    lines = SSELines()
-    lines.feed(b"data: ")
-    piece = b"x" * (1 << 20)
-    for _ in range(EVENT_LIMIT // len(piece) - 1):
-        assert lines.feed(piece) == []
-    with pytest.raises(EventTooLong):
-        lines.feed(piece)
-    # an event under the limit, in pieces, passes whole
-    lines = SSELines()
-    body = b"y" * (EVENT_LIMIT - 100)
-    assert lines.feed(b"data: " + body[:10]) == []
-    assert lines.feed(body[10:]) == []
-    assert lines.feed(b"\n\n") == [body]
-
-
-def test_chunk_error_event_sets_the_error() -> None:
-    asm = ChunkAssembler(chat=True)
-    asm.add({"id": "x", "choices": [{"index": 0, "delta": {"content": "hi"}}]})
-    asm.add({"error": {"message": "CUDA out of memory", "type": "InternalServerError"}})
-    assert asm.error == {"message": "CUDA out of memory", "type": "InternalServerError"}
-
-
-def test_responses_answer_is_the_terminal_events_response() -> None:
-    asm = ResponsesAssembler()
-    asm.add({"type": "response.created", "response": {"id": "r", "status": "in_progress"}})
-    asm.add({"type": "response.output_text.delta", "delta": "hi"})
-    assert not asm.complete
-    final = {"id": "r", "object": "response", "status": "completed", "usage": {}}
-    asm.add({"type": "response.completed", "response": final})
-    assert asm.complete
-    assert asm.answer() == final
-    failed = ResponsesAssembler()
-    failed.add({"type": "error", "code": "server_error", "message": "boom", "param": None})
-    assert failed.error == {"message": "boom", "param": None, "code": "server_error"}
-
-
-def test_a_responses_stream_cut_before_its_end_answers_the_text_so_far() -> None:
-    """What a cut stream is charged (the client gone, the engine broken): the text of the
-    ``delta`` events so far, as an answer of one message (it was ``{}``: nothing charged)."""
-    asm = ResponsesAssembler()
-    assert asm.answer() == {}
-    asm.add({"type": "response.created", "response": {"id": "r", "status": "in_progress"}})
-    for delta in ("Hel", "lo", " there"):
-        asm.add({"type": "response.output_text.delta", "delta": delta})
-    asm.add({"type": "response.function_call_arguments.delta", "delta": '{"a":1}'})
-    asm.add({"type": "response.output_text.delta", "delta": 5})  # not text: ignored
-    assert not asm.complete
-    out = asm.answer()["output"]
-    assert out == [
-        {"type": "message", "content": [{"type": "output_text", "text": 'Hello there{"a":1}'}]}
-    ]
-    final = {"id": "r", "object": "response", "status": "completed", "output": []}
-    asm.add({"type": "response.completed", "response": final})
-    assert asm.answer() == final
 
 
 def test_rewrite_body_asks_for_a_stream() -> None:

@@ -38,14 +38,7 @@ from kvgate.errors import (
     upstream_redirect,
     upstream_timeout,
 )
-from kvgate.proxy.assemble import (
-    EVENT_LIMIT,
-    Assembler,
-    ChunkAssembler,
-    EventTooLong,
-    ResponsesAssembler,
-    SSELines,
-)
+from kvgate.proxy.assemble import EVENT_LIMIT, StreamAssembler, stream_kind
 from kvgate.proxy.deadline import Deadline, Watchdog
 from kvgate.proxy.prepared import HeadBuilder, PreparedStream, Reply, relayed, start_stream
 from kvgate.proxy.sse import SSEInspector
@@ -273,18 +266,9 @@ async def relay(
                 headers_out = _with_retry_after(upstream.headers, retry_hint)
             return relayed(request, build, upstream.status, headers_out, body)
         if assemble and upstream.content_type == "text/event-stream":
-            chat = not responses and url.endswith("/chat/completions")
+            kind = "responses" if responses else stream_kind(url)
             return await _relay_assembled(
-                request,
-                upstream,
-                timeouts,
-                deadline,
-                end,
-                build,
-                count_text,
-                result,
-                chat,
-                responses,
+                request, upstream, timeouts, deadline, end, build, count_text, result, kind
             )
         if stream and upstream.content_type == "text/event-stream":
             return await _relay_stream(
@@ -699,31 +683,30 @@ async def _relay_assembled(
     build: HeadBuilder,
     count_text: Callable[[str], int] | None,
     result: RelayResult,
-    chat: bool,
-    responses: bool,
+    kind: str,
 ) -> Reply:
     """Read the engine's SSE answer to a request the client did not stream and answer with the
-    JSON body the engine would have sent (:mod:`kvgate.proxy.assemble`), with the engine's
-    headers (``Content-Type: application/json`` instead of its stream's, no ``Cache-Control``).
+    JSON body the engine would have sent (:class:`~kvgate.proxy.assemble.StreamAssembler` of
+    ``kind``: ``chat``, ``completions`` or ``responses``), with the engine's headers
+    (``Content-Type: application/json`` instead of its stream's, no ``Cache-Control``).
 
     Nothing reaches the client before the end, so a failure is an error answer: an ``error``
     event → the engine's message in OpenAI's shape with the event's 4xx/5xx ``code`` (else
     500); a stream that breaks or ends before ``data: [DONE]`` (a Responses stream: before its
     terminal event; a chat stream without ``[DONE]`` passes when every choice has its
-    ``finish_reason``) → 502 ``upstream_broken``; ``idle`` between chunks or the request's
-    ``end`` (loop time) passed → 504. ``chat``: a chat completions stream (else legacy
-    completions, or ``responses``: a Responses stream). Settled like a whole body (:func:`_settle_from_body`:
-    the usage chunk's counts, else the assembled text counted), also when cut off.
+    ``finish_reason``), or an event over :data:`EVENT_LIMIT` bytes → 502 ``upstream_broken``;
+    ``idle`` between chunks or the request's ``end`` (loop time) passed → 504. Settled like a
+    whole body (:func:`_settle_from_body`: the usage chunk's counts, else the assembled text
+    counted), also when cut off.
 
     Raises:
         GatewayError: 502 ``upstream_broken``, 504 ``upstream_timeout``.
     """
-    assembler: Assembler = ResponsesAssembler() if responses else ChunkAssembler(chat)
-    lines = SSELines()
+    assembler = StreamAssembler(kind)
     content = upstream.content
     settled = False
     try:
-        while assembler.error is None:
+        while True:
             try:
                 data = content.read_nowait() or await _await_bytes(
                     content, deadline, timeouts.idle, end
@@ -736,34 +719,28 @@ async def _relay_assembled(
             except aiohttp.ClientError as exc:
                 result.outcome = "stream_broken"
                 raise upstream_failed(exc, "upstream_broken") from None
-            try:
-                payloads = lines.feed(data) if data else lines.flush()
-            except EventTooLong:
+            if data:
+                assembler.feed(data)
+            else:
+                assembler.finish()
+            if assembler.overlong:
                 result.outcome = "stream_broken"
-                raise _event_too_long() from None
-            for payload in payloads:
-                if payload == b"[DONE]":
-                    assembler.done()
-                    continue
-                try:
-                    assembler.add(orjson.loads(payload))
-                except orjson.JSONDecodeError:
-                    continue
-            if not data or assembler.complete:
+                raise _event_too_long()
+            if not data or assembler.complete or assembler.error is not None:
                 break
-        answer = assembler.answer()
-        raw = orjson.dumps(answer)
+        raw = assembler.answer()
         _settle_from_body(raw, result, count_text)
         settled = True
-        if assembler.error is not None:
+        error = assembler.error
+        if error is not None:
             result.outcome = "upstream_error"
-            status = assembler.error.get("code")
+            status = error.get("code")
             if type(status) is not int or not 400 <= status <= 599:
                 status = 500
             result.status = status
-            body = reshape_upstream_error(status, orjson.dumps({"error": assembler.error}))
+            body = reshape_upstream_error(status, orjson.dumps({"error": error}))
             return relayed(request, build, status, _JSON, body)
-        if not (assembler.complete or _all_finished(answer)):
+        if not (assembler.complete or assembler.all_finished):
             result.outcome = "stream_broken"
             raise GatewayError(
                 502, "upstream stream ended early", "server_error", code="upstream_broken"
@@ -778,18 +755,7 @@ async def _relay_assembled(
         return relayed(request, build, upstream.status, tuple(headers), raw)
     finally:
         if not settled:
-            _settle_from_body(orjson.dumps(assembler.answer()), result, count_text)
-
-
-def _all_finished(answer: dict[str, object]) -> bool:
-    """Whether an assembled chat or completions answer has choices, each with its
-    ``finish_reason`` (a stream complete without ``data: [DONE]``)."""
-    choices = answer.get("choices")
-    return (
-        isinstance(choices, list)
-        and bool(choices)
-        and all(isinstance(c, dict) and c.get("finish_reason") is not None for c in choices)
-    )
+            _settle_from_body(assembler.answer(), result, count_text)
 
 
 #: The most bytes of a passed-through answer kept to read its ``usage`` at the end (a JSON

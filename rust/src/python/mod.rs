@@ -2,6 +2,7 @@
 //! live in `python/kvgate/_core.pyi`.
 
 mod analyze;
+mod assemble;
 mod controller;
 mod convert;
 mod fast;
@@ -66,6 +67,7 @@ pub fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Rejection>()?;
     analyze::register(m)?;
     sse::register(m)?;
+    assemble::register(m)?;
     ledger::register(m)?;
     route::register(m)?;
     Ok(())
