@@ -637,13 +637,18 @@ class AdmissionController:
         body: bytes | None = None,
         connection: str | None = None,
         chunked: bool = True,
+        *,
+        request_id: str | None = None,
     ) -> bytes:
         """:func:`relay_http` with kvgate's :meth:`rate_limit_headers` for ``tenant`` on
         ``backend`` after the engine's headers (an engine's own ``x-ratelimit-*`` of the same
-        names are replaced). One read of the shared state.
+        names are replaced), and ``x-request-id: request_id`` when given (an engine's own
+        ``x-request-id`` is then dropped: the client gets kvgate's). One read of the shared
+        state.
 
         Raises:
             InvalidConfigError: unknown backend or tenant id.
+            ValueError: ``request_id`` empty or not printable ASCII (0x20–0x7E).
             TypeError, ValueError, OverflowError: as :func:`relay_http`.
         """
     def tenant_state(self, tenant: int) -> dict[str, object]:

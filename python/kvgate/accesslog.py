@@ -3,7 +3,8 @@
 * Every request that reaches an inference or forwarded route gets a request id
   (:func:`request_id`): the client's ``x-request-id`` when it is sane, else a new one. It goes
   to the engine as ``x-request-id``, back to the client on every answer kvgate gives
-  (:func:`with_request_id`, :func:`id_builder`) and into the access log line.
+  (:func:`with_request_id`; a relayed answer's head gets it in Rust:
+  ``AdmissionController.relay_http(request_id=)``) and into the access log line.
 * W3C Trace Context (https://www.w3.org/TR/trace-context/): the client's ``traceparent`` and
   ``tracestate`` go to the engine unchanged when ``traceparent`` is valid
   (:func:`valid_traceparent`); an invalid one is dropped with its ``tracestate``.
@@ -35,7 +36,7 @@ from typing import Any, TextIO
 
 import orjson
 
-from kvgate.proxy.prepared import HeadBuilder, PreparedResponse
+from kvgate.proxy.prepared import PreparedResponse
 
 __all__ = [
     "FLUSH_BYTES",
@@ -47,7 +48,6 @@ __all__ = [
     "configure_access_log",
     "configure_logging",
     "flush_access_log",
-    "id_builder",
     "log_access",
     "request_id",
     "upstream_trace_headers",
@@ -128,24 +128,6 @@ def with_request_id(raw: bytes, rid: str) -> bytes:
     head)."""
     end = raw.find(b"\r\n") + 2
     return b"%s%s: %s\r\n%s" % (raw[:end], _ID_NAME, rid.encode(), raw[end:])
-
-
-def id_builder(build: HeadBuilder, rid: str) -> HeadBuilder:
-    """``build`` (a relayed answer's head builder) whose output carries ``x-request-id: rid``;
-    an ``x-request-id`` the engine sent back is dropped (the client gets one, kvgate's)."""
-
-    def built(
-        status: int,
-        upstream_headers: Any,
-        body: bytes | None,
-        connection: str | None,
-        chunked: bool,
-    ) -> bytes:
-        if any(name.lower() == _ID_NAME for name, _ in upstream_headers):
-            upstream_headers = tuple(h for h in upstream_headers if h[0].lower() != _ID_NAME)
-        return with_request_id(build(status, upstream_headers, body, connection, chunked), rid)
-
-    return built
 
 
 def bytes_sent(request: Any, reply: Any) -> int:

@@ -329,6 +329,24 @@ def test_controller_relay_replaces_the_engines_rate_limit_headers() -> None:
     assert b"x-ratelimit-limit-requests: 4" in head
 
 
+def test_controller_relay_carries_kvgates_request_id_not_the_engines() -> None:
+    ctl = AdmissionController()
+    b = ctl.add_backend("b", max_concurrency=4, tokens_per_minute=100)
+    t = ctl.add_tenant("t", priority="standard")
+    engine = [(b"X-Request-Id", b"engine-own"), (b"Content-Type", b"application/json")]
+    raw = ctl.relay_http(b, t, 200, engine, b"{}", request_id="client-1")
+    head = raw.split(b"\r\n\r\n")[0].lower()
+    assert head.count(b"x-request-id") == 1
+    assert b"x-request-id: client-1" in head
+    stream = ctl.relay_http(b, t, 200, engine, None, request_id="client-2")  # a stream's head
+    assert b"x-request-id: client-2" in stream.lower()
+    assert b"engine-own" not in stream
+    assert b"engine-own" in ctl.relay_http(b, t, 200, engine, b"{}")  # no id: the engine's
+    for bad in ("", "a\r\nSet-Cookie: x=1", "\u00e9"):
+        with pytest.raises(ValueError, match="request_id"):
+            ctl.relay_http(b, t, 200, engine, b"{}", request_id=bad)
+
+
 def test_http_response_wire_format() -> None:
     raw = http_response(429, [("Retry-After", "2"), ("x-a", "b")], b'{"x":1}', "close")
     head, _, body = raw.partition(b"\r\n\r\n")

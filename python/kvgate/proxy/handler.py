@@ -30,7 +30,6 @@ from aiohttp.web_protocol import RequestPayloadError
 
 from kvgate._core import MAX_AMOUNT
 from kvgate.accesslog import (
-    id_builder,
     request_id,
     upstream_trace_headers,
     with_request_id,
@@ -443,7 +442,7 @@ async def handle_inference(gw: Gateway, request: web.BaseRequest, route: str) ->
             strip_usage_chunk=add_usage,
             timeouts=gw.timeouts,
             watchdog=gw.watchdog,
-            build=id_builder(partial(gw.controller.relay_http, backend.id, tenant.id), rid),
+            build=partial(gw.controller.relay_http, backend.id, tenant.id, request_id=rid),
             count_text=model.count_text,
             result=result,
             responses=route == RESPONSES_ROUTE,
@@ -763,7 +762,7 @@ async def handle_forward(gw: Gateway, request: web.BaseRequest) -> Reply:
             strip_usage_chunk=False,
             timeouts=gw.timeouts,
             watchdog=gw.watchdog,
-            build=id_builder(partial(gw.controller.relay_http, backend.id, tenant.id), rid),
+            build=partial(gw.controller.relay_http, backend.id, tenant.id, request_id=rid),
             count_text=None,
             result=result,
             method=request.method,

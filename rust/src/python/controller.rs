@@ -688,7 +688,7 @@ impl AdmissionController {
         Ok((status, PyString::intern(py, reason), PyBytes::new(py, &raw)))
     }
 
-    #[pyo3(signature = (backend, tenant, status, upstream_headers, body=None, connection=None, chunked=true))]
+    #[pyo3(signature = (backend, tenant, status, upstream_headers, body=None, connection=None, chunked=true, *, request_id=None))]
     #[allow(clippy::too_many_arguments)]
     fn relay_http<'py>(
         &self,
@@ -700,15 +700,26 @@ impl AdmissionController {
         body: Option<&[u8]>,
         connection: Option<&str>,
         chunked: bool,
+        request_id: Option<&str>,
     ) -> PyResult<Bound<'py, PyBytes>> {
         let limits = self.core.rate_limits(backend, tenant)?;
         let values = crate::headers::rate_limit_headers(&limits);
-        let ours: Vec<(&[u8], &[u8])> = RATE_LIMIT_HEADER_NAMES
-            .iter()
-            .zip(values.iter())
-            .take(crate::headers::rate_limit_header_count(&limits))
-            .map(|(n, v)| (n.as_bytes(), v.as_bytes()))
-            .collect();
+        let mut ours: Vec<(&[u8], &[u8])> = Vec::with_capacity(values.len() + 1);
+        if let Some(rid) = request_id {
+            if rid.is_empty() || !rid.bytes().all(|b| (0x20..=0x7e).contains(&b)) {
+                return Err(PyValueError::new_err(
+                    "request_id must be 1 or more printable ASCII characters",
+                ));
+            }
+            ours.push((b"x-request-id", rid.as_bytes()));
+        }
+        ours.extend(
+            RATE_LIMIT_HEADER_NAMES
+                .iter()
+                .zip(values.iter())
+                .take(crate::headers::rate_limit_header_count(&limits))
+                .map(|(n, v)| (n.as_bytes(), v.as_bytes())),
+        );
         relay_bytes(
             py,
             status,
