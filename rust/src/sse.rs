@@ -348,9 +348,13 @@ impl SseInspector {
         }
     }
 
-    /// Appends one event's text pieces to `text` (after the pending raw events' text).
+    /// Appends one event's text pieces to `text` (after the pending raw events' text). An event
+    /// without text (the usage chunk that ends most streams) leaves the pending events
+    /// unparsed: nothing has to go after their text, which may never be asked for.
     fn push_text(&mut self, pieces: Vec<String>, found: bool) {
-        self.parse_pending();
+        if !pieces.is_empty() {
+            self.parse_pending();
+        }
         for piece in pieces {
             self.text.push_str(&piece);
             self.ends.push(self.text.len());
@@ -782,6 +786,9 @@ mod tests {
         let mut insp = SseInspector::new(false);
         assert_eq!(insp.feed(&stream), Fed::Same);
         assert!(insp.done());
+        // the text events are still unparsed: the usage chunk carries no text to order after
+        // them, and with the engine's usage their text is never asked for
+        assert!(!insp.raw.is_empty() && insp.text.is_empty());
         assert_eq!(insp.usage().unwrap()["prompt_tokens"], 3);
         assert_eq!(insp.usage_tokens(), Some((Some(3), Some(2))));
         assert_eq!(insp.delivered_text(), ["Hel", "lo"]);
