@@ -680,7 +680,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.compare_src:
         src = str(Path(args.compare_src).resolve())
         servers += [
-            kvgate("kvgate-alt-refuse-1w", 1, ["--tpm", "60"], src),
+            kvgate("kvgate-alt-refuse-1w", 1, ["--tpm", "60", "--max-wait", "0"], src),
             kvgate("kvgate-alt-1w", 1, ["--max-concurrency", "100000", "--tpm", str(10**12)], src),
         ]
     by = {s.name: s for s in servers}

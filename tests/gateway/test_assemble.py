@@ -28,6 +28,7 @@ from tests.gateway.fake_upstream import run_upstream, serve_app
 from tests.gateway.helpers import until
 
 from kvgate.config import Config
+from kvgate.gateway_build import build_gateway
 from kvgate.proxy.assemble import EVENT_LIMIT, StreamAssembler
 from kvgate.proxy.handler import rewrite_body
 from kvgate.routing import analyze_now
@@ -336,6 +337,39 @@ def test_rewrite_body_asks_for_a_stream() -> None:
     body = b'{"model": "m", "stream": false, "seed": 123456789012345678901234567890}'
     out = rewrite_body(body, plain, add_usage=False, stream_upstream=True)
     assert out == b'{"model":"m","stream":true,"seed":123456789012345678901234567890}'
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"messages": [{"role": "user", "content": "hi"}]},
+        {"messages": [{"role": "user", "content": "hi"}], "stream": False},
+        {"messages": [{"role": "user", "content": "hi"}], "stream": None},
+        {"messages": [{"role": "user", "content": "hi"}], "stream_options": None},
+        {"messages": [{"role": "user", "content": "hi"}], "max_tokens": None},
+        {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5},
+    ],
+)
+def test_rewrite_body_skips_the_second_parse_only_when_the_analyser_saw_no_key_to_add(
+    body: dict[str, Any],
+) -> None:
+    """``analysis.addable`` (the analyser saw none of ``stream``, ``stream_options``,
+    ``max_tokens``) lets the members be spliced without parsing the body again; the forwarded
+    body is the one the second parse gives, and has each key once."""
+    cfg = config_for("http://127.0.0.1:9", ["m"]).model_dump()
+    cfg["backends"][0]["models"][0]["default_max_tokens"] = 7
+    gw = build_gateway(Config.model_validate(cfg), poll=False)
+    raw = orjson.dumps({"model": "m", **body})
+    _model, analysis = analyze_now(gw, "/v1/chat/completions", raw)
+    assert analysis.addable == (not {"stream", "stream_options", "max_tokens"} & set(body))
+    reparsed = SimpleNamespace(inject_max_tokens=analysis.inject_max_tokens, drop_cap=None)
+    out = rewrite_body(raw, analysis, add_usage=True, stream_upstream=True)
+    assert out == rewrite_body(raw, reparsed, add_usage=True, stream_upstream=True)
+    sent = orjson.loads(out)
+    assert sent["stream"] is True
+    assert sent["stream_options"] == {"include_usage": True}
+    assert sent["max_tokens"] == (body.get("max_tokens") or 7)
+    assert out.count(b'"stream"') == 1
 
 
 # ---- through the gateway, against the simulator -------------------------------------------

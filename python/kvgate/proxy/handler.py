@@ -317,7 +317,9 @@ def rewrite_body(
     engine gets exactly the cap kvgate reserved for (engines differ in which key they read).
 
     When the keys to add are absent and nothing is removed (the usual case) the members are
-    spliced in after the opening ``{`` and every byte the client sent is forwarded as sent.
+    spliced in after the opening ``{`` and every byte the client sent is forwarded as sent;
+    the body is not parsed again when the analyser already saw that none of them is there
+    (``analysis.addable``).
     Otherwise (say ``"stream_options": {}``, ``"max_tokens": null``, or a cap to drop) the
     body is decoded and re-encoded with the standard ``json`` module, which keeps integers of
     any size exact (orjson would turn those above 64 bits into floats), accepts lone surrogate
@@ -330,10 +332,13 @@ def rewrite_body(
     responses = getattr(analysis, "route", None) == RESPONSES_ROUTE
     limit = "max_output_tokens" if responses else "max_tokens"
     if drop is None:
-        try:
-            data = orjson.loads(body)
-        except orjson.JSONDecodeError:  # a lone surrogate escape, which orjson refuses
-            data = json.loads(body)
+        if getattr(analysis, "addable", False):
+            data: Any = ()  # the analyser saw none of the keys to add: no second parse
+        else:
+            try:
+                data = orjson.loads(body)
+            except orjson.JSONDecodeError:  # a lone surrogate escape, which orjson refuses
+                data = json.loads(body)
         members = []
         if stream_upstream and "stream" not in data:
             members.append(b'"stream":true')

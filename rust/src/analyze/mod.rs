@@ -187,6 +187,10 @@ pub struct Analysis {
     pub stream: bool,
     /// `stream_options.include_usage` in the body.
     pub include_usage: bool,
+    /// None of the members the gateway may add to the forwarded body — `stream`,
+    /// `stream_options` and the output cap (`max_tokens`; `max_output_tokens` on Responses) —
+    /// is in the body, whatever its value: they can be spliced in without parsing it again.
+    pub addable: bool,
     /// `prompt_tokens + completion_tokens`: the TPM / in-flight reservation.
     pub reserved_tokens: u64,
     /// When `default_max_tokens` was applied: the per-choice limit the gateway must write into
@@ -432,6 +436,7 @@ impl RequestAnalyzer {
                 n: 1,
                 stream,
                 include_usage,
+                addable: false,
                 reserved_tokens: prompt_tokens,
                 inject_max_tokens: None,
                 counting,
@@ -512,6 +517,9 @@ impl RequestAnalyzer {
                 ),
             ));
         }
+        let addable = ["stream", "stream_options", limit_key]
+            .iter()
+            .all(|key| !obj.contains_key(*key));
         Ok(Analysis {
             model,
             route,
@@ -520,6 +528,7 @@ impl RequestAnalyzer {
             n,
             stream,
             include_usage,
+            addable,
             reserved_tokens,
             inject_max_tokens,
             counting,

@@ -149,6 +149,7 @@ pub struct PyAnalysis {
     n: u64,
     stream: bool,
     include_usage: bool,
+    addable: bool,
     reserved_tokens: u64,
     inject_max_tokens: Option<u64>,
     counting: &'static str,
@@ -165,6 +166,7 @@ impl From<analyze::Analysis> for PyAnalysis {
             n: a.n,
             stream: a.stream,
             include_usage: a.include_usage,
+            addable: a.addable,
             reserved_tokens: a.reserved_tokens,
             inject_max_tokens: a.inject_max_tokens,
             counting: a.counting.as_str(),
@@ -178,8 +180,8 @@ impl PyAnalysis {
     fn __repr__(&self, py: Python<'_>) -> PyResult<String> {
         Ok(format!(
             "Analysis(model={}, route={}, prompt_tokens={}, completion_tokens={}, n={}, \
-             stream={}, include_usage={}, reserved_tokens={}, inject_max_tokens={}, counting={}, \
-             drop_cap={})",
+             stream={}, include_usage={}, addable={}, reserved_tokens={}, inject_max_tokens={}, \
+             counting={}, drop_cap={})",
             py_repr(py, &self.model)?,
             py_repr(py, self.route)?,
             self.prompt_tokens,
@@ -187,6 +189,7 @@ impl PyAnalysis {
             self.n,
             py_repr(py, self.stream)?,
             py_repr(py, self.include_usage)?,
+            py_repr(py, self.addable)?,
             self.reserved_tokens,
             py_repr(py, self.inject_max_tokens)?,
             py_repr(py, self.counting)?,
