@@ -578,9 +578,10 @@ def render(
         "serializes per response); kvgate runs on aiohttp's low-level server and writes each "
         "answer it makes (refusals, relayed non-streamed bodies) as one HTTP/1.1 message "
         "serialized in Rust with its headers, and a relayed stream's head the same way "
-        "(`python/kvgate/proxy/prepared.py`). That is why kvgate's admitted path can cost "
-        "about as much as the bare proxy, or less, although it does more per request "
-        "(analysis, admission, settlement, metrics, SSE inspection).",
+        "(`python/kvgate/proxy/prepared.py`), which offsets part of what it does more per "
+        "request (analysis, admission, settlement, metrics, SSE inspection, the access log "
+        "line, and by default a non-streamed request forwarded as a stream and its answer "
+        "assembled).",
         "",
         "LiteLLM: its proxy CLI (`litellm --config`, one process, master key, no database) in "
         "front of the same upstream, with its own limits far above the load: per-deployment "
