@@ -26,10 +26,12 @@ import asyncio
 import atexit
 import datetime
 import logging
+import math
 import os
 import re
 import select
 import sys
+import threading
 import time
 import uuid
 from typing import Any, TextIO
@@ -209,42 +211,52 @@ class _AccessLog:
     without one: a test's captured stderr) when :data:`FLUSH_BYTES` wait, or
     :data:`FLUSH_SECONDS` after the first waiting line (a timer on the running event loop; with
     no loop running, at once). A write that fails (a full disk, a closed pipe) drops what was
-    waiting and says so once on the ``kvgate.serve`` logger; serving goes on."""
+    waiting and says so on the ``kvgate.serve`` logger, once until a write succeeds again;
+    serving goes on. Safe to call from several threads (kvgate itself logs from its event loop
+    only)."""
 
-    __slots__ = ("_buf", "_fd", "_owned", "_stream", "_timer", "_warned")
+    __slots__ = ("_buf", "_fd", "_lock", "_owned", "_stream", "_timer", "_timer_loop", "_warned")
 
     def __init__(self, fd: int | None, stream: TextIO | None, owned: bool) -> None:
         self._fd = fd
         self._stream = stream
         self._owned = owned  # the descriptor is the log's own (a file it opened)
         self._buf = bytearray()
+        self._lock = threading.Lock()
         self._timer: asyncio.TimerHandle | None = None
+        self._timer_loop: asyncio.AbstractEventLoop | None = None
         self._warned = False
 
     def write(self, line: dict[str, Any]) -> None:
         """Append one line; write the buffer out when it is full, else make sure it will be."""
-        buf = self._buf
-        buf += orjson.dumps(line, option=orjson.OPT_APPEND_NEWLINE)
-        if len(buf) >= FLUSH_BYTES:
+        data = orjson.dumps(line, option=orjson.OPT_APPEND_NEWLINE)
+        with self._lock:
+            self._buf += data
+            full = len(self._buf) >= FLUSH_BYTES
+        if full:
             self.flush()
-        elif self._timer is None:
-            try:
-                loop = asyncio.get_running_loop()
-            except RuntimeError:
-                self.flush()
-                return
-            self._timer = loop.call_later(FLUSH_SECONDS, self.flush)
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            self.flush()
+            return
+        # a timer left on a loop that ended before it fired would never flush: one per loop
+        if self._timer is None or self._timer_loop is not loop:
+            if self._timer is not None:
+                self._timer.cancel()
+            self._timer, self._timer_loop = loop.call_later(FLUSH_SECONDS, self.flush), loop
 
     def flush(self) -> None:
         """Write out every waiting line, in pieces of at most :data:`_ATOMIC_WRITE` bytes that
         each end at a line's end (a longer line: alone, whole)."""
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-        buf = self._buf
+        with self._lock:
+            timer, self._timer, self._timer_loop = self._timer, None, None
+            buf, self._buf = self._buf, bytearray()
+        if timer is not None:
+            timer.cancel()
         if not buf:
             return
-        self._buf = bytearray()
         view = memoryview(buf)
         try:
             start = 0
@@ -258,7 +270,8 @@ class _AccessLog:
                     end = len(buf)
                 self._put(view[start:end])
                 start = end
-        except OSError as exc:
+            self._warned = False
+        except (OSError, ValueError) as exc:  # ValueError: a closed stream
             if not self._warned:
                 self._warned = True
                 _warn.warning("access log lines lost: cannot write them (%s)", exc)
@@ -266,11 +279,12 @@ class _AccessLog:
             view.release()
 
     def _put(self, piece: memoryview) -> None:
-        if self._fd is None:
-            assert self._stream is not None
+        if self._stream is not None:
             self._stream.write(bytes(piece).decode())
             self._stream.flush()
             return
+        if self._fd is None:
+            raise OSError("the access log is closed")
         while piece:
             piece = piece[os.write(self._fd, piece) :]
 
@@ -299,19 +313,22 @@ def _time(created: float) -> str:
     return datetime.datetime.fromtimestamp(created, datetime.UTC).isoformat(timespec="milliseconds")
 
 
-_second = [-1, ""]  # the last whole second stamped, and its text up to the seconds
+_second: tuple[int, str] = (-1, "")  # the last whole second stamped, its text up to the seconds
 
 
 def _stamp(created: float) -> str:
     """What :func:`_time` gives, the date and time of day made once a second: the access log
     stamps every line, and ``datetime``'s conversion cost several µs of a refusal's 50."""
-    whole = int(created)
+    global _second
+    whole = math.floor(created)
     micro = round((created - whole) * 1e6)  # datetime rounds to µs first (half to even)
     if micro >= 1_000_000:
         whole, micro = whole + 1, micro - 1_000_000
-    if whole != _second[0]:
-        _second[0], _second[1] = whole, time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(whole))
-    return f"{_second[1]}.{micro // 1000:03d}+00:00"
+    cached, text = _second  # one tuple: a thread never sees one second's date with another's
+    if whole != cached:
+        text = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(whole))
+        _second = (whole, text)
+    return f"{text}.{micro // 1000:03d}+00:00"
 
 
 class JsonFormatter(logging.Formatter):
@@ -382,9 +399,12 @@ def configure_access_log(enabled: bool, path: str | None = None) -> None:
         old.close()
 
 
-def _stderr_log(stream: TextIO) -> _AccessLog:
+def _stderr_log(stream: TextIO | None) -> _AccessLog | None:
     """A log to ``stream`` (stderr): through its file descriptor when it has one (what is in
-    its own buffer is flushed first), else through the stream itself."""
+    its own buffer is flushed first), else through the stream itself; ``None`` (no log) when
+    there is no stderr (``kvgate serve 2>&-``)."""
+    if stream is None:
+        return None
     try:
         fd = stream.fileno()
     except (AttributeError, OSError, ValueError):

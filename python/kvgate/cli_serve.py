@@ -696,6 +696,9 @@ def _serve_workers(
             except BaseException:
                 logger.exception("worker %d crashed", index)
                 code = 1
+            from kvgate.accesslog import flush_access_log
+
+            flush_access_log()  # os._exit runs no exit handlers
             os._exit(code)
         children[pid] = index
         started[index] = time.monotonic()

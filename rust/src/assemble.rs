@@ -17,6 +17,7 @@
 
 use std::collections::BTreeMap;
 
+use indexmap::IndexMap;
 use serde_json::{Map, Value};
 
 use crate::sse::{EVENT_LIMIT, RESPONSES_TEXT_EVENTS};
@@ -36,7 +37,8 @@ pub struct SseLines {
     data: Vec<u8>,
     /// Whether `data` holds at least one `data:` line (an empty one counts).
     has_data: bool,
-    /// Bytes of the `data:` values held (each counted with its optional leading space).
+    /// Bytes of the `data:` values held (each counted with its optional leading space and a
+    /// line end).
     held: usize,
 }
 
@@ -128,7 +130,8 @@ impl SseLines {
             self.data
                 .extend_from_slice(value.strip_prefix(b" ").unwrap_or(value));
             self.has_data = true;
-            self.held += value.len();
+            // the line's LF counts: empty `data:` lines must not hold bytes past the limit
+            self.held += value.len() + 1;
         }
         // `event:`, `id:`, `retry:` and comments carry nothing the answer needs
     }
@@ -184,30 +187,33 @@ impl Part {
     }
 }
 
-/// Members in their first-insertion order (a handful per object: a linear search is enough).
+/// Members in their first-insertion order, found by hash (an engine may send thousands of
+/// member names: a linear search would make one event cost their square).
 #[derive(Debug)]
-struct Members<T>(Vec<(String, T)>);
+struct Members<T>(IndexMap<String, T>);
 
 impl<T> Default for Members<T> {
     fn default() -> Self {
-        Self(Vec::new())
+        Self(IndexMap::new())
     }
 }
 
 impl<T> Members<T> {
     fn get(&self, key: &str) -> Option<&T> {
-        self.0.iter().find(|(k, _)| k == key).map(|(_, v)| v)
+        self.0.get(key)
     }
 
     fn get_mut(&mut self, key: &str) -> Option<&mut T> {
-        self.0.iter_mut().find(|(k, _)| k == key).map(|(_, v)| v)
+        self.0.get_mut(key)
     }
 
     /// Sets `key` to `value`, in its place when it is there, else at the end.
     fn set(&mut self, key: &str, value: T) {
-        match self.get_mut(key) {
+        match self.0.get_mut(key) {
             Some(slot) => *slot = value,
-            None => self.0.push((key.to_owned(), value)),
+            None => {
+                self.0.insert(key.to_owned(), value);
+            }
         }
     }
 }
@@ -631,10 +637,10 @@ fn add_tool_call(calls: &mut BTreeMap<i128, ToolCall>, delta: Map<String, Value>
         return;
     };
     let call = calls.entry(index).or_insert_with(|| ToolCall {
-        fields: Members(vec![
+        fields: Members(IndexMap::from([
             ("id".into(), Value::Null),
             ("type".into(), Value::Null),
-        ]),
+        ])),
         function: Members::default(),
     });
     for (key, value) in delta {

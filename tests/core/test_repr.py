@@ -76,7 +76,7 @@ def test_analyzer_analysis_and_error_repr() -> None:
     a = analyzer.analyze("/v1/completions", json.dumps(body).encode())
     assert repr(a) == (
         f"Analysis(model={ODD_MODEL!r}, route='/v1/completions', prompt_tokens={a.prompt_tokens}, "
-        f"completion_tokens=5, n=1, stream=False, include_usage=False, "
+        f"completion_tokens=5, n=1, stream=False, include_usage=False, addable=False, "
         f"reserved_tokens={a.reserved_tokens}, inject_max_tokens=None, "
         f"counting={a.counting!r}, drop_cap=None)"
     )

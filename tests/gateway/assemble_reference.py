@@ -98,7 +98,7 @@ class SSELines:
             elif line.startswith(b"data:"):
                 value = line[5:]
                 self._data.append(value[1:] if value.startswith(b" ") else value)
-                self._held += len(value)
+                self._held += len(value) + 1  # the line's end counts (empty lines held bytes)
             # `event:`, `id:`, `retry:` and comments carry nothing the answer needs
         return out
 

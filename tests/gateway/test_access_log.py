@@ -11,6 +11,8 @@ import os
 import re
 import select
 import signal
+import sys
+import threading
 import time
 import timeit
 from collections.abc import AsyncIterator, Iterator
@@ -431,6 +433,73 @@ def test_lines_go_out_in_whole_lines_of_at_most_pipe_buf_bytes(
     assert all(w.endswith(b"\n") and len(w) <= select.PIPE_BUF for w in writes)
     assert b"".join(writes) == access_file.read_bytes()
     assert len(lines(access_file)) == 201
+
+
+def test_a_timer_left_on_an_ended_loop_does_not_stop_the_periodic_flush(
+    access_file: Path,
+) -> None:
+    """A line logged as a loop ends leaves its flush timer behind; the next loop's lines must
+    still go out within the period, not wait for a full buffer."""
+
+    async def log_one(rid: str) -> None:
+        _emit(rid)
+
+    async def log_and_wait(rid: str) -> bool:
+        _emit(rid)
+        deadline = time.monotonic() + FLUSH_SECONDS + 10
+        while time.monotonic() < deadline:
+            if line_of(access_file, rid) is not None:
+                return True
+            await asyncio.sleep(0.05)
+        return False
+
+    asyncio.run(log_one("first-loop"))
+    assert asyncio.run(log_and_wait("second-loop"))
+
+
+def test_lines_logged_from_many_threads_all_arrive_whole(access_file: Path) -> None:
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # threads switch as often as they can
+    errors: list[BaseException] = []
+
+    def many(t: int) -> None:
+        try:
+            for i in range(1500):
+                _emit(f"t{t}-{i}")
+        except BaseException as exc:  # what a thread raised is the finding
+            errors.append(exc)
+
+    try:
+        threads = [threading.Thread(target=many, args=(t,)) for t in range(6)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+    finally:
+        sys.setswitchinterval(switch)
+    flush_access_log()
+    assert errors == []
+    assert len(lines(access_file)) == 6 * 1500
+
+
+def test_no_stderr_means_no_access_log(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``kvgate serve 2>&-``: Python has no ``sys.stderr``; the log is off instead of raising
+    on every line."""
+    monkeypatch.setattr(sys, "stderr", None)
+    configure_access_log(True)
+    try:
+        _emit("nowhere")  # nothing raised
+        assert accesslog._ACCESS is None
+    finally:
+        configure_access_log(False)
+
+
+def test_the_time_stamp_made_once_a_second_is_datetimes() -> None:
+    from kvgate.accesslog import _stamp, _time
+
+    now = time.time()
+    for t in (now, now + 0.9995, now + 0.9999996, 0.0, 1.5, -0.5, -1e-06, 4e9 + 0.25):
+        assert _stamp(t) == _time(t), t
 
 
 def test_a_write_that_fails_loses_its_lines_with_one_warning(

@@ -9,6 +9,7 @@ import contextlib
 import copy
 import itertools
 import math
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -109,6 +110,36 @@ def test_an_event_past_the_limit_breaks_the_stream_off() -> None:
     asm.feed(event[:10])
     asm.feed(event[10:] + b"\n\n")
     assert not asm.overlong
+
+
+def test_empty_data_lines_count_toward_the_event_limit() -> None:
+    """``data:`` lines with nothing after the colon still grow the event (its line ends): a
+    stream of them breaks off at the limit instead of growing the gateway's memory."""
+    asm = StreamAssembler("chat")
+    asm.feed(b"data: {}\n")
+    piece = b"data:\n" * (1 << 20)
+    for _ in range(EVENT_LIMIT // (1 << 20) + 1):
+        asm.feed(piece)
+        if asm.overlong:
+            break
+    assert asm.overlong
+
+
+def test_an_event_with_many_member_names_costs_their_number_not_its_square() -> None:
+    """An engine (or anything answering in its place) may send thousands of member names in
+    one delta or tool call; merging them must stay linear (a search per name through a list
+    took 2.8 s for 40,000 names, and the event loop waits meanwhile)."""
+    names = 100_000
+    delta = {f"k{i}": None for i in range(names)}
+    call = {"index": 0, **{f"t{i}": 1 for i in range(names)}}
+    event = {"choices": [{"index": 0, "delta": {**delta, "tool_calls": [call]}}]}
+    asm = StreamAssembler("chat")
+    started = time.perf_counter()
+    asm.feed(_sse(event))
+    elapsed = time.perf_counter() - started
+    message = orjson.loads(asm.answer())["choices"][0]["message"]
+    assert len(message) == 2 + names + 1  # role, content, the names, tool_calls
+    assert elapsed < 3.0, f"{elapsed:.2f} s"  # linear: about 0.1 s; quadratic: over 10 s
 
 
 def test_unknown_kind_is_refused() -> None:

@@ -13,7 +13,10 @@ their chunks, OpenAI's Responses API from its terminal event.
 Only the answer being built is kept (its text, logprobs and tool-call pieces, each once), never
 the events themselves. The merge was first written in Python; that version is kept as the
 tests' reference (``tests/gateway/assemble_reference.py``), which the Rust one must match on any
-stream. In Rust it costs a few µs a request instead of about 40.
+stream. In Rust it costs a few µs a request instead of about 40. Where the two JSON readers
+differ, an event is read as serde_json reads it: an integer written ``-0`` is the float ``-0.0``
+(so a choice ``"index": -0`` is not a choice), and an event nested deeper than 128 levels is
+skipped like one that is not JSON (orjson allows 1,024); no engine sends either.
 """
 
 from __future__ import annotations
