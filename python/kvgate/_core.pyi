@@ -898,10 +898,11 @@ class Analysis:
         stream: the body's ``stream`` (``False`` when absent or null).
         include_usage: the body's ``stream_options.include_usage`` (always ``False`` on
             ``/v1/responses``, whose stream always ends with its usage).
-        addable: none of the members the gateway may add to the forwarded body — ``stream``,
-            ``stream_options`` and the output cap (``max_tokens``; ``max_output_tokens`` on
-            ``/v1/responses``) — is in the body, whatever its value, so they can be spliced in
-            without parsing the body again (always ``False`` for embeddings).
+        addable: none of the members the gateway may add to the forwarded body — ``stream``
+            (none is added when the body has ``"stream": true``), ``stream_options`` and the
+            output cap (``max_tokens``; ``max_output_tokens`` on ``/v1/responses``) — is in the
+            body, whatever its value, so they can be spliced in without parsing the body again
+            (always ``False`` for embeddings).
         reserved_tokens: ``prompt_tokens + completion_tokens`` (tokens): the TPM / in-flight
             reservation to make before forwarding, reconciled with the real usage afterwards.
         inject_max_tokens: set only when ``default_max_tokens`` was applied: the per-choice limit

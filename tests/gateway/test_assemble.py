@@ -379,23 +379,28 @@ def test_rewrite_body_asks_for_a_stream() -> None:
         {"messages": [{"role": "user", "content": "hi"}], "stream_options": None},
         {"messages": [{"role": "user", "content": "hi"}], "max_tokens": None},
         {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5},
+        {"messages": [{"role": "user", "content": "hi"}], "stream": True},
+        {"messages": [{"role": "user", "content": "hi"}], "stream": True, "max_tokens": 5},
     ],
 )
 def test_rewrite_body_skips_the_second_parse_only_when_the_analyser_saw_no_key_to_add(
     body: dict[str, Any],
 ) -> None:
-    """``analysis.addable`` (the analyser saw none of ``stream``, ``stream_options``,
-    ``max_tokens``) lets the members be spliced without parsing the body again; the forwarded
-    body is the one the second parse gives, and has each key once."""
+    """``analysis.addable`` (the analyser saw none of ``stream`` — or ``"stream": true`` —,
+    ``stream_options``, ``max_tokens``) lets the members be spliced without parsing the body
+    again; the forwarded body is the one the second parse gives, and has each key once."""
     cfg = config_for("http://127.0.0.1:9", ["m"]).model_dump()
     cfg["backends"][0]["models"][0]["default_max_tokens"] = 7
     gw = build_gateway(Config.model_validate(cfg), poll=False)
     raw = orjson.dumps({"model": "m", **body})
     _model, analysis = analyze_now(gw, "/v1/chat/completions", raw)
-    assert analysis.addable == (not {"stream", "stream_options", "max_tokens"} & set(body))
+    stream_ok = body.get("stream", True) is True
+    assert analysis.addable == (stream_ok and not {"stream_options", "max_tokens"} & set(body))
+    # as the handler asks: a streamed request gets include_usage, a non-streamed one a stream
+    upstream = not analysis.stream
     reparsed = SimpleNamespace(inject_max_tokens=analysis.inject_max_tokens, drop_cap=None)
-    out = rewrite_body(raw, analysis, add_usage=True, stream_upstream=True)
-    assert out == rewrite_body(raw, reparsed, add_usage=True, stream_upstream=True)
+    out = rewrite_body(raw, analysis, add_usage=True, stream_upstream=upstream)
+    assert out == rewrite_body(raw, reparsed, add_usage=True, stream_upstream=upstream)
     sent = orjson.loads(out)
     assert sent["stream"] is True
     assert sent["stream_options"] == {"include_usage": True}

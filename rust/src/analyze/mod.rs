@@ -187,9 +187,10 @@ pub struct Analysis {
     pub stream: bool,
     /// `stream_options.include_usage` in the body.
     pub include_usage: bool,
-    /// None of the members the gateway may add to the forwarded body — `stream`,
-    /// `stream_options` and the output cap (`max_tokens`; `max_output_tokens` on Responses) —
-    /// is in the body, whatever its value: they can be spliced in without parsing it again.
+    /// None of the members the gateway may add to the forwarded body — `stream` (it adds none
+    /// when the body has `"stream": true`), `stream_options` and the output cap (`max_tokens`;
+    /// `max_output_tokens` on Responses) — is in the body, whatever its value: they can be
+    /// spliced in without parsing it again.
     pub addable: bool,
     /// `prompt_tokens + completion_tokens`: the TPM / in-flight reservation.
     pub reserved_tokens: u64,
@@ -517,9 +518,10 @@ impl RequestAnalyzer {
                 ),
             ));
         }
-        let addable = ["stream", "stream_options", limit_key]
-            .iter()
-            .all(|key| !obj.contains_key(*key));
+        // `"stream": true`: the gateway adds no `stream` to a streamed request
+        let addable = matches!(obj.get("stream"), None | Some(Value::Bool(true)))
+            && !obj.contains_key("stream_options")
+            && !obj.contains_key(limit_key);
         Ok(Analysis {
             model,
             route,
