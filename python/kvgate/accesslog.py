@@ -297,7 +297,6 @@ class _AccessLog:
 
 
 _ACCESS: _AccessLog | None = None
-_AT_EXIT: list[bool] = []  # whether flush_access_log is registered to run at exit
 
 
 def flush_access_log() -> None:
@@ -306,6 +305,11 @@ def flush_access_log() -> None:
     lines)."""
     if _ACCESS is not None:
         _ACCESS.flush()
+
+
+# what the last requests logged after the server's own flush, in a process that ends normally
+# (a forked worker ends with os._exit: it flushes before); nothing to do while the log is off
+atexit.register(flush_access_log)
 
 
 def _time(created: float) -> str:
@@ -382,11 +386,6 @@ def configure_access_log(enabled: bool, path: str | None = None) -> None:
         OSError: the file cannot be opened for appending.
     """
     global _ACCESS
-    if not _AT_EXIT:
-        # what the last requests logged after the server's own flush, in a process that ends
-        # normally (a forked worker ends with os._exit: its server flushes as it stops)
-        atexit.register(flush_access_log)
-        _AT_EXIT.append(True)
     fresh: _AccessLog | None = None
     if enabled:
         if path is not None:

@@ -20,7 +20,7 @@ use std::collections::BTreeMap;
 use indexmap::IndexMap;
 use serde_json::{Map, Value};
 
-use crate::sse::{EVENT_LIMIT, RESPONSES_TEXT_EVENTS};
+use crate::sse::{lines, EVENT_LIMIT, RESPONSES_TEXT_EVENTS};
 
 /// Cuts an SSE byte stream into the `data:` payloads of its events (the SSE format of the
 /// WHATWG HTML standard: lines end with LF, CRLF or CR; an empty line ends an event; the
@@ -68,19 +68,22 @@ impl SseLines {
             joined = all;
             &joined
         };
-        let mut lines: Vec<&[u8]> = split_lines(buf).collect();
-        // a line is complete once its end arrived; a trailing CR may be the first half of CRLF
-        let mut rest = Vec::new();
-        if let Some(last) = lines.last() {
-            if (!last.ends_with(b"\n") && !last.ends_with(b"\r")) || last.ends_with(b"\r") {
-                rest = last.to_vec();
-                lines.pop();
-            }
-        }
+        // a line is complete once its end arrived; a trailing CR may be the first half of CRLF,
+        // so the line it ends waits too
+        let cut = if buf.ends_with(b"\n") {
+            buf.len()
+        } else {
+            let search = buf.strip_suffix(b"\r").unwrap_or(buf);
+            search
+                .iter()
+                .rposition(|&c| c == b'\n' || c == b'\r')
+                .map_or(0, |i| i + 1)
+        };
         let mut out = Vec::new();
-        for line in lines {
+        for line in lines(&buf[..cut]) {
             self.take(line, &mut out);
         }
+        let rest = buf[cut..].to_vec();
         self.rest = rest;
         self.check()?;
         Ok(out)
@@ -110,7 +113,8 @@ impl SseLines {
         Ok(())
     }
 
-    /// One line, its end included: an empty one ends the event, a `data:` one adds to it.
+    /// One line, its end dropped (the line held at the stream's end may still carry its CR): an
+    /// empty one ends the event, a `data:` one adds to it.
     fn take(&mut self, raw: &[u8], out: &mut Vec<Vec<u8>>) {
         let end = raw
             .iter()
@@ -135,24 +139,6 @@ impl SseLines {
         }
         // `event:`, `id:`, `retry:` and comments carry nothing the answer needs
     }
-}
-
-/// Lines as Python's `bytes.splitlines(keepends=True)` cuts them: after `\n`, `\r\n` or `\r`.
-fn split_lines(b: &[u8]) -> impl Iterator<Item = &[u8]> {
-    let mut rest = b;
-    std::iter::from_fn(move || {
-        if rest.is_empty() {
-            return None;
-        }
-        let end = match memchr::memchr2(b'\n', b'\r', rest) {
-            None => rest.len(),
-            Some(i) if rest[i] == b'\r' && rest.get(i + 1) == Some(&b'\n') => i + 2,
-            Some(i) => i + 1,
-        };
-        let (line, tail) = rest.split_at(end);
-        rest = tail;
-        Some(line)
-    })
 }
 
 /// Which answer a stream is rebuilt into.

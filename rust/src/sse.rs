@@ -631,7 +631,7 @@ fn trim(b: &[u8]) -> &[u8] {
 }
 
 /// Lines as Python's `bytes.splitlines()` cuts them: at `\n`, `\r\n` and `\r`.
-fn lines(b: &[u8]) -> impl Iterator<Item = &[u8]> {
+pub(crate) fn lines(b: &[u8]) -> impl Iterator<Item = &[u8]> {
     let mut rest = b;
     std::iter::from_fn(move || {
         if rest.is_empty() {
