@@ -84,8 +84,16 @@ async def health(_request: web.Request) -> web.Response:
     return web.Response(text="ok")
 
 
+SCRAPES = [0]  # GET /metrics answered (benches/tenants/many_backends.py --workers)
+
+
 async def metrics(_request: web.Request) -> web.Response:
+    SCRAPES[0] += 1
     return web.Response(body=METRICS, content_type="text/plain")
+
+
+async def scrapes(_request: web.Request) -> web.Response:
+    return web.Response(text=str(SCRAPES[0]))
 
 
 def main() -> None:
@@ -94,6 +102,7 @@ def main() -> None:
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
+    app.router.add_get("/scrapes", scrapes)
     uvloop.install()
     # in-flight requests (the `__hold__` ones sleep an hour) are cut after 1 s at SIGTERM
     web.run_app(

@@ -20,8 +20,13 @@ With ``--redis`` both gateways keep their limits on a Redis store (a ``redis-ser
 bench's own, pinned to the server CPU, its CPU counted with the gateway's), and the Redis calls
 per second while idle and per request are printed too.
 
+With ``--workers N`` it measures only a gateway of 1,000 backends run with ``kvgate serve
+--workers N``, idle: its CPU per second (all workers) and the scrapes of ``/metrics`` per second
+the upstream answers (1,000 when each engine is scraped once a second, ``N`` × 1,000 when
+every worker scrapes every engine), ``--rounds`` windows of 5 s after a 5 s warm-up.
+
 Usage: ``.venv/bin/python benches/tenants/many_backends.py [--rounds 3] [--duration 3]
-[--redis]`` (prints only; figures go into ``benches/RESULTS.md`` by hand)
+[--redis] [--workers N]`` (prints only; figures go into ``benches/RESULTS.md`` by hand)
 """
 
 from __future__ import annotations
@@ -169,6 +174,39 @@ def scrape_stall(url: str) -> tuple[float, float, float]:
     return secs, len(body) / 1000, max(gaps)
 
 
+def scrapes(up: Server) -> int:
+    """``GET /metrics`` the fast upstream has answered so far."""
+    with urllib.request.urlopen(up.url + "/scrapes", timeout=10) as r:
+        return int(r.read())
+
+
+def workers_idle(args: argparse.Namespace, logdir: Path) -> None:
+    """Prints the idle CPU and the engine scrapes per second of a gateway of 1,000 backends
+    with ``args.workers`` workers (see the module docstring)."""
+    up = fast_upstream()
+    port = free_port()
+    path = logdir / "backends-workers.json"
+    cfg = config(up.url, port, COUNTS[-1], None)
+    cfg["workers"] = args.workers
+    path.write_text(json.dumps(cfg))
+    argv = [sys.executable, "-m", "kvgate", "serve", "--config", str(path), "--log-level",
+            "WARNING"]  # fmt: skip
+    gw = Server("backends-workers", argv, port, "/healthz")
+    try:
+        tenants_run.start_all(up, [gw], args, logdir)
+        time.sleep(5)  # every worker started and polling
+        for r in range(args.rounds):
+            s0, c0, t0 = scrapes(up), cpu(gw, None), time.monotonic()
+            time.sleep(5)
+            s1, c1, t1 = scrapes(up), cpu(gw, None), time.monotonic()
+            print(f"  round {r + 1}: {args.workers} workers, {COUNTS[-1]:,} backends, idle: "
+                  f"{100 * (c1 - c0) / (t1 - t0):.1f}% of a core, "
+                  f"{(s1 - s0) / (t1 - t0):,.0f} engine scrapes/s", flush=True)  # fmt: skip
+    finally:
+        gw.stop()
+        up.stop()
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rounds", type=int, default=3)
@@ -176,8 +214,13 @@ def main() -> int:
     p.add_argument("--server-cpu", default="1")
     p.add_argument("--client-cpu", default="0")
     p.add_argument("--redis", action="store_true", help="both gateways on a Redis store")
+    p.add_argument("--workers", type=int, default=0,
+                   help="only the idle cost of a gateway of 1,000 backends with N workers")  # fmt: skip
     args = p.parse_args()
     args.connections = 32
+    if args.workers:
+        workers_idle(args, Path(tempfile.mkdtemp(prefix="backends-")))
+        return 0
     choice_alone()
     scrape_parts()
     logdir = Path(tempfile.mkdtemp(prefix="backends-"))

@@ -15,6 +15,7 @@ from typing import Any, Final, Literal, Self, final
 from typing_extensions import disjoint_base
 
 __all__ = [
+    "BOARD_PAYLOAD_BYTES",
     "EVENT_LIMIT",
     "MAX_AMOUNT",
     "MAX_PROCS",
@@ -54,6 +55,9 @@ __all__ = [
 __version__: str
 MAX_AMOUNT: int
 """Largest accepted amount (2**62 tokens or slots)."""
+BOARD_PAYLOAD_BYTES: int
+"""Largest payload of a poll-board entry (:meth:`AdmissionController.publish_board`), in bytes
+(488)."""
 MAX_PROCS: int
 """Default number of processes that can attach to one shared region at a time (64)."""
 UNLIMITED_TPM: int
@@ -533,6 +537,19 @@ class AdmissionController:
         an unknown backend."""
     def set_shedding(self, backend: int, on: bool) -> None:
         """Turns shedding of the sheddable class on or off."""
+    def publish_board(self, backend: int, payload: bytes) -> int | None:
+        """Publishes ``payload`` (at most :data:`BOARD_PAYLOAD_BYTES` bytes) on the backend's
+        entry of the region's poll board, where the process that polls the backend's engine
+        leaves what it read for the other processes attached to the region. Returns the
+        entry's new sequence number (even, > 0), or ``None`` when another process was writing
+        the entry at that moment (the payload is dropped). An entry left mid-write by a
+        process that died is taken over after 1 s. Raises ``InvalidConfigError`` for an
+        unknown backend or an oversized payload."""
+    def read_board(self, backend: int) -> tuple[int, bytes] | None:
+        """The payload last published on the backend's poll-board entry with its sequence
+        number, or ``None`` when nothing was published yet (or a write was in progress on every
+        try: read again later). A payload is never torn. Raises ``InvalidConfigError`` for an
+        unknown backend."""
     def set_overload(self, backend: int, on: bool) -> None:
         """Marks the backend overloaded (KV pressure at or above the adaptive law's high
         watermark, or stale metrics) or not (the initial state). While overloaded the scale

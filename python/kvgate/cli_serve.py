@@ -585,14 +585,16 @@ def _serve_single(
     from kvgate.tls import server_context
 
     _install_uvloop()
-    # every worker polls the engines itself: its routing (health) is local, while the scale and
-    # shedding it derives land in the shared region (the same readings give the same law output)
+    # each worker polls its share of the engines and follows the others' polls through the
+    # shared region; its routing (health) is its own, while the scale and shedding it derives
+    # land in the shared region (the same readings give the same law output)
     try:
         with collector_paused():
             gateway = build_gateway(
                 config, shm_name=shm_name, config_path=config_path, poll=True, discovery=discovery
             )
         gateway.config_overrides = overrides
+        gateway.worker = worker
         tls = config.listen.tls
         ssl_context = None if tls is None else server_context(tls.certificate, tls.key)
     except (CoreError, ValueError, OSError) as exc:

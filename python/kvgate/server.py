@@ -318,7 +318,9 @@ async def gateway_runtime(gateway: Gateway) -> AsyncIterator[None]:
 
 
 async def _start_poller(gateway: Gateway) -> Any:
-    """Engine metrics pollers feeding the adaptive law (one task per backend)."""
+    """Engine metrics pollers feeding the adaptive law (one task per backend); with
+    ``--workers N``, each worker polls its share of the backends and follows the others'
+    polls (:mod:`kvgate.telemetry.share`)."""
     from kvgate.adaptive import AdaptiveSink, poll_targets
     from kvgate.telemetry.poller import MetricsPoller
 
@@ -327,7 +329,15 @@ async def _start_poller(gateway: Gateway) -> Any:
             gateway.queue.shed("sheddable", backend)
 
     sink = AdaptiveSink(gateway, on_shed=shed_waiters)
-    poller = MetricsPoller(None, sink, poll_targets(gateway))  # its own session, no traces
+    share = None
+    workers = getattr(gateway.config, "workers", 1)
+    if workers > 1 and gateway.controller.shm_name is not None:
+        from kvgate.telemetry.share import BoardShare
+
+        ids = {b.name: b.id for b in gateway.backends}
+        share = BoardShare(gateway.controller, ids, gateway.worker, workers)
+    # its own session, no traces
+    poller = MetricsPoller(None, sink, poll_targets(gateway), share=share)
     gateway.poller = poller
     await poller.start()
     return poller

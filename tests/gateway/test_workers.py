@@ -17,6 +17,7 @@ from typing import Any
 import aiohttp
 import orjson
 import pytest
+from aiohttp import web
 
 from kvgate.config import Config
 from kvgate.gateway_build import build_gateway
@@ -551,3 +552,134 @@ async def test_quick_start_with_workers_sums_every_workers_counters() -> None:
             await until(counted, timeout=15, interval=0.2)
         finally:
             await stop_process(proc)
+
+
+# ---- the workers share one poll of each engine -----------------------------------------------
+
+
+class CountingEngine:
+    """An engine's ``/metrics`` (vLLM's KV gauge at ``kv``) and ``/health`` on 127.0.0.1, which
+    counts the scrapes it answers."""
+
+    def __init__(self, model: str, kv: float) -> None:
+        self.model, self.kv, self.scrapes = model, kv, 0
+        self.runner: web.AppRunner | None = None
+        self.url = ""
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        self.scrapes += 1
+        return web.Response(
+            text=(
+                f'vllm:kv_cache_usage_perc{{model_name="{self.model}"}} {self.kv}\n'
+                f'vllm:num_requests_running{{model_name="{self.model}"}} 0\n'
+                f'vllm:num_requests_waiting{{model_name="{self.model}"}} 0\n'
+            )
+        )
+
+    async def start(self) -> None:
+        app = web.Application()
+        app.router.add_get("/metrics", self.metrics)
+        app.router.add_get("/health", lambda _: web.Response(text="ok"))
+        self.runner = web.AppRunner(app)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        await site.start()
+        server = site._server
+        assert server is not None
+        self.url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+
+
+async def admin_state_of(port: int, worker: int, workers: set[int]) -> dict[str, Any]:
+    """``GET /admin/state`` answered by the worker process ``worker`` (fresh connections until
+    the kernel hands one to it)."""
+    for _ in range(200):
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        try:
+            if worker_holding(writer.get_extra_info("sockname")[1], port, workers) != worker:
+                continue
+            writer.write(b"GET /admin/state HTTP/1.1\r\nHost: k\r\nConnection: close\r\n\r\n")
+            head, _, body = (await reader.read()).partition(b"\r\n\r\n")
+            assert head.startswith(b"HTTP/1.1 200"), head
+            return dict(orjson.loads(body))
+        finally:
+            writer.close()
+    raise AssertionError(f"no connection reached worker {worker}")
+
+
+async def test_workers_share_one_scrape_of_each_engine(tmp_path: Path) -> None:
+    """``--workers 2`` in front of four engines: each engine is scraped once per interval, not
+    once per worker; each worker knows every engine's KV usage (its own polls and the other's,
+    followed through the shared region); a worker frozen past three intervals (SIGSTOP) has
+    its engines polled by the other meanwhile."""
+    interval = 0.5
+    engines = [CountingEngine(f"m{i}", kv) for i, kv in enumerate((0.11, 0.22, 0.33, 0.44))]
+    for e in engines:
+        await e.start()
+    port = free_port()
+    config = {
+        "listen": {"host": "127.0.0.1", "port": port},
+        "workers": 2,
+        "backends": [
+            {
+                "name": f"e{i}",
+                "url": e.url,
+                "engine": "vllm",
+                "models": [{"name": f"m{i}", "context_window": 1024}],
+                "max_concurrency": 8,
+                "adaptive": {"enabled": True, "poll_interval": interval, "stale_after": 5.0},
+            }
+            for i, e in enumerate(engines)
+        ],
+        "tenants": [{"name": "anon"}],
+        "anonymous_tenant": "anon",
+    }
+    path = tmp_path / "kvgate.json"
+    path.write_text(json.dumps(config))
+    gw = await start_kvgate("serve", "--config", str(path))
+    stopped: int | None = None
+    try:
+        await wait_http_up(f"http://127.0.0.1:{port}/healthz")
+        await until(lambda: len(children(gw.pid)) == 2, timeout=20)
+        workers = children(gw.pid)
+        await until(lambda: min(e.scrapes for e in engines) >= 2, timeout=20)
+
+        # both workers hold every engine's reading
+        async def knows_all(pid: int) -> bool:
+            state = await admin_state_of(port, pid, workers)
+            kv = {b["name"]: b["kv_usage"] for b in state["backends"]}
+            return kv == {f"e{i}": e.kv for i, e in enumerate(engines)}
+
+        for pid in workers:
+            await until(lambda pid=pid: knows_all(pid), timeout=20, interval=0.2)
+
+        # one scrape an interval per engine (two workers polling each would make twice that)
+        loop = asyncio.get_running_loop()
+        start, before = loop.time(), [e.scrapes for e in engines]
+        await until(lambda: engines[0].scrapes >= before[0] + 8, timeout=30, interval=0.05)
+        rounds = (loop.time() - start) / interval
+        for e, b in zip(engines, before, strict=True):
+            assert e.scrapes - b <= 1.25 * rounds + 2, (e.scrapes - b, rounds)
+
+        # a frozen worker: the other polls its engines until it wakes up
+        stopped = min(workers)
+        os.kill(stopped, signal.SIGSTOP)
+        frozen = [e.scrapes for e in engines]
+        await until(
+            lambda: all(e.scrapes >= f + 3 for e, f in zip(engines, frozen, strict=True)),
+            timeout=30,
+            interval=0.1,
+        )
+        engines[1].kv = engines[2].kv = 0.5
+        other = max(workers)
+        await until(lambda: knows_all(other), timeout=20, interval=0.2)
+        os.kill(stopped, signal.SIGCONT)
+        stopped = None
+        for pid in workers:
+            await until(lambda pid=pid: knows_all(pid), timeout=20, interval=0.2)
+    finally:
+        if stopped is not None:
+            os.kill(stopped, signal.SIGCONT)
+        await stop_process(gw)
+        for e in engines:
+            assert e.runner is not None
+            await e.runner.cleanup()

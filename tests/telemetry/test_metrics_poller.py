@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 from collections.abc import AsyncIterator, Callable
@@ -13,8 +14,11 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from kvgate import AdmissionController
+from kvgate._core import BOARD_PAYLOAD_BYTES
 from kvgate.telemetry.engine_metrics import EngineReading
-from kvgate.telemetry.poller import MetricsPoller, PollTarget
+from kvgate.telemetry.poller import BackendStatus, MetricsPoller, PollTarget, _decode_record
+from kvgate.telemetry.share import BoardShare
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "metrics"
 INTERVAL = 0.05
@@ -503,11 +507,167 @@ async def test_targets_are_polled_at_phases_spread_over_the_interval(
             while min(len(called.get(n, [])) for n in names) < 5:
                 polled.clear()
                 await polled.wait()
-    # rounds 2 to 5: b4 comes 0.3 s after b1 (0 without phases; a stalled loop delays a poll
-    # but keeps the phases, so the median round shows them)
-    gaps = sorted(called["b4"][k] - called["b1"][k] for k in range(1, 5))
+    # rounds 2 to 5: b4 comes 0.3 s after b1, modulo the interval (0 without phases; the
+    # phases count on the monotonic clock, so b1's round may have begun before b4's; a stalled
+    # loop delays a poll but keeps the phases, so the median round shows them)
+    gaps = sorted((called["b4"][k] - called["b1"][k]) % 0.4 for k in range(1, 5))
     assert 0.15 < (gaps[1] + gaps[2]) / 2 < 0.4, gaps
     # each target is still polled once an interval (the first two polls a phase apart)
     for n in names:
         steps = [b - a for a, b in zip(called[n][1:], called[n][2:], strict=False)]
         assert 0.3 < sorted(steps)[len(steps) // 2] < 0.5, (n, steps)
+
+
+# ---- several processes sharing the polls (the workers of --workers N) ----------------------
+
+# an interval long enough that a loaded machine's stalls never reach takeover_after (1.5 s)
+SHARED = {"poll_interval": 0.5, "scrape_timeout": 0.4, "stale_after": 5.0}
+
+
+def board(backends: list[str]) -> AdmissionController:
+    """A core with ``backends`` (ids in order) whose poll board the shares use."""
+    ctl = AdmissionController()
+    for name in backends:
+        ctl.add_backend(name, max_concurrency=4, tokens_per_minute=10**6)
+    return ctl
+
+
+def shares(ctl: AdmissionController, backends: list[str], n: int) -> list[BoardShare]:
+    ids = {name: ctl.backend_id(name) for name in backends}
+    return [BoardShare(ctl, ids, i, n) for i in range(n)]
+
+
+def test_board_share_splits_the_backends_between_workers() -> None:
+    names = [f"b{i}" for i in range(7)]
+    ctl = board(names)
+    three = shares(ctl, names, 3)
+    for name in names:
+        assert [s.polls(name) for s in three].count(True) == 1, name
+    assert three[0].polls("not-in-the-core")  # a backend it does not know: polled
+    assert three[1].read("not-in-the-core") is None
+    with pytest.raises(ValueError, match="worker 3"):
+        BoardShare(ctl, {}, 3, 3)
+
+
+async def test_one_scrape_per_interval_and_the_follower_gets_every_reading(
+    engine: Engine, session: aiohttp.ClientSession
+) -> None:
+    """Two pollers (two workers' worth) share one backend: only its poller scrapes the engine;
+    the other hands the same readings and health to its sink, and scrapes nothing."""
+    ctl = board(["b1"])
+    owner_share, follower_share = shares(ctl, ["b1"], 2)
+    assert owner_share.polls("b1")
+    assert not follower_share.polls("b1")
+    t = target(engine, model="m", health_url=engine.url("/health"), unhealthy_after=1, **SHARED)
+    owner_sink, follower_sink = Recorder(), Recorder()
+    async with (
+        MetricsPoller(session, owner_sink, [t], share=owner_share),
+        MetricsPoller(session, follower_sink, [t], share=follower_share) as follower,
+    ):
+        await wait_until(follower_sink, lambda: len(follower_sink.of("reading")) >= 1)
+        reading = follower_sink.of("reading")[-1][2]
+        assert (reading.engine, reading.kv_usage, reading.running, reading.waiting) == (
+            "vllm",
+            0.5,
+            3,
+            2,
+        )
+        scrapes, readings = engine.script.hits, len(owner_sink.of("reading"))
+        engine.script.kv = "0.9"
+        await wait_until(follower_sink, lambda: follower_sink.of("reading")[-1][2].kv_usage == 0.9)
+        # every scrape since was the owner's: one per reading it got (or failure it counted)
+        owner_polls = len(owner_sink.of("reading")) - readings + len(owner_sink.of("failure"))
+        assert engine.script.hits - scrapes <= owner_polls + 1
+        # the health check fails once (unhealthy_after 1): the follower takes it out too
+        engine.script.health = 503
+        await wait_until(follower_sink, lambda: bool(follower_sink.of("health")))
+        assert follower_sink.of("health") == [("health", "b1", False)]
+        assert follower.status("b1").healthy is False
+        engine.script.health = 200
+        await wait_until(follower_sink, lambda: len(follower_sink.of("health")) == 2)
+        assert follower_sink.of("health")[-1] == ("health", "b1", True)
+        st = follower.status("b1")
+        assert st.last_good_at is not None
+        assert st.age(asyncio.get_running_loop().time()) < SHARED["stale_after"]
+    assert follower_sink.of("failure") == []  # failures are counted by the poller only
+    assert owner_sink.of("health") == [("health", "b1", False), ("health", "b1", True)]
+
+
+async def test_the_follower_polls_itself_while_no_record_comes(
+    engine: Engine, session: aiohttp.ClientSession, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The publisher stops (a worker killed or frozen): after ``takeover_after`` the follower
+    scrapes the engine itself; a new publisher comes back and the follower follows it again."""
+    caplog.set_level(logging.INFO, logger="kvgate.telemetry")
+    ctl = board(["b1"])
+    owner_share, follower_share = shares(ctl, ["b1"], 2)
+    t = target(engine, model="m", **SHARED)
+    owner_sink, follower_sink = Recorder(), Recorder()
+    owner = MetricsPoller(session, owner_sink, [t], share=owner_share)
+    async with MetricsPoller(session, follower_sink, [t], share=follower_share) as follower:
+        await owner.start()
+        await wait_until(follower_sink, lambda: len(follower_sink.of("reading")) >= 1)
+        await owner.stop()
+        stopped = asyncio.get_running_loop().time()
+        scrapes = engine.script.hits
+        engine.script.kv = "0.7"
+        await wait_until(follower_sink, lambda: follower_sink.of("reading")[-1][2].kv_usage == 0.7)
+        assert asyncio.get_running_loop().time() - stopped >= t.takeover_after - t.poll_interval
+        assert engine.script.hits > scrapes  # the follower's own scrapes
+        assert follower.status("b1").stale is False
+        # a publisher again (a restarted worker)
+        owner = MetricsPoller(session, owner_sink, [t], share=owner_share)
+        await owner.start()
+        engine.script.kv = "0.3"
+        await wait_until(follower_sink, lambda: follower_sink.of("reading")[-1][2].kv_usage == 0.3)
+        await wait_until(follower_sink, lambda: follower.status("b1").record_seq > 0)
+        await owner.stop()
+    logs = [r.getMessage() for r in caplog.records]
+    assert any("polling it here until its records come back" in m for m in logs), logs
+    assert any("following its poller's records again" in m for m in logs), logs
+
+
+async def test_a_garbage_record_is_not_followed(
+    engine: Engine, session: aiohttp.ClientSession
+) -> None:
+    """Whatever sits on the board that is not a record (a torn write, another version): the
+    follower scrapes the engine itself rather than trust it."""
+    ctl = board(["b1"])
+    _, follower_share = shares(ctl, ["b1"], 2)
+    fast = {"poll_interval": 0.1, "scrape_timeout": 0.09, "stale_after": 5.0}
+    sink = Recorder()
+    for garbage in (b"", b"not json", b'{"t": 1.0}', b'{"t": "x", "g": null, "r": null}'):
+        ctl.publish_board(ctl.backend_id("b1"), garbage)
+        async with MetricsPoller(
+            session, sink, [target(engine, model="m", **fast)], share=follower_share
+        ):
+            before = engine.script.hits
+            await wait_until(sink, lambda before=before: engine.script.hits > before)
+
+
+def test_a_record_fits_the_board_whatever_its_error() -> None:
+    ctl = board(["b1"])
+    share = shares(ctl, ["b1"], 2)[0]
+    t = PollTarget(name="b1", metrics_url="http://127.0.0.1:1/metrics")
+    poller = MetricsPoller(None, Recorder(), [t], share=share)
+    st = BackendStatus(target=t, started_at=0.0)
+    st.last_reading = EngineReading(
+        engine="vllm",
+        kv_usage=0.25,
+        running=7,
+        waiting=1,
+        kv_capacity_tokens=123_456,
+        sources={"kv_usage": "vllm:kv_cache_usage_perc"},
+    )
+    st.good_mono, st.healthy, st.scrape_errors = 12.5, False, 3
+    st.last_error = "connect: " + "é" * 2_000
+    raw = poller._record(st)
+    assert len(raw) <= BOARD_PAYLOAD_BYTES
+    assert share.publish("b1", raw) is None
+    assert share.read("b1") is not None
+    rec = _decode_record(share.read("b1")[1])
+    assert rec is not None
+    assert rec["r"] == dataclasses.replace(st.last_reading, sources={})
+    assert (rec["g"], rec["h"], rec["n"]) == (12.5, False, 3)
+    assert rec["e"].startswith("connect: éé")
+    assert rec["e"].endswith("…")

@@ -22,6 +22,16 @@ parsed, so one scrape costs well under a millisecond for the scrapes in the fixt
 staleness clock starts when polling starts: a backend that never answers goes stale after
 ``stale_after``, like one that stopped answering.
 
+Several processes (the workers of ``--workers N``) share the polls through a :class:`PollShare`:
+each backend is polled by one of them, which publishes what it saw after every poll (the
+reading, its errors, its health) as a small JSON record; the others read that record at their
+own poll times, half an interval after the publisher's, and hand it to their sinks as if they
+had scraped it themselves (without counting its failures again). A backend whose record is
+older than :attr:`PollTarget.takeover_after` (its publisher died, froze or is restarting) is
+polled by each of the others itself, publishing nothing, until fresh records come back. Each
+engine is then scraped once per interval whatever the number of workers, and a worker spends
+on the backends it follows a board read and a JSON decode instead of two HTTP requests.
+
 Lifecycle: ``await poller.start()`` / ``await poller.stop()``, or ``async with poller:``; the
 gateway starts and stops it from an aiohttp ``cleanup_ctx``. Nothing here blocks: every network
 wait is bounded by a timeout and a sink call must return at once.
@@ -32,12 +42,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import aiohttp
+import orjson
 
 from kvgate.telemetry.engine_metrics import (
     ENGINES,
@@ -47,7 +59,7 @@ from kvgate.telemetry.engine_metrics import (
     read_engine_metrics,
 )
 
-__all__ = ["BackendStatus", "MetricsPoller", "PollTarget", "ReadingSink"]
+__all__ = ["BackendStatus", "MetricsPoller", "PollShare", "PollTarget", "ReadingSink"]
 
 logger = logging.getLogger("kvgate.telemetry")
 
@@ -72,6 +84,38 @@ class ReadingSink(Protocol):
     def on_health(self, backend: str, healthy: bool, now: float) -> None:
         """The backend failed its health check ``unhealthy_after`` times in a row (``False``:
         take it out of routing) or passed it again (``True``: put it back)."""
+
+
+class PollShare(Protocol):
+    """Shares one poll of each backend between processes serving the same backends (the
+    workers of ``--workers N``): which backends this process polls, and the board where each
+    poller publishes its records (:class:`kvgate.telemetry.share.BoardShare`)."""
+
+    #: Largest record :meth:`publish` takes, in bytes.
+    max_record: int
+
+    def polls(self, backend: str) -> bool:
+        """Whether this process polls ``backend``'s engine (and publishes what it reads)."""
+
+    def publish(self, backend: str, record: bytes) -> None:
+        """Leaves ``record`` for the other processes (best effort: it may be dropped)."""
+
+    def read(self, backend: str) -> tuple[int, bytes] | None:
+        """The record last published for ``backend`` and its sequence number (it grows with
+        every publication), or ``None`` when there is none."""
+
+
+#: :class:`EngineReading` fields a published record carries (not ``sources``).
+_RECORD_FIELDS = (
+    "engine",
+    "kv_usage",
+    "running",
+    "waiting",
+    "preemptions_total",
+    "kv_capacity_tokens",
+    "slots",
+    "skipped_lines",
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,6 +181,12 @@ class PollTarget:
         """The per-request timeout in seconds."""
         return self.scrape_timeout if self.scrape_timeout is not None else 0.8 * self.poll_interval
 
+    @property
+    def takeover_after(self) -> float:
+        """Seconds after which a process following this backend's published records polls it
+        itself: three intervals without a record (a publisher publishes one per interval)."""
+        return 3 * self.poll_interval
+
 
 @dataclass(slots=True)
 class BackendStatus:
@@ -156,6 +206,10 @@ class BackendStatus:
     scrape_errors: int = 0
     errors_by_reason: dict[str, int] = field(default_factory=dict)
     health_failures: int = 0
+    #: ``time.monotonic()`` of the last good scrape (the clock every process shares).
+    good_mono: float | None = None
+    #: Following another process's records: the last record's sequence number read.
+    record_seq: int = 0
 
     def age(self, now: float) -> float | None:
         """Seconds since the last good scrape, or ``None`` if there has been none."""
@@ -179,6 +233,8 @@ class MetricsPoller:
         sink: receives readings, failures and stale / health transitions.
         targets: one :class:`PollTarget` per backend (names must be unique).
         clock: seconds, monotonic; default ``loop.time()`` of the running loop.
+        share: poll only the backends it names and follow the other processes' records for
+            the rest (see the module docstring); ``None``: poll every backend.
 
     Raises:
         ValueError: duplicate backend names.
@@ -191,8 +247,10 @@ class MetricsPoller:
         targets: Iterable[PollTarget],
         *,
         clock: Callable[[], float] | None = None,
+        share: PollShare | None = None,
     ) -> None:
         self._given = session
+        self._share = share
         self._session = session
         self._sink = sink
         self._targets: dict[str, PollTarget] = {}
@@ -216,15 +274,20 @@ class MetricsPoller:
         ``i``-th of ``n`` targets ``i / n`` of an interval after the others, so that a gateway
         of a thousand backends spreads its scrapes over the second rather than sending them
         all at the same moment (a burst that would hold the event loop for the requests it
-        serves)."""
+        serves). Phases are counted on the system's monotonic clock, so processes that
+        started at different times keep them; a backend followed through the share is read
+        half an interval after its phase, when its publisher has had time to poll it."""
         now = self._now()
         n = len(self._targets)
         for i, (name, target) in enumerate(self._targets.items()):
             if name in self._tasks:
                 continue
             self._status.setdefault(name, BackendStatus(target=target, started_at=now))
+            phase = i / n * target.poll_interval
+            if not self._polls(name):
+                phase = (phase + 0.5 * target.poll_interval) % target.poll_interval
             self._tasks[name] = asyncio.create_task(
-                self._run(name, i / n * target.poll_interval), name=f"kvgate-poll-{name}"
+                self._run(name, phase), name=f"kvgate-poll-{name}"
             )
 
     def _http(self) -> aiohttp.ClientSession:
@@ -268,12 +331,21 @@ class MetricsPoller:
         :meth:`start` / :meth:`poll_once`)."""
         return self._status[backend]
 
+    def _polls(self, backend: str) -> bool:
+        """Whether this process polls ``backend`` itself (always without a share)."""
+        return self._share is None or self._share.polls(backend)
+
     # ----------------------------------------------------------------------------- polling
 
     async def _run(self, name: str, phase: float) -> None:
         target = self._targets[name]
         loop = asyncio.get_running_loop()
-        next_at = loop.time() + phase  # the first poll now, then one interval after the phase
+        # the first poll now, then at the phase of each interval counted on the loop's clock
+        # (the system's monotonic clock, the same in every process of the host: a worker
+        # following another's records reads them half an interval after they were published,
+        # whenever each started)
+        now = loop.time()
+        next_at = now - (now - phase) % target.poll_interval
         while True:
             try:
                 await self.poll_once(name)
@@ -293,15 +365,107 @@ class MetricsPoller:
 
     async def poll_once(self, backend: str) -> None:
         """One scrape (and one health check, when configured) of ``backend``, then the staleness
-        check. Used by the polling task; tests may call it directly."""
+        check; with a share, the record published afterwards, or, for a backend another
+        process polls, its latest record read instead (:meth:`_follow`). Used by the polling
+        task; tests may call it directly."""
         target = self._targets[backend]
         st = self._status.get(backend)
         if st is None:
             st = self._status[backend] = BackendStatus(target=target, started_at=self._now())
+        share = self._share
+        polls = share is None or share.polls(backend)
+        if not polls and self._follow(st):
+            return
         if target.health_url is not None:
             await asyncio.gather(self._scrape(st), self._check_health(st))
         else:
             await self._scrape(st)
+        if share is not None and polls:
+            share.publish(backend, self._record(st))
+
+    # ----------------------------------------------------------------------------- sharing
+
+    def _record(self, st: BackendStatus) -> bytes:
+        """``st`` as a published record: JSON, at most the share's ``max_record`` bytes (the
+        last error is cut to fit)."""
+        r = st.last_reading
+        rec: dict[str, Any] = {
+            "t": time.monotonic(),
+            "g": st.good_mono,
+            "r": None if r is None else {k: getattr(r, k) for k in _RECORD_FIELDS},
+            "n": st.scrape_errors,
+            "h": st.healthy,
+            "e": st.last_error,
+        }
+        out = orjson.dumps(rec)
+        limit = self._share.max_record if self._share is not None else len(out)
+        if len(out) > limit and st.last_error is not None:
+            error = st.last_error.encode()
+            keep = len(error)
+            while len(out) > limit and keep > 0:  # JSON escapes can make it longer than bytes
+                keep = max(0, keep - (len(out) - limit) - 3)
+                rec["e"] = error[:keep].decode(errors="ignore") + "…"
+                out = orjson.dumps(rec)
+        return out
+
+    def _follow(self, st: BackendStatus) -> bool:
+        """Takes the latest record another process published for ``st``'s backend: its
+        reading (handed to the sink when new), its health transitions, its errors, then the
+        staleness check against its last good scrape. Returns ``False`` when there is nothing
+        to follow — no record, an unreadable one, or one older than ``takeover_after``, beyond
+        the first ``takeover_after`` after start — so that the caller polls the backend
+        itself."""
+        assert self._share is not None
+        target, name = st.target, st.target.name
+        now = self._now()
+        got = self._share.read(name)
+        rec = _decode_record(got[1]) if got is not None else None
+        age = None if rec is None else max(0.0, time.monotonic() - rec["t"])
+        if rec is None or age is None or age > target.takeover_after:
+            if now - st.started_at < target.takeover_after:
+                self._check_stale(st)  # starting: its poller has not published yet
+                return True
+            if st.record_seq >= 0:
+                logger.info(
+                    "backend %s: no record from the process that polls it for %s; polling it "
+                    "here until its records come back",
+                    name,
+                    "ever" if age is None else f"{age:.1f} s",
+                )
+                st.record_seq = -1
+            return False
+        assert got is not None
+        seq = got[0]
+        if seq == st.record_seq:
+            self._check_stale(st)
+            return True
+        if st.record_seq < 0:
+            logger.info("backend %s: following its poller's records again", name)
+        st.record_seq = seq
+        st.scrape_errors, st.last_error = rec["n"], rec["e"]
+        healthy = rec["h"]
+        if healthy != st.healthy:
+            st.healthy = healthy
+            logger.info(
+                "backend %s: %s (its poller's health check)",
+                name,
+                "healthy again; back in routing" if healthy else "taken out of routing",
+            )
+            self._sink.on_health(name, healthy, now)
+        good, reading = rec["g"], rec["r"]
+        if reading is not None and good is not None and good != st.good_mono:
+            st.good_mono = good
+            st.last_reading = reading
+            st.last_good_at = now - max(0.0, time.monotonic() - good)
+            if now - st.last_good_at < target.stale_after:
+                if st.stale:
+                    st.stale = False
+                    logger.info("backend %s: engine metrics fresh again", name)
+                    self._sink.on_stale(name, False, now)
+                self._sink.on_reading(name, reading, now)
+                return True
+        self._check_stale(st)
+        return True
 
     async def _scrape(self, st: BackendStatus) -> None:
         target = st.target
@@ -314,6 +478,7 @@ class MetricsPoller:
         else:
             now = self._now()
             st.last_reading, st.last_good_at, st.last_error = reading, now, None
+            st.good_mono = time.monotonic()
             if st.stale:
                 st.stale = False
                 logger.info("backend %s: engine metrics fresh again", target.name)
@@ -415,3 +580,28 @@ class MetricsPoller:
                 detail,
             )
             self._sink.on_health(target.name, False, now)
+
+
+def _decode_record(raw: bytes) -> dict[str, Any] | None:
+    """A published record (:meth:`MetricsPoller._record`) with its reading as an
+    :class:`EngineReading`, or ``None`` when it is not one (garbage is never followed)."""
+    try:
+        rec = orjson.loads(raw)
+        t, good, r = rec["t"], rec["g"], rec["r"]
+        if not (isinstance(t, float) and math.isfinite(t)):
+            return None
+        if good is not None and not (isinstance(good, float) and math.isfinite(good)):
+            return None
+        if not isinstance(rec["h"], bool) or not isinstance(rec["n"], int):
+            return None
+        if rec["e"] is not None and not isinstance(rec["e"], str):
+            return None
+        if r is not None:
+            if not isinstance(r, dict) or set(r) != set(_RECORD_FIELDS):
+                return None
+            if r["engine"] not in ENGINES:
+                return None
+            rec["r"] = EngineReading(**r)
+    except (orjson.JSONDecodeError, KeyError, TypeError, ValueError):
+        return None
+    return rec

@@ -31,6 +31,7 @@
 //! first, ledger second on acquire, and ledger first, global second on release: a kill between
 //! the two can leak one unit (the limit shrinks by one) but never frees a unit twice.
 
+mod board;
 mod config;
 mod region;
 mod route;
@@ -38,6 +39,7 @@ mod snapshot;
 #[cfg(test)]
 mod tests;
 
+pub use board::BOARD_PAYLOAD_BYTES;
 pub use config::{BackendConfig, GuaranteedBackends, TenantConfig, ALL_BACKENDS};
 pub use region::{
     BackendState, Capacity, GuarEntry, Header, ProcLedger, TenantState, MAX_NAME_LEN, MAX_PROCS,

@@ -29,7 +29,7 @@ pub(super) const NAME_WORDS: usize = 8;
 pub const MAX_NAME_LEN: usize = NAME_WORDS * 8;
 // "kvgate" + layout version 4 (capacity in the header, sparse guarantees, external KV
 // occupancy per backend)
-pub(super) const MAGIC: u64 = 0x6b76_6761_7465_0004;
+pub(super) const MAGIC: u64 = 0x6b76_6761_7465_0005;
 pub(super) const CLAIMING: u64 = u64::MAX;
 pub(super) const RECLAIMING: u64 = u64::MAX - 1;
 /// Alignment of every array of the region (one cache line).
@@ -97,6 +97,7 @@ pub(super) struct Layout {
     off_guar: usize,
     off_procs: usize,
     proc_words: usize,
+    off_board: usize,
     pub(super) size: usize,
 }
 
@@ -116,7 +117,8 @@ impl Layout {
         let off_guar = round_up(off_tenants + t * std::mem::size_of::<TenantState>());
         let off_procs = round_up(off_guar + guar_slots * std::mem::size_of::<GuarEntry>());
         let proc_words = 2 + 3 * b + t + guar_slots;
-        let size = round_up(off_procs + cap.processes as usize * proc_words * 8);
+        let off_board = round_up(off_procs + cap.processes as usize * proc_words * 8);
+        let size = round_up(off_board + b * std::mem::size_of::<BoardEntry>());
         Ok(Self {
             cap,
             guar_slots,
@@ -125,6 +127,7 @@ impl Layout {
             off_guar,
             off_procs,
             proc_words,
+            off_board,
             size,
         })
     }
@@ -221,6 +224,24 @@ pub struct GuarEntry {
     pub(super) guaranteed: AtomicU64,
     /// Guaranteed slots held.
     pub(super) in_use: AtomicU64,
+}
+
+/// Words of a [`BoardEntry`]'s payload.
+pub(super) const BOARD_WORDS: usize = 61;
+
+/// One backend's entry of the poll board: the latest state its polling process published
+/// (an opaque payload, written and read under a sequence lock).
+#[repr(C, align(64))]
+#[derive(Debug)]
+pub struct BoardEntry {
+    /// Even: stable; odd: a write is in progress. 0: nothing published yet.
+    pub(super) seq: AtomicU64,
+    /// Payload length in bytes.
+    pub(super) len: AtomicU64,
+    /// When the last write began (`CLOCK_MONOTONIC_COARSE`, nanoseconds): an entry left odd
+    /// for long is a dead writer's.
+    pub(super) since: AtomicU64,
+    pub(super) data: [AtomicU64; BOARD_WORDS],
 }
 
 /// One attached process's ledger of what it holds (views into the region).
@@ -472,6 +493,14 @@ impl Admission {
         assert!(i < self.lay.guar_slots);
         // SAFETY: in bounds of the guarantee table.
         unsafe { self.at(self.lay.off_guar + i * std::mem::size_of::<GuarEntry>()) }
+    }
+
+    /// Board entry `i` (`i` < backend capacity).
+    #[inline]
+    pub(super) fn board_at(&self, i: usize) -> &BoardEntry {
+        assert!(i < self.lay.cap.backends as usize);
+        // SAFETY: in bounds of the board array.
+        unsafe { self.at(self.lay.off_board + i * std::mem::size_of::<BoardEntry>()) }
     }
 
     /// The ledger of process entry `i`.

@@ -569,6 +569,25 @@ impl AdmissionController {
         Ok(self.core.set_shedding(backend, on)?)
     }
 
+    fn publish_board(
+        &self,
+        #[pyo3(from_py_with = backend_id_arg)] backend: u32,
+        payload: &[u8],
+    ) -> PyResult<Option<u64>> {
+        Ok(self.core.publish_board(backend, payload)?)
+    }
+
+    fn read_board<'py>(
+        &self,
+        py: Python<'py>,
+        #[pyo3(from_py_with = backend_id_arg)] backend: u32,
+    ) -> PyResult<Option<(u64, Bound<'py, PyBytes>)>> {
+        Ok(self
+            .core
+            .read_board(backend)?
+            .map(|(seq, payload)| (seq, PyBytes::new(py, &payload))))
+    }
+
     fn set_overload(
         &self,
         #[pyo3(from_py_with = backend_id_arg)] backend: u32,

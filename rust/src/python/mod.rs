@@ -42,6 +42,7 @@ pub fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("SharedStateError", err_type(py, &SHARED_STATE))?;
     m.add("MAX_AMOUNT", MAX_AMOUNT)?;
     m.add("MAX_PROCS", MAX_PROCS)?;
+    m.add("BOARD_PAYLOAD_BYTES", crate::admission::BOARD_PAYLOAD_BYTES)?;
     m.add("UNLIMITED_TPM", crate::admission::UNLIMITED_TPM)?;
     m.add("REASONS", {
         let all = [
