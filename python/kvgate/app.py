@@ -228,10 +228,12 @@ class Gateway:
     #: core holds is part old file, part new, and the next reload sets every tenant again
     partly_applied: bool = False
     poll: bool = False
-    #: this process's index among the workers of ``--workers N`` (0 with one process): it
-    #: polls the backends whose core id is this index modulo ``config.workers`` and follows
-    #: the others' polls through the shared region (:mod:`kvgate.telemetry.share`)
+    #: this process's index among the workers of ``--workers N`` (0 with one process), and N
+    #: as it was at start (a reload's ``workers`` applies at the next start): the worker polls
+    #: the backends whose core id is its index modulo N and follows the others' polls through
+    #: the shared region (:mod:`kvgate.telemetry.share`)
     worker: int = 0
+    workers: int = 1
     session: aiohttp.ClientSession = field(init=False)
     watchdog: Watchdog = field(init=False, default_factory=Watchdog)
     metrics: GatewayMetrics = field(init=False)

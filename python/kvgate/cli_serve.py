@@ -576,6 +576,7 @@ def _serve_single(
     overrides: Callable[[Any], Any] | None = None,
     shm_name: str | None = None,
     worker: int = 0,
+    workers: int = 1,
     discovery: dict[str, Any] | None = None,
 ) -> int:
     from kvgate import CoreError
@@ -594,7 +595,7 @@ def _serve_single(
                 config, shm_name=shm_name, config_path=config_path, poll=True, discovery=discovery
             )
         gateway.config_overrides = overrides
-        gateway.worker = worker
+        gateway.worker, gateway.workers = worker, workers
         tls = config.listen.tls
         ssl_context = None if tls is None else server_context(tls.certificate, tls.key)
     except (CoreError, ValueError, OSError) as exc:
@@ -677,6 +678,9 @@ def _serve_workers(
         return 2
     children: dict[int, int] = {}
     started: dict[int, float] = {}  # worker index -> when it was last spawned (monotonic)
+    # how many run: a reload that changes `workers` applies at the next start, so a worker
+    # restarted after it (given the reloaded file) must not take that number for the count
+    count = config.workers
     stopping = False
 
     def spawn(index: int) -> None:
@@ -693,6 +697,7 @@ def _serve_workers(
                     overrides=overrides,
                     shm_name=shm_name,
                     worker=index,
+                    workers=count,
                     discovery=discovery,
                 )
             except BaseException:
@@ -742,7 +747,7 @@ def _serve_workers(
     signal.signal(signal.SIGTERM, forward)
     signal.signal(signal.SIGINT, forward)
     signal.signal(signal.SIGHUP, forward_reload)
-    for i in range(config.workers):
+    for i in range(count):
         spawn(i)
     scheme = "http" if config.listen.tls is None else "https"
     print(

@@ -330,12 +330,11 @@ async def _start_poller(gateway: Gateway) -> Any:
 
     sink = AdaptiveSink(gateway, on_shed=shed_waiters)
     share = None
-    workers = getattr(gateway.config, "workers", 1)
-    if workers > 1 and gateway.controller.shm_name is not None:
+    if gateway.workers > 1 and gateway.controller.shm_name is not None:
         from kvgate.telemetry.share import BoardShare
 
         ids = {b.name: b.id for b in gateway.backends}
-        share = BoardShare(gateway.controller, ids, gateway.worker, workers)
+        share = BoardShare(gateway.controller, ids, gateway.worker, gateway.workers)
     # its own session, no traces
     poller = MetricsPoller(None, sink, poll_targets(gateway), share=share)
     gateway.poller = poller

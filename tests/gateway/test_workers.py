@@ -35,6 +35,7 @@ from .helpers import (
     raw_chat_request,
     samples,
     start_kvgate,
+    stderr_so_far,
     stop_process,
     until,
     wait_http_up,
@@ -676,6 +677,23 @@ async def test_workers_share_one_scrape_of_each_engine(tmp_path: Path) -> None:
         stopped = None
         for pid in workers:
             await until(lambda pid=pid: knows_all(pid), timeout=20, interval=0.2)
+
+        # a reload asks for 3 workers (applied at the next start), then a worker dies: the one
+        # restarted in its place still shares the polls as one of 2
+        path.write_text(json.dumps({**config, "workers": 3}))
+        gw.send_signal(signal.SIGHUP)
+        await until(lambda: b"workers changed in the file" in stderr_so_far(gw), timeout=20)
+        victim = min(workers)
+        os.kill(victim, signal.SIGKILL)
+        await until(lambda: len(children(gw.pid) - {victim}) == 2, timeout=30)
+        workers = children(gw.pid)
+        for pid in workers:
+            await until(lambda pid=pid: knows_all(pid), timeout=20, interval=0.2)
+        start, before = loop.time(), [e.scrapes for e in engines]
+        await until(lambda: engines[0].scrapes >= before[0] + 8, timeout=30, interval=0.05)
+        rounds = (loop.time() - start) / interval
+        for e, b in zip(engines, before, strict=True):
+            assert e.scrapes - b <= 1.25 * rounds + 2, (e.scrapes - b, rounds)
     finally:
         if stopped is not None:
             os.kill(stopped, signal.SIGCONT)

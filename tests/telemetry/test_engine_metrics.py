@@ -14,6 +14,7 @@ import pytest
 from kvgate.telemetry.engine_metrics import (
     ENGINES,
     KV_EPSILON,
+    MAX_KV_CAPACITY_TOKENS,
     BadValueError,
     EngineReading,
     MetricsError,
@@ -200,6 +201,31 @@ def test_vllm_cache_config_not_initialised() -> None:
         "vllm:kv_cache_usage_perc 0.1\n"
     )
     assert read_engine_metrics(text).kv_capacity_tokens is None
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        'vllm:cache_config_info{block_size="16",num_gpu_blocks="99999999999999999999"} 1.0\n'
+        "vllm:kv_cache_usage_perc 0.1\n",
+        'sglang:token_usage{model_name="m"} 0.2\nsglang:num_queue_reqs{model_name="m"} 0\n'
+        'sglang:max_total_num_tokens{model_name="m"} 1e30\n',
+    ],
+    ids=["vllm", "sglang"],
+)
+def test_a_kv_capacity_no_engine_can_hold_is_a_bad_value(text: str) -> None:
+    """More than ``MAX_KV_CAPACITY_TOKENS`` (a trillion tokens) is a broken exposition, refused
+    like a NaN, rather than a budget the core cannot take or a record JSON cannot hold."""
+    with pytest.raises(BadValueError, match="more than an engine can hold") as err:
+        read_engine_metrics(text)
+    assert err.value.value > MAX_KV_CAPACITY_TOKENS
+
+
+def test_a_kv_capacity_of_zero_is_none_stated() -> None:
+    text = 'sglang:token_usage{model_name="m"} 0.2\nsglang:num_queue_reqs{model_name="m"} 0\n'
+    r = read_engine_metrics(text + 'sglang:max_total_num_tokens{model_name="m"} 0\n')
+    assert r.kv_capacity_tokens is None
+    assert "kv_capacity_tokens" not in r.sources
 
 
 # ------------------------------------------------------------------------------ SGLang, generated

@@ -6,11 +6,13 @@ import asyncio
 import dataclasses
 import json
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import aiohttp
+import orjson
 import pytest
 from aiohttp import web
 
@@ -668,6 +670,111 @@ def test_a_record_fits_the_board_whatever_its_error() -> None:
     rec = _decode_record(share.read("b1")[1])
     assert rec is not None
     assert rec["r"] == dataclasses.replace(st.last_reading, sources={})
-    assert (rec["g"], rec["h"], rec["n"]) == (12.5, False, 3)
+    assert (rec["g"], rec["h"], rec["n"], rec["s"], rec["i"]) == (12.5, False, 3, False, 1.0)
     assert rec["e"].startswith("connect: éé")
     assert rec["e"].endswith("…")
+
+
+def test_a_reading_json_cannot_hold_is_published_without_that_field() -> None:
+    ctl = board(["b1"])
+    share = shares(ctl, ["b1"], 2)[0]
+    t = PollTarget(name="b1", metrics_url="http://127.0.0.1:1/metrics")
+    poller = MetricsPoller(None, Recorder(), [t], share=share)
+    st = BackendStatus(target=t, started_at=0.0)
+    st.last_reading = EngineReading(engine="vllm", kv_usage=0.5, kv_capacity_tokens=2**70)
+    st.good_mono = 1.0
+    rec = _decode_record(poller._record(st))
+    assert rec is not None
+    assert rec["r"].kv_capacity_tokens is None
+    assert rec["r"].kv_usage == 0.5
+
+
+def good_record(**change: object) -> dict:
+    rec = {
+        "t": time.monotonic(),
+        "i": 1.0,
+        "g": time.monotonic() - 0.1,
+        "r": {
+            "engine": "vllm",
+            "kv_usage": 0.5,
+            "running": 3,
+            "waiting": 0,
+            "preemptions_total": 2.0,
+            "kv_capacity_tokens": 1000,
+            "slots": None,
+            "skipped_lines": 0,
+        },
+        "n": 0,
+        "h": True,
+        "s": False,
+        "e": None,
+    }
+    for key, value in change.items():
+        if key.startswith("r."):
+            rec["r"][key[2:]] = value
+        else:
+            rec[key] = value
+    return rec
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"r.kv_usage": 7.5},
+        {"r.kv_usage": "0.5"},
+        {"r.kv_usage": float("nan")},
+        {"r.waiting": -4},
+        {"r.running": 10**12},
+        {"r.slots": 0.5},
+        {"r.kv_capacity_tokens": True},
+        {"r.kv_capacity_tokens": 0},
+        {"r.preemptions_total": -1.0},
+        {"r.skipped_lines": None},
+        {"r.engine": "ollama"},
+        {"n": True},
+        {"n": -5},
+        {"t": time.monotonic() + 3600},
+        {"t": "now"},
+        {"g": float("inf")},
+        {"i": 0},
+        {"h": 1},
+        {"s": None},
+        {"e": 3},
+    ],
+)
+def test_a_record_out_of_what_a_scrape_allows_is_not_followed(change: dict) -> None:
+    assert _decode_record(orjson.dumps(good_record())) is not None
+    raw = json.dumps(good_record(**change)).encode()  # json: NaN and inf pass through
+    assert _decode_record(raw) is None
+
+
+async def test_a_follower_takes_the_publishers_staleness_and_never_its_own_before_takeover(
+    engine: Engine, session: aiohttp.ClientSession
+) -> None:
+    """stale_after barely above the interval: the publisher going stale (its scrapes fail)
+    makes the follower stale too, once; the publisher stopping does not — the follower takes
+    the backend over before that (its own scrapes keep it fresh)."""
+    ctl = board(["b1"])
+    owner_share, follower_share = shares(ctl, ["b1"], 2)
+    t = target(engine, model="m", poll_interval=0.4, scrape_timeout=0.35, stale_after=0.8)
+    owner_sink, follower_sink = Recorder(), Recorder()
+    owner = MetricsPoller(session, owner_sink, [t], share=owner_share)
+    async with MetricsPoller(session, follower_sink, [t], share=follower_share) as follower:
+        await owner.start()
+        await wait_until(follower_sink, lambda: len(follower_sink.of("reading")) >= 2)
+        engine.script.mode = "500"
+        await wait_until(follower_sink, lambda: bool(follower_sink.of("stale")))
+        assert follower_sink.of("stale") == [("stale", "b1", True)]
+        assert follower.status("b1").stale is True
+        engine.script.mode = "ok"
+        await wait_until(follower_sink, lambda: len(follower_sink.of("stale")) == 2)
+        assert follower_sink.of("stale")[-1] == ("stale", "b1", False)
+        # each "fresh again" comes before the reading that ends it
+        i = follower_sink.events.index(("stale", "b1", False))
+        assert follower_sink.events[i + 1][0] == "reading"
+        readings = len(follower_sink.of("reading"))
+        await owner.stop()
+        # the follower polls the engine itself: more readings, and never stale meanwhile
+        await wait_until(follower_sink, lambda: len(follower_sink.of("reading")) >= readings + 3)
+        assert len(follower_sink.of("stale")) == 2
+        assert follower.status("b1").record_seq == -1

@@ -45,6 +45,7 @@ from prometheus_client.parser import text_string_to_metric_families
 __all__ = [
     "ENGINES",
     "KV_EPSILON",
+    "MAX_KV_CAPACITY_TOKENS",
     "BadValueError",
     "EngineName",
     "EngineReading",
@@ -117,7 +118,8 @@ class MissingMetricError(MetricsError):
 
 class BadValueError(MetricsError):
     """A value that cannot be right: NaN or ±Inf anywhere, a KV ratio outside [0, 1], a negative
-    request count or one above ``MAX_REQUEST_COUNT``. ``metric`` and ``value`` say which one."""
+    request count or one above ``MAX_REQUEST_COUNT``, a KV capacity above
+    ``MAX_KV_CAPACITY_TOKENS``. ``metric`` and ``value`` say which one."""
 
     reason = "bad_value"
 
@@ -400,6 +402,9 @@ def _usage(name: str, series: Series, partition: Sequence[str]) -> float:
 
 #: More requests than any engine can hold (running or waiting): a broken exporter, not a load.
 MAX_REQUEST_COUNT = 10**9
+#: The largest KV capacity an engine may state, in tokens (2**40: a thousand times the largest
+#: KV caches of 2026); more is a broken exposition (:class:`BadValueError`).
+MAX_KV_CAPACITY_TOKENS = 2**40
 
 
 def _count(name: str, series: Series, partition: Sequence[str]) -> int:
@@ -804,6 +809,17 @@ def read_engine_metrics(
     if strict and getattr(out, adapter.required) is None:
         what = "KV-cache usage" if adapter.required == "kv_usage" else "queue (waiting)"
         raise view.missing(what, adapter.required_names)
+    cap = out.kv_capacity_tokens
+    if cap is not None and cap > MAX_KV_CAPACITY_TOKENS:
+        name = out.sources.get("kv_capacity_tokens", "kv_capacity_tokens")
+        raise BadValueError(
+            f"{name} states a KV capacity of {cap} tokens, more than an engine can hold",
+            name,
+            cap,
+        )
+    if cap is not None and cap <= 0:
+        out.kv_capacity_tokens = None  # nothing stated (an engine still starting)
+        out.sources.pop("kv_capacity_tokens", None)
     return EngineReading(
         engine=engine,
         kv_usage=out.kv_usage,

@@ -208,8 +208,15 @@ class BackendStatus:
     health_failures: int = 0
     #: ``time.monotonic()`` of the last good scrape (the clock every process shares).
     good_mono: float | None = None
-    #: Following another process's records: the last record's sequence number read.
+    #: Following another process's records: the last record's sequence word read (0: none
+    #: yet, -1: polling the backend here meanwhile), when it was read (``time.monotonic()``),
+    #: and the good scrape whose reading went to the sink last (its ``good_mono``).
     record_seq: int = 0
+    record_seen: float | None = None
+    #: the last record's publication time (``time.monotonic()``) and its poller's interval
+    record_t: float = 0.0
+    record_i: float = 1.0
+    fed: float | None = None
 
     def age(self, now: float) -> float | None:
         """Seconds since the last good scrape, or ``None`` if there has been none."""
@@ -365,9 +372,9 @@ class MetricsPoller:
 
     async def poll_once(self, backend: str) -> None:
         """One scrape (and one health check, when configured) of ``backend``, then the staleness
-        check; with a share, the record published afterwards, or, for a backend another
-        process polls, its latest record read instead (:meth:`_follow`). Used by the polling
-        task; tests may call it directly."""
+        check; with a share, the record published afterwards (even when a sink call failed),
+        or, for a backend another process polls, its latest record read instead
+        (:meth:`_follow`). Used by the polling task; tests may call it directly."""
         target = self._targets[backend]
         st = self._status.get(backend)
         if st is None:
@@ -376,31 +383,41 @@ class MetricsPoller:
         polls = share is None or share.polls(backend)
         if not polls and self._follow(st):
             return
-        if target.health_url is not None:
-            await asyncio.gather(self._scrape(st), self._check_health(st))
-        else:
-            await self._scrape(st)
-        if share is not None and polls:
-            share.publish(backend, self._record(st))
+        try:
+            if target.health_url is not None:
+                await asyncio.gather(self._scrape(st), self._check_health(st))
+            else:
+                await self._scrape(st)
+        finally:
+            if share is not None and polls:
+                share.publish(backend, self._record(st))
 
     # ----------------------------------------------------------------------------- sharing
 
     def _record(self, st: BackendStatus) -> bytes:
         """``st`` as a published record: JSON, at most the share's ``max_record`` bytes (the
-        last error is cut to fit)."""
+        last error is cut to fit; a reading field JSON cannot hold is left out)."""
         r = st.last_reading
+        reading = None
+        if r is not None:
+            reading = {k: getattr(r, k) for k in _RECORD_FIELDS}
+            for k, v in reading.items():
+                if isinstance(v, int) and not -(2**63) <= v < 2**63:
+                    reading[k] = None
         rec: dict[str, Any] = {
             "t": time.monotonic(),
+            "i": st.target.poll_interval,
             "g": st.good_mono,
-            "r": None if r is None else {k: getattr(r, k) for k in _RECORD_FIELDS},
+            "r": reading,
             "n": st.scrape_errors,
             "h": st.healthy,
+            "s": st.stale,
             "e": st.last_error,
         }
         out = orjson.dumps(rec)
         limit = self._share.max_record if self._share is not None else len(out)
         if len(out) > limit and st.last_error is not None:
-            error = st.last_error.encode()
+            error = st.last_error.encode(errors="replace")
             keep = len(error)
             while len(out) > limit and keep > 0:  # JSON escapes can make it longer than bytes
                 keep = max(0, keep - (len(out) - limit) - 3)
@@ -410,39 +427,54 @@ class MetricsPoller:
 
     def _follow(self, st: BackendStatus) -> bool:
         """Takes the latest record another process published for ``st``'s backend: its
-        reading (handed to the sink when new), its health transitions, its errors, then the
-        staleness check against its last good scrape. Returns ``False`` when there is nothing
-        to follow — no record, an unreadable one, or one older than ``takeover_after``, beyond
+        reading (handed to the sink when new), its health and staleness transitions, its error
+        count. Returns ``False`` when there is nothing to follow — no record, or one older than
+        ``takeover_after`` (of this target or of the publisher's interval, the longer), beyond
         the first ``takeover_after`` after start — so that the caller polls the backend
-        itself."""
+        itself. While it follows, staleness is the publisher's, not worked out here: a
+        publisher that stops is taken over before its last reading can make the backend look
+        stale."""
         assert self._share is not None
         target, name = st.target, st.target.name
         now = self._now()
+        mono = time.monotonic()
         got = self._share.read(name)
-        rec = _decode_record(got[1]) if got is not None else None
-        age = None if rec is None else max(0.0, time.monotonic() - rec["t"])
-        if rec is None or age is None or age > target.takeover_after:
-            if now - st.started_at < target.takeover_after:
-                self._check_stale(st)  # starting: its poller has not published yet
+        if got is not None and got[0] == st.record_seq and st.record_seq > 0:
+            # nothing new since the last read: still fresh?
+            if mono - st.record_t <= max(target.takeover_after, 3 * st.record_i):
                 return True
+            rec = None
+        else:
+            rec = _decode_record(got[1]) if got is not None else None
+            if rec is not None and mono - rec["t"] > max(target.takeover_after, 3 * rec["i"]):
+                rec = None  # an old record: its poller is gone
+            elif (
+                rec is None
+                and st.record_seen is not None
+                and mono - st.record_seen < target.takeover_after
+            ):
+                # none readable now, a good one a moment ago: a write in progress or cut short
+                # (torn); the next read will tell
+                return True
+        if rec is None:
+            if st.record_seq == 0 and now - st.started_at < target.takeover_after:
+                return True  # starting: its poller has not published yet
             if st.record_seq >= 0:
                 logger.info(
                     "backend %s: no record from the process that polls it for %s; polling it "
                     "here until its records come back",
                     name,
-                    "ever" if age is None else f"{age:.1f} s",
+                    "ever" if st.record_seen is None else f"{mono - st.record_seen:.1f} s",
                 )
                 st.record_seq = -1
             return False
         assert got is not None
-        seq = got[0]
-        if seq == st.record_seq:
-            self._check_stale(st)
-            return True
         if st.record_seq < 0:
             logger.info("backend %s: following its poller's records again", name)
-        st.record_seq = seq
+        st.record_seq, st.record_seen = got[0], mono
+        st.record_t, st.record_i = rec["t"], rec["i"]
         st.scrape_errors, st.last_error = rec["n"], rec["e"]
+        st.health_failures = 0  # its poller's health checks count, not ours
         healthy = rec["h"]
         if healthy != st.healthy:
             st.healthy = healthy
@@ -456,15 +488,19 @@ class MetricsPoller:
         if reading is not None and good is not None and good != st.good_mono:
             st.good_mono = good
             st.last_reading = reading
-            st.last_good_at = now - max(0.0, time.monotonic() - good)
-            if now - st.last_good_at < target.stale_after:
-                if st.stale:
-                    st.stale = False
-                    logger.info("backend %s: engine metrics fresh again", name)
-                    self._sink.on_stale(name, False, now)
-                self._sink.on_reading(name, reading, now)
-                return True
-        self._check_stale(st)
+            st.last_good_at = now - max(0.0, mono - good)
+        if rec["s"] != st.stale:
+            st.stale = rec["s"]
+            logger.log(
+                logging.INFO if not st.stale or not target.adaptive else logging.WARNING,
+                "backend %s: engine metrics %s (its poller's scrapes)",
+                name,
+                "stale" if st.stale else "fresh again",
+            )
+            self._sink.on_stale(name, st.stale, now)
+        if reading is not None and st.good_mono == good and not st.stale and st.fed != good:
+            st.fed = good
+            self._sink.on_reading(name, reading, now)
         return True
 
     async def _scrape(self, st: BackendStatus) -> None:
@@ -582,24 +618,56 @@ class MetricsPoller:
             self._sink.on_health(target.name, False, now)
 
 
+def _number(v: Any, *, lo: float, hi: float, integer: bool = False) -> bool:
+    """``v`` is a JSON number in ``lo..hi`` (an integer when ``integer``; never a bool)."""
+    if isinstance(v, bool) or not isinstance(v, int | float):
+        return False
+    if integer and not isinstance(v, int):
+        return False
+    return math.isfinite(v) and lo <= v <= hi
+
+
+def _reading_ok(r: dict[str, Any]) -> bool:
+    """The fields of a published reading hold what a scrape can produce (the bounds of
+    :mod:`kvgate.telemetry.engine_metrics`)."""
+    from kvgate.telemetry.engine_metrics import MAX_KV_CAPACITY_TOKENS, MAX_REQUEST_COUNT
+
+    def opt(k: str, **bounds: Any) -> bool:
+        return r[k] is None or _number(r[k], **bounds)
+
+    return (
+        r["engine"] in ENGINES
+        and opt("kv_usage", lo=0.0, hi=1.0)
+        and opt("running", lo=0, hi=MAX_REQUEST_COUNT, integer=True)
+        and opt("waiting", lo=0, hi=MAX_REQUEST_COUNT, integer=True)
+        and opt("preemptions_total", lo=0.0, hi=float("inf"))
+        and opt("kv_capacity_tokens", lo=1, hi=MAX_KV_CAPACITY_TOKENS, integer=True)
+        and opt("slots", lo=1, hi=MAX_REQUEST_COUNT, integer=True)
+        and _number(r["skipped_lines"], lo=0, hi=2**62, integer=True)
+    )
+
+
 def _decode_record(raw: bytes) -> dict[str, Any] | None:
     """A published record (:meth:`MetricsPoller._record`) with its reading as an
-    :class:`EngineReading`, or ``None`` when it is not one (garbage is never followed)."""
+    :class:`EngineReading`, or ``None`` when it is not one (garbage is never followed: a
+    time in the future, a field out of the range a scrape allows)."""
     try:
         rec = orjson.loads(raw)
         t, good, r = rec["t"], rec["g"], rec["r"]
-        if not (isinstance(t, float) and math.isfinite(t)):
+        if not _number(t, lo=0.0, hi=time.monotonic() + 1.0):
             return None
-        if good is not None and not (isinstance(good, float) and math.isfinite(good)):
+        if good is not None and not _number(good, lo=0.0, hi=t):
             return None
-        if not isinstance(rec["h"], bool) or not isinstance(rec["n"], int):
+        if not _number(rec["i"], lo=1e-6, hi=86_400.0):
+            return None
+        if not isinstance(rec["h"], bool) or not isinstance(rec["s"], bool):
+            return None
+        if not _number(rec["n"], lo=0, hi=2**62, integer=True):
             return None
         if rec["e"] is not None and not isinstance(rec["e"], str):
             return None
         if r is not None:
-            if not isinstance(r, dict) or set(r) != set(_RECORD_FIELDS):
-                return None
-            if r["engine"] not in ENGINES:
+            if not isinstance(r, dict) or set(r) != set(_RECORD_FIELDS) or not _reading_ok(r):
                 return None
             rec["r"] = EngineReading(**r)
     except (orjson.JSONDecodeError, KeyError, TypeError, ValueError):

@@ -234,13 +234,15 @@ pub(super) const BOARD_WORDS: usize = 61;
 #[repr(C, align(64))]
 #[derive(Debug)]
 pub struct BoardEntry {
-    /// Even: stable; odd: a write is in progress. 0: nothing published yet.
+    /// The sequence word: the time the last write began (milliseconds of the system's
+    /// monotonic clock) in the high bits, a counter in the low bits whose lowest bit is 1
+    /// while a write is in progress. 0: nothing published yet.
     pub(super) seq: AtomicU64,
     /// Payload length in bytes.
     pub(super) len: AtomicU64,
-    /// When the last write began (`CLOCK_MONOTONIC_COARSE`, nanoseconds): an entry left odd
-    /// for long is a dead writer's.
-    pub(super) since: AtomicU64,
+    /// Checksum of (the sequence word the write ends with, length, payload): a payload stored
+    /// by a writer whose entry was taken over meanwhile does not match it.
+    pub(super) sum: AtomicU64,
     pub(super) data: [AtomicU64; BOARD_WORDS],
 }
 
