@@ -7,6 +7,7 @@ import dataclasses
 import json
 import logging
 import time
+import types
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -778,3 +779,62 @@ async def test_a_follower_takes_the_publishers_staleness_and_never_its_own_befor
         await wait_until(follower_sink, lambda: len(follower_sink.of("reading")) >= readings + 3)
         assert len(follower_sink.of("stale")) == 2
         assert follower.status("b1").record_seq == -1
+
+
+class FakeShare:
+    """A PollShare whose board is one slot the test writes (``None``: unreadable)."""
+
+    max_record = BOARD_PAYLOAD_BYTES
+
+    def __init__(self) -> None:
+        self.slot: tuple[int, bytes] | None = None
+        self.seq = 0
+
+    def polls(self, backend: str) -> bool:
+        return False
+
+    def publish(self, backend: str, record: bytes) -> None:
+        raise AssertionError("a follower publishes nothing")
+
+    def read(self, backend: str) -> tuple[int, bytes] | None:
+        return self.slot
+
+    def put(self, rec: dict) -> None:
+        self.seq += 2
+        self.slot = (self.seq, orjson.dumps(rec))
+
+
+async def test_following_by_the_publishers_clock_and_never_backwards(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A publisher with a longer interval (2.5 s) than the follower's (0.5 s): an unreadable
+    read 2 s after its last record is no takeover. A record whose good scrape is older than
+    one already taken (a publisher waking from a freeze) is not fed to the sink again."""
+    import kvgate.telemetry.poller as poller_module
+
+    mono = [1000.0]
+    monkeypatch.setattr(poller_module, "time", types.SimpleNamespace(monotonic=lambda: mono[0]))
+    share, sink = FakeShare(), Recorder()
+    t = PollTarget(
+        name="b1",
+        metrics_url="http://127.0.0.1:1/metrics",
+        poll_interval=0.5,
+        scrape_timeout=0.4,
+        stale_after=5.0,
+    )
+    poller = MetricsPoller(None, sink, [t], clock=lambda: mono[0], share=share)
+    share.put(good_record(t=1000.0, g=999.9, i=2.5))
+    await poller.poll_once("b1")
+    assert len(sink.of("reading")) == 1
+    mono[0] += 2.0
+    share.slot = None  # a write in progress
+    await poller.poll_once("b1")  # would scrape 127.0.0.1:1 (refused) if it took over
+    assert poller.status("b1").record_seq > 0
+    assert sink.of("failure") == []
+    share.put(good_record(t=mono[0], g=999.5, i=2.5))  # an older good scrape
+    await poller.poll_once("b1")
+    assert len(sink.of("reading")) == 1
+    assert poller.status("b1").good_mono == 999.9
+    share.put(good_record(t=mono[0], g=mono[0] - 0.1, i=2.5))
+    await poller.poll_once("b1")
+    assert len(sink.of("reading")) == 2

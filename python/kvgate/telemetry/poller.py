@@ -268,6 +268,7 @@ class MetricsPoller:
         self._clock = clock
         self._status: dict[str, BackendStatus] = {}
         self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._unpublished: set[str] = set()  # backends whose record failed (logged once)
 
     def _now(self) -> float:
         return self._clock() if self._clock is not None else asyncio.get_running_loop().time()
@@ -390,7 +391,18 @@ class MetricsPoller:
                 await self._scrape(st)
         finally:
             if share is not None and polls:
-                share.publish(backend, self._record(st))
+                self._publish(share, st)
+
+    def _publish(self, share: PollShare, st: BackendStatus) -> None:
+        """Publishes ``st``'s record; a failure is logged (once per backend) and never raised
+        (it may run while a cancellation unwinds :meth:`poll_once`)."""
+        name = st.target.name
+        try:
+            share.publish(name, self._record(st))
+        except Exception:
+            if name not in self._unpublished:
+                self._unpublished.add(name)
+                logger.exception("backend %s: its poll's record could not be published", name)
 
     # ----------------------------------------------------------------------------- sharing
 
@@ -451,7 +463,7 @@ class MetricsPoller:
             elif (
                 rec is None
                 and st.record_seen is not None
-                and mono - st.record_seen < target.takeover_after
+                and mono - st.record_seen < max(target.takeover_after, 3 * st.record_i)
             ):
                 # none readable now, a good one a moment ago: a write in progress or cut short
                 # (torn); the next read will tell
@@ -485,7 +497,9 @@ class MetricsPoller:
             )
             self._sink.on_health(name, healthy, now)
         good, reading = rec["g"], rec["r"]
-        if reading is not None and good is not None and good != st.good_mono:
+        # a newer good scrape than any this process knows (its own, while it polled the backend
+        # itself, included): a publisher that wakes from a freeze may publish an older one
+        if reading is not None and good is not None and good > (st.good_mono or 0.0):
             st.good_mono = good
             st.last_reading = reading
             st.last_good_at = now - max(0.0, mono - good)

@@ -66,7 +66,8 @@ fn store_words(dst: &[AtomicU64], payload: &[u8]) -> [u64; BOARD_WORDS] {
 
 impl Admission {
     /// Publishes `payload` on backend `id`'s board entry. Returns the entry's new sequence
-    /// word (even, > 0, larger than any before it), or `None` when another process was
+    /// word (even, > 0, unlike the words before it: the time the write began, in ms, and a
+    /// counter), or `None` when another process was
     /// writing the entry at that moment or took it over meanwhile (the payload is dropped:
     /// the caller publishes again at its next poll).
     ///
