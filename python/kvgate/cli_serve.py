@@ -111,8 +111,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--workers",
         type=_int_in(1, MAX_WORKERS),
         default=None,
-        help=f"worker processes sharing the limits, 1..{MAX_WORKERS} (overrides the file; "
-        "default 1)",
+        help=f"worker processes sharing the limits and the engine polls, 1..{MAX_WORKERS} "
+        "(overrides the file; default 1)",
     )
     quick = parser.add_argument_group("quick start (with --upstream only)")
     q = quick.add_argument
