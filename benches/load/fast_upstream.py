@@ -3,9 +3,13 @@
 ``POST /v1/chat/completions`` answers a fixed chat completion with ``usage``; with
 ``"stream": true`` in the body it answers a few SSE chunks, a usage chunk and ``[DONE]``. A body
 containing ``__hold__`` is held open (used to keep one gateway slot busy for the refusal path).
-``GET /v1/models``, ``/health`` and ``/metrics`` answer what the gateway asks at start-up.
+``GET /v1/models``, ``/health`` and ``/metrics`` answer what the gateway asks at start-up;
+``/metrics`` carries no sample (a scrape of it is a failure the gateway counts), unless started
+with ``--vllm-metrics``: then vLLM's KV-cache, running and waiting gauges for the model, as an
+engine's scrape (``benches/tenants/many_backends.py --workers``). ``GET /scrapes``: the
+``/metrics`` answered so far.
 
-Usage: ``python fast_upstream.py PORT``
+Usage: ``python fast_upstream.py PORT [--vllm-metrics]``
 """
 
 from __future__ import annotations
@@ -87,9 +91,18 @@ async def health(_request: web.Request) -> web.Response:
 SCRAPES = [0]  # GET /metrics answered (benches/tenants/many_backends.py --workers)
 
 
+#: ``--vllm-metrics``: an engine's gauges for the model
+VLLM_METRICS = (
+    f'vllm:kv_cache_usage_perc{{model_name="{MODEL}"}} 0.25\n'
+    f'vllm:num_requests_running{{model_name="{MODEL}"}} 3\n'
+    f'vllm:num_requests_waiting{{model_name="{MODEL}"}} 0\n'
+).encode()
+
+
 async def metrics(_request: web.Request) -> web.Response:
     SCRAPES[0] += 1
-    return web.Response(body=METRICS, content_type="text/plain")
+    body = VLLM_METRICS if "--vllm-metrics" in sys.argv[2:] else METRICS
+    return web.Response(body=body, content_type="text/plain")
 
 
 async def scrapes(_request: web.Request) -> web.Response:

@@ -23,7 +23,9 @@ per second while idle and per request are printed too.
 With ``--workers N`` it measures only a gateway of 1,000 backends run with ``kvgate serve
 --workers N``, idle: its CPU per second (all workers) and the scrapes of ``/metrics`` per second
 the upstream answers (1,000 when each engine is scraped once a second, ``N`` × 1,000 when
-every worker scrapes every engine), ``--rounds`` windows of 5 s after a 5 s warm-up.
+every worker scrapes every engine), ``--rounds`` windows of 5 s after a 5 s warm-up. The
+upstream's ``/metrics`` then carries vLLM's gauges (``--vllm-metrics``), so every scrape is a
+good reading that goes through each worker's sink, as with an engine.
 
 Usage: ``.venv/bin/python benches/tenants/many_backends.py [--rounds 3] [--duration 3]
 [--redis] [--workers N]`` (prints only; figures go into ``benches/RESULTS.md`` by hand)
@@ -184,6 +186,7 @@ def workers_idle(args: argparse.Namespace, logdir: Path) -> None:
     """Prints the idle CPU and the engine scrapes per second of a gateway of 1,000 backends
     with ``args.workers`` workers (see the module docstring)."""
     up = fast_upstream()
+    up.argv.append("--vllm-metrics")
     port = free_port()
     path = logdir / "backends-workers.json"
     cfg = config(up.url, port, COUNTS[-1], None)

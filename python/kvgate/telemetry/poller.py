@@ -53,6 +53,8 @@ import orjson
 
 from kvgate.telemetry.engine_metrics import (
     ENGINES,
+    MAX_KV_CAPACITY_TOKENS,
+    MAX_REQUEST_COUNT,
     EngineReading,
     MetricsError,
     parse_llamacpp_slots,
@@ -644,7 +646,6 @@ def _number(v: Any, *, lo: float, hi: float, integer: bool = False) -> bool:
 def _reading_ok(r: dict[str, Any]) -> bool:
     """The fields of a published reading hold what a scrape can produce (the bounds of
     :mod:`kvgate.telemetry.engine_metrics`)."""
-    from kvgate.telemetry.engine_metrics import MAX_KV_CAPACITY_TOKENS, MAX_REQUEST_COUNT
 
     def opt(k: str, **bounds: Any) -> bool:
         return r[k] is None or _number(r[k], **bounds)
