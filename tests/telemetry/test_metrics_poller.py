@@ -648,12 +648,15 @@ async def test_a_garbage_record_is_not_followed(
             await wait_until(sink, lambda before=before: engine.script.hits > before)
 
 
-def test_a_record_fits_the_board_whatever_its_error() -> None:
-    ctl = board(["b1"])
-    share = shares(ctl, ["b1"], 2)[0]
+def publisher() -> tuple[BoardShare, MetricsPoller, BackendStatus]:
+    """The share, poller and a blank status of the worker that polls ``b1`` (of two)."""
+    share = shares(board(["b1"]), ["b1"], 2)[0]
     t = PollTarget(name="b1", metrics_url="http://127.0.0.1:1/metrics")
-    poller = MetricsPoller(None, Recorder(), [t], share=share)
-    st = BackendStatus(target=t, started_at=0.0)
+    return share, MetricsPoller(None, Recorder(), [t], share=share), BackendStatus(t, 0.0)
+
+
+def test_a_record_fits_the_board_whatever_its_error() -> None:
+    share, poller, st = publisher()
     st.last_reading = EngineReading(
         engine="vllm",
         kv_usage=0.25,
@@ -677,11 +680,7 @@ def test_a_record_fits_the_board_whatever_its_error() -> None:
 
 
 def test_a_reading_json_cannot_hold_is_published_without_that_field() -> None:
-    ctl = board(["b1"])
-    share = shares(ctl, ["b1"], 2)[0]
-    t = PollTarget(name="b1", metrics_url="http://127.0.0.1:1/metrics")
-    poller = MetricsPoller(None, Recorder(), [t], share=share)
-    st = BackendStatus(target=t, started_at=0.0)
+    _, poller, st = publisher()
     st.last_reading = EngineReading(engine="vllm", kv_usage=0.5, kv_capacity_tokens=2**70)
     st.good_mono = 1.0
     rec = _decode_record(poller._record(st))

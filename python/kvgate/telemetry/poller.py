@@ -24,9 +24,9 @@ staleness clock starts when polling starts: a backend that never answers goes st
 
 Several processes (the workers of ``--workers N``) share the polls through a :class:`PollShare`:
 each backend is polled by one of them, which publishes what it saw after every poll (the
-reading, its errors, its health) as a small JSON record; the others read that record at their
-own poll times, half an interval after the publisher's, and hand it to their sinks as if they
-had scraped it themselves (without counting its failures again). A backend whose record is
+reading, its errors, its health, its staleness) as a small JSON record; the others read that
+record at their own poll times, half an interval after the publisher's, and hand it to their
+sinks as if they had scraped it themselves (without counting its failures again). A backend whose record is
 older than :attr:`PollTarget.takeover_after` (its publisher died, froze or is restarting) is
 polled by each of the others itself, publishing nothing, until fresh records come back. Each
 engine is then scraped once per interval whatever the number of workers, and a worker spends
@@ -211,14 +211,11 @@ class BackendStatus:
     #: ``time.monotonic()`` of the last good scrape (the clock every process shares).
     good_mono: float | None = None
     #: Following another process's records: the last record's sequence word read (0: none
-    #: yet, -1: polling the backend here meanwhile), when it was read (``time.monotonic()``),
-    #: and the good scrape whose reading went to the sink last (its ``good_mono``).
+    #: yet, -1: polling the backend here meanwhile), its publication time
+    #: (``time.monotonic()``) and its poller's interval (seconds).
     record_seq: int = 0
-    record_seen: float | None = None
-    #: the last record's publication time (``time.monotonic()``) and its poller's interval
-    record_t: float = 0.0
+    record_t: float | None = None
     record_i: float = 1.0
-    fed: float | None = None
 
     def age(self, now: float) -> float | None:
         """Seconds since the last good scrape, or ``None`` if there has been none."""
@@ -382,8 +379,7 @@ class MetricsPoller:
         st = self._status.get(backend)
         if st is None:
             st = self._status[backend] = BackendStatus(target=target, started_at=self._now())
-        share = self._share
-        polls = share is None or share.polls(backend)
+        polls = self._polls(backend)
         if not polls and self._follow(st):
             return
         try:
@@ -392,8 +388,8 @@ class MetricsPoller:
             else:
                 await self._scrape(st)
         finally:
-            if share is not None and polls:
-                self._publish(share, st)
+            if self._share is not None and polls:
+                self._publish(self._share, st)
 
     def _publish(self, share: PollShare, st: BackendStatus) -> None:
         """Publishes ``st``'s record; a failure is logged (once per backend) and never raised
@@ -453,20 +449,18 @@ class MetricsPoller:
         now = self._now()
         mono = time.monotonic()
         got = self._share.read(name)
-        if got is not None and got[0] == st.record_seq and st.record_seq > 0:
+        # how long a record stays good: three of the longer of the two pollers' intervals
+        keep = max(target.takeover_after, 3 * st.record_i)
+        if got is not None and got[0] == st.record_seq and st.record_t is not None:
             # nothing new since the last read: still fresh?
-            if mono - st.record_t <= max(target.takeover_after, 3 * st.record_i):
+            if mono - st.record_t <= keep:
                 return True
             rec = None
         else:
             rec = _decode_record(got[1]) if got is not None else None
             if rec is not None and mono - rec["t"] > max(target.takeover_after, 3 * rec["i"]):
                 rec = None  # an old record: its poller is gone
-            elif (
-                rec is None
-                and st.record_seen is not None
-                and mono - st.record_seen < max(target.takeover_after, 3 * st.record_i)
-            ):
+            elif rec is None and st.record_t is not None and mono - st.record_t < keep:
                 # none readable now, a good one a moment ago: a write in progress or cut short
                 # (torn); the next read will tell
                 return True
@@ -478,15 +472,14 @@ class MetricsPoller:
                     "backend %s: no record from the process that polls it for %s; polling it "
                     "here until its records come back",
                     name,
-                    "ever" if st.record_seen is None else f"{mono - st.record_seen:.1f} s",
+                    "ever" if st.record_t is None else f"{mono - st.record_t:.1f} s",
                 )
                 st.record_seq = -1
             return False
         assert got is not None
         if st.record_seq < 0:
             logger.info("backend %s: following its poller's records again", name)
-        st.record_seq, st.record_seen = got[0], mono
-        st.record_t, st.record_i = rec["t"], rec["i"]
+        st.record_seq, st.record_t, st.record_i = got[0], rec["t"], rec["i"]
         st.scrape_errors, st.last_error = rec["n"], rec["e"]
         st.health_failures = 0  # its poller's health checks count, not ours
         healthy = rec["h"]
@@ -501,7 +494,8 @@ class MetricsPoller:
         good, reading = rec["g"], rec["r"]
         # a newer good scrape than any this process knows (its own, while it polled the backend
         # itself, included): a publisher that wakes from a freeze may publish an older one
-        if reading is not None and good is not None and good > (st.good_mono or 0.0):
+        new = reading is not None and good is not None and good > (st.good_mono or 0.0)
+        if new:
             st.good_mono = good
             st.last_reading = reading
             st.last_good_at = now - max(0.0, mono - good)
@@ -514,8 +508,7 @@ class MetricsPoller:
                 "stale" if st.stale else "fresh again",
             )
             self._sink.on_stale(name, st.stale, now)
-        if reading is not None and st.good_mono == good and not st.stale and st.fed != good:
-            st.fed = good
+        if new and not st.stale:  # (a publisher fresh again says so in the reading's record)
             self._sink.on_reading(name, reading, now)
         return True
 

@@ -16,13 +16,10 @@ worker's index and the number of workers. Nothing here blocks.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Mapping
 from typing import Any
 
 __all__ = ["BoardShare"]
-
-logger = logging.getLogger("kvgate.telemetry")
 
 
 class BoardShare:
@@ -60,11 +57,14 @@ class BoardShare:
 
     def publish(self, backend: str, record: bytes) -> None:
         """Publishes ``record`` on ``backend``'s board entry (dropped while another process
-        writes it, or when it is too long: logged at DEBUG)."""
-        try:
-            self._ctl.publish_board(self._ids[backend], record)
-        except (KeyError, ValueError) as exc:
-            logger.debug("backend %s: record not published: %s", backend, exc)
+        writes it; nothing for a backend the share does not know).
+
+        Raises:
+            InvalidConfigError: a record over ``BOARD_PAYLOAD_BYTES`` bytes.
+        """
+        i = self._ids.get(backend)
+        if i is not None:
+            self._ctl.publish_board(i, record)
 
     def read(self, backend: str) -> tuple[int, bytes] | None:
         """The record last published for ``backend`` and its sequence number, or ``None``."""
