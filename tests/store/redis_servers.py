@@ -528,3 +528,53 @@ def start_cluster(
         yield cluster
     finally:
         cluster.stop()
+
+
+class Forwarder:
+    """A loopback TCP forwarder whose target can be switched (a failover's new primary)."""
+
+    def __init__(self, port: int) -> None:
+        self.target = port
+        self.server: asyncio.Server | None = None
+        self.port = 0
+        self.conns: list[asyncio.StreamWriter] = []
+
+    async def start(self) -> None:
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        self.port = self.server.sockets[0].getsockname()[1]
+
+    async def _serve(self, r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        try:
+            ur, uw = await asyncio.open_connection("127.0.0.1", self.target)
+        except OSError:
+            w.close()
+            return
+        self.conns += [w, uw]
+
+        async def pipe(a: asyncio.StreamReader, b: asyncio.StreamWriter) -> None:
+            try:
+                while data := await a.read(65536):
+                    b.write(data)
+                    await b.drain()
+            except (OSError, ConnectionError):
+                pass
+            finally:
+                b.close()
+
+        await asyncio.gather(pipe(r, uw), pipe(ur, w))
+
+    def switch(self, port: int, *, keep: bool = False) -> None:
+        """New connections go to ``port``; open ones are closed, or with ``keep`` stay with
+        the old target (a DNS name that moved while clients kept their connections)."""
+        self.target = port
+        if keep:
+            return
+        for w in self.conns:
+            w.close()
+        self.conns.clear()
+
+    async def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
+        for w in self.conns:
+            w.close()

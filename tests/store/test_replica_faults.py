@@ -12,7 +12,7 @@ from typing import Any
 import aiohttp
 import orjson
 import pytest
-from tests.store.redis_servers import RedisServer, promote
+from tests.store.redis_servers import Forwarder, RedisServer, promote
 from tests.store.replicas import Replicas, drive, run_replicas
 
 pytestmark = pytest.mark.slow
@@ -415,52 +415,6 @@ async def test_redis_restarted_empty_gets_the_holdings_back(redis_server: RedisS
             t.cancel()
 
 
-class Forwarder:
-    """A loopback TCP forwarder whose target can be switched (a failover's new primary)."""
-
-    def __init__(self, port: int) -> None:
-        self.target = port
-        self.server: asyncio.Server | None = None
-        self.port = 0
-        self.conns: list[asyncio.StreamWriter] = []
-
-    async def start(self) -> None:
-        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
-        self.port = self.server.sockets[0].getsockname()[1]
-
-    async def _serve(self, r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
-        try:
-            ur, uw = await asyncio.open_connection("127.0.0.1", self.target)
-        except OSError:
-            w.close()
-            return
-        self.conns += [w, uw]
-
-        async def pipe(a: asyncio.StreamReader, b: asyncio.StreamWriter) -> None:
-            try:
-                while data := await a.read(65536):
-                    b.write(data)
-                    await b.drain()
-            except (OSError, ConnectionError):
-                pass
-            finally:
-                b.close()
-
-        await asyncio.gather(pipe(r, uw), pipe(ur, w))
-
-    def switch(self, port: int) -> None:
-        self.target = port
-        for w in self.conns:
-            w.close()
-        self.conns.clear()
-
-    async def close(self) -> None:
-        if self.server is not None:
-            self.server.close()
-        for w in self.conns:
-            w.close()
-
-
 async def test_failover_to_a_promoted_replica_heals_by_reassertion(
     redis_replica_pair: tuple[RedisServer, RedisServer],
 ) -> None:
@@ -488,6 +442,56 @@ async def test_failover_to_a_promoted_replica_heals_by_reassertion(
             )
             assert statuses.count(200) <= 1, statuses
             assert (await user(reps, "a"))["peak_in_flight"] <= 4
+            for t in tasks:
+                t.cancel()
+    finally:
+        await fwd.close()
+
+
+async def test_a_demoted_primary_is_left_for_the_promoted_one(
+    redis_replica_pair: tuple[RedisServer, RedisServer],
+) -> None:
+    """A switchover that keeps the old primary running, as a replica of the new one (a
+    managed service's failover: its endpoint's name moves to the new primary, connections
+    made before stay with the old server). Redis refuses every write on those connections
+    (``READONLY``): the replicas leave them for new ones, which reach the new primary. What
+    they give back and admit from then on is counted there, and the limit holds."""
+    primary, replica = redis_replica_pair
+    fwd = Forwarder(primary.port)
+    await fwd.start()
+    try:
+        store = {"url": f"redis://127.0.0.1:{fwd.port}/0"}
+        async with run_replicas(config(store, a_conc=4), sim_args=SLOW_SIM) as reps:
+            tasks = await hold(reps, 0, "a", KEY_A, 2)
+            tasks += await hold_within(reps, 1, "a", KEY_A, 1)
+            promote(replica)
+            with primary.client() as c:
+                c.execute_command("REPLICAOF", "127.0.0.1", str(replica.port))
+            fwd.switch(replica.port, keep=True)
+            tasks.pop(0).cancel()  # one of replica 0's requests ends: its slot goes back
+
+            async def given_back() -> bool:
+                alloc, quotas = redis_pool(replica, "{kvg:t:a}", "conc")
+                return alloc == quotas == 2
+
+            # (without leaving the old connections, every later message fails READONLY and
+            # the new primary keeps counting the ended request)
+            await until(given_back, 15, "the ended request given back on the new primary")
+
+            async def closed() -> bool:
+                states = [(await reps.admin_state(i))["store"] for i in range(3)]
+                return all(s["breaker"] == "closed" for s in states)
+
+            await until(closed, 15, "every replica's breaker closed")
+            await reps.reset_peaks()
+            statuses = await asyncio.gather(
+                *(post_chat(reps.url(2), KEY_A, "a", 2, reps.model) for _ in range(4))
+            )
+            # 2 of 4 slots free: replica 2 gets them from the new primary, not by a fallback
+            assert statuses.count(200) == 2, statuses
+            assert (await user(reps, "a"))["peak_in_flight"] <= 4
+            st = (await reps.admin_state(2))["store"]
+            assert st["degraded_admissions"] == 0, st
             for t in tasks:
                 t.cancel()
     finally:

@@ -11,11 +11,12 @@ from typing import Any
 
 import orjson
 import pytest
-from tests.store.redis_servers import RedisServer, wait_for
+from tests.store.redis_servers import Forwarder, RedisServer, free_port, promote, wait_for
 
 from kvgate import AdmissionController
 from kvgate.__main__ import main
 from kvgate.config import StoreConfig
+from kvgate.store import StoreRefusal
 from kvgate.store.redis_store import RedisStore
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -90,6 +91,33 @@ def test_check_config_reports_the_server_and_warns_on_eviction(
     assert main(["check-config", str(path)]) == 0
     err = capsys.readouterr().err
     assert "warning: store: maxmemory-policy is 'allkeys-lru'" in err
+
+
+def test_check_config_refuses_a_replica(
+    redis_server: RedisServer, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A URL that names a read-only replica: every message would be refused (``READONLY``)."""
+    from redis.exceptions import ReadOnlyError
+
+    from kvgate.store.server import connection_lost
+
+    path = tmp_path / "c.yaml"
+    path.write_text(
+        (ROOT / "examples" / "replicas.yaml")
+        .read_text()
+        .replace("${KVGATE_REDIS_URL:-redis://127.0.0.1:6379/0}", redis_server.url)
+    )
+    master = free_port()
+    redis_server.cli("REPLICAOF", "127.0.0.1", str(master))
+    try:
+        assert main(["check-config", str(path)]) == 2
+        err = capsys.readouterr().err
+        assert f"the server is a read-only replica (of 127.0.0.1:{master})" in err, err
+    finally:
+        redis_server.cli("REPLICAOF", "NO", "ONE")
+    assert main(["check-config", str(path)]) == 0, capsys.readouterr().err
+    # (a refused write did not run: sent again on a new connection, like a lost one)
+    assert connection_lost(ReadOnlyError("You can't write against a read only replica."))
 
 
 @pytest.mark.parametrize(
@@ -1252,3 +1280,49 @@ async def test_close_leaves_the_scopes_it_is_live_in_not_every_scope_it_saw(
         assert client.zscore(key + ":live", st.pod) is None, key
         held = {k: v for k, v in client.hgetall(key).items() if k.startswith("alloc|")}
         assert all(int(v) == 0 for v in held.values()), (key, held)
+
+
+@pytest.mark.parametrize("connection", ["kvgate", "redis-py"])
+async def test_a_store_leaves_a_demoted_primary_for_the_new_one(
+    redis_replica_pair: tuple[RedisServer, RedisServer], connection: str
+) -> None:
+    """A switchover that keeps the old primary running as a replica, its address moved to the
+    new primary (a :class:`Forwarder` switched with the old connections kept): the store's
+    messages on the old connections are refused (``READONLY``), and go again on new ones,
+    on the store's own connection and on redis-py's (the client of a TLS URL with settings
+    the store's connection does not apply). A slot given back after the switchover is given
+    back on the new primary."""
+    primary, replica = redis_replica_pair
+    fwd = Forwarder(primary.port)
+    await fwd.start()
+    ctl, b, t = core()
+    store = RedisStore(StoreConfig(url=f"redis://127.0.0.1:{fwd.port}/0", heartbeat_s=5.0), ctl)
+    await store.start(["b"])
+    try:
+        if connection == "redis-py":
+            await store._wire.aclose()
+            store._wire = store._client
+        assert store.state()["connection"]["client"] == connection
+        hold = store.try_admit(b, t, "standard", 10) or await store.admit(b, t, "standard", 10)
+        assert not isinstance(hold, StoreRefusal), hold
+        key = store._scope("t", "t").key
+
+        def alloc(server: RedisServer) -> int:
+            return int(server.client().hget(key, "alloc|conc") or 0)
+
+        await wait_for(lambda: alloc(replica) >= 1, 10, "the hold replicated")
+        promote(replica)
+        primary.cli("REPLICAOF", "127.0.0.1", str(replica.port))
+        fwd.switch(replica.port, keep=True)
+        store.release(hold, 10, 10)
+        store._beat(store._scope("t", "t"))
+        give_up = time.monotonic() + 10
+        while alloc(replica) != 0:  # (Redis is polled, not notified)
+            assert time.monotonic() < give_up, f"not given back on the new primary: {store.state()}"
+            if not store._scope("t", "t").busy:
+                store._beat(store._scope("t", "t"))
+            await asyncio.sleep(0.05)
+        assert store.resent >= 1  # the refused message went again, on a new connection
+    finally:
+        await store.close()
+        await fwd.close()

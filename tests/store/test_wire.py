@@ -206,6 +206,31 @@ async def test_errors_are_redis_py_errors(server: RedisServer) -> None:
     assert connection_lost(refused.value)
 
 
+async def test_a_server_turned_replica_fails_calls_as_lost_and_is_left(server: RedisServer) -> None:
+    """The server became a replica while the connection stayed open (a failover that demoted
+    it): it refuses every write (``READONLY``) before running it. The refused call and the
+    ones pipelined behind it fail as on a lost connection (safe to send again), and the next
+    call opens a new connection, which a moved address would take to the new primary."""
+    client = server.client()
+    async with wire_to(server.url, connect_timeout_s=2.0, stall_s=30.0) as wire:
+        assert await wire.fcall("wt_set", 1, "wt:k", "before") == 1
+        client.execute_command("REPLICAOF", "127.0.0.1", str(free_port()))
+        try:
+            calls = [wire.fcall("wt_set", 1, "wt:k", f"refused {i}") for i in range(3)]
+            for call in calls:
+                with pytest.raises(RedisConnectionError, match="read-only replica") as caught:
+                    await call
+                assert connection_lost(caught.value)
+            proto = wire._proto
+            assert proto is not None
+            assert proto.closed
+        finally:
+            client.execute_command("REPLICAOF", "NO", "ONE")
+        assert await wire.fcall("wt_set", 1, "wt:k", "after") == 1
+        assert wire.connects == 2
+    assert client.get("wt:k") == "after"
+
+
 async def test_auth_and_db_from_the_url(server: RedisServer) -> None:
     client = server.client()
     client.config_set("requirepass", "s3cret")

@@ -72,6 +72,7 @@ from kvgate.store.scopes import (
 )
 from kvgate.store.server import (
     connection_lost,
+    left_replica,
     library_missing,
     load_library,
     short_error,
@@ -1335,18 +1336,30 @@ class RedisStore:
                 await load_library(self._client, self.config.cluster)
             elif not resent and connection_lost(exc):
                 # the connection was closed (Redis restarted or failed over, or it dropped the
-                # connection): the same message goes once more, on a new connection, within the
-                # same deadline; had the first delivery run, its operation id makes Redis
-                # answer with that delivery's reply and change nothing. A timed-out call is
-                # never sent again.
+                # connection), or its server is a read-only replica now: the same message goes
+                # once more, on a new connection, within the same deadline; had the first
+                # delivery run, its operation id makes Redis answer with that delivery's reply
+                # and change nothing. A timed-out call is never sent again.
                 resent = True
                 self.resent += 1
+                if left_replica(exc):
+                    await self._leave_replica(client)
             else:
                 raise exc
             try:
                 return await client.fcall("kvg_sync", 3, key, key + ":live", op, payload)
             except Exception as again:
                 exc = again
+
+    async def _leave_replica(self, client: Any) -> None:
+        """redis-py's connections to a server that is a read-only replica now are closed, so
+        that the next call opens a new one (to an address that follows the primary: the new
+        primary). The store's own connection (:class:`Wire`) leaves such a server itself; a
+        Redis Cluster client follows the slots' new owners itself."""
+        pool = getattr(client, "connection_pool", None)
+        if pool is not None:
+            with contextlib.suppress(Exception):
+                await pool.disconnect()
 
     def _unknown_outcome(self, sc: Scope, msg: dict[str, Any], admits: list[Admit]) -> None:
         """A message without a usable reply (failed, timed out, stale, or its sender
@@ -1711,6 +1724,8 @@ class RedisStore:
                 return
             kind = "error"
             self._last_failure = f"{type(exc).__name__}: {short_error(exc)}"
+            if left_replica(exc):  # nothing ran: the next messages go on a new connection
+                await self._leave_replica(client)
         if self._metrics is not None:
             self._metrics.store_call_seconds.observe(time.monotonic() - sent)
         replies = raw if kind is None and isinstance(raw, list) else []

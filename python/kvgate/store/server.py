@@ -14,6 +14,7 @@ __all__ = [
     "LIBRARY_NAME",
     "check_server",
     "connection_lost",
+    "left_replica",
     "library_missing",
     "load_library",
     "short_error",
@@ -55,11 +56,23 @@ def connection_lost(exc: BaseException) -> bool:
     from redis.exceptions import ConnectionError as RedisConnectionError
     from redis.exceptions import TimeoutError as RedisTimeoutError
 
+    if left_replica(exc):
+        return True
     # redis-py's ConnectionError also covers a refused password and a full pool: a new
     # connection would meet the same answer
     return isinstance(exc, RedisConnectionError | ConnectionError) and not isinstance(
         exc, RedisTimeoutError | AuthenticationError | MaxConnectionsError
     )
+
+
+def left_replica(exc: BaseException) -> bool:
+    """Whether Redis refused a call because the server is a read-only replica now (redis-py's
+    ``ReadOnlyError``, Redis's ``READONLY`` answer: a failover demoted the server while the
+    connection stayed open). Redis refuses a write before running it, so the call did not run;
+    a new connection, to an address that follows the primary, reaches the new one."""
+    from redis.exceptions import ReadOnlyError
+
+    return isinstance(exc, ReadOnlyError)
 
 
 def library_missing(exc: BaseException) -> bool:
@@ -74,7 +87,7 @@ async def check_server(config: Any, wait_s: float = 5.0) -> tuple[list[str], lis
 
     Problems (the gateway would not share its limits): the server cannot be reached within
     ``wait_s`` seconds, is older than Redis 7.0 (no Functions), is a Cluster node while
-    ``cluster`` is off, refuses to load the ``kvgate`` Functions library, or fails a replica's
+    ``cluster`` is off, is a read-only replica (``INFO replication``'s ``role:slave``), refuses to load the ``kvgate`` Functions library, or fails a replica's
     message sent as a replica sends it (:func:`_trial_message`: credentials, ``FCALL`` and key
     permissions, a kvgate reply). Notes: the server's version, and a warning when its
     ``maxmemory-policy`` is not ``noeviction`` (an evicted key forgets what replicas hold: limits
@@ -121,6 +134,16 @@ async def check_server(config: Any, wait_s: float = 5.0) -> tuple[list[str], lis
                             "store.url: the server is a node of a Redis Cluster: set "
                             "store.cluster: true (each tenant's keys live on the node that "
                             "owns their slot)"
+                        )
+                        return problems, notes
+                with contextlib.suppress(Exception):  # (INFO replication may be renamed away)
+                    repl = await client.info("replication")
+                    if repl.get("role") == "slave":
+                        problems.append(
+                            "store.url: the server is a read-only replica (of "
+                            f"{repl.get('master_host', '?')}:{repl.get('master_port', '?')}): "
+                            "point store.url at the primary, or at an address that follows "
+                            "the primary through a failover"
                         )
                         return problems, notes
             try:

@@ -21,7 +21,11 @@ Replies are matched to calls in order (Redis answers a connection's commands in 
 they were sent), so a call whose caller gave up (its deadline passed, its client went away)
 keeps its place: its reply, when it comes, is dropped, and the connection stays in use. A
 connection whose oldest unanswered call is older than ``stall_s`` is closed before the next
-call and a new one opened (a server that stopped answering on it, a half-open connection).
+call and a new one opened (a server that stopped answering on it, a half-open connection). A
+connection whose server answers ``READONLY`` (a primary a failover demoted to a replica while
+the connection stayed open) is left at once: that call and those behind it fail as on a closed
+connection (none of them ran), and the next call opens a new connection, which an address that
+follows the primary takes to the new one.
 Errors are redis-py's exception classes, so that callers handle both connections alike: a
 reply error as redis-py maps it (``ResponseError``, ``OutOfMemoryError``, ...), a closed or
 refused connection as ``redis.exceptions.ConnectionError``, a refused password as
@@ -140,6 +144,19 @@ class _Protocol(asyncio.Protocol):
                 self.close(RedisConnectionError("Redis answered a command never sent"))
                 return
             _, fut = self.pending.popleft()
+            if isinstance(reply, hiredis.ReplyError) and str(reply).startswith("READONLY"):
+                # the server is a replica now (a failover demoted it while this connection
+                # stayed open, or the address names a replica): it refuses every write before
+                # running it, so this call and the ones behind it did not run. They fail as on
+                # a closed connection (sent again once, on a new connection, which may reach
+                # the new primary), and the connection is left
+                error = RedisConnectionError(
+                    f"Redis is a read-only replica on this connection ({reply}); connection left"
+                )
+                if not fut.done():
+                    fut.set_exception(error)
+                self.close(error)
+                return
             if fut.done():  # its caller gave up: the reply is dropped
                 continue
             if isinstance(reply, hiredis.ReplyError):
@@ -223,7 +240,9 @@ class Wire:
             redis.exceptions.ResponseError: Redis answered with an error (a subclass as
                 redis-py maps it: e.g. ``OutOfMemoryError``).
             redis.exceptions.ConnectionError: no connection could be made, or it closed
-                before the reply (the command may or may not have run); its subclasses as
+                before the reply (the command may or may not have run), or the server
+                answered ``READONLY`` (a replica now: the command did not run, and the
+                connection is left); its subclasses as
                 redis-py maps an error reply: ``AuthenticationError`` (``NOAUTH``, a refused
                 password), ``BusyLoadingError`` (``LOADING``).
         """
