@@ -61,9 +61,18 @@ def summary(cfg: Config) -> str:
         lines.append(f"requests without a key go to tenant {cfg.anonymous_tenant}")
     if cfg.store is not None:
         st = cfg.store
+        at = st.url.rsplit("@", 1)[-1]
+        if st.sentinel is not None:
+            from urllib.parse import urlsplit
+
+            db = urlsplit(st.url).path.strip("/") or "0"
+            at = (
+                f"the primary of {st.sentinel.master!r} (Redis Sentinel: "
+                f"{', '.join(st.sentinel.nodes)}; database {db})"
+            )
         lines.append(
             f"limits shared through Redis{' Cluster' if st.cluster else ''} at "
-            f"{st.url.rsplit('@', 1)[-1]}: heartbeat {st.heartbeat_s:g} s, lease {st.ttl_s:g} s, "
+            f"{at}: heartbeat {st.heartbeat_s:g} s, lease {st.ttl_s:g} s, "
             f"deadline {st.deadline_ms:g} ms, fallback {st.on_failure}"
             + "".join(f", {limit}: {policy}" for limit, policy in sorted(st.policies.items()))
             + f"; share for {st.max_degraded_s:g} s at most, then {st.after_degraded}"

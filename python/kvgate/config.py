@@ -584,6 +584,59 @@ def _redis_url_options() -> frozenset[str]:
     return frozenset((names - {"self", "kwargs"}) | {"connection_class"})
 
 
+#: the port a sentinel listens on when its address names none (Redis Sentinel's own default)
+SENTINEL_PORT = 26379
+
+
+class SentinelConfig(_Model):
+    """Redis Sentinel in front of a primary and its replicas: the store asks the sentinels
+    which server is the primary (``SENTINEL MASTERS``; a primary they see as down is not
+    taken), connects there, checks that it is one (``ROLE``), and asks again whenever its
+    connection is lost or refused (``READONLY``): after a failover its messages go to the
+    promoted replica, where what each gateway holds is re-asserted (docs/replicas.md).
+
+    Attributes:
+        master: the name the sentinels monitor the primary by (``sentinel monitor <master>
+            ...`` in their configuration).
+        nodes: the sentinels' addresses, ``host:port`` (``host`` alone: port 26379); asked in
+            turn until one answers, the last to answer first next time.
+        username, password: the sentinels' own credentials (their ``requirepass`` or ACL
+            user), when they have any; the primary's come from ``url``.
+    """
+
+    master: Name
+    nodes: list[str] = Field(min_length=1, max_length=64)
+    username: str | None = None
+    password: str | None = None
+
+    @field_validator("nodes")
+    @classmethod
+    def _nodes_ok(cls, value: list[str]) -> list[str]:
+        for node in value:
+            sentinel_address(node)
+        return value
+
+    def addresses(self) -> list[tuple[str, int]]:
+        """``nodes`` as ``(host, port)`` pairs."""
+        return [sentinel_address(node) for node in self.nodes]
+
+
+def sentinel_address(node: str) -> tuple[str, int]:
+    """``host:port`` (or ``host``, ``[v6]:port``) as ``(host, port)``; port 26379 when absent.
+
+    Raises:
+        ValueError: no host, or a port that is not a number 1..65535.
+    """
+    parts = urlsplit("//" + node.strip())
+    try:
+        port = parts.port
+    except ValueError:
+        raise ValueError(f"a sentinel's port must be a number 1..65535 (got {node!r})") from None
+    if not parts.hostname or parts.path or parts.query or parts.username or port == 0:
+        raise ValueError(f"a sentinel is host:port, e.g. 10.0.0.5:26379 (got {node!r})")
+    return parts.hostname, port or SENTINEL_PORT
+
+
 class StoreConfig(_Model):
     """Where the limits live when several gateway replicas share them (docs/replicas.md): a Redis (or Valkey) server, version 7.0 or later (Redis Functions).
 
@@ -621,6 +674,10 @@ class StoreConfig(_Model):
             ``after_degraded``.
         after_degraded: ``closed`` (default) or ``open``.
         breaker_failures: consecutive failed calls that open the circuit breaker.
+        sentinel: find the primary through Redis Sentinel (:class:`SentinelConfig`); ``url``
+            then gives the primary's credentials and database, its host and port are not used
+            (name the master there, e.g. ``redis://:password@mymaster/0``). Not with
+            ``cluster``, ``rediss://`` or ``unix://``.
     """
 
     url: str = Field(min_length=1)
@@ -637,6 +694,21 @@ class StoreConfig(_Model):
     max_degraded_s: Float = Field(60.0, gt=0)
     after_degraded: Literal["closed", "open"] = "closed"
     breaker_failures: Int = Field(3, ge=1, le=1000)
+    sentinel: SentinelConfig | None = None
+
+    @model_validator(mode="after")
+    def _sentinel_ok(self) -> StoreConfig:
+        if self.sentinel is not None:
+            if self.cluster:
+                raise ValueError(
+                    "store.sentinel: a Redis Cluster has no sentinels; set one of them"
+                )
+            scheme = self.url.split("://", 1)[0]
+            if scheme != "redis":
+                raise ValueError(
+                    f"store.sentinel: the primary is reached by redis:// only (got {scheme}://)"
+                )
+        return self
 
     @field_validator("url")
     @classmethod

@@ -62,6 +62,36 @@ def test_defaults_are_those_the_readme_states() -> None:
         ({"url": "redis://h/0", "deadline_ms": -1}, "store.deadline_ms", "0"),
         ({"url": "redis://h/0", "near_fraction": 1}, "store.near_fraction", "1"),
         ({"url": "redis://h/0", "pool": 3}, "store.pool", "unknown field"),
+        (
+            {"url": "redis://m/0", "sentinel": {"master": "m", "nodes": ["h:x"]}},
+            "store.sentinel.nodes",
+            "port must be a number",
+        ),
+        (
+            {"url": "redis://m/0", "sentinel": {"master": "m", "nodes": ["h:1/0"]}},
+            "store.sentinel.nodes",
+            "host:port",
+        ),
+        (
+            {"url": "redis://m/0", "sentinel": {"master": "m", "nodes": []}},
+            "store.sentinel.nodes",
+            "at least 1",
+        ),
+        (
+            {"url": "redis://m/0", "sentinel": {"nodes": ["h"]}},
+            "store.sentinel.master",
+            "is required",
+        ),
+        (
+            {"url": "redis://m/0", "cluster": True, "sentinel": {"master": "m", "nodes": ["h"]}},
+            "store",
+            "a Redis Cluster has no sentinels",
+        ),
+        (
+            {"url": "rediss://m/0", "sentinel": {"master": "m", "nodes": ["h"]}},
+            "store",
+            "redis:// only",
+        ),
     ],
 )
 def test_bad_store_settings_are_named(store: dict[str, Any], where: str, words: str) -> None:
@@ -70,6 +100,14 @@ def test_bad_store_settings_are_named(store: dict[str, Any], where: str, words: 
     text = str(err.value)
     assert where in text, text
     assert words in text, text
+
+
+def test_sentinel_addresses_and_their_default_port() -> None:
+    sentinel = {"master": "mymaster", "nodes": ["10.0.0.5:26380", "sentinel-b", "[::1]:5000"]}
+    st = parse_config(cfg_with({"url": "redis://:pw@mymaster/0", "sentinel": sentinel})).store
+    assert st is not None
+    assert st.sentinel is not None
+    assert st.sentinel.addresses() == [("10.0.0.5", 26380), ("sentinel-b", 26379), ("::1", 5000)]
 
 
 def test_the_password_never_shows_in_the_error(tmp_path: Path) -> None:

@@ -14,6 +14,11 @@ and restarted comes back empty, as a Redis that lost its memory does.
 * :func:`start_redis` — one standalone server for a ``with`` block.
 * :func:`start_replica_pair` and :func:`promote` — a primary with a replica that finished its
   first sync, and the failover step (``REPLICAOF NO ONE``).
+* :func:`start_sentinel` — a Redis Sentinel (``redis-server --sentinel``) that monitors a
+  primary as :data:`SENTINEL_MASTER` and fails over to its replica half a second after the
+  primary stops answering.
+* :class:`Forwarder` — a loopback TCP forwarder whose target can be switched (a name that
+  moves to a failover's new primary).
 * :func:`start_cluster` — an ``n``-node Redis Cluster (every slot served, ``cluster_state:ok``
   on every node) as :class:`RedisClusterServers`.
 * :func:`require_redis` — skip when ``redis-server`` is missing, except under CI (``CI`` set),
@@ -120,6 +125,9 @@ class RedisServer:
         replicaof: ``(host, port)`` of the primary this server replicates, or ``None``.
         cluster: a Redis Cluster node (``--cluster-enabled yes``, node timeout 2000 ms).
         cluster_bus_port: its cluster bus port (``--cluster-port``), chosen free at start.
+        sentinel_of: a Redis Sentinel (not a data server) that monitors the primary on this
+            port as :data:`SENTINEL_MASTER` (quorum 1, down after 500 ms; its configuration,
+            which Sentinel rewrites, in ``root/sentinel.conf``); 0: a data server.
     """
 
     root: Path
@@ -128,6 +136,7 @@ class RedisServer:
     replicaof: tuple[str, int] | None = None
     cluster: bool = False
     cluster_bus_port: int = 0
+    sentinel_of: int = 0
     proc: subprocess.Popen[bytes] | None = None
     _clients: list[Any] = field(default_factory=list)
 
@@ -169,8 +178,19 @@ class RedisServer:
     # ---- life cycle --------------------------------------------------------------------
 
     def argv(self) -> list[str]:
-        """The ``redis-server`` command line for the current settings."""
+        """The ``redis-server`` command line for the current settings (a sentinel's writes its
+        configuration file)."""
         data = self.root / "data"
+        if self.sentinel_of:
+            conf = self.root / "sentinel.conf"
+            conf.write_text(
+                f"port {self.port}\nbind {HOST}\ndaemonize no\n"
+                f"logfile {self.log_path}\ndir {data}\n"
+                f"sentinel monitor {SENTINEL_MASTER} {HOST} {self.sentinel_of} 1\n"
+                f"sentinel down-after-milliseconds {SENTINEL_MASTER} 500\n"
+                f"sentinel failover-timeout {SENTINEL_MASTER} 3000\n"
+            )
+            return ["redis-server", str(conf), "--sentinel"]
         args = [
             "redis-server",
             "--port", str(self.port),
@@ -391,6 +411,55 @@ def wait_synced(replica: RedisServer, timeout: float = 20.0) -> None:
             f"replica on port {replica.port} synced",
             interval=0.05,
         )
+
+
+#: the name a sentinel of :func:`start_sentinel` monitors its primary by
+SENTINEL_MASTER = "kvgm"
+
+
+@contextlib.contextmanager
+def start_sentinel(
+    root: Path, primary: RedisServer, replica: RedisServer, timeout: float = 20.0
+) -> Iterator[RedisServer]:
+    """A Redis Sentinel in ``root`` monitoring ``primary`` as :data:`SENTINEL_MASTER`, for a
+    ``with`` block; it has found ``replica`` (so that it can fail over to it) before the block
+    starts. Killing the primary makes it promote the replica within a few seconds.
+
+    Raises:
+        RuntimeError / TimeoutError: it did not start, or did not find the replica.
+    """
+    sentinel = RedisServer(root=root, sentinel_of=primary.port)
+    sentinel.start(timeout)
+    try:
+        with sentinel.client() as c:
+
+            def found() -> bool:
+                return any(
+                    int(r.get("port", 0)) == replica.port and not r.get("is_sdown")
+                    for r in c.sentinel_slaves(SENTINEL_MASTER)
+                )
+
+            wait_until(found, timeout, f"the sentinel finding the replica on {replica.port}")
+        yield sentinel
+    finally:
+        sentinel.stop()
+
+
+def wait_primary(sentinel: RedisServer, port: int, timeout: float = 30.0) -> None:
+    """Wait until ``sentinel`` names the server on ``port`` as the primary, its failover done
+    (``SENTINEL MASTERS``, where clients such as redis-py look: during a failover it still
+    names the old primary).
+
+    Raises:
+        TimeoutError: not within ``timeout`` seconds.
+    """
+    with sentinel.client() as c:
+
+        def named() -> bool:
+            state = c.sentinel_masters().get(SENTINEL_MASTER) or {}
+            return int(state.get("port", 0)) == port and "failover" not in state.get("flags", "")
+
+        wait_until(named, timeout, f"the sentinel naming port {port} the primary")
 
 
 @contextlib.contextmanager

@@ -7,12 +7,20 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import aiohttp
 import orjson
 import pytest
-from tests.store.redis_servers import Forwarder, RedisServer, promote
+from tests.store.redis_servers import (
+    SENTINEL_MASTER,
+    Forwarder,
+    RedisServer,
+    promote,
+    start_sentinel,
+    wait_primary,
+)
 from tests.store.replicas import Replicas, drive, run_replicas
 
 pytestmark = pytest.mark.slow
@@ -484,8 +492,9 @@ async def test_a_demoted_primary_is_left_for_the_promoted_one(
 
             await until(closed, 15, "every replica's breaker closed")
             await reps.reset_peaks()
+            # (long enough that none ends before the last is decided)
             statuses = await asyncio.gather(
-                *(post_chat(reps.url(2), KEY_A, "a", 2, reps.model) for _ in range(4))
+                *(post_chat(reps.url(2), KEY_A, "a", 40, reps.model) for _ in range(4))
             )
             # 2 of 4 slots free: replica 2 gets them from the new primary, not by a fallback
             assert statuses.count(200) == 2, statuses
@@ -496,6 +505,53 @@ async def test_a_demoted_primary_is_left_for_the_promoted_one(
                 t.cancel()
     finally:
         await fwd.close()
+
+
+async def test_redis_sentinel_fails_over_and_the_limit_holds(
+    redis_replica_pair: tuple[RedisServer, RedisServer], tmp_path: Path
+) -> None:
+    """Three gateways find the primary through Redis Sentinel (``store.sentinel``); the
+    primary is killed and the sentinel promotes its replica. The gateways follow it: a request
+    that ends afterwards is given back on the new primary, the free slots are admitted there
+    (not by a fallback), and the engine never runs more than the limit."""
+    primary, replica = redis_replica_pair
+    with start_sentinel(tmp_path / "sentinel", primary, replica) as sentinel:
+        store = {
+            "url": f"redis://{SENTINEL_MASTER}/0",
+            "sentinel": {"master": SENTINEL_MASTER, "nodes": [f"127.0.0.1:{sentinel.port}"]},
+        }
+        async with run_replicas(config(store, a_conc=4), sim_args=SLOW_SIM) as reps:
+            tasks = await hold(reps, 0, "a", KEY_A, 2)
+            tasks += await hold_within(reps, 1, "a", KEY_A, 1)
+            conn = (await reps.admin_state(0))["store"]["connection"]
+            assert conn["sentinel_master"] == SENTINEL_MASTER, conn
+            assert conn["primary"] == f"127.0.0.1:{primary.port}", conn
+            primary.kill()
+            await asyncio.to_thread(wait_primary, sentinel, replica.port)
+            tasks.pop(0).cancel()  # one of replica 0's requests ends: its slot goes back
+
+            async def given_back() -> bool:
+                alloc, quotas = redis_pool(replica, "{kvg:t:a}", "conc")
+                return alloc == quotas == 2
+
+            await until(given_back, 20, "the ended request given back on the new primary")
+
+            async def closed() -> bool:
+                states = [(await reps.admin_state(i))["store"] for i in range(3)]
+                return all(s["breaker"] == "closed" for s in states)
+
+            await until(closed, 20, "every replica's breaker closed")
+            await reps.reset_peaks()
+            statuses = await asyncio.gather(
+                *(post_chat(reps.url(2), KEY_A, "a", 40, reps.model) for _ in range(4))
+            )
+            assert statuses.count(200) == 2, statuses
+            assert (await user(reps, "a"))["peak_in_flight"] <= 4
+            st = (await reps.admin_state(2))["store"]
+            assert st["degraded_admissions"] == 0, st
+            assert st["connection"]["primary"] == f"127.0.0.1:{replica.port}", st["connection"]
+            for t in tasks:
+                t.cancel()
 
 
 async def test_redis_cluster_no_cross_slot_and_exact(redis_cluster: Any) -> None:

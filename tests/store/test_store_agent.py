@@ -11,7 +11,15 @@ from typing import Any
 
 import orjson
 import pytest
-from tests.store.redis_servers import Forwarder, RedisServer, free_port, promote, wait_for
+from tests.store.redis_servers import (
+    SENTINEL_MASTER,
+    Forwarder,
+    RedisServer,
+    free_port,
+    promote,
+    start_sentinel,
+    wait_for,
+)
 
 from kvgate import AdmissionController
 from kvgate.__main__ import main
@@ -1326,3 +1334,96 @@ async def test_a_store_leaves_a_demoted_primary_for_the_new_one(
     finally:
         await store.close()
         await fwd.close()
+
+
+def test_check_config_finds_the_primary_through_sentinel(
+    redis_replica_pair: tuple[RedisServer, RedisServer],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``store.sentinel``: check-config names the primary the sentinels name and checks it as
+    it checks a server of ``url``; a master name the sentinels do not know, or no sentinel
+    that answers, is a problem (exit 2)."""
+    primary, replica = redis_replica_pair
+    with start_sentinel(tmp_path / "sentinel", primary, replica) as sentinel:
+        path = tmp_path / "c.yaml"
+        text = (ROOT / "examples" / "replicas.yaml").read_text()
+        text = text.replace("${KVGATE_REDIS_URL:-redis://127.0.0.1:6379/0}", "redis://kvgm/0")
+
+        def with_sentinel(master: str, port: int) -> None:
+            path.write_text(
+                text.replace(
+                    "  deadline_ms: 25",
+                    f"  deadline_ms: 25\n  sentinel:\n    master: {master}\n"
+                    f"    nodes: ['127.0.0.1:{port}']",
+                )
+            )
+
+        with_sentinel(SENTINEL_MASTER, sentinel.port)
+        assert main(["check-config", str(path)]) == 0, capsys.readouterr().err
+        out = capsys.readouterr().out
+        assert f"the sentinels name 127.0.0.1:{primary.port} as the primary of 'kvgm'" in out
+        assert (
+            f"at the primary of 'kvgm' (Redis Sentinel: 127.0.0.1:{sentinel.port}; database 0)"
+            in out
+        )
+        assert "store: Redis 7." in out
+        with_sentinel("nosuch", sentinel.port)
+        assert main(["check-config", str(path)]) == 2
+        assert "store.sentinel: no sentinel names a primary for 'nosuch'" in capsys.readouterr().err
+        with_sentinel(SENTINEL_MASTER, free_port())
+        assert main(["check-config", str(path)]) == 2
+        err = capsys.readouterr().err
+        assert "store.sentinel: no sentinel names a primary for 'kvgm'" in err
+        assert "Connection refused" in err or "Error 111" in err, err
+
+
+async def test_a_hung_sentinel_does_not_stop_the_lookup(
+    redis_replica_pair: tuple[RedisServer, RedisServer], tmp_path: Path
+) -> None:
+    """The first sentinel accepts connections and never answers (a stopped process, a
+    dropped route): the store's connection still finds the primary through the second one
+    within its connect timeout (each sentinel gets its share of it), and a store decides in
+    Redis."""
+    from kvgate.store.server import sentinel_for, store_wire
+
+    primary, replica = redis_replica_pair
+    accepted: list[asyncio.StreamWriter] = []
+
+    async def hang(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        accepted.append(writer)  # (kept open, never answered)
+
+    hung = await asyncio.start_server(hang, "127.0.0.1", 0)
+    hung_port = hung.sockets[0].getsockname()[1]
+    try:
+        with start_sentinel(tmp_path / "sentinel", primary, replica) as sentinel:
+            config = StoreConfig(
+                url=f"redis://{SENTINEL_MASTER}/0",
+                heartbeat_s=5.0,
+                sentinel={
+                    "master": SENTINEL_MASTER,
+                    "nodes": [f"127.0.0.1:{hung_port}", f"127.0.0.1:{sentinel.port}"],
+                },
+            )
+            finder = sentinel_for(config, 0.5)
+            wire = store_wire(config, finder, connect_timeout_s=0.5, stall_s=5.0)
+            try:
+                assert await wire.command("PING") == b"PONG"
+                assert wire.located == ("127.0.0.1", primary.port)
+                assert accepted, "the hung sentinel was asked first"
+            finally:
+                await wire.aclose()
+                await finder.aclose()
+            ctl, b, t = core()
+            store = RedisStore(config, ctl)
+            await store.start(["b"])
+            try:
+                hold = await store.admit(b, t, "standard", 10)
+                assert not isinstance(hold, StoreRefusal), hold
+                assert store.state()["connection"]["primary"] == f"127.0.0.1:{primary.port}"
+            finally:
+                await store.close()
+    finally:
+        hung.close()
+        for w in accepted:
+            w.close()

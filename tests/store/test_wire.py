@@ -14,10 +14,11 @@ from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import redis
-from redis.exceptions import AuthenticationError, ResponseError
+from redis.exceptions import AuthenticationError, NoPermissionError, ResponseError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from tests.gateway.tls_certs import self_signed
 from tests.store.redis_servers import (
@@ -229,6 +230,44 @@ async def test_a_server_turned_replica_fails_calls_as_lost_and_is_left(server: R
         assert await wire.fcall("wt_set", 1, "wt:k", "after") == 1
         assert wire.connects == 2
     assert client.get("wt:k") == "after"
+
+
+async def test_a_located_server_must_be_a_primary(
+    redis_replica_pair: tuple[RedisServer, RedisServer],
+) -> None:
+    """A connection made where ``locate`` says (the primary Redis Sentinel names) is checked
+    with ``ROLE``: a replica there (the sentinels' view lags a failover) fails the call as a
+    lost connection, and each call asks ``locate`` again."""
+    primary, replica = redis_replica_pair
+    where = [replica.port]
+
+    async def locate() -> tuple[str, int]:
+        return "127.0.0.1", where[0]
+
+    url = "redis://mymaster/0"
+    async with wire_to_located(url, locate) as wire:
+        with pytest.raises(RedisConnectionError, match="primary of 'm', is a slave") as caught:
+            await wire.command("PING")
+        assert connection_lost(caught.value)
+        where[0] = primary.port
+        assert await wire.command("PING") == b"PONG"
+        assert wire.located == ("127.0.0.1", primary.port)
+    # a user that may not run ROLE (an @admin command) is trusted to the sentinels' word
+    acl = ("ACL", "SETUSER", "kvg", "on", ">kvg-pass", "~*", "+@all", "-@admin")
+    primary.cli(*acl)
+    async with wire_to_located("redis://kvg:kvg-pass@mymaster/0", locate) as wire:
+        assert await wire.command("PING") == b"PONG"
+        with pytest.raises(NoPermissionError):
+            await wire.command("ROLE")
+
+
+@contextlib.asynccontextmanager
+async def wire_to_located(url: str, locate: Any) -> AsyncIterator[Wire]:
+    wire = Wire(url, connect_timeout_s=2.0, stall_s=30.0, locate=locate, primary_of="m")
+    try:
+        yield wire
+    finally:
+        await wire.aclose()
 
 
 async def test_auth_and_db_from_the_url(server: RedisServer) -> None:

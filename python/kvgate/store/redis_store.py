@@ -75,9 +75,12 @@ from kvgate.store.server import (
     left_replica,
     library_missing,
     load_library,
+    sentinel_for,
     short_error,
+    store_client,
+    store_wire,
 )
-from kvgate.store.wire import Wire, wire_for
+from kvgate.store.wire import Wire
 
 __all__ = ["RedisStore", "StoreHold", "load_library", "scope_key"]
 
@@ -178,6 +181,8 @@ class RedisStore:
         #: server, else the redis-py client (a cluster, a TLS setting it does not apply, or
         #: ``client`` given)
         self._wire: Any = None
+        #: redis-py's ``Sentinel`` that names the primary (``config.sentinel``), or ``None``
+        self._sentinel: Any = None
         self._metrics = metrics
         self._on_effective = on_effective
         self.scopes: dict[str, Scope] = {}
@@ -253,13 +258,9 @@ class RedisStore:
             "retry": Retry(NoBackoff(), 0),
             "socket_connect_timeout": max(self._bg_deadline, 0.5),
         }
-        if self.config.cluster:
-            from redis.asyncio.cluster import RedisCluster
-
-            return RedisCluster.from_url(self.config.url, **opts)
-        import redis.asyncio as aioredis
-
-        return aioredis.Redis.from_url(self.config.url, health_check_interval=0, **opts)
+        if not self.config.cluster:
+            opts["health_check_interval"] = 0
+        return store_client(self.config, self._sentinel, **opts)
 
     async def start(self, backends: Sequence[str] = ()) -> None:
         """Connects, loads the Functions library, joins the scopes of ``backends`` (names) and
@@ -270,13 +271,14 @@ class RedisStore:
         degraded (its fallback policy; a replica that never reached Redis holds no share) and
         keeps trying every heartbeat."""
         if self._client is None:
+            self._sentinel = sentinel_for(self.config, max(self._bg_deadline, 0.5))
             self._client = self._make_client()
-            if wire_for(self.config.url, self.config.cluster):
-                self._wire = Wire(
-                    self.config.url,
-                    connect_timeout_s=max(self._bg_deadline, 0.5),
-                    stall_s=max(1.0, 2 * self._bg_deadline),
-                )
+            self._wire = store_wire(
+                self.config,
+                self._sentinel,
+                connect_timeout_s=max(self._bg_deadline, 0.5),
+                stall_s=max(1.0, 2 * self._bg_deadline),
+            )
         if self._wire is None:
             self._wire = self._client
         # until its backends have answered a heartbeat or two, the replica may not know of the
@@ -356,6 +358,9 @@ class RedisStore:
             if self._wire is not self._client:
                 await self._wire.aclose()
             await self._client.aclose()
+        if self._sentinel is not None:
+            with contextlib.suppress(Exception):
+                await self._sentinel.aclose()
 
     # ---- request plans ----------------------------------------------------------------------
     def _scope(self, kind: str, name: str) -> Scope:
@@ -1864,15 +1869,27 @@ class RedisStore:
             "resent": self.resent,
             # what the messages go on: the store's own connection (with the connections it
             # opened so far: more than one means Redis closed it, or it stalled) or redis-py's
-            "connection": {"client": "kvgate", "opened": self._wire.connects}
-            if isinstance(self._wire, Wire)
-            else {"client": "redis-py", "opened": None},
+            "connection": self._connection_state(),
             "degraded_admissions": self.degraded_admissions,
             "stranded_slots": slots,
             "stranded_tokens": tokens,
             "active_tenant_scopes": active_tenants,
             "scopes": scopes,
         }
+
+    def _connection_state(self) -> dict[str, Any]:
+        """``/admin/state``'s ``store.connection``: the client, the connections it opened
+        (the store's own), and with Redis Sentinel the primary's name and the address the
+        current connection reached."""
+        if isinstance(self._wire, Wire):
+            out: dict[str, Any] = {"client": "kvgate", "opened": self._wire.connects}
+        else:
+            out = {"client": "redis-py", "opened": None}
+        if self.config.sentinel is not None:
+            out["sentinel_master"] = self.config.sentinel.master
+            located = getattr(self._wire, "located", None)
+            out["primary"] = f"{located[0]}:{located[1]}" if located else None
+        return out
 
 
 def _wake_all(futures: list[asyncio.Future[None]]) -> None:

@@ -1,11 +1,14 @@
 """The Redis (or Valkey) server behind the shared store: kvgate's Functions library
-(``kvgate.lua``) and loading it, what a failed call's error says (a closed connection, a library
-the server lost), and the checks ``kvgate check-config`` runs on the server."""
+(``kvgate.lua``) and loading it, the redis-py clients that reach it (one server, a Cluster, or
+the primary Redis Sentinel names), what a failed call's error says (a closed connection, a
+library the server lost, a primary demoted to a replica), and the checks ``kvgate
+check-config`` runs on the server."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 from pathlib import Path
 from typing import Any
 
@@ -17,13 +20,77 @@ __all__ = [
     "left_replica",
     "library_missing",
     "load_library",
+    "sentinel_for",
     "short_error",
+    "store_client",
+    "store_wire",
 ]
 
 #: the Functions library every replica loads (``FUNCTION LOAD REPLACE``): ``kvg_sync`` (the one
 #: writer of a scope's state), ``kvg_leave``, ``kvg_peek``
 LIBRARY = Path(__file__).with_name("kvgate.lua").read_text()
 LIBRARY_NAME = "kvgate"
+
+
+def sentinel_for(config: Any, timeout_s: float) -> Any | None:
+    """redis-py's asyncio ``Sentinel`` for ``config.sentinel`` (a
+    :class:`kvgate.config.StoreConfig`), or ``None`` without one, with the sentinels' own
+    credentials. redis-py asks the sentinels one after the other (the last one that answered
+    first), so each gets ``timeout_s`` seconds divided by their number (at least 0.05 s) to
+    connect and to answer: a sentinel that hangs (stopped, or behind a dropped route) does
+    not use up the whole lookup before the next one is asked."""
+    s = config.sentinel
+    if s is None:
+        return None
+    from redis.asyncio.sentinel import Sentinel
+
+    each = max(0.05, timeout_s / len(s.nodes))
+    kwargs: dict[str, Any] = {"socket_connect_timeout": each, "socket_timeout": each}
+    if s.username:
+        kwargs["username"] = s.username
+    if s.password is not None:
+        kwargs["password"] = s.password
+    return Sentinel(s.addresses(), sentinel_kwargs=kwargs)
+
+
+def store_client(config: Any, sentinel: Any | None, **opts: Any) -> Any:
+    """The redis-py asyncio client of the store's server: a ``RedisCluster`` (``cluster``),
+    the primary ``sentinel`` names (``Sentinel.master_for``: each new connection asks the
+    sentinels, and one refused ``READONLY`` is dropped for the new primary), or the server of
+    ``url``. ``opts`` go to each connection (``retry``, timeouts)."""
+    if config.cluster:
+        from redis.asyncio.cluster import RedisCluster
+
+        return RedisCluster.from_url(config.url, **opts)
+    if sentinel is not None:
+        from redis.asyncio.connection import parse_url
+
+        # the URL's credentials and database (its host and port name no server here)
+        primary = {k: v for k, v in parse_url(config.url).items() if k not in ("host", "port")}
+        return sentinel.master_for(config.sentinel.master, **{**primary, **opts})
+    import redis.asyncio as aioredis
+
+    return aioredis.Redis.from_url(config.url, **opts)
+
+
+def store_wire(config: Any, sentinel: Any | None, connect_timeout_s: float, stall_s: float) -> Any:
+    """The store's own connection (:class:`kvgate.store.wire.Wire`) where its messages go on
+    one (:func:`~kvgate.store.wire.wire_for`), through ``sentinel`` when there is one; else
+    ``None`` (they go on :func:`store_client`'s client)."""
+    from kvgate.store.wire import Wire, wire_for
+
+    if not wire_for(config.url, config.cluster):
+        return None
+    if sentinel is None:
+        return Wire(config.url, connect_timeout_s=connect_timeout_s, stall_s=stall_s)
+    name = config.sentinel.master
+
+    async def locate() -> tuple[str, int]:
+        host, port = await sentinel.discover_master(name)
+        return str(host), int(port)
+
+    return Wire(config.url, connect_timeout_s=connect_timeout_s, stall_s=stall_s,
+                locate=locate, primary_of=name)  # fmt: skip
 
 
 async def load_library(client: Any, cluster: bool = False) -> None:
@@ -41,10 +108,18 @@ async def load_library(client: Any, cluster: bool = False) -> None:
         await client.function_load(LIBRARY, replace=True)
 
 
+#: a redis-py client as an error quotes it (``MasterNotFoundError`` quotes each sentinel's
+#: client whole: hundreds of characters of connection settings around its address)
+_CLIENT_REPR = re.compile(
+    r"<redis\.(?:asyncio\.)?client\.Redis\(.*?,host=([^,]*),port=(\d+),.*?\)>\)>\)>"
+)
+
+
 def short_error(exc: BaseException) -> str:
     """An error's first line, at most 200 characters (a redis-py error may quote a whole
-    command)."""
+    command), a redis-py client it quotes named by its address (``sentinel host:port``)."""
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    text = _CLIENT_REPR.sub(r"sentinel \1:\2", text)
     return text if len(text) <= 200 else text[:197] + "..."
 
 
@@ -99,17 +174,23 @@ async def check_server(config: Any, wait_s: float = 5.0) -> tuple[list[str], lis
     problems: list[str] = []
     notes: list[str] = []
     opts: dict[str, Any] = {"retry": Retry(NoBackoff(), 0), "socket_connect_timeout": wait_s}
-    if config.cluster:
-        from redis.asyncio.cluster import RedisCluster
-
-        client: Any = RedisCluster.from_url(config.url, **opts)
-    else:
-        import redis.asyncio as aioredis
-
-        client = aioredis.Redis.from_url(config.url, **opts)
+    sentinel = sentinel_for(config, wait_s)
+    client = store_client(config, sentinel, **opts)
     where = config.url.rsplit("@", 1)[-1]
     try:
         async with asyncio.timeout(wait_s):
+            if sentinel is not None:
+                name = config.sentinel.master
+                try:
+                    host, port = await sentinel.discover_master(name)
+                except Exception as exc:
+                    problems.append(
+                        f"store.sentinel: no sentinel names a primary for {name!r}: "
+                        f"{short_error(exc)}"
+                    )
+                    return problems, notes
+                where = f"{host}:{port}"
+                notes.append(f"store: the sentinels name {where} as the primary of {name!r}")
             info = await client.info("server")
             if config.cluster:  # one answer per node: any node's is representative
                 info = (
@@ -153,7 +234,7 @@ async def check_server(config: Any, wait_s: float = 5.0) -> tuple[list[str], lis
                     f"store.url: cannot load kvgate's Functions library: {short_error(exc)}"
                 )
             else:
-                problem = await _trial_message(config, client, wait_s)
+                problem = await _trial_message(config, client, sentinel, wait_s)
                 if problem is not None:
                     problems.append(problem)
             try:
@@ -176,10 +257,13 @@ async def check_server(config: Any, wait_s: float = 5.0) -> tuple[list[str], lis
     finally:
         with contextlib.suppress(Exception):
             await client.aclose()
+        if sentinel is not None:
+            with contextlib.suppress(Exception):
+                await sentinel.aclose()
     return problems, notes
 
 
-async def _trial_message(config: Any, client: Any, wait_s: float) -> str | None:
+async def _trial_message(config: Any, client: Any, sentinel: Any, wait_s: float) -> str | None:
     """Sends one message to a scope of its own (``{<key_prefix>:check}``) the way a replica
     sends its messages — on the store's own connection (:class:`~kvgate.store.wire.Wire`) where
     a replica uses one, else on ``client`` — and leaves it again; returns the problem, or
@@ -193,13 +277,13 @@ async def _trial_message(config: Any, client: Any, wait_s: float) -> str | None:
     import orjson
 
     from kvgate.store.scopes import scope_key
-    from kvgate.store.wire import Wire, wire_for
 
     key = scope_key(config.key_prefix, "check", "config")
     pod = f"check-config-{os.getpid()}-{secrets.token_hex(3)}"
     msg = {"pod": pod, "seq": 1, "ttl": 1_000_000, "epoch": "check." + secrets.token_hex(6)}
-    own = wire_for(config.url, config.cluster)
-    conn: Any = Wire(config.url, connect_timeout_s=wait_s, stall_s=wait_s) if own else client
+    wire = store_wire(config, sentinel, connect_timeout_s=wait_s, stall_s=wait_s)
+    own = wire is not None
+    conn: Any = wire if own else client
     try:
         async with asyncio.timeout(wait_s):
             raw = await conn.fcall(

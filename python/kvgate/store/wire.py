@@ -38,14 +38,14 @@ import asyncio
 import collections
 import ssl
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from typing import Any, cast
 from urllib.parse import urlsplit
 
 import hiredis
 from redis._parsers.base import BaseParser
 from redis.asyncio.connection import parse_url
-from redis.exceptions import AuthenticationError, ResponseError
+from redis.exceptions import AuthenticationError, NoPermissionError, ResponseError
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 __all__ = ["TLS_OPTIONS", "Wire", "tls_context", "wire_for"]
@@ -208,13 +208,29 @@ class Wire:
             seconds; a call that needs a new connection waits at most that long for it.
         stall_s: a connection whose oldest unanswered call was written longer ago than this
             (seconds) is replaced before the next call.
+        locate: where each new connection goes, asked anew for each (the address of the
+            primary Redis Sentinel names: ``Sentinel.discover_master``); ``url`` then gives
+            only the credentials and the database. A server reached that way must answer
+            ``ROLE`` as a primary, else the connection fails as a lost one.
+        primary_of: the name ``locate`` looks the primary up by (for error messages).
     """
 
-    def __init__(self, url: str, connect_timeout_s: float, stall_s: float) -> None:
+    def __init__(
+        self,
+        url: str,
+        connect_timeout_s: float,
+        stall_s: float,
+        locate: Callable[[], Awaitable[tuple[str, int]]] | None = None,
+        primary_of: str = "",
+    ) -> None:
         self.url = url
         self._opts: dict[str, Any] = dict(parse_url(url))
         self._connect_timeout = connect_timeout_s
         self._stall = stall_s
+        self._locate = locate
+        self._primary_of = primary_of
+        #: ``(host, port)`` of the server the current connection reached through ``locate``
+        self.located: tuple[str, int] | None = None
         self._proto: _Protocol | None = None
         self._connecting: asyncio.Task[_Protocol] | None = None
         #: (loop time, future) of each call given a deadline (:meth:`expire`), and the one
@@ -327,7 +343,11 @@ class Wire:
         o = self._opts
         try:
             async with asyncio.timeout(self._connect_timeout):
-                if "path" in o:
+                located = None
+                if self._locate is not None:
+                    located = await self._locate()
+                    _, proto = await loop.create_connection(_Protocol, *located)
+                elif "path" in o:
                     _, proto = await loop.create_unix_connection(_Protocol, o["path"])
                 else:
                     host = o.get("host", "localhost")
@@ -353,6 +373,21 @@ class Wire:
                             raise AuthenticationError(str(exc)) from exc
                     if o.get("db"):
                         await proto.call(_pack("SELECT", int(o["db"])))
+                    if located is not None:
+                        try:
+                            role = await proto.call(_pack("ROLE"))
+                        except NoPermissionError:
+                            # ROLE is an @admin command: a user without it is trusted to the
+                            # sentinels' word (a replica would answer its writes READONLY)
+                            role = [b"master"]
+                        if not role or role[0] != b"master":
+                            # the sentinels' view lags a failover under way: asked again on
+                            # the next call
+                            what = role[0].decode() if role else "?"
+                            raise RedisConnectionError(
+                                f"{located[0]}:{located[1]}, which the sentinels named as the "
+                                f"primary of {self._primary_of!r}, is a {what}"
+                            )
                 except BaseException:
                     proto.close()
                     raise
@@ -366,10 +401,13 @@ class Wire:
         if old is not None and not old.closed:
             old.close()
         self.connects += 1
+        self.located = located
         return proto
 
     def _where(self) -> str:
         o = self._opts
+        if self._locate is not None:
+            return f"the primary of {self._primary_of!r} (Redis Sentinel)"
         return o["path"] if "path" in o else f"{o.get('host', 'localhost')}:{o.get('port', 6379)}"
 
     async def aclose(self) -> None:
