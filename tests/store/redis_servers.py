@@ -630,7 +630,10 @@ class Forwarder:
             finally:
                 b.close()
 
-        await asyncio.gather(pipe(r, uw), pipe(ur, w))
+        # (cancelled when the loop ends with the connection open: the handler just ends; a
+        # cancelled handler task makes asyncio's server print a traceback)
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.gather(pipe(r, uw), pipe(ur, w))
 
     def switch(self, port: int, *, keep: bool = False) -> None:
         """New connections go to ``port``; open ones are closed, or with ``keep`` stay with
