@@ -423,9 +423,18 @@ async def test_redis_restarted_empty_gets_the_holdings_back(redis_server: RedisS
             t.cancel()
 
 
+@pytest.mark.parametrize("how", ["killed", "demoted"])
 async def test_failover_to_a_promoted_replica_heals_by_reassertion(
-    redis_replica_pair: tuple[RedisServer, RedisServer],
+    redis_replica_pair: tuple[RedisServer, RedisServer], how: str
 ) -> None:
+    """The replicas reach Redis through a name that moves to the promoted replica (a
+    forwarder). ``killed``: the primary dies, the replica is promoted, the old connections
+    close; what the replicas hold is re-asserted there. ``demoted``: a switchover that keeps
+    the old primary running as a replica of the new one (a managed service's failover: the
+    endpoint's name moves, connections made before stay with the old server, which refuses
+    every write with ``READONLY``); the replicas leave those connections for new ones. Either
+    way, what they give back and admit afterwards is counted on the new primary, and the
+    limit holds (:func:`followed`)."""
     primary, replica = redis_replica_pair
     fwd = Forwarder(primary.port)
     await fwd.start()
@@ -435,76 +444,50 @@ async def test_failover_to_a_promoted_replica_heals_by_reassertion(
             # the second replica may wait up to a heartbeat for the first one's headroom
             tasks = await hold(reps, 0, "a", KEY_A, 2)
             tasks += await hold_within(reps, 1, "a", KEY_A, 1)
-            primary.kill()
-            promote(replica)
-            fwd.switch(replica.port)
-
-            async def healed() -> bool:
-                alloc, quotas = redis_pool(replica, "{kvg:t:a}", "conc")
-                return alloc >= 3 and alloc == quotas
-
-            await until(healed, 15, "holdings re-asserted on the promoted replica")
-            await reps.reset_peaks()
-            statuses = await asyncio.gather(
-                *(post_chat(reps.url(2), KEY_A, "a", 2, reps.model) for _ in range(3))
-            )
-            assert statuses.count(200) <= 1, statuses
-            assert (await user(reps, "a"))["peak_in_flight"] <= 4
-            for t in tasks:
-                t.cancel()
+            if how == "killed":
+                primary.kill()
+                promote(replica)
+                fwd.switch(replica.port)
+            else:
+                promote(replica)
+                primary.cli("REPLICAOF", "127.0.0.1", str(replica.port))
+                # (without leaving the old connections, every later message fails READONLY
+                # and the new primary keeps counting the ended request)
+                fwd.switch(replica.port, keep=True)
+            await followed(reps, replica, tasks)
     finally:
         await fwd.close()
 
 
-async def test_a_demoted_primary_is_left_for_the_promoted_one(
-    redis_replica_pair: tuple[RedisServer, RedisServer],
-) -> None:
-    """A switchover that keeps the old primary running, as a replica of the new one (a
-    managed service's failover: its endpoint's name moves to the new primary, connections
-    made before stay with the old server). Redis refuses every write on those connections
-    (``READONLY``): the replicas leave them for new ones, which reach the new primary. What
-    they give back and admit from then on is counted there, and the limit holds."""
-    primary, replica = redis_replica_pair
-    fwd = Forwarder(primary.port)
-    await fwd.start()
-    try:
-        store = {"url": f"redis://127.0.0.1:{fwd.port}/0"}
-        async with run_replicas(config(store, a_conc=4), sim_args=SLOW_SIM) as reps:
-            tasks = await hold(reps, 0, "a", KEY_A, 2)
-            tasks += await hold_within(reps, 1, "a", KEY_A, 1)
-            promote(replica)
-            with primary.client() as c:
-                c.execute_command("REPLICAOF", "127.0.0.1", str(replica.port))
-            fwd.switch(replica.port, keep=True)
-            tasks.pop(0).cancel()  # one of replica 0's requests ends: its slot goes back
+async def followed(reps: Replicas, new: RedisServer, tasks: list[asyncio.Task[int]]) -> None:
+    """After a failover to ``new`` with 3 of tenant ``a``'s 4 slots held (2 by replica 0, 1
+    by replica 1, in ``tasks``): one of replica 0's requests ends, and its slot is given back
+    on the new primary; every breaker closes; replica 2 is admitted exactly the 2 free slots
+    there (not by a fallback), and the engine never runs more than 4."""
+    tasks.pop(0).cancel()
 
-            async def given_back() -> bool:
-                alloc, quotas = redis_pool(replica, "{kvg:t:a}", "conc")
-                return alloc == quotas == 2
+    async def given_back() -> bool:
+        alloc, quotas = redis_pool(new, "{kvg:t:a}", "conc")
+        return alloc == quotas == 2
 
-            # (without leaving the old connections, every later message fails READONLY and
-            # the new primary keeps counting the ended request)
-            await until(given_back, 15, "the ended request given back on the new primary")
+    await until(given_back, 20, "the ended request given back on the new primary")
 
-            async def closed() -> bool:
-                states = [(await reps.admin_state(i))["store"] for i in range(3)]
-                return all(s["breaker"] == "closed" for s in states)
+    async def closed() -> bool:
+        states = [(await reps.admin_state(i))["store"] for i in range(3)]
+        return all(s["breaker"] == "closed" for s in states)
 
-            await until(closed, 15, "every replica's breaker closed")
-            await reps.reset_peaks()
-            # (long enough that none ends before the last is decided)
-            statuses = await asyncio.gather(
-                *(post_chat(reps.url(2), KEY_A, "a", 40, reps.model) for _ in range(4))
-            )
-            # 2 of 4 slots free: replica 2 gets them from the new primary, not by a fallback
-            assert statuses.count(200) == 2, statuses
-            assert (await user(reps, "a"))["peak_in_flight"] <= 4
-            st = (await reps.admin_state(2))["store"]
-            assert st["degraded_admissions"] == 0, st
-            for t in tasks:
-                t.cancel()
-    finally:
-        await fwd.close()
+    await until(closed, 20, "every replica's breaker closed")
+    await reps.reset_peaks()
+    # (long enough that none ends before the last is decided)
+    statuses = await asyncio.gather(
+        *(post_chat(reps.url(2), KEY_A, "a", 40, reps.model) for _ in range(4))
+    )
+    assert statuses.count(200) == 2, statuses
+    assert (await user(reps, "a"))["peak_in_flight"] <= 4
+    st = (await reps.admin_state(2))["store"]
+    assert st["degraded_admissions"] == 0, st
+    for t in tasks:
+        t.cancel()
 
 
 async def test_redis_sentinel_fails_over_and_the_limit_holds(
@@ -528,30 +511,9 @@ async def test_redis_sentinel_fails_over_and_the_limit_holds(
             assert conn["primary"] == f"127.0.0.1:{primary.port}", conn
             primary.kill()
             await asyncio.to_thread(wait_primary, sentinel, replica.port)
-            tasks.pop(0).cancel()  # one of replica 0's requests ends: its slot goes back
-
-            async def given_back() -> bool:
-                alloc, quotas = redis_pool(replica, "{kvg:t:a}", "conc")
-                return alloc == quotas == 2
-
-            await until(given_back, 20, "the ended request given back on the new primary")
-
-            async def closed() -> bool:
-                states = [(await reps.admin_state(i))["store"] for i in range(3)]
-                return all(s["breaker"] == "closed" for s in states)
-
-            await until(closed, 20, "every replica's breaker closed")
-            await reps.reset_peaks()
-            statuses = await asyncio.gather(
-                *(post_chat(reps.url(2), KEY_A, "a", 40, reps.model) for _ in range(4))
-            )
-            assert statuses.count(200) == 2, statuses
-            assert (await user(reps, "a"))["peak_in_flight"] <= 4
-            st = (await reps.admin_state(2))["store"]
-            assert st["degraded_admissions"] == 0, st
-            assert st["connection"]["primary"] == f"127.0.0.1:{replica.port}", st["connection"]
-            for t in tasks:
-                t.cancel()
+            await followed(reps, replica, tasks)
+            conn = (await reps.admin_state(2))["store"]["connection"]
+            assert conn["primary"] == f"127.0.0.1:{replica.port}", conn
 
 
 async def test_redis_cluster_no_cross_slot_and_exact(redis_cluster: Any) -> None:

@@ -30,6 +30,12 @@ from kvgate.store.redis_store import RedisStore
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def example_with(url: str) -> str:
+    """``examples/replicas.yaml`` with its store at ``url``."""
+    text = (ROOT / "examples" / "replicas.yaml").read_text()
+    return text.replace("${KVGATE_REDIS_URL:-redis://127.0.0.1:6379/0}", url)
+
+
 class Named:
     def __init__(self, id: int, name: str) -> None:
         self.id, self.name = id, name
@@ -84,11 +90,7 @@ def test_check_config_reports_the_server_and_warns_on_eviction(
     redis_server: RedisServer, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     path = tmp_path / "c.yaml"
-    path.write_text(
-        (ROOT / "examples" / "replicas.yaml")
-        .read_text()
-        .replace("${KVGATE_REDIS_URL:-redis://127.0.0.1:6379/0}", redis_server.url)
-    )
+    path.write_text(example_with(redis_server.url))
     assert main(["check-config", str(path)]) == 0
     out = capsys.readouterr()
     assert "store: Redis 7." in out.out
@@ -110,11 +112,7 @@ def test_check_config_refuses_a_replica(
     from kvgate.store.server import connection_lost
 
     path = tmp_path / "c.yaml"
-    path.write_text(
-        (ROOT / "examples" / "replicas.yaml")
-        .read_text()
-        .replace("${KVGATE_REDIS_URL:-redis://127.0.0.1:6379/0}", redis_server.url)
-    )
+    path.write_text(example_with(redis_server.url))
     master = free_port()
     redis_server.cli("REPLICAOF", "127.0.0.1", str(master))
     try:
@@ -156,11 +154,7 @@ def test_check_config_sends_a_message_as_the_replicas_do(
         redis_server.cli("ACL", "SETUSER", name, "on", ">" + password, *acl.split())
     url = redis_server.url.replace("redis://", f"redis://{user}@")
     path = tmp_path / "c.yaml"
-    path.write_text(
-        (ROOT / "examples" / "replicas.yaml")
-        .read_text()
-        .replace("${KVGATE_REDIS_URL:-redis://127.0.0.1:6379/0}", url)
-    )
+    path.write_text(example_with(url))
     assert main(["check-config", str(path)]) == 2
     err = capsys.readouterr().err
     assert "store.url: a replica's message" in err, err
@@ -176,8 +170,7 @@ def test_check_config_against_a_cluster(
     redis_cluster: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     path = tmp_path / "c.yaml"
-    text = (ROOT / "examples" / "replicas.yaml").read_text()
-    text = text.replace("${KVGATE_REDIS_URL:-redis://127.0.0.1:6379/0}", redis_cluster.url)
+    text = example_with(redis_cluster.url)
     path.write_text(text.replace("  deadline_ms: 25", "  cluster: true\n  deadline_ms: 25"))
     assert main(["check-config", str(path)]) == 0
     out = capsys.readouterr()
@@ -1347,8 +1340,7 @@ def test_check_config_finds_the_primary_through_sentinel(
     primary, replica = redis_replica_pair
     with start_sentinel(tmp_path / "sentinel", primary, replica) as sentinel:
         path = tmp_path / "c.yaml"
-        text = (ROOT / "examples" / "replicas.yaml").read_text()
-        text = text.replace("${KVGATE_REDIS_URL:-redis://127.0.0.1:6379/0}", "redis://kvgm/0")
+        text = example_with("redis://kvgm/0")
 
         def with_sentinel(master: str, port: int) -> None:
             path.write_text(
