@@ -612,8 +612,12 @@ class SentinelConfig(_Model):
     @field_validator("nodes")
     @classmethod
     def _nodes_ok(cls, value: list[str]) -> list[str]:
+        seen: set[tuple[str, int]] = set()
         for node in value:
-            sentinel_address(node)
+            address = sentinel_address(node)
+            if address in seen:
+                raise ValueError(f"{node!r} is listed twice")
+            seen.add(address)
         return value
 
     def addresses(self) -> list[tuple[str, int]]:
@@ -627,12 +631,13 @@ def sentinel_address(node: str) -> tuple[str, int]:
     Raises:
         ValueError: no host, or a port that is not a number 1..65535.
     """
-    parts = urlsplit("//" + node.strip())
+    text = node.strip()
+    parts = urlsplit("//" + text)
     try:
         port = parts.port
     except ValueError:
         raise ValueError(f"a sentinel's port must be a number 1..65535 (got {node!r})") from None
-    if not parts.hostname or parts.path or parts.query or parts.username or port == 0:
+    if not parts.hostname or any(c in text for c in " \t#?/@") or text.endswith(":") or port == 0:
         raise ValueError(f"a sentinel is host:port, e.g. 10.0.0.5:26379 (got {node!r})")
     return parts.hostname, port or SENTINEL_PORT
 

@@ -77,6 +77,19 @@ def test_defaults_are_those_the_readme_states() -> None:
             "store.sentinel.nodes",
             "at least 1",
         ),
+        *(
+            (
+                {"url": "redis://m/0", "sentinel": {"master": "m", "nodes": [node]}},
+                "store.sentinel.nodes",
+                "host:port",
+            )
+            for node in ("ho st:26379", "host#frag", "@host", "host:", "h?x")
+        ),
+        (
+            {"url": "redis://m/0", "sentinel": {"master": "m", "nodes": ["h", "h:26379"]}},
+            "store.sentinel.nodes",
+            "listed twice",
+        ),
         (
             {"url": "redis://m/0", "sentinel": {"nodes": ["h"]}},
             "store.sentinel.master",

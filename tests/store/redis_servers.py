@@ -434,8 +434,12 @@ def start_sentinel(
         with sentinel.client() as c:
 
             def found() -> bool:
+                # (its link to the primary seen up: else SENTINEL FAILOVER finds no replica
+                # good enough to promote)
                 return any(
-                    int(r.get("port", 0)) == replica.port and not r.get("is_sdown")
+                    int(r.get("port", 0)) == replica.port
+                    and not r.get("is_sdown")
+                    and r.get("master-link-status") == "ok"
                     for r in c.sentinel_slaves(SENTINEL_MASTER)
                 )
 

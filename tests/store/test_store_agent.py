@@ -19,6 +19,7 @@ from tests.store.redis_servers import (
     promote,
     start_sentinel,
     wait_for,
+    wait_primary,
 )
 
 from kvgate import AdmissionController
@@ -34,6 +35,10 @@ def example_with(url: str) -> str:
     """``examples/replicas.yaml`` with its store at ``url``."""
     text = (ROOT / "examples" / "replicas.yaml").read_text()
     return text.replace("${KVGATE_REDIS_URL:-redis://127.0.0.1:6379/0}", url)
+
+
+def redis_hget_int(server: RedisServer, key: str, field: str) -> int:
+    return int(server.client().hget(key, field) or 0)
 
 
 class Named:
@@ -1419,3 +1424,120 @@ async def test_a_hung_sentinel_does_not_stop_the_lookup(
         hung.close()
         for w in accepted:
             w.close()
+
+
+async def test_a_failover_that_keeps_the_old_primary_up_moves_every_store(
+    redis_replica_pair: tuple[RedisServer, RedisServer], tmp_path: Path
+) -> None:
+    """``SENTINEL FAILOVER`` with the old primary alive: the sentinels name the new primary at
+    once but turn the old one into a replica only seconds later, and meanwhile it still takes
+    writes. A store connected before (A) must not go on deciding there while one that connects
+    since (C) decides on the new primary: A asks the sentinels at each heartbeat and moves.
+    Held across both stores never exceeds the limit."""
+    primary, replica = redis_replica_pair
+    limit = 4
+    with start_sentinel(tmp_path / "sentinel", primary, replica) as sentinel:
+        config = StoreConfig(
+            url=f"redis://{SENTINEL_MASTER}/0",
+            heartbeat_s=0.25,
+            sentinel={"master": SENTINEL_MASTER, "nodes": [f"127.0.0.1:{sentinel.port}"]},
+        )
+        stores: dict[str, tuple[RedisStore, Named, Named]] = {}
+        held: dict[str, list[Any]] = {}
+
+        async def start(name: str) -> None:
+            ctl = AdmissionController(backends=1, tenants=1)
+            b = Named(ctl.add_backend("b", max_concurrency=64, tokens_per_minute=2**40), "b")
+            t = Named(ctl.add_tenant("t", priority="standard", max_concurrency=limit), "t")
+            st = RedisStore(config, ctl)
+            await st.start(["b"])
+            stores[name], held[name] = (st, b, t), []
+
+        async def grab(name: str) -> None:
+            st, b, t = stores[name]
+            while len(held[name]) < limit:
+                hold = st.try_admit(b, t, "standard", 10) or await st.admit(b, t, "standard", 10)
+                if isinstance(hold, StoreRefusal):
+                    return
+                held[name].append(hold)
+
+        await start("A")
+        try:
+            await grab("A")
+            assert len(held["A"]) == limit
+            sentinel.cli("SENTINEL", "FAILOVER", SENTINEL_MASTER)
+            await asyncio.to_thread(wait_primary, sentinel, replica.port)
+            await start("C")
+            moved_at = None
+            began = time.monotonic()
+            while time.monotonic() - began < 4.0:
+                await grab("C")
+                total = sum(len(h) for h in held.values())
+                assert total <= limit, f"{total} held of {limit}: {stores['C'][0].state()}"
+                a = stores["A"][0].state()["connection"]["primary"]
+                if moved_at is None and a == f"127.0.0.1:{replica.port}":
+                    moved_at = time.monotonic() - began
+                await asyncio.sleep(0.05)
+            assert moved_at is not None, "store A never left the old primary"
+            assert primary.client().execute_command("ROLE")[0] == "master"  # (still up)
+        finally:
+            for st, _, _ in stores.values():
+                await st.close()
+
+
+async def test_sentinels_down_the_store_reconnects_to_the_primary_they_last_named(
+    redis_replica_pair: tuple[RedisServer, RedisServer], tmp_path: Path
+) -> None:
+    """Every sentinel down (a rolling restart of them), and the store's connection dropped
+    (an idle timeout, ``CLIENT KILL``): the store reconnects to the primary the sentinels last
+    named (it checks that the server there is still a primary) and decides there."""
+    primary, replica = redis_replica_pair
+    ctl, b, t = core()
+    with start_sentinel(tmp_path / "sentinel", primary, replica) as sentinel:
+        config = StoreConfig(
+            url=f"redis://{SENTINEL_MASTER}/0",
+            heartbeat_s=5.0,
+            sentinel={"master": SENTINEL_MASTER, "nodes": [f"127.0.0.1:{sentinel.port}"]},
+        )
+        store = RedisStore(config, ctl)
+        await store.start(["b"])
+        try:
+            hold = await store.admit(b, t, "standard", 10)
+            assert not isinstance(hold, StoreRefusal), hold
+            sentinel.stop()
+            wire = store._wire
+            opened = wire.connects
+            assert primary.client().client_kill_filter(_type="normal", skipme=True) >= 1
+            failures = sum(store.failures.values())
+            # the give-back's message meets the closed connection and goes again on a new one
+            store.release(hold, 10, 10)
+            await wait_for(lambda: wire.connects > opened and not store._scope("t", "t").busy,
+                           10, "the message sent again on a new connection")  # fmt: skip
+            assert sum(store.failures.values()) == failures, store.state()
+            assert store.state()["connection"]["primary"] == f"127.0.0.1:{primary.port}"
+            assert redis_hget_int(primary, store._scope("t", "t").key, "alloc|conc") == 0
+        finally:
+            await store.close()
+
+
+async def test_a_store_that_could_not_start_says_why_in_its_state(
+    redis_server: RedisServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A URL that names a read-only replica: the store starts on its fallback, logs that the
+    server is a replica (not that it could not be reached), and its state keeps the reason
+    while it retries each heartbeat; once the server is a primary again it shares its limits."""
+    redis_server.cli("REPLICAOF", "127.0.0.1", str(free_port()))
+    ctl = core()[0]
+    store = RedisStore(StoreConfig(url=redis_server.url, heartbeat_s=0.1), ctl)
+    try:
+        with caplog.at_level("ERROR", logger="kvgate.store"):
+            await store.start(["b"])
+        assert "is a read-only replica" in caplog.text, caplog.text
+        assert store.state()["breaker"] == "open"
+        await wait_for(lambda: "loading the library" in (store.state()["last_failure"] or ""),
+                       10, "the retry's reason in the state")  # fmt: skip
+        assert "ReadOnlyError" in store.state()["last_failure"]
+        redis_server.cli("REPLICAOF", "NO", "ONE")
+        await wait_for(lambda: store.state()["breaker"] == "closed", 10, "the breaker closed")
+    finally:
+        await store.close()

@@ -262,6 +262,76 @@ async def test_a_located_server_must_be_a_primary(
 
 
 @contextlib.asynccontextmanager
+async def resp_server(answers: dict[bytes, bytes]) -> AsyncIterator[int]:
+    """A TCP server on 127.0.0.1 that answers each command (one per packet, as a Wire sends
+    them) with ``answers[name]`` (the command's name in upper case; ``b"*"`` for any other);
+    its port."""
+    writers: list[asyncio.StreamWriter] = []
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writers.append(writer)
+        with contextlib.suppress(ConnectionError):
+            while data := await reader.read(4096):
+                parts = data.split(b"\r\n")
+                name = parts[2].upper() if len(parts) > 2 else b""
+                writer.write(answers.get(name, answers[b"*"]))
+                await writer.drain()
+
+    srv = await asyncio.start_server(serve, "127.0.0.1", 0)
+    try:
+        yield srv.sockets[0].getsockname()[1]
+    finally:
+        srv.close()
+        for w in writers:
+            w.close()
+
+
+async def test_a_located_server_whose_role_is_renamed_away_is_trusted() -> None:
+    """``ROLE`` renamed away (``rename-command ROLE ""``): the server the sentinels named is
+    taken at their word, as for a user without ``ROLE``."""
+    answers = {b"ROLE": b"-ERR unknown command 'ROLE'\r\n", b"*": b"+PONG\r\n"}
+    async with resp_server(answers) as port:
+
+        async def locate() -> tuple[str, int]:
+            return "127.0.0.1", port
+
+        async with wire_to_located("redis://mymaster/0", locate) as wire:
+            assert await wire.command("PING") == b"PONG"
+            assert wire.located == ("127.0.0.1", port)
+
+
+async def test_a_sentinel_that_does_not_speak_resp_is_passed_over(
+    redis_replica_pair: tuple[RedisServer, RedisServer], tmp_path: Path
+) -> None:
+    """The first address listed answers something else than RESP (an HTTP server): the
+    lookup moves on to the next sentinel (redis-py's own stopped at the first such answer)."""
+    from tests.store.redis_servers import SENTINEL_MASTER, start_sentinel
+
+    from kvgate.config import StoreConfig
+    from kvgate.store.server import sentinel_for
+
+    primary, replica = redis_replica_pair
+    http = b"HTTP/1.1 400 Bad Request\r\ncontent-length: 0\r\n\r\n"
+    async with fake_server(http) as bad:
+        with start_sentinel(tmp_path / "sentinel", primary, replica) as sentinel:
+            config = StoreConfig(
+                url=f"redis://{SENTINEL_MASTER}/0",
+                sentinel={
+                    "master": SENTINEL_MASTER,
+                    "nodes": [f"127.0.0.1:{bad}", f"127.0.0.1:{sentinel.port}"],
+                },
+            )
+            finder = sentinel_for(config, 1.0)
+            try:
+                assert await finder.discover_master(SENTINEL_MASTER) == (
+                    "127.0.0.1",
+                    primary.port,
+                )
+            finally:
+                await finder.aclose()
+
+
+@contextlib.asynccontextmanager
 async def wire_to_located(url: str, locate: Any) -> AsyncIterator[Wire]:
     wire = Wire(url, connect_timeout_s=2.0, stall_s=30.0, locate=locate, primary_of="m")
     try:

@@ -183,6 +183,7 @@ class RedisStore:
         self._wire: Any = None
         #: redis-py's ``Sentinel`` that names the primary (``config.sentinel``), or ``None``
         self._sentinel: Any = None
+        self._checking_primary = False
         self._metrics = metrics
         self._on_effective = on_effective
         self.scopes: dict[str, Scope] = {}
@@ -290,11 +291,20 @@ class RedisStore:
                 await load_library(self._client, self.config.cluster)
             self._loaded = True
         except Exception as exc:
-            logger.error(
-                "store: cannot reach Redis at start (%s); limits use their fallback "
-                "policies until it answers",
-                short_error(exc),
-            )
+            self._last_failure = f"{type(exc).__name__}: {short_error(exc)}"
+            if left_replica(exc):
+                logger.error(
+                    "store: the Redis server reached at start is a read-only replica (%s): "
+                    "point store.url at the primary (or use store.sentinel); limits use their "
+                    "fallback policies until a primary answers",
+                    short_error(exc),
+                )
+            else:
+                logger.error(
+                    "store: cannot reach Redis at start (%s); limits use their fallback "
+                    "policies until it answers",
+                    short_error(exc),
+                )
             self._breaker.opened_at = time.monotonic()
             self._breaker.failures = self._breaker.limit
             if self._metrics is not None:
@@ -1631,6 +1641,40 @@ class RedisStore:
             self._spawn(self._beat_spread(beats[BEAT_GROUP:], period / 2))
         if not self._loaded and self._client is not None:
             self._spawn(self._load_again())
+        if self._sentinel is not None and not self._checking_primary:
+            self._checking_primary = True
+            self._spawn(self._check_primary())
+
+    async def _check_primary(self) -> None:
+        """Under Redis Sentinel, once a heartbeat: asks the sentinels which server is the
+        primary, and leaves a connection to another one. A failover that keeps the old primary
+        running (``SENTINEL FAILOVER``, or an old primary cut off from the sentinels but not
+        from the gateways) leaves it a primary for seconds after the sentinels name the new
+        one (until they turn it into a replica): without this, a replica connected before
+        would go on deciding there while one connected since decides on the new primary, and
+        the new primary would reap the first one's leases and grant its slots again. No
+        sentinel answering: the connection stays."""
+        try:
+            async with asyncio.timeout(max(self._bg_deadline, 0.5)):
+                host, port = await self._sentinel.discover_master(self.config.sentinel.master)
+            named = (str(host), int(port))
+            wire = self._wire
+            if isinstance(wire, Wire) and wire.located is not None and wire.located != named:
+                logger.warning(
+                    "store: the sentinels name %s:%d as the primary of %r; leaving %s:%d",
+                    *named,
+                    self.config.sentinel.master,
+                    *wire.located,
+                )
+                wire.leave(f"the sentinels name {named[0]}:{named[1]} as the primary now")
+            pool = getattr(self._client, "connection_pool", None)
+            if pool is not None and hasattr(pool, "get_master_address"):
+                # (redis-py's Sentinel pool drops its idle connections when the address changed)
+                await pool.get_master_address()
+        except Exception as exc:
+            logger.debug("store: asking the sentinels failed: %s", short_error(exc))
+        finally:
+            self._checking_primary = False
 
     async def _beat_spread(self, scopes: list[Scope], within_s: float) -> None:
         """Heartbeats of ``scopes``, :data:`BEAT_GROUP` at a time, the groups spread evenly
@@ -1766,12 +1810,22 @@ class RedisStore:
             self._lane_ended(sc, go_on=True)
 
     async def _load_again(self) -> None:
-        with contextlib.suppress(Exception):
+        """Loads the library once more, when the store could not at start (the reason of a
+        failure becomes the store's last failure, shown in ``/admin/state``)."""
+        try:
             async with asyncio.timeout(self._bg_deadline):
                 await load_library(self._client, self.config.cluster)
-            self._loaded = True
-            if self._breaker.succeeded():
-                self._closed_again()
+        except TimeoutError:
+            self._last_failure = (
+                f"loading the library: no answer within {self._bg_deadline * 1000:g} ms"
+            )
+            return
+        except Exception as exc:
+            self._last_failure = f"loading the library: {type(exc).__name__}: {short_error(exc)}"
+            return
+        self._loaded = True
+        if self._breaker.succeeded():
+            self._closed_again()
 
     # ---- state ---------------------------------------------------------------------------------
     def stranded(self) -> tuple[int, int]:
@@ -1867,6 +1921,8 @@ class RedisStore:
             "reaped_replicas": self.reaped,
             "amnesia": self.amnesia,
             "resent": self.resent,
+            # why the last failed call (or loading the library) failed; None: none failed
+            "last_failure": self._last_failure or None,
             # what the messages go on: the store's own connection (with the connections it
             # opened so far: more than one means Redis closed it, or it stalled) or redis-py's
             "connection": self._connection_state(),
@@ -1887,7 +1943,9 @@ class RedisStore:
             out = {"client": "redis-py", "opened": None}
         if self.config.sentinel is not None:
             out["sentinel_master"] = self.config.sentinel.master
-            located = getattr(self._wire, "located", None)
+            # (the primary the open connection reached; none while there is no connection)
+            wire = self._wire
+            located = wire.located if isinstance(wire, Wire) and wire.connected else None
             out["primary"] = f"{located[0]}:{located[1]}" if located else None
         return out
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import re
 from pathlib import Path
 from typing import Any
@@ -42,15 +43,51 @@ def sentinel_for(config: Any, timeout_s: float) -> Any | None:
     s = config.sentinel
     if s is None:
         return None
-    from redis.asyncio.sentinel import Sentinel
-
     each = max(0.05, timeout_s / len(s.nodes))
     kwargs: dict[str, Any] = {"socket_connect_timeout": each, "socket_timeout": each}
     if s.username:
         kwargs["username"] = s.username
     if s.password is not None:
         kwargs["password"] = s.password
-    return Sentinel(s.addresses(), sentinel_kwargs=kwargs)
+    return _sentinel_class()(s.addresses(), sentinel_kwargs=kwargs)
+
+
+@functools.cache
+def _sentinel_class() -> type:
+    """redis-py's asyncio ``Sentinel`` whose lookup of a primary (``discover_master``, which
+    the store's connection and redis-py's ``master_for`` clients both use) moves on to the
+    next sentinel whatever the failure of one: redis-py's own moves on only for a connection
+    error, a timeout or an error reply, so one address that answers something else than RESP
+    (an HTTP server, a proxy's banner: ``InvalidResponse``) stopped every lookup, though a
+    good sentinel was listed after it."""
+    from redis.asyncio.sentinel import MasterNotFoundError, Sentinel
+    from redis.exceptions import RedisError
+
+    class _Sentinel(Sentinel):  # type: ignore[misc]
+        async def discover_master(self, service_name: str) -> tuple[str, int]:
+            errors = []
+            for i, sentinel in enumerate(self.sentinels):
+                try:
+                    masters: Any = await sentinel.sentinel_masters()
+                except (RedisError, OSError) as exc:
+                    kw = sentinel.connection_pool.connection_kwargs
+                    errors.append(f"sentinel {kw.get('host')}:{kw.get('port')}: {short_error(exc)}")
+                    continue
+                state = masters.get(service_name)
+                if state and self.check_master_state(state, service_name):
+                    # the one that answered is asked first next time (as redis-py does)
+                    self.sentinels[0], self.sentinels[i] = sentinel, self.sentinels[0]
+                    return state["ip"], state["port"]
+                errors.append(
+                    f"sentinel {sentinel.connection_pool.connection_kwargs.get('host')}:"
+                    f"{sentinel.connection_pool.connection_kwargs.get('port')}: "
+                    + ("no master of that name" if not state else "its primary is down")
+                )
+            raise MasterNotFoundError(
+                f"No master found for {service_name!r}: {'; '.join(errors) or 'no sentinel'}"
+            )
+
+    return _Sentinel
 
 
 def store_client(config: Any, sentinel: Any | None, **opts: Any) -> Any:
@@ -84,10 +121,19 @@ def store_wire(config: Any, sentinel: Any | None, connect_timeout_s: float, stal
     if sentinel is None:
         return Wire(config.url, connect_timeout_s=connect_timeout_s, stall_s=stall_s)
     name = config.sentinel.master
+    last: list[tuple[str, int]] = []
 
     async def locate() -> tuple[str, int]:
-        host, port = await sentinel.discover_master(name)
-        return str(host), int(port)
+        try:
+            host, port = await sentinel.discover_master(name)
+        except Exception:
+            # no sentinel answers (all restarting, or cut off): the primary they last named,
+            # if any (the connection checks that it is still one)
+            if not last:
+                raise
+            return last[0]
+        last[:] = [(str(host), int(port))]
+        return last[0]
 
     return Wire(config.url, connect_timeout_s=connect_timeout_s, stall_s=stall_s,
                 locate=locate, primary_of=name)  # fmt: skip

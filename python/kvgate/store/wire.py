@@ -45,7 +45,7 @@ from urllib.parse import urlsplit
 import hiredis
 from redis._parsers.base import BaseParser
 from redis.asyncio.connection import parse_url
-from redis.exceptions import AuthenticationError, NoPermissionError, ResponseError
+from redis.exceptions import AuthenticationError, ResponseError
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 __all__ = ["TLS_OPTIONS", "Wire", "tls_context", "wire_for"]
@@ -376,9 +376,10 @@ class Wire:
                     if located is not None:
                         try:
                             role = await proto.call(_pack("ROLE"))
-                        except NoPermissionError:
-                            # ROLE is an @admin command: a user without it is trusted to the
-                            # sentinels' word (a replica would answer its writes READONLY)
+                        except ResponseError:
+                            # ROLE is an @admin command (NOPERM for a user without it), and
+                            # may be renamed away: then the sentinels' word is trusted (a
+                            # replica would answer the writes READONLY)
                             role = [b"master"]
                         if not role or role[0] != b"master":
                             # the sentinels' view lags a failover under way: asked again on
@@ -403,6 +404,19 @@ class Wire:
         self.connects += 1
         self.located = located
         return proto
+
+    @property
+    def connected(self) -> bool:
+        """Whether a connection is open now."""
+        return self._proto is not None and not self._proto.closed
+
+    def leave(self, reason: str) -> None:
+        """Closes the current connection (its unanswered calls fail as on a lost connection,
+        with ``reason``); the next call opens a new one (through ``locate``: where the
+        sentinels say the primary is now)."""
+        proto = self._proto
+        if proto is not None and not proto.closed:
+            proto.close(RedisConnectionError(reason))
 
     def _where(self) -> str:
         o = self._opts
