@@ -263,9 +263,10 @@ async def test_a_located_server_must_be_a_primary(
 
 @contextlib.asynccontextmanager
 async def resp_server(answers: dict[bytes, bytes]) -> AsyncIterator[int]:
-    """A TCP server on 127.0.0.1 that answers each command (one per packet, as a Wire sends
-    them) with ``answers[name]`` (the command's name in upper case; ``b"*"`` for any other);
-    its port."""
+    """A TCP server on 127.0.0.1 that answers each packet it reads (one command, as a Wire
+    sends them) with ``answers[name]``: the command's name in upper case, ``b"*"`` for any
+    other (or for bytes that are no command); its port. Its connections are closed on the way
+    out."""
     writers: list[asyncio.StreamWriter] = []
 
     async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -284,6 +285,9 @@ async def resp_server(answers: dict[bytes, bytes]) -> AsyncIterator[int]:
         srv.close()
         for w in writers:
             w.close()
+            with contextlib.suppress(ConnectionError):
+                await w.wait_closed()
+        await srv.wait_closed()
 
 
 async def test_a_located_server_whose_role_is_renamed_away_is_trusted() -> None:
@@ -365,27 +369,10 @@ async def test_auth_and_db_from_the_url(server: RedisServer) -> None:
 
 @contextlib.asynccontextmanager
 async def fake_server(answer: bytes) -> AsyncIterator[int]:
-    """A TCP server on 127.0.0.1 that answers the first bytes it reads with ``answer``; its
-    port. Its connections are closed on the way out."""
-    writers: list[asyncio.StreamWriter] = []
-
-    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        writers.append(writer)
-        with contextlib.suppress(ConnectionError):
-            await reader.read(1024)
-            writer.write(answer)
-            await writer.drain()
-
-    srv = await asyncio.start_server(serve, "127.0.0.1", 0)
-    try:
-        yield srv.sockets[0].getsockname()[1]
-    finally:
-        srv.close()
-        for w in writers:
-            w.close()
-            with contextlib.suppress(ConnectionError):
-                await w.wait_closed()
-        await srv.wait_closed()
+    """A TCP server on 127.0.0.1 that answers whatever it reads with ``answer``; its port
+    (:func:`resp_server` with one answer for every command)."""
+    async with resp_server({b"*": answer}) as port:
+        yield port
 
 
 async def test_closing_fails_a_waiting_call_at_once(server: RedisServer) -> None:
