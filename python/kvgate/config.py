@@ -629,17 +629,30 @@ def sentinel_address(node: str) -> tuple[str, int]:
     """``host:port`` (or ``host``, ``[v6]:port``) as ``(host, port)``; port 26379 when absent.
 
     Raises:
-        ValueError: no host, or a port that is not a number 1..65535.
+        ValueError: no host, a port that is not a number 1..65535, or anything else than a
+            host and a port (a user or password, a path, spaces or control characters, a
+            percent sign); the message never quotes what comes before an ``@``.
     """
     text = node.strip()
-    parts = urlsplit("//" + text)
+    shown = text.rsplit("@", 1)[-1]  # never a password written before the host
+    # (a percent sign only in an IPv6 address's zone: [fe80::1%eth0])
+    zone = text.startswith("[") and "%" in text.partition("]")[0]
+    odd = any(c in text for c in " #?/@") or ("%" in text and not zone)
+    odd = odd or any(ord(c) < 32 or ord(c) == 127 for c in text)
     try:
-        port = parts.port
+        parts = urlsplit("//" + text)
+        hostname = parts.hostname
+    except ValueError:  # e.g. an IPv4 address in brackets
+        hostname = None
+    try:
+        port = parts.port if hostname else 0
     except ValueError:
-        raise ValueError(f"a sentinel's port must be a number 1..65535 (got {node!r})") from None
-    if not parts.hostname or any(c in text for c in " \t#?/@") or text.endswith(":") or port == 0:
-        raise ValueError(f"a sentinel is host:port, e.g. 10.0.0.5:26379 (got {node!r})")
-    return parts.hostname, port or SENTINEL_PORT
+        port = -1
+    if odd or not hostname or text.endswith(":") or port == 0:
+        raise ValueError(f"a sentinel is host:port, e.g. 10.0.0.5:26379 (got {shown!r})")
+    if port == -1:
+        raise ValueError(f"a sentinel's port must be a number 1..65535 (got {shown!r})")
+    return hostname, port or SENTINEL_PORT
 
 
 class StoreConfig(_Model):

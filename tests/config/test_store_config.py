@@ -83,7 +83,16 @@ def test_defaults_are_those_the_readme_states() -> None:
                 "store.sentinel.nodes",
                 "host:port",
             )
-            for node in ("ho st:26379", "host#frag", "@host", "host:", "h?x")
+            for node in (
+                "ho st:26379",
+                "host#frag",
+                "@host",
+                "host:",
+                "h?x",
+                "host\n:1",
+                "host%20:1",
+                "[10.0.0.5]:26379",
+            )
         ),
         (
             {"url": "redis://m/0", "sentinel": {"master": "m", "nodes": ["h", "h:26379"]}},
@@ -115,12 +124,29 @@ def test_bad_store_settings_are_named(store: dict[str, Any], where: str, words: 
     assert words in text, text
 
 
+def test_a_password_in_a_sentinel_address_is_never_shown() -> None:
+    sentinel = {"master": "m", "nodes": ["admin:S3CRET@10.0.0.5:26379"]}
+    with pytest.raises(ConfigError) as err:
+        parse_config(cfg_with({"url": "redis://m/0", "sentinel": sentinel}))
+    assert "store.sentinel.nodes" in str(err.value)
+    assert "10.0.0.5:26379" in str(err.value)
+    assert "S3CRET" not in str(err.value)
+
+
 def test_sentinel_addresses_and_their_default_port() -> None:
-    sentinel = {"master": "mymaster", "nodes": ["10.0.0.5:26380", "sentinel-b", "[::1]:5000"]}
+    sentinel = {
+        "master": "mymaster",
+        "nodes": ["10.0.0.5:26380", "sentinel-b", "[::1]:5000", "[fe80::1%eth0]"],
+    }
     st = parse_config(cfg_with({"url": "redis://:pw@mymaster/0", "sentinel": sentinel})).store
     assert st is not None
     assert st.sentinel is not None
-    assert st.sentinel.addresses() == [("10.0.0.5", 26380), ("sentinel-b", 26379), ("::1", 5000)]
+    assert st.sentinel.addresses() == [
+        ("10.0.0.5", 26380),
+        ("sentinel-b", 26379),
+        ("::1", 5000),
+        ("fe80::1%eth0", 26379),
+    ]
 
 
 def test_the_password_never_shows_in_the_error(tmp_path: Path) -> None:

@@ -1541,3 +1541,79 @@ async def test_a_store_that_could_not_start_says_why_in_its_state(
         await wait_for(lambda: store.state()["breaker"] == "closed", 10, "the breaker closed")
     finally:
         await store.close()
+
+
+async def test_lookups_at_once_keep_every_sentinel_listed(
+    redis_replica_pair: tuple[RedisServer, RedisServer], tmp_path: Path
+) -> None:
+    """Several lookups of the primary at once (the connection's, the heartbeat's check,
+    redis-py's pool), the first sentinel down: each puts the one that answered first, and
+    none drops a sentinel from the list or lists one twice."""
+    from kvgate.store.server import sentinel_for
+
+    primary, replica = redis_replica_pair
+    with start_sentinel(tmp_path / "sentinel", primary, replica) as sentinel:
+        second = Forwarder(sentinel.port)
+        await second.start()
+        dead = free_port()
+        config = StoreConfig(
+            url=f"redis://{SENTINEL_MASTER}/0",
+            sentinel={
+                "master": SENTINEL_MASTER,
+                "nodes": [
+                    f"127.0.0.1:{dead}",
+                    f"127.0.0.1:{sentinel.port}",
+                    f"127.0.0.1:{second.port}",
+                ],
+            },
+        )
+        finder = sentinel_for(config, 2.0)
+        try:
+            found = await asyncio.gather(
+                *(finder.discover_master(SENTINEL_MASTER) for _ in range(4))
+            )
+            assert set(found) == {("127.0.0.1", primary.port)}
+            ports = sorted(s.connection_pool.connection_kwargs["port"] for s in finder.sentinels)
+            assert ports == sorted([dead, sentinel.port, second.port])
+        finally:
+            await finder.aclose()
+            await second.close()
+
+
+async def test_closing_a_store_ends_its_question_to_the_sentinels(
+    redis_replica_pair: tuple[RedisServer, RedisServer], tmp_path: Path
+) -> None:
+    """A store closed while its heartbeat's question to the sentinels waits on one that hangs:
+    the question ends with the store (nothing reopens the sentinels' connections after)."""
+    primary, replica = redis_replica_pair
+    accepted: list[asyncio.StreamWriter] = []
+
+    async def hang(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        accepted.append(writer)
+
+    hung = await asyncio.start_server(hang, "127.0.0.1", 0)
+    try:
+        with start_sentinel(tmp_path / "sentinel", primary, replica) as sentinel:
+            nodes = [f"127.0.0.1:{hung.sockets[0].getsockname()[1]}", f"127.0.0.1:{sentinel.port}"]
+            config = StoreConfig(
+                url=f"redis://{SENTINEL_MASTER}/0",
+                heartbeat_s=5.0,
+                sentinel={"master": SENTINEL_MASTER, "nodes": nodes},
+            )
+            store = RedisStore(config, core()[0])
+            await store.start(["b"])
+            finder = store._sentinel
+            # the hung one first again (the start's lookup put the one that answered first)
+            finder.sentinels.reverse()
+            store.tick()
+            task = store._check_task
+            assert task is not None
+            await asyncio.sleep(0.05)
+            assert not task.done()  # waiting on the hung sentinel
+            await store.close()
+            assert task.done()
+            assert store._check_task is None
+    finally:
+        hung.close()
+        for w in accepted:
+            w.close()

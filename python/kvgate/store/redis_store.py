@@ -183,7 +183,8 @@ class RedisStore:
         self._wire: Any = None
         #: redis-py's ``Sentinel`` that names the primary (``config.sentinel``), or ``None``
         self._sentinel: Any = None
-        self._checking_primary = False
+        #: the heartbeat's question to the sentinels (:meth:`_check_primary`) while it runs
+        self._check_task: asyncio.Task[None] | None = None
         self._metrics = metrics
         self._on_effective = on_effective
         self.scopes: dict[str, Scope] = {}
@@ -341,10 +342,11 @@ class RedisStore:
         replica that served 100,000 tenants once each would otherwise spend its shutdown on
         them, one round trip each."""
         self._closed = True
-        if self._heartbeat_task is not None:
-            self._heartbeat_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._heartbeat_task
+        for task in (self._heartbeat_task, self._check_task):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
         if self._client is None:
             return
         now = time.monotonic()
@@ -1641,9 +1643,8 @@ class RedisStore:
             self._spawn(self._beat_spread(beats[BEAT_GROUP:], period / 2))
         if not self._loaded and self._client is not None:
             self._spawn(self._load_again())
-        if self._sentinel is not None and not self._checking_primary:
-            self._checking_primary = True
-            self._spawn(self._check_primary())
+        if self._sentinel is not None and self._check_task is None:
+            self._check_task = asyncio.get_running_loop().create_task(self._check_primary())
 
     async def _check_primary(self) -> None:
         """Under Redis Sentinel, once a heartbeat: asks the sentinels which server is the
@@ -1657,24 +1658,26 @@ class RedisStore:
         try:
             async with asyncio.timeout(max(self._bg_deadline, 0.5)):
                 host, port = await self._sentinel.discover_master(self.config.sentinel.master)
-            named = (str(host), int(port))
-            wire = self._wire
-            if isinstance(wire, Wire) and wire.located is not None and wire.located != named:
-                logger.warning(
-                    "store: the sentinels name %s:%d as the primary of %r; leaving %s:%d",
-                    *named,
-                    self.config.sentinel.master,
-                    *wire.located,
-                )
-                wire.leave(f"the sentinels name {named[0]}:{named[1]} as the primary now")
-            pool = getattr(self._client, "connection_pool", None)
-            if pool is not None and hasattr(pool, "get_master_address"):
-                # (redis-py's Sentinel pool drops its idle connections when the address changed)
-                await pool.get_master_address()
+                named = (str(host), int(port))
+                wire = self._wire
+                if isinstance(wire, Wire) and wire.located is not None and wire.located != named:
+                    logger.warning(
+                        "store: the sentinels name %s:%d as the primary of %r; leaving %s:%d",
+                        *named,
+                        self.config.sentinel.master,
+                        *wire.located,
+                    )
+                    wire.leave(f"the sentinels name {named[0]}:{named[1]} as the primary now")
+                pool = getattr(self._client, "connection_pool", None)
+                if getattr(pool, "master_address", named) != named:
+                    # redis-py's Sentinel pool (what its get_master_address does when the
+                    # address changed): its idle connections reconnect to the new primary
+                    pool.master_address = named  # type: ignore[union-attr]
+                    await pool.disconnect(inuse_connections=False)  # type: ignore[union-attr]
         except Exception as exc:
             logger.debug("store: asking the sentinels failed: %s", short_error(exc))
         finally:
-            self._checking_primary = False
+            self._check_task = None
 
     async def _beat_spread(self, scopes: list[Scope], within_s: float) -> None:
         """Heartbeats of ``scopes``, :data:`BEAT_GROUP` at a time, the groups spread evenly

@@ -66,7 +66,9 @@ def _sentinel_class() -> type:
     class _Sentinel(Sentinel):  # type: ignore[misc]
         async def discover_master(self, service_name: str) -> tuple[str, int]:
             errors = []
-            for i, sentinel in enumerate(self.sentinels):
+            # (a copy: lookups run at once — the connection's, the heartbeat's check, redis-py's
+            # pool — and each may reorder the list while another awaits a sentinel)
+            for sentinel in list(self.sentinels):
                 try:
                     masters: Any = await sentinel.sentinel_masters()
                 except (RedisError, OSError) as exc:
@@ -75,8 +77,10 @@ def _sentinel_class() -> type:
                     continue
                 state = masters.get(service_name)
                 if state and self.check_master_state(state, service_name):
-                    # the one that answered is asked first next time (as redis-py does)
-                    self.sentinels[0], self.sentinels[i] = sentinel, self.sentinels[0]
+                    # the one that answered is asked first next time (as redis-py does), found
+                    # where it is now
+                    at = self.sentinels.index(sentinel)
+                    self.sentinels[0], self.sentinels[at] = sentinel, self.sentinels[0]
                     return state["ip"], state["port"]
                 errors.append(
                     f"sentinel {sentinel.connection_pool.connection_kwargs.get('host')}:"
