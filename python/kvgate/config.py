@@ -591,9 +591,11 @@ SENTINEL_PORT = 26379
 class SentinelConfig(_Model):
     """Redis Sentinel in front of a primary and its replicas: the store asks the sentinels
     which server is the primary (``SENTINEL MASTERS``; a primary they see as down is not
-    taken), connects there, checks that it is one (``ROLE``), and asks again whenever its
-    connection is lost or refused (``READONLY``): after a failover its messages go to the
-    promoted replica, where what each gateway holds is re-asserted (docs/replicas.md).
+    taken), connects there, checks that it is one (``ROLE``; taken on the sentinels' word
+    where ``ROLE`` is not permitted or renamed away), and asks again whenever its connection
+    is lost or refused (``READONLY``), and once a heartbeat, leaving a server they no longer
+    name: after a failover its messages go to the promoted replica, where what each gateway
+    holds is re-asserted (docs/replicas.md).
 
     Attributes:
         master: the name the sentinels monitor the primary by (``sentinel monitor <master>
