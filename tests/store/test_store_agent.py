@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +40,25 @@ def example_with(url: str) -> str:
 
 def redis_hget_int(server: RedisServer, key: str, field: str) -> int:
     return int(server.client().hget(key, field) or 0)
+
+
+@contextlib.asynccontextmanager
+async def hung_server() -> AsyncIterator[tuple[int, list[asyncio.StreamWriter]]]:
+    """A TCP server on 127.0.0.1 that accepts connections and never answers (a stopped
+    sentinel, a dropped route): its port and the connections it accepted, closed on the way
+    out."""
+    accepted: list[asyncio.StreamWriter] = []
+
+    async def hang(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        accepted.append(writer)  # (kept open, never answered)
+
+    server = await asyncio.start_server(hang, "127.0.0.1", 0)
+    try:
+        yield server.sockets[0].getsockname()[1], accepted
+    finally:
+        server.close()
+        for w in accepted:
+            w.close()
 
 
 class Named:
@@ -1385,14 +1405,7 @@ async def test_a_hung_sentinel_does_not_stop_the_lookup(
     from kvgate.store.server import sentinel_for, store_wire
 
     primary, replica = redis_replica_pair
-    accepted: list[asyncio.StreamWriter] = []
-
-    async def hang(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        accepted.append(writer)  # (kept open, never answered)
-
-    hung = await asyncio.start_server(hang, "127.0.0.1", 0)
-    hung_port = hung.sockets[0].getsockname()[1]
-    try:
+    async with hung_server() as (hung_port, accepted):
         with start_sentinel(tmp_path / "sentinel", primary, replica) as sentinel:
             config = StoreConfig(
                 url=f"redis://{SENTINEL_MASTER}/0",
@@ -1420,10 +1433,6 @@ async def test_a_hung_sentinel_does_not_stop_the_lookup(
                 assert store.state()["connection"]["primary"] == f"127.0.0.1:{primary.port}"
             finally:
                 await store.close()
-    finally:
-        hung.close()
-        for w in accepted:
-            w.close()
 
 
 async def test_a_failover_that_keeps_the_old_primary_up_moves_every_store(
@@ -1586,15 +1595,9 @@ async def test_closing_a_store_ends_its_question_to_the_sentinels(
     """A store closed while its heartbeat's question to the sentinels waits on one that hangs:
     the question ends with the store (nothing reopens the sentinels' connections after)."""
     primary, replica = redis_replica_pair
-    accepted: list[asyncio.StreamWriter] = []
-
-    async def hang(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        accepted.append(writer)
-
-    hung = await asyncio.start_server(hang, "127.0.0.1", 0)
-    try:
+    async with hung_server() as (hung_port, _):
         with start_sentinel(tmp_path / "sentinel", primary, replica) as sentinel:
-            nodes = [f"127.0.0.1:{hung.sockets[0].getsockname()[1]}", f"127.0.0.1:{sentinel.port}"]
+            nodes = [f"127.0.0.1:{hung_port}", f"127.0.0.1:{sentinel.port}"]
             config = StoreConfig(
                 url=f"redis://{SENTINEL_MASTER}/0",
                 heartbeat_s=5.0,
@@ -1613,7 +1616,3 @@ async def test_closing_a_store_ends_its_question_to_the_sentinels(
             await store.close()
             assert task.done()
             assert store._check_task is None
-    finally:
-        hung.close()
-        for w in accepted:
-            w.close()

@@ -40,9 +40,11 @@ redis.register_function('wt_set', function(keys, args) redis.call('SET', keys[1]
 
 
 @contextlib.asynccontextmanager
-async def wire_to(url: str, connect_timeout_s: float, stall_s: float) -> AsyncIterator[Wire]:
-    """A :class:`Wire` to ``url``, closed on the way out."""
-    wire = Wire(url, connect_timeout_s=connect_timeout_s, stall_s=stall_s)
+async def wire_to(
+    url: str, connect_timeout_s: float = 2.0, stall_s: float = 30.0, **kwargs: Any
+) -> AsyncIterator[Wire]:
+    """A :class:`Wire` to ``url`` (``kwargs``: its other arguments), closed on the way out."""
+    wire = Wire(url, connect_timeout_s=connect_timeout_s, stall_s=stall_s, **kwargs)
     try:
         yield wire
     finally:
@@ -245,7 +247,7 @@ async def test_a_located_server_must_be_a_primary(
         return "127.0.0.1", where[0]
 
     url = "redis://mymaster/0"
-    async with wire_to_located(url, locate) as wire:
+    async with wire_to(url, locate=locate, primary_of="m") as wire:
         with pytest.raises(RedisConnectionError, match="primary of 'm', is a slave") as caught:
             await wire.command("PING")
         assert connection_lost(caught.value)
@@ -255,7 +257,7 @@ async def test_a_located_server_must_be_a_primary(
     # a user that may not run ROLE (an @admin command) is trusted to the sentinels' word
     acl = ("ACL", "SETUSER", "kvg", "on", ">kvg-pass", "~*", "+@all", "-@admin")
     primary.cli(*acl)
-    async with wire_to_located("redis://kvg:kvg-pass@mymaster/0", locate) as wire:
+    async with wire_to("redis://kvg:kvg-pass@mymaster/0", locate=locate, primary_of="m") as wire:
         assert await wire.command("PING") == b"PONG"
         with pytest.raises(NoPermissionError):
             await wire.command("ROLE")
@@ -299,7 +301,7 @@ async def test_a_located_server_whose_role_is_renamed_away_is_trusted() -> None:
         async def locate() -> tuple[str, int]:
             return "127.0.0.1", port
 
-        async with wire_to_located("redis://mymaster/0", locate) as wire:
+        async with wire_to("redis://mymaster/0", locate=locate, primary_of="m") as wire:
             assert await wire.command("PING") == b"PONG"
             assert wire.located == ("127.0.0.1", port)
 
@@ -333,15 +335,6 @@ async def test_a_sentinel_that_does_not_speak_resp_is_passed_over(
                 )
             finally:
                 await finder.aclose()
-
-
-@contextlib.asynccontextmanager
-async def wire_to_located(url: str, locate: Any) -> AsyncIterator[Wire]:
-    wire = Wire(url, connect_timeout_s=2.0, stall_s=30.0, locate=locate, primary_of="m")
-    try:
-        yield wire
-    finally:
-        await wire.aclose()
 
 
 async def test_auth_and_db_from_the_url(server: RedisServer) -> None:

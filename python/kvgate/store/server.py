@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import re
 from pathlib import Path
 from typing import Any
 
@@ -69,11 +68,12 @@ def _sentinel_class() -> type:
             # (a copy: lookups run at once — the connection's, the heartbeat's check, redis-py's
             # pool — and each may reorder the list while another awaits a sentinel)
             for sentinel in list(self.sentinels):
+                kw = sentinel.connection_pool.connection_kwargs
+                where = f"sentinel {kw.get('host')}:{kw.get('port')}"
                 try:
                     masters: Any = await sentinel.sentinel_masters()
                 except (RedisError, OSError) as exc:
-                    kw = sentinel.connection_pool.connection_kwargs
-                    errors.append(f"sentinel {kw.get('host')}:{kw.get('port')}: {short_error(exc)}")
+                    errors.append(f"{where}: {short_error(exc)}")
                     continue
                 state = masters.get(service_name)
                 if state and self.check_master_state(state, service_name):
@@ -83,9 +83,7 @@ def _sentinel_class() -> type:
                     self.sentinels[0], self.sentinels[at] = sentinel, self.sentinels[0]
                     return state["ip"], state["port"]
                 errors.append(
-                    f"sentinel {sentinel.connection_pool.connection_kwargs.get('host')}:"
-                    f"{sentinel.connection_pool.connection_kwargs.get('port')}: "
-                    + ("no master of that name" if not state else "its primary is down")
+                    f"{where}: " + ("its primary is down" if state else "no master of that name")
                 )
             raise MasterNotFoundError(
                 f"No master found for {service_name!r}: {'; '.join(errors) or 'no sentinel'}"
@@ -125,19 +123,20 @@ def store_wire(config: Any, sentinel: Any | None, connect_timeout_s: float, stal
     if sentinel is None:
         return Wire(config.url, connect_timeout_s=connect_timeout_s, stall_s=stall_s)
     name = config.sentinel.master
-    last: list[tuple[str, int]] = []
+    last: tuple[str, int] | None = None
 
     async def locate() -> tuple[str, int]:
+        nonlocal last
         try:
             host, port = await sentinel.discover_master(name)
         except Exception:
             # no sentinel answers (all restarting, or cut off): the primary they last named,
             # if any (the connection checks that it is still one)
-            if not last:
+            if last is None:
                 raise
-            return last[0]
-        last[:] = [(str(host), int(port))]
-        return last[0]
+            return last
+        last = (str(host), int(port))
+        return last
 
     return Wire(config.url, connect_timeout_s=connect_timeout_s, stall_s=stall_s,
                 locate=locate, primary_of=name)  # fmt: skip
@@ -158,18 +157,10 @@ async def load_library(client: Any, cluster: bool = False) -> None:
         await client.function_load(LIBRARY, replace=True)
 
 
-#: a redis-py client as an error quotes it (``MasterNotFoundError`` quotes each sentinel's
-#: client whole: hundreds of characters of connection settings around its address)
-_CLIENT_REPR = re.compile(
-    r"<redis\.(?:asyncio\.)?client\.Redis\(.*?,host=([^,]*),port=(\d+),.*?\)>\)>\)>"
-)
-
-
 def short_error(exc: BaseException) -> str:
     """An error's first line, at most 200 characters (a redis-py error may quote a whole
-    command), a redis-py client it quotes named by its address (``sentinel host:port``)."""
+    command)."""
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    text = _CLIENT_REPR.sub(r"sentinel \1:\2", text)
     return text if len(text) <= 200 else text[:197] + "..."
 
 
@@ -210,10 +201,11 @@ def library_missing(exc: BaseException) -> bool:
 async def check_server(config: Any, wait_s: float = 5.0) -> tuple[list[str], list[str]]:
     """What ``kvgate check-config`` says of the ``store`` server: ``(problems, notes)``.
 
-    Problems (the gateway would not share its limits): the server cannot be reached within
-    ``wait_s`` seconds, is older than Redis 7.0 (no Functions), is a Cluster node while
-    ``cluster`` is off, is a read-only replica (``INFO replication``'s ``role:slave``), refuses to load the ``kvgate`` Functions library, or fails a replica's
-    message sent as a replica sends it (:func:`_trial_message`: credentials, ``FCALL`` and key
+    Problems (the gateway would not share its limits): no sentinel names a primary (with
+    ``sentinel``), the server cannot be reached within ``wait_s`` seconds, is older than Redis
+    7.0 (no Functions), is a Cluster node while ``cluster`` is off, is a read-only replica
+    (``INFO replication``'s ``role:slave``), refuses to load the ``kvgate`` Functions library,
+    or fails a replica's message sent as a replica sends it (:func:`_trial_message`: credentials, ``FCALL`` and key
     permissions, a kvgate reply). Notes: the server's version, and a warning when its
     ``maxmemory-policy`` is not ``noeviction`` (an evicted key forgets what replicas hold: limits
     would be exceeded) or cannot be read (managed services often disable ``CONFIG``).
