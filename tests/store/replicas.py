@@ -204,9 +204,28 @@ class Replicas:
         old = self.gateways[i]
         if old is not None and old.alive:
             raise RuntimeError(f"gateway {i} is already running")
-        child = await Child.spawn("serve", "--config", str(self.config_path(i)))
-        self.gateways[i] = child
-        await wait_ready(child, self.url(i) + "/healthz", self.ready_timeout)
+        for attempt in range(3):
+            child = await Child.spawn("serve", "--config", str(self.config_path(i)))
+            self.gateways[i] = child
+            try:
+                await wait_ready(child, self.url(i) + "/healthz", self.ready_timeout)
+                return
+            except RuntimeError as exc:
+                # its port, free when drawn, was taken before the gateway bound it (another
+                # test's server): a fresh one
+                if "address already in use" not in str(exc) or attempt == 2:
+                    raise
+            self._new_port(i)
+
+    def _new_port(self, i: int) -> None:
+        """Gives gateway ``i`` a port no other gateway of these has, in its configuration."""
+        port = free_port()
+        while port in self.ports:
+            port = free_port()
+        self.ports[i] = port
+        data = yaml.safe_load(self.config_path(i).read_text())
+        data["listen"]["port"] = port
+        self.config_path(i).write_text(yaml.safe_dump(data, sort_keys=False))
 
     async def kill9(self, i: int, timeout: float = 10.0) -> None:
         """SIGKILL gateway ``i`` (its workers too) and wait for the exit: nothing it held is
@@ -357,6 +376,8 @@ async def run_replicas(
             )
             for i in range(n):
                 port = free_port()
+                while port in replicas.ports:  # (two draws of one port: the second fails)
+                    port = free_port()
                 replicas.ports.append(port)
                 replicas.gateways.append(None)
                 data = gateway_config(
