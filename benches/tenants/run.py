@@ -8,7 +8,8 @@ requests, each with the key of a tenant drawn at random from all the gateway's t
 for many seconds: its tenant's state (key, limits, usage rows, and with Redis its scope) is not
 in the CPU caches. Setups: 10 and 100,000 tenants on the local store, and — with
 ``redis-server`` on the machine — the same on a Redis store (one replica each, its own key
-prefix). Every gateway and the Redis server are pinned to the *server CPU*, ``wrk`` and the
+prefix), and on a Redis store with standing slices (``store.standing_share`` 0.01: each
+tenant's first request is admitted from the replica's slice, with no Redis call). Every gateway and the Redis server are pinned to the *server CPU*, ``wrk`` and the
 upstream to the *client CPU*; the setups take turns in each round (reversed the next). Per
 window: 2xx answers per second and the gateway's CPU per request (utime + stime from ``/proc``,
 plus Redis's ``INFO cpu`` for Redis setups), and Redis calls per admission.
@@ -67,6 +68,9 @@ BODY = {
     "max_tokens": 16,
 }
 COUNTS = (10, 100_000)
+#: the third store: Redis with standing slices of this share of each tenant limit, over the
+#: default eight claims (a slice of 1,000 at once is one slot)
+STANDING, STANDING_SHARE = "redis+standing", 0.01
 
 
 def sha(key: str) -> str:
@@ -173,7 +177,7 @@ def wrk(setup: Setup, body: Path, args: argparse.Namespace, seconds: float) -> d
 def window(setup: Setup, body: Path, args: argparse.Namespace, redis_url: str | None) -> None:
     url = setup.server.url
     pid = setup.server.proc.pid if setup.server.proc is not None else 0
-    on_redis = setup.store == "redis"
+    on_redis = setup.store != "local"
     adm0 = counter(url, "kvgate_admission_seconds_count")
     calls0, failed0 = store_calls(url) if on_redis else (0, 0)
     cpu0, rcpu0 = tree_cpu_seconds(pid), redis_cpu(redis_url if on_redis else None)
@@ -196,6 +200,16 @@ def window(setup: Setup, body: Path, args: argparse.Namespace, redis_url: str | 
             "p50_ms": r["p50_us"] / 1000,
         }
     )
+
+
+def standing_usable(url: str, timeout: float = 60.0) -> None:
+    """Waits until the gateway at ``url`` may use its standing slices (a fresh claims hash
+    settles for two leases first)."""
+    deadline = time.monotonic() + timeout
+    while json.loads(get(url + "/admin/state")[1])["store"]["standing"]["usable_s"] <= 0:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{url}: no standing claim within {timeout:.0f} s")
+        time.sleep(0.2)
 
 
 def after_phase(setup: Setup) -> None:
@@ -285,7 +299,7 @@ def render(setups: list[Setup], load: dict[str, tuple[float, float]], machine: s
         base = by[(10, s.store)]
         cpu = median([w["cpu_us"] for w in s.windows])
         ratio = cpu / median([w["cpu_us"] for w in base.windows])
-        on_redis = s.store == "redis"
+        on_redis = s.store != "local"
         calls = f"{median([w['calls_per_admission'] for w in s.windows]):.4f}" if on_redis else "–"
         of_redis = (
             f"{median([w.get('redis_us', float('nan')) for w in s.windows]):.0f}"
@@ -347,7 +361,7 @@ def render(setups: list[Setup], load: dict[str, tuple[float, float]], machine: s
                 f"| {r + 1} | {s.store} | {s.tenants:,} | {w['rps']:,.0f} | {w['cpu_us']:.0f} | "
                 + (
                     f"{w['calls_per_admission']:.4f} | {w.get('store_failures', 0):.0f} |"
-                    if s.store == "redis"
+                    if s.store != "local"
                     else "– | – |"
                 )
             )
@@ -413,10 +427,14 @@ def main(argv: list[str] | None = None) -> int:
         redis_url = redis.url
         redis_note = f"redis-server {redis.client().info('server')['redis_version']}"
     setups: list[Setup] = []
-    for store in ("local", "redis") if use_redis else ("local",):
+    for store in ("local", "redis", STANDING) if use_redis else ("local",):
         for n in COUNTS:
             port = free_port()
-            st = {"url": redis_url, "key_prefix": f"kvgten{n}"} if store == "redis" else None
+            st: dict[str, Any] | None = None
+            if store != "local":
+                st = {"url": redis_url, "key_prefix": f"kvgten{n}{store[-1]}"}
+                if store == STANDING:
+                    st["standing_share"] = STANDING_SHARE
             path = logdir / f"{store}-{n}.json"
             path.write_text(json.dumps(config(up.url, port, n, st)))
             argv = [py, "-m", "kvgate", "serve", "--config", str(path), "--log-level", "WARNING"]
@@ -426,6 +444,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with stack:
             start_all(up, [s.server for s in setups], args, logdir)
+            for s in setups:
+                if s.store == STANDING:
+                    standing_usable(s.server.url)
             for s in setups:  # warm-up: the first requests of each gateway
                 wrk(s, body, args, args.warmup)
             for r in range(args.rounds):

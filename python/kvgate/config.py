@@ -694,6 +694,16 @@ class StoreConfig(_Model):
             ``after_degraded``.
         after_degraded: ``closed`` (default) or ``open``.
         breaker_failures: consecutive failed calls that open the circuit breaker.
+        standing_share: the share (ratio 0..0.1) of each tenant's concurrency limit and TPM
+            held as *standing slices*: each of up to ``standing_replicas`` replicas admits
+            that share ÷ ``standing_replicas`` of the tenant's limits without any message to
+            Redis, and Redis keeps that share out of what it grants, so the limits stay exact
+            and at most this share of each limit is stranded. A request of a tenant seen
+            rarely (one of 100,000 API keys) then costs no Redis call, when its limits are
+            large enough for a slice of at least one slot and one request's tokens. Every
+            replica must have the same setting. 0 (default): no slices.
+        standing_replicas: how many replicas hold standing slices at once (1..64); the others
+            take every unit from Redis.
         sentinel: find the primary through Redis Sentinel (:class:`SentinelConfig`); ``url``
             then gives the primary's credentials and database, its host and port are not used
             (name the master there, e.g. ``redis://:password@mymaster/0``). Not with
@@ -714,6 +724,8 @@ class StoreConfig(_Model):
     max_degraded_s: Float = Field(60.0, gt=0)
     after_degraded: Literal["closed", "open"] = "closed"
     breaker_failures: Int = Field(3, ge=1, le=1000)
+    standing_share: Float = Field(0.0, ge=0, le=0.1)
+    standing_replicas: Int = Field(8, ge=1, le=64)
     sentinel: SentinelConfig | None = None
 
     @model_validator(mode="after")

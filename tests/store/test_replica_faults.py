@@ -554,3 +554,31 @@ async def test_redis_down_at_start_then_up(redis_server: RedisServer) -> None:
 
         await until(admitted, 20, "admitted once Redis is up")
         assert (await reps.admin_state(0))["store"]["breaker"] == "closed"
+
+
+async def test_standing_slices_keep_the_limit_exact_end_to_end(redis_server: RedisServer) -> None:
+    """Three gateways, two standing claims (``standing_share`` 0.1 over 2: one slot each of
+    tenant a's 20, two kept out of Redis), a driven far past its limit: the engine never runs
+    more than 20 of a's requests at once, the replicas with a claim admit from their slices,
+    and Redis never grants past the 18 the slices leave it."""
+    store = {"url": redis_server.url, "standing_share": 0.1, "standing_replicas": 2}
+    async with run_replicas(config(store, a_conc=20)) as reps:
+
+        async def claims() -> bool:
+            states = [(await reps.admin_state(i))["store"]["standing"] for i in range(3)]
+            return sum(s["claim"] >= 0 and s["usable_s"] > 0 for s in states) == 2
+
+        await until(claims, 30, "two standing claims")
+        loads = await drive(reps.urls, {"a": KEY_A}, 6.0, {"a": 45}, model=reps.model,
+                            max_tokens=24)  # fmt: skip
+        a = await user(reps, "a")
+        assert a["peak_in_flight"] <= 20, a
+        assert loads["a"].counts["200"] > 0, loads["a"]
+        assert loads["a"].counts["429"] > 0, loads["a"]
+        assert loads["a"].counts["other"] == 0, loads["a"]
+        states = [(await reps.admin_state(i))["store"]["standing"] for i in range(3)]
+        # the replicas with a claim admitted from their slices, the other one never did
+        assert all((s["admissions"] > 0) == (s["claim"] >= 0) for s in states), states
+        alloc, quotas = redis_pool(redis_server, "{kvg:t:a}", "conc")
+        assert alloc == quotas, (alloc, quotas)
+        assert alloc <= 18, (alloc, quotas)

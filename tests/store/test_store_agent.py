@@ -1449,6 +1449,9 @@ async def test_a_failover_that_keeps_the_old_primary_up_moves_every_store(
         config = StoreConfig(
             url=f"redis://{SENTINEL_MASTER}/0",
             heartbeat_s=0.25,
+            # every decision Redis's: a reply later than the default 25 ms (a loaded machine)
+            # would leave it to the fallback, whose share is a bound of its own
+            deadline_ms=2000,
             sentinel={"master": SENTINEL_MASTER, "nodes": [f"127.0.0.1:{sentinel.port}"]},
         )
         stores: dict[str, tuple[RedisStore, Named, Named]] = {}

@@ -40,8 +40,9 @@
 --          token budget), "t" scaled total slots, "b" burst pool = scaled total - sum of the
 --          guarantees gs, "g" one tenant's guarantee g (shrunk in proportion when the scaled
 --          total is below gs)
+--          st = units of a plain pool held as standing slices (kept out of its limit)
 --   buckets {name: {r = tokens/min, b = burst, sc = 1 when scaled, ret = tokens given back,
---           debt = overrun tokens to charge}}
+--           debt = overrun tokens to charge, sr, sb = the standing slices' rate and burst}}
 --   grants  {name: wanted units}            partial grants allowed (at least 1)
 --   admits  [{p = [[n, pool, pool...], ...], b = {bucket: n}}]  each all-or-nothing, in order;
 --           a pool list is tried in order (a tenant's guarantee, then the burst pool)
@@ -152,7 +153,9 @@ end
 local function pool_limit(p, s)
   local kind = p.k or 'p'
   local base = p.l
-  if kind == 'p' then return base end
+  -- st: the standing slices of every replica that may hold one (kvg_stand), kept out of what
+  -- Redis grants and admits
+  if kind == 'p' then return math.max(0, base - (p.st or 0)) end
   local total = base
   if total > 0 and s < 1 then total = math.max(1, math.floor(total * s + 1e-9)) end
   if kind == 's' or kind == 't' then return total end
@@ -164,7 +167,8 @@ end
 
 -- a token bucket (GCRA): one float, the theoretical arrival time; `interval` µs per token
 local function bucket_params(b, s)
-  local rate, burst = b.r, b.b
+  -- sr, sb: the rate and burst of the standing slices (kvg_stand), kept out of the bucket
+  local rate, burst = math.max(1, b.r - (b.sr or 0)), math.max(1, b.b - (b.sb or 0))
   if b.sc == 1 and s < 1 then
     rate = math.max(1, math.floor(rate * s + 1e-9))
     burst = math.max(1, math.floor(burst * s + 1e-9))
@@ -542,6 +546,58 @@ local function kvg_leave(keys, args)
   return reap(state, live, now_us())
 end
 
+-- Standing slices: each of at most R replicas may hold, without any message, a slice of every
+-- large tenant limit (st, sr and sb above keep R slices out of what Redis grants). A replica
+-- may use its slices only while it holds one of the R claims of KEYS[1] (a HASH: i|<n> = the
+-- replica, e|<n> = its claim's expiry, server µs; born = when the hash was made), renewed with
+-- each heartbeat. ARGV: pod, ttl µs, R, want (the claim it held, or -1), leave ("1": give it
+-- up). Rules:
+--   a claim is free once it expired a whole ttl ago (its replica stopped using it at the
+--     expiry, by its own clock, and its requests have had a lease period to end);
+--   a replica gets back the claim it held when that is free or still its own (Redis restarted
+--     empty, or a failover lost the hash: the holders re-assert their claims first);
+--   a replica without one gets the lowest free claim, but not before the hash is two ttl old
+--     (so that every holder from before a loss has re-asserted its own).
+-- Answers {claim or -1, claim's expiry - now (µs)}.
+local function kvg_stand(keys, args)
+  local key, pod = keys[1], args[1]
+  local ttl, n, want, leave = tonumber(args[2]), tonumber(args[3]), tonumber(args[4]), args[5]
+  local now = now_us()
+  local h = {}
+  local flat = redis.call('HGETALL', key)
+  for i = 1, #flat, 2 do h[flat[i]] = flat[i + 1] end
+  local born = tonumber(h.born)
+  if not born then
+    born = now
+    redis.call('HSET', key, 'born', int(now))
+  end
+  local function free(c)
+    local holder = h['i|' .. c]
+    return not holder or holder == pod or (tonumber(h['e|' .. c]) or 0) + ttl < now
+  end
+  local mine = -1
+  for c = 0, n - 1 do
+    if h['i|' .. c] == pod then mine = c end
+  end
+  if leave == '1' then
+    if mine >= 0 then redis.call('HDEL', key, 'i|' .. mine, 'e|' .. mine) end
+    return {-1, 0}
+  end
+  if mine < 0 and want >= 0 and want < n and free(want) then mine = want end
+  if mine < 0 and now >= born + 2 * ttl then
+    for c = 0, n - 1 do
+      if free(c) then
+        mine = c
+        break
+      end
+    end
+  end
+  redis.call('PEXPIRE', key, math.max(1000, math.floor(10 * ttl / 1000)))
+  if mine < 0 then return {-1, 0} end
+  redis.call('HSET', key, 'i|' .. mine, pod, 'e|' .. mine, int(now + ttl))
+  return {mine, math.floor(ttl)}
+end
+
 -- an operator's view of one scope (read-only)
 local function kvg_peek(keys, args)
   local state, live = keys[1], keys[2]
@@ -554,4 +610,5 @@ end
 redis.register_function('kvg_sync', kvg_sync)
 redis.register_function('kvg_sync_many', kvg_sync_many)
 redis.register_function('kvg_leave', kvg_leave)
+redis.register_function('kvg_stand', kvg_stand)
 redis.register_function{function_name = 'kvg_peek', callback = kvg_peek, flags = {'no-writes'}}

@@ -35,6 +35,10 @@ How it works (docs/replicas.md):
   consecutive failures the breaker opens and each limit falls back by its policy (``share``,
   ``strict``, ``open``, ``closed``); a probe closes it again (the first soon after it opened,
   then every heartbeat), and every active scope then re-asserts what the replica holds.
+- Standing slices (``standing_share``, off by default): each of up to ``standing_replicas``
+  replicas holding a claim (``kvg_stand``, renewed every heartbeat) admits a small slice of each
+  large tenant limit without any message, and Redis keeps those slices out of what it grants:
+  a tenant seen rarely costs no call (docs/replicas.md, "Standing slices").
 - The messages go on a connection of the store's own (:mod:`kvgate.store.wire`: written in
   the sender's step, replies matched in order) to a single server, and on redis-py's client on
   a Redis Cluster; loading the library and the admin reads use redis-py.
@@ -118,6 +122,10 @@ BATCH_OFF_S = 60.0
 #: leases after each message): a state missing sooner was lost by Redis, not expired
 STATE_KEPT_S = 170.0
 
+#: the bit of a request plan's ledger key that marks its standing variant (the tenant's part
+#: taken from this replica's standing slices: :meth:`RedisStore._plan`)
+STANDING = 1 << 62
+
 
 class _Breaker:
     """The circuit breaker: open after ``limit`` consecutive failed calls; closed by the first
@@ -192,6 +200,11 @@ class RedisStore:
         # the scopes active at the last heartbeat (a scope not among them is a newcomer)
         self._active_before: set[Scope] = set()
         self._parts: dict[tuple[int, int, bool], list[Part]] = {}
+        #: each backend's part of the plans of tenants without a guarantee on it (by id)
+        self._backend_parts: dict[int, Part] = {}
+        #: the ledger keys of standing plans made alone (:meth:`_plan_standing`): whether the
+        #: tenant has slices
+        self._standing_plans: dict[int, bool] = {}
         # the quotas, leases and holds of the local fast path (Rust); scopes by ledger index
         self._ledger = QuotaLedger(
             config.chunk_fraction, on_kick=self._kick_at, on_active=self._active_at
@@ -233,6 +246,20 @@ class RedisStore:
         self._share_ended = False
         #: until when heartbeats go one call per scope (:data:`BATCH_OFF_S`; monotonic s)
         self._batch_off_until = 0.0
+        #: standing slices: the ledger scope that holds this replica's slice of every tenant
+        #: with slices (its lease is the claim's), the claim (-1: none), until when it may be
+        #: used (monotonic s), the heartbeat's renewal in flight, and each tenant's slice
+        #: bucket by tenant id (refilled as it is used)
+        self._standing: Scope | None = None
+        self._stand_claim = -1
+        self._stand_until = 0.0
+        self._stand_task: asyncio.Task[None] | None = None
+        self._stand_buckets: dict[int, Bucket] = {}
+        #: admissions from this replica's standing slices (no message to Redis)
+        self.standing_admissions = 0
+        if config.standing_share > 0:
+            self._standing = Scope(self.prefix, "s", "standing", self._ledger)
+            self._scope_at.append(self._standing)
 
     @property
     def admissions(self) -> int:
@@ -244,10 +271,14 @@ class RedisStore:
         self._ledger.admissions = int(value)
 
     def _kick_at(self, i: int) -> None:
-        self._kick(self._scope_at[i])
+        sc = self._scope_at[i]
+        if sc is not self._standing:  # standing slices are never told to Redis
+            self._kick(sc)
 
     def _active_at(self, i: int) -> None:
-        self._active.add(self._scope_at[i])
+        sc = self._scope_at[i]
+        if sc is not self._standing:
+            self._active.add(sc)
 
     # ---- set-up -----------------------------------------------------------------------------
     def _make_client(self) -> Any:
@@ -342,7 +373,7 @@ class RedisStore:
         replica that served 100,000 tenants once each would otherwise spend its shutdown on
         them, one round trip each."""
         self._closed = True
-        for task in (self._heartbeat_task, self._check_task):
+        for task in (self._heartbeat_task, self._check_task, self._stand_task):
             if task is not None:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError, Exception):
@@ -366,6 +397,10 @@ class RedisStore:
                             for sc in leaving[i : i + LEAVE_AT_ONCE]
                         )
                     )
+        if self._stand_claim >= 0:  # best effort: unclaimed, it frees itself in two leases
+            self._stand_until = 0.0
+            with contextlib.suppress(Exception):
+                await self._claim_standing(leave=True)
         with contextlib.suppress(Exception):
             if self._wire is not self._client:
                 await self._wire.aclose()
@@ -396,31 +431,92 @@ class RedisStore:
         parts = []
         ctl = self.controller
         t = ctl.tenant_state(tenant.id)
+        standing: Part | None = None
         if t["max_concurrency"] is not None or t["tokens_per_minute"] is not None:
             sc = self._scope("t", tenant.name)
             alts: list[tuple[bool, list[Pool]]] = []
             buckets: list[Bucket] = []
+            conc: Pool | None = None
+            tpm: Bucket | None = None
             if t["max_concurrency"] is not None:
-                pool = self._pool(sc, "conc", "tenant-concurrency", PLAIN, t["max_concurrency"])
-                alts.append((False, [pool]))
+                conc = self._pool(sc, "conc", "tenant-concurrency", PLAIN, t["max_concurrency"])
+                alts.append((False, [conc]))
             if t["tokens_per_minute"] is not None:
-                buckets.append(
-                    self._bucket(
-                        sc,
-                        "tpm",
-                        "tenant-tpm",
-                        t["tokens_per_minute"],
-                        t["burst_tokens"] or t["tokens_per_minute"],
-                        False,
-                    )
+                tpm = self._bucket(
+                    sc,
+                    "tpm",
+                    "tenant-tpm",
+                    t["tokens_per_minute"],
+                    t["burst_tokens"] or t["tokens_per_minute"],
+                    False,
                 )
+                buckets.append(tpm)
             parts.append(Part(sc, alts, buckets))
-        b = ctl.backend_state(backend.id)
+            if self._standing is not None:
+                sliced = self._slices(t)
+                n = self.config.standing_replicas
+                if conc is not None:
+                    conc.st = sliced[0] * n if sliced else 0
+                if tpm is not None:
+                    tpm.sr, tpm.sb = (sliced[1] * n, sliced[2] * n) if sliced else (0, 0)
+                standing = self._standing_part(tenant, t, sliced)
+        bpart = self._backend_part_of(backend, tenant, t, sheddable)
+        parts.append(bpart)
+        self._parts[key] = parts
+        self._add_plan(parts, plan_key(backend.id, tenant.id, sheddable))
+        if standing is not None:
+            self._add_plan([standing, bpart], plan_key(backend.id, tenant.id, sheddable) | STANDING)
+        return parts
+
+    def _backend_part_of(self, backend: Any, tenant: Any, t: Any, sheddable: bool) -> Part:
+        mine = t["guaranteed_slots"] if backend.id in t["guaranteed_backends"] else 0
+        mine = 0 if sheddable else mine
+        bpart = None if mine else self._backend_parts.get(backend.id)
+        return bpart if bpart is not None else self._backend_part(backend, tenant, mine)
+
+    def _plan_standing(self, backend: Any, tenant: Any, priority: str, key: int) -> bool:
+        """The standing variant of a request plan alone (``key``: its ledger key), for a
+        tenant's first request while this replica may use its slices: the plan that goes to
+        Redis (:meth:`_plan`) is made only if the slice cannot admit it. Returns whether the
+        tenant has slices (remembered until :meth:`reload`)."""
+        known = self._standing_plans.get(key)
+        if known is not None:
+            return known
+        t = self.controller.tenant_state(tenant.id)
+        sliced = None
+        if t["max_concurrency"] is not None or t["tokens_per_minute"] is not None:
+            sliced = self._slices(t)
+        part = self._standing_part(tenant, t, sliced)
+        if part is not None:
+            sheddable = priority == "sheddable"
+            self._add_plan([part, self._backend_part_of(backend, tenant, t, sheddable)], key)
+        self._standing_plans[key] = part is not None
+        return part is not None
+
+    def _slices(self, t: Any) -> tuple[int, int, int] | None:
+        """A tenant's standing slice (``t``: the core's ``tenant_state``): slots, tokens per
+        minute and burst tokens, each ``store.standing_share`` ÷ ``standing_replicas`` of its
+        limit, rounded down; ``None`` when one of its limits is too small for a slice of at
+        least one (then every unit of the tenant comes from Redis)."""
+        share, n = self.config.standing_share, self.config.standing_replicas
+        conc, rate = t["max_concurrency"], t["tokens_per_minute"]
+        slots = int(conc * share / n + 1e-9) if conc is not None else 0
+        srate = int(rate * share / n + 1e-9) if rate is not None else 0
+        sburst = int((t["burst_tokens"] or rate) * share / n + 1e-9) if rate is not None else 0
+        if (conc is not None and slots < 1) or (rate is not None and min(srate, sburst) < 1):
+            return None
+        return slots, srate, sburst
+
+    def _backend_part(self, backend: Any, tenant: Any, mine: int) -> Part:
+        """The backend's part of a request plan: ``tenant``'s guarantee pool (``mine`` slots;
+        0: none) then the burst pool, the in-flight token budget and the TPM bucket. Without a
+        guarantee the part is the same for every tenant: kept (until :meth:`reload`) for the
+        next tenant's plan."""
+        b = self.controller.backend_state(backend.id)
         sc = self._scope("b", backend.name)
         base, gsum = b["max_concurrency"], b["guaranteed_slots"]
-        mine = t["guaranteed_slots"] if backend.id in t["guaranteed_backends"] else 0
         slot_pools: list[Pool] = []
-        if mine and not sheddable:
+        if mine:
             slot_pools.append(
                 self._pool(
                     sc, "g:" + tenant.name, "backend-slots", GUARANTEE, base, g=mine, gs=gsum
@@ -440,20 +536,51 @@ class RedisStore:
                     sc, "tpm", "backend-tpm", b["tokens_per_minute"], b["burst_tokens"], True
                 )
             )
-        parts.append(Part(sc, alts, buckets))
-        self._parts[key] = parts
-        self._ledger.add_plan(
-            [
-                (
+        part = Part(sc, alts, buckets)
+        if not mine:
+            self._backend_parts[backend.id] = part
+        return part
+
+    def _add_plan(self, parts: list[Part], key: int) -> None:
+        """Gives the ledger the plan of ``parts`` under ``key`` (each part's ledger ids are
+        worked out once)."""
+        for part in parts:
+            if part.code is None:
+                part.code = (
                     part.scope._i,
                     [(t, [p._i for p in pools]) for t, pools in part.alts],
                     [b._i for b in part.buckets],
                 )
-                for part in parts
-            ],
-            plan_key(backend.id, tenant.id, sheddable),
-        )
-        return parts
+        self._ledger.add_plan([part.code for part in parts], key)
+
+    def _standing_part(
+        self, tenant: Any, t: Any, sliced: tuple[int, int, int] | None
+    ) -> Part | None:
+        """The part of a request plan that takes from this replica's own standing slice of
+        ``tenant`` (``sliced``: :meth:`_slices`), its pool and bucket in the standing scope made
+        or resized; ``None`` without a slice."""
+        stand = self._standing
+        if stand is None or sliced is None:
+            self._stand_buckets.pop(tenant.id, None)
+            return None
+        slots, rate, burst = sliced
+        alts: list[tuple[bool, list[Pool]]] = []
+        buckets: list[Bucket] = []
+        if t["max_concurrency"] is not None:
+            pool = self._pool(stand, tenant.name, "tenant-concurrency", PLAIN, slots)
+            pool.q = pool.limit = slots
+            alts.append((False, [pool]))
+        if t["tokens_per_minute"] is not None:
+            b = stand.buckets.get(tenant.name)
+            if b is None:
+                b = self._bucket(stand, tenant.name, "tenant-tpm", rate, burst, False)
+                b.avail, b.stamp = burst, time.monotonic()
+            else:
+                b.rate, b.burst = rate, burst
+                b.avail = min(b.avail, burst)
+            self._stand_buckets[tenant.id] = b
+            buckets.append(b)
+        return Part(stand, alts, buckets)
 
     def _pool(
         self, sc: Scope, name: str, limit_name: str, kind: str, base: int, g: int = 0, gs: int = 0
@@ -484,6 +611,8 @@ class RedisStore:
         removed, may send no request again to re-plan it; its units still running are counted
         against the burst pool in Redis by what the guarantee is now)."""
         self._parts.clear()
+        self._backend_parts.clear()
+        self._standing_plans.clear()
         self._ledger.clear_plans()
         ctl = self.controller
         for bid in range(ctl.backend_count):
@@ -562,11 +691,44 @@ class RedisStore:
         if self._breaker.opened_at is not None:
             return None
         key = plan_key(backend.id, tenant.id, priority == "sheddable")
+        now = time.monotonic()
         try:
-            return self._ledger.try_admit_key(key, tokens, time.monotonic())
+            hold = self._ledger.try_admit_key(key, tokens, now)
         except KeyError:  # the first request of its kind since the start or a reload
+            if now < self._stand_until and self._plan_standing(
+                backend, tenant, priority, key | STANDING
+            ):
+                # a tenant seen rarely: its slice, and no plan for Redis unless it is short
+                hold = self._try_standing(key | STANDING, tenant.id, tokens, now)
+                if hold is not None:
+                    return hold
             self._plan(backend, tenant, priority)
-            return self._ledger.try_admit_key(key, tokens, time.monotonic())
+            return self._ledger.try_admit_key(key, tokens, now)
+        if hold is None and now < self._stand_until:
+            return self._try_standing(key | STANDING, tenant.id, tokens, now)
+        return hold
+
+    def _try_standing(self, key: int, tenant_id: int, tokens: int, now: float) -> Any | None:
+        """:meth:`try_admit` from this replica's standing slices of the tenant (no message):
+        its slice bucket first gains the tokens of the time since it was last refilled (at
+        the slice's rate, up to its burst)."""
+        b = self._stand_buckets.get(tenant_id)
+        if b is not None and b.rate > 0:
+            gained = int((now - b.stamp) * b.rate / 60.0)
+            if gained > 0:
+                avail, burst = b.avail, b.burst
+                if avail + gained >= burst:
+                    b.avail, b.stamp = max(avail, burst), now
+                else:
+                    b.avail = avail + gained
+                    b.stamp += gained * 60.0 / b.rate
+        try:
+            hold = self._ledger.try_admit_key(key, tokens, now)
+        except KeyError:  # the tenant's limits are too small for a slice
+            return None
+        if hold is not None:
+            self.standing_admissions += 1
+        return hold
 
     def hold_view(self, hold: Any) -> StoreHold | None:
         """The pools (with units) and buckets of a hold :meth:`try_admit` gave (an ``int``) as
@@ -1645,6 +1807,44 @@ class RedisStore:
             self._spawn(self._load_again())
         if self._sentinel is not None and self._check_task is None:
             self._check_task = asyncio.get_running_loop().create_task(self._check_primary())
+        if self._standing is not None and self._stand_task is None and self._loaded:
+            self._stand_task = asyncio.get_running_loop().create_task(self._claim_standing())
+
+    async def _claim_standing(self, leave: bool = False) -> None:
+        """Renews this replica's claim to standing slices (``kvg_stand``, once a heartbeat),
+        or gives it up (``leave``). The slices may be used until the claim's expiry as this
+        replica counts it: from when the call was sent, a tenth short of Redis's; a call that
+        fails leaves that expiry as it was, so a replica cut off from Redis, or frozen, stops
+        using its slices when the claim runs out, before Redis may give it to another."""
+        sent = time.monotonic()
+        try:
+            async with asyncio.timeout(max(self._bg_deadline, 0.5)):
+                got = await self._wire.fcall(
+                    "kvg_stand",
+                    1,
+                    "{" + self.prefix + ":stand}",
+                    self.pod,
+                    int(self._ttl * 1e6),
+                    self.config.standing_replicas,
+                    self._stand_claim,
+                    "1" if leave else "0",
+                )
+            claim, ttl_us = int(got[0]), int(got[1])
+            if claim != self._stand_claim and not leave:
+                logger.info(
+                    "store: standing slices: %s",
+                    f"claim {claim} of {self.config.standing_replicas}"
+                    if claim >= 0
+                    else "no claim (every one is held, or Redis is settling after a loss)",
+                )
+            self._stand_claim = claim
+            self._stand_until = sent + 0.9 * ttl_us / 1e6 if claim >= 0 else 0.0
+            assert self._standing is not None
+            self._standing.lease_until = self._stand_until
+        except Exception as exc:
+            logger.debug("store: renewing the standing claim failed: %s", short_error(exc))
+        finally:
+            self._stand_task = None
 
     async def _check_primary(self) -> None:
         """Under Redis Sentinel, once a heartbeat: asks the sentinels which server is the
@@ -1933,7 +2133,26 @@ class RedisStore:
             "stranded_slots": slots,
             "stranded_tokens": tokens,
             "active_tenant_scopes": active_tenants,
+            "standing": self._standing_state(now),
             "scopes": scopes,
+        }
+
+    def _standing_state(self, now: float) -> dict[str, Any] | None:
+        """The standing slices: this replica's claim (-1: none) of ``standing_replicas``, how
+        long it may still use them (seconds), the admissions they made, the tenants it holds
+        a slice of and the slots its requests hold in them; ``None`` when ``standing_share``
+        is 0."""
+        stand = self._standing
+        if stand is None:
+            return None
+        return {
+            "share": self.config.standing_share,
+            "claim": self._stand_claim,
+            "of": self.config.standing_replicas,
+            "usable_s": round(max(0.0, self._stand_until - now), 3),
+            "admissions": self.standing_admissions,
+            "tenants": max(len(stand.pools), len(stand.buckets)),
+            "slots_in_use": sum(p.in_use for p in stand.pools.values()),
         }
 
     def _connection_state(self) -> dict[str, Any]:

@@ -103,6 +103,7 @@ class Pool:
         "name",
         "rq",
         "scope",
+        "st",
     )
 
     q = _ledger_field("pool", _Q, "units this replica holds (its quota)")
@@ -133,12 +134,17 @@ class Pool:
         self.name, self.limit_name, self.kind = name, limit_name, kind
         self.g, self.gs = g, gs
         self.alloc = self.rq = self.adopted = 0
+        #: units of the limit held as standing slices by the replicas that may hold one
+        #: (``store.standing_share``): Redis keeps them out of what it grants
+        self.st = 0
         self.adopted_from: Callable[[], int] | None = None
         self.limit = base if kind != GUARANTEE else g
 
     def spec(self) -> dict[str, Any]:
         """The pool as ``kvg_sync`` reads it."""
         d: dict[str, Any] = {"l": self.base, "k": self.kind, "q": self.q}
+        if self.st:
+            d["st"] = self.st
         if self.kind in (BURST, GUARANTEE):
             d["gs"] = self.gs
         if self.kind == GUARANTEE:
@@ -168,8 +174,11 @@ class Bucket:
         "limit_name",
         "name",
         "rate",
+        "sb",
         "scaled",
         "scope",
+        "sr",
+        "stamp",
     )
 
     avail = _ledger_field(
@@ -195,12 +204,19 @@ class Bucket:
         self.rate, self.scaled = rate, scaled
         self.global_avail = burst
         self.fallback: Any = None
+        #: the rate (tokens/min) and burst (tokens) of the standing slices of every replica
+        #: that may hold one, kept out of the shared bucket; ``stamp``: a standing slice's
+        #: bucket, when its tokens were last refilled (``time.monotonic()`` seconds)
+        self.sr = self.sb = 0
+        self.stamp = 0.0
 
     def spec(self, ret: int, debt: int) -> dict[str, Any]:
         """The bucket as ``kvg_sync`` reads it."""
         d: dict[str, Any] = {"r": self.rate, "b": self.burst}
         if self.scaled:
             d["sc"] = 1
+        if self.sr or self.sb:
+            d["sr"], d["sb"] = self.sr, self.sb
         if ret:
             d["ret"] = ret
         if debt:
@@ -313,6 +329,8 @@ class Part:
     scope: Scope
     alts: list[tuple[bool, list[Pool]]]  # (counts tokens rather than one slot, pools)
     buckets: list[Bucket]
+    #: the part as :meth:`kvgate._core.QuotaLedger.add_plan` takes it (set with the first plan)
+    code: Any = None
 
 
 class StoreHold:
