@@ -146,6 +146,16 @@ def pool_key(pool: Pool) -> tuple[str, str]:
     return (pool.scope.key, pool.name)
 
 
+def limit_key(prefix: str, key: tuple[str, str]) -> tuple[str, str]:
+    """The limit a pool or bucket (``(scope key, name)``) counts against: a standing slice's
+    (scope ``s:standing``, named after its tenant) is its tenant's concurrency pool or TPM
+    bucket."""
+    scope, name = key
+    if scope == "{" + f"{prefix}:s:standing" + "}":
+        return ("{" + f"{prefix}:t:{name}" + "}", "conc")
+    return key
+
+
 class StoreMachine(RuleBasedStateMachine):
     """Replicas sharing one Redis (see the module docstring)."""
 
@@ -172,6 +182,7 @@ class StoreMachine(RuleBasedStateMachine):
         self.redis_restarts = 0
         self.slowed = False
         self.slow_faults = False
+        self.standing = 0.0
         # (replica, scope, epoch) of the scopes Redis lost: until the replica hears the new
         # epoch it still admits from the quota it held before the restart
         self.lost_epochs: set[tuple[int, str, str]] = set()
@@ -273,6 +284,9 @@ class StoreMachine(RuleBasedStateMachine):
             background_deadline_ms=500,
             # Redis late or away: only what the replica holds (the guarantees stay exact)
             on_failure="strict",
+            # slices of gold's limits (one slot) admitted without Redis by one replica
+            standing_share=self.standing,
+            standing_replicas=1,
         )
 
     # ---- rules ---------------------------------------------------------------------------
@@ -283,6 +297,7 @@ class StoreMachine(RuleBasedStateMachine):
         token_factor=st.sampled_from([1, 10]),
         few_slots=st.booleans(),
         slow_faults=st.booleans(),
+        standing=st.sampled_from([0.0, 0.1, 0.1]),
     )
     def start(
         self,
@@ -292,8 +307,13 @@ class StoreMachine(RuleBasedStateMachine):
         token_factor: int,
         few_slots: bool,
         slow_faults: bool,
+        standing: float,
     ) -> None:
         self.slow_faults = slow_faults  # pauses and Redis stalls (they take real time)
+        self.standing = standing
+        if standing:
+            # the claims' hash as a running deployment has it: past its settling
+            self.r.hset("{" + f"{self.prefix}:stand" + "}", "born", 0)
         ctl = self.controller
         backend = scaled(BACKEND, token_factor)
         tenants = {name: scaled(limits, token_factor) for name, limits in TENANTS.items()}
@@ -380,8 +400,15 @@ class StoreMachine(RuleBasedStateMachine):
                 req.units[pool_key(pool)] = req.units.get(pool_key(pool), 0) + n
             for b in view.buckets:
                 key = (b.scope.key, b.name)
+                if b.scope.kind == "s":  # a standing slice: its tenant's bucket
+                    note("admit: from a standing slice")
+                    key = ("{" + f"{self.prefix}:t:{b.name}" + "}", "tpm")
+                    ts = self.controller.tenant_state(self.tenants[b.name].id)
+                    rate = int(ts["tokens_per_minute"])
+                    self.rates[key] = (rate, int(ts["burst_tokens"] or rate))
+                else:
+                    self.rates[key] = (b.rate, b.burst)
                 self.admitted[key] = self.admitted.get(key, 0) + tokens
-                self.rates[key] = (b.rate, b.burst)
             self.requests[next(self.ids)] = req
 
     # (the draws never depend on what the store decided: hypothesis replays a choice
@@ -411,6 +438,8 @@ class StoreMachine(RuleBasedStateMachine):
                 assert req.view is not None
                 for b in req.view.buckets:
                     key = (b.scope.key, b.name)
+                    if b.scope.kind == "s":
+                        key = ("{" + f"{self.prefix}:t:{b.name}" + "}", "tpm")
                     self.refunded[key] = self.refunded.get(key, 0) + req.tokens - actual
 
     @rule(which=st.integers(0, 3))
@@ -568,11 +597,12 @@ class StoreMachine(RuleBasedStateMachine):
         allowance: dict[tuple[str, str], int] = {}
         by_replica: dict[tuple[int, str, str], int] = {}
         for req in self.requests.values():
-            for key, n in req.units.items():
+            for raw, n in req.units.items():
+                key = limit_key(self.prefix, raw)
                 held[key] = held.get(key, 0) + n
                 if req.survivor:
                     allowance[key] = allowance.get(key, 0) + n
-                rk = (req.replica.index, *key)
+                rk = (req.replica.index, *raw)
                 by_replica[rk] = by_replica.get(rk, 0) + n
         for key, n in held.items():
             limit = self.limits[key]
@@ -584,7 +614,8 @@ class StoreMachine(RuleBasedStateMachine):
                 note("a pool above its limit (within the allowance)")
         # each replica's own count is exact
         for rep in self.alive():
-            for sc in rep.store.scopes.values():
+            standing = [rep.store._standing] if rep.store._standing is not None else []
+            for sc in [*rep.store.scopes.values(), *standing]:
                 for pool in sc.pools.values():
                     assert pool.in_use >= 0
                     want = by_replica.get((rep.index, sc.key, pool.name), 0)
