@@ -703,7 +703,8 @@ class StoreConfig(_Model):
             large enough for a slice of at least one slot and one request's tokens. Every
             replica must have the same setting. 0 (default): no slices.
         standing_replicas: how many replicas hold standing slices at once (1..64); the others
-            take every unit from Redis.
+            take every unit from Redis. A replica whose setting differs from the other
+            replicas' takes no slice.
         sentinel: find the primary through Redis Sentinel (:class:`SentinelConfig`); ``url``
             then gives the primary's credentials and database, its host and port are not used
             (name the master there, e.g. ``redis://:password@mymaster/0``). Not with

@@ -171,6 +171,7 @@ async def test_tokens_stay_within_the_bucket_across_replicas(redis_server: Redis
     claims of three replicas): requests of 1,000 tokens from all three as fast as they are
     answered for about a second are admitted no more than the bucket allows — its burst and
     what it refilled meanwhile — and more than Redis's part alone (the slices were used)."""
+    established(redis_server)
     ctl, backend, (tenant,) = tenants_core(1, 100_000, 60_000)
     cfg = standing_config(redis_server.url, 0.1, 2)
     stores = [RedisStore(cfg, ctl) for _ in range(3)]
@@ -291,3 +292,273 @@ def test_a_standing_share_over_a_tenth_is_refused() -> None:
         StoreConfig(url="redis://127.0.0.1:6379/0", standing_share=0.5)
     with pytest.raises(ValueError, match="standing_replicas"):
         StoreConfig(url="redis://127.0.0.1:6379/0", standing_replicas=0)
+
+
+def one_tenant(conc: int | None, tpm: int | None, burst: int | None = None) -> tuple[Any, ...]:
+    """A core with backend ``b``, tenant ``t`` (``conc`` at once, ``tpm`` tokens a minute,
+    ``burst``) and tenant ``free`` without limits (its requests bring the backend's quota)."""
+    ctl = AdmissionController(backends=1, tenants=2)
+    b = Named(ctl.add_backend("b", max_concurrency=100_000, tokens_per_minute=2**40), "b")
+    t = Named(
+        ctl.add_tenant("t", priority="standard", max_concurrency=conc, tokens_per_minute=tpm,
+                       burst_tokens=burst),
+        "t",
+    )  # fmt: skip
+    free = Named(ctl.add_tenant("free", priority="standard"), "free")
+    return ctl, b, t, free
+
+
+async def take(st: RedisStore, b: Named, t: Named, tokens: int) -> Any:
+    """A hold of ``tokens`` for ``t``: from ``st``'s quotas or slices, else decided in Redis;
+    ``None`` when refused."""
+    hold = st.try_admit(b, t, "standard", tokens)
+    if hold is None:
+        hold = await st.admit(b, t, "standard", tokens)
+    return None if isinstance(hold, StoreRefusal) else hold
+
+
+async def warm_backend(*stores: RedisStore, b: Named, free: Named) -> None:
+    """Each store's backend scope gets a quota (a gateway's backend is busy: its part of a
+    request is decided locally)."""
+    for st in stores:
+        hold = await take(st, b, free, 1)
+        st.release(hold, 1, 1)
+        await idle_lanes(st)
+
+
+def established(server: RedisServer) -> None:
+    """The claims' hash of a deployment that has run for a while (past its settling, its
+    claims unused since): a slice's bucket starts full."""
+    server.client().hset("{kvg:stand}", "born", 0)
+
+
+async def test_refunds_never_fill_a_slice_bucket_past_its_burst(redis_server: RedisServer) -> None:
+    """TPM 6,000,000 with a burst of 60,000; slices of a tenth over one claim: a burst of
+    6,000. A request that reserves the slice's whole burst and uses nothing is refunded after
+    the slice refilled: the slice still holds at most its burst, and a request larger than
+    the slice's burst is never admitted from it (before, each such refund added up, until one
+    request of more than the tenant's whole burst came from the slice)."""
+    established(redis_server)
+    ctl, b, t, free = one_tenant(None, 6_000_000, 60_000)
+    st = RedisStore(standing_config(redis_server.url, 0.1, 1), ctl)
+    await st.start(["b"])
+    try:
+        await claimed(st)
+        await warm_backend(st, b=b, free=free)
+        for _ in range(3):
+            await asyncio.sleep(0.01)  # (the token the last probe took comes back: 0.1 ms)
+            hold = st.try_admit(b, t, "standard", 6000)
+            assert hold is not None
+            view = st.hold_view(hold)
+            assert view is not None
+            assert view.buckets[0].scope is st._standing
+            slice_bucket = view.buckets[0]
+            # the slice refills its 6,000 (10,000 tokens a second) while the request runs
+            await asyncio.sleep(0.7)
+            probe = st.try_admit(b, t, "standard", 1)
+            assert probe is not None
+            st.release(probe, 1, 1)
+            st.release(hold, 6000, 0)  # it used nothing
+            # more than the slice's burst: not from the slice (nor from Redis's quota: this
+            # replica holds none of t's)
+            assert st.try_admit(b, t, "standard", 6001) is None, slice_bucket.avail
+            again = st.try_admit(b, t, "standard", 1)
+            assert again is not None
+            st.release(again, 1, 1)
+            assert slice_bucket.avail <= slice_bucket.burst == 6000, slice_bucket.avail
+    finally:
+        await st.close()
+
+
+@pytest.mark.parametrize("lowered", [9, 50])
+async def test_a_reload_that_lowers_a_limit_counts_what_the_slice_runs(
+    redis_server: RedisServer, lowered: int
+) -> None:
+    """A concurrency limit of 100 (a slice of 10 over one claim): A runs 10 of t's requests
+    from its slice; a reload lowers the limit to ``lowered`` (9: no slice any more; 50: a
+    slice of 5). The slice's requests beyond its new size are re-asserted in Redis, so B is
+    granted only what is left: never more than the new limit with A's 10 (9: nothing new
+    until they drain)."""
+    established(redis_server)
+    ctl, b, t, free = one_tenant(100, None)
+    cfg = standing_config(redis_server.url, 0.1, 1)
+    a_st, b_st = RedisStore(cfg, ctl), RedisStore(cfg, ctl)
+    await a_st.start(["b"])
+    await claimed(a_st)
+    await b_st.start(["b"])
+    held: list[tuple[RedisStore, Any]] = []
+    try:
+        assert b_st._stand_claim == -1
+        await warm_backend(a_st, b_st, b=b, free=free)
+        for _ in range(10):
+            hold = a_st.try_admit(b, t, "standard", 1)
+            assert hold is not None
+            held.append((a_st, hold))
+        assert a_st.standing_admissions == 10
+        ctl.update_tenant(t.id, max_concurrency=lowered)
+        a_st.reload()
+        b_st.reload()
+        await a_st.flushed()
+        await idle_lanes(a_st)
+        for _ in range(lowered + 20):
+            hold = await take(b_st, b, t, 1)
+            if hold is None:
+                break
+            held.append((b_st, hold))
+        assert len(held) <= max(10, lowered), f"{len(held)} held of a limit of {lowered}"
+    finally:
+        for st, hold in held:
+            st.release(hold, 1, 1)
+        await a_st.close()
+        await b_st.close()
+
+
+async def test_a_claim_handed_over_brings_only_what_its_bucket_refilled(
+    redis_server: RedisServer,
+) -> None:
+    """TPM 60,000 (burst 60,000), slices of a tenth over one claim (a burst of 6,000). Three
+    replicas stop one after another, as in a rolling restart: the holder spends its slice and
+    closes (gives the claim up), and the next one takes the claim. Then Redis's bucket is
+    drained. Across all of it, no more than one bucket allows: the next holder's slice holds
+    only what the claim refilled since it was given up (before, each holder started with a
+    full slice: 72,000 tokens in about a second)."""
+    established(redis_server)
+    ctl, b, t, free = one_tenant(None, 60_000)
+    cfg = standing_config(redis_server.url, 0.1, 1)
+    stores = [RedisStore(cfg, ctl) for _ in range(3)]
+    for st in stores:
+        await st.start(["b"])
+    admitted = 0
+    try:
+        await wait_for(lambda: any(s._stand_until > time.monotonic() for s in stores), 10,
+                       "a claim")  # fmt: skip
+        await warm_backend(*stores, b=b, free=free)
+        began = time.monotonic()
+        alive = list(stores)
+        while True:
+            holder = next(s for s in alive if s._stand_until > time.monotonic())
+            await warm_backend(holder, b=b, free=free)
+            while (hold := holder.try_admit(b, t, "standard", 1000)) is not None:
+                view = holder.hold_view(hold)
+                assert view is not None
+                assert view.buckets[0].scope is holder._standing
+                holder.release(hold, 1000, 1000)
+                admitted += 1000
+                assert admitted <= 200_000
+            if len(alive) == 1:
+                break
+            alive.remove(holder)
+            await holder.close()
+            await wait_for(lambda: any(s._stand_until > time.monotonic() for s in alive), 10,
+                           "the claim handed over")  # fmt: skip
+        last = alive[0]
+        while (hold := await take(last, b, t, 1000)) is not None and admitted < 200_000:
+            last.release(hold, 1000, 1000)
+            admitted += 1000
+        elapsed = time.monotonic() - began
+        allowed = 60_000 + 60_000 * elapsed / 60 + 1000
+        assert admitted <= allowed, (admitted, allowed)
+        assert admitted >= 54_000  # Redis's bucket, at least
+    finally:
+        for st in stores:
+            if not st._closed:
+                await st.close()
+
+
+async def test_a_pool_adopted_on_reload_leaves_the_slices_out_of_redis(
+    redis_server: RedisServer,
+) -> None:
+    """A reload gives t a concurrency limit of 100 (a slice of 10 over one claim, held by A).
+    B runs 90 of t's requests from before the reload (adopted); A admits 10 from its slice:
+    B's pool asks Redis without the slices, so B gets nothing more (before: 105 of 100)."""
+    established(redis_server)
+    ctl, b, t, free = one_tenant(None, None)
+    cfg = standing_config(redis_server.url, 0.1, 1)
+    a_st, b_st = RedisStore(cfg, ctl), RedisStore(cfg, ctl)
+    await a_st.start(["b"])
+    await claimed(a_st)
+    await b_st.start(["b"])
+    held: list[tuple[RedisStore, Any]] = []
+    try:
+        await warm_backend(a_st, b_st, b=b, free=free)
+        ctl.update_tenant(t.id, max_concurrency=100)
+        a_st.reload()
+        b_st.reload()
+        for _ in range(10):
+            hold = a_st.try_admit(b, t, "standard", 1)
+            assert hold is not None
+            held.append((a_st, hold))
+        b_st.adopt_running("t", lambda: 90)
+        await b_st.flushed()
+        await idle_lanes(b_st)
+        while (hold := await take(b_st, b, t, 1)) is not None and len(held) < 30:
+            held.append((b_st, hold))
+        assert 90 + len(held) <= 100, 90 + len(held)
+    finally:
+        for st, hold in held:
+            st.release(hold, 1, 1)
+        await a_st.close()
+        await b_st.close()
+
+
+async def test_slices_on_a_redis_cluster(redis_cluster: Any) -> None:
+    """``cluster: true``: the claim is taken on the node of ``{<prefix>:stand}``, a tenant is
+    admitted from its slice, its messages carry the slices, and closing gives the claim up."""
+    ctl, b, t, free = one_tenant(1000, None)
+    cfg = standing_config(redis_cluster.url, 0.01, 1, cluster=True, key_prefix="kvgstc")
+    st = RedisStore(cfg, ctl)
+    await st.start(["b"])
+    try:
+        await claimed(st)
+        await warm_backend(st, b=b, free=free)
+        hold = st.try_admit(b, t, "standard", 1)
+        assert hold is not None
+        assert st.standing_admissions == 1
+        st.release(hold, 1, 1)
+        got = await st.admit(b, t, "standard", 1)
+        assert not isinstance(got, StoreRefusal)
+        assert st._scope("t", "t").pools["conc"].limit == 990
+        st.release(got, 1, 1)
+    finally:
+        await st.close()
+    assert "i|0" not in redis_cluster.client().hgetall("{kvgstc:stand}")
+
+
+async def test_admin_state_counts_each_tenant_with_a_slice_once(redis_server: RedisServer) -> None:
+    """One tenant limited by concurrency only, one by TPM only: two tenants with a slice."""
+    ctl = AdmissionController(backends=1, tenants=3)
+    b = Named(ctl.add_backend("b", max_concurrency=100_000, tokens_per_minute=2**40), "b")
+    c = Named(ctl.add_tenant("c", priority="standard", max_concurrency=1000), "c")
+    r = Named(ctl.add_tenant("r", priority="standard", tokens_per_minute=10**9), "r")
+    free = Named(ctl.add_tenant("free", priority="standard"), "free")
+    st = RedisStore(standing_config(redis_server.url, 0.1, 1), ctl)
+    await st.start(["b"])
+    try:
+        await claimed(st)
+        await warm_backend(st, b=b, free=free)
+        for t in (c, r):
+            hold = st.try_admit(b, t, "standard", 1)
+            assert hold is not None
+            st.release(hold, 1, 1)
+        assert st.standing_admissions == 2
+        assert st.state()["standing"]["tenants"] == 2
+    finally:
+        await st.close()
+
+
+def test_kvg_stand_odd_calls(redis_server: RedisServer) -> None:
+    """``kvg_stand`` called as no replica calls it: leaving when there is no hash makes none;
+    a replica that says another number of claims than the hash's gets none (-2); a ``want``
+    that is not a number counts as none."""
+    client = redis_server.client()
+    client.function_load(LIBRARY, replace=True)
+    key = "{kvg:stand}"
+    assert client.fcall("kvg_stand", 1, key, "a", 1_000_000, 2, -1, "1")[0] == -1
+    assert not client.exists(key)
+    client.hset(key, "born", 0)
+    got = [
+        int(client.fcall("kvg_stand", 1, key, pod, 1_000_000, n, -1, "0")[0])
+        for pod, n in (("a", 2), ("b", 2), ("c", 4))
+    ]
+    assert got == [0, 1, -2]
+    assert client.fcall("kvg_stand", 1, key, "d", 1_000_000, 2, "x", "0")[0] == -1

@@ -548,28 +548,41 @@ end
 
 -- Standing slices: each of at most R replicas may hold, without any message, a slice of every
 -- large tenant limit (st, sr and sb above keep R slices out of what Redis grants). A replica
--- may use its slices only while it holds one of the R claims of KEYS[1] (a HASH: i|<n> = the
--- replica, e|<n> = its claim's expiry, server µs; born = when the hash was made), renewed with
--- each heartbeat. ARGV: pod, ttl µs, R, want (the claim it held, or -1), leave ("1": give it
--- up). Rules:
+-- may use its slices only while it holds one of the R claims of KEYS[1] (a HASH: i|<c> = the
+-- replica, e|<c> = its claim's expiry or when it was given up, server µs; born = when the hash
+-- was made; n = R), renewed with each heartbeat. ARGV: pod, ttl µs, R, want (the claim it
+-- held, or -1), leave ("1": give it up). Rules:
 --   a claim is free once it expired a whole ttl ago (its replica stopped using it at the
---     expiry, by its own clock, and its requests have had a lease period to end);
+--     expiry, by its own clock, and its requests have had a lease period to end), or at once
+--     when its replica gave it up (stopping cleanly, after its drain);
 --   a replica gets back the claim it held when that is free or still its own (Redis restarted
 --     empty, or a failover lost the hash: the holders re-assert their claims first);
 --   a replica without one gets the lowest free claim, but not before the hash is two ttl old
---     (so that every holder from before a loss has re-asserted its own).
--- Answers {claim or -1, claim's expiry - now (µs)}.
+--     (so that every holder from before a loss has re-asserted its own);
+--   a claim's tokens are the claim's, not the replica's: a replica that takes a claim another
+--     held (or one the hash has no record of) is told how long the claim has gone unused
+--     (since the expiry or the giving up, else since the hash was made), and its slices'
+--     buckets start with only what they would have refilled meanwhile;
+--   every replica must say the same R: a different one gets no claim (-2).
+-- Answers {claim (-1: none, -2: R differs from the hash's), the claim's expiry - now (µs),
+-- µs the claim went unused (-1: the replica kept its own)}.
 local function kvg_stand(keys, args)
   local key, pod = keys[1], args[1]
-  local ttl, n, want, leave = tonumber(args[2]), tonumber(args[3]), tonumber(args[4]), args[5]
+  local ttl, n, leave = tonumber(args[2]), tonumber(args[3]), args[5]
+  local want = tonumber(args[4]) or -1
   local now = now_us()
   local h = {}
   local flat = redis.call('HGETALL', key)
   for i = 1, #flat, 2 do h[flat[i]] = flat[i + 1] end
   local born = tonumber(h.born)
+  if not born and leave == '1' then return {-1, 0, -1} end  -- nothing to give up: make no hash
   if not born then
     born = now
-    redis.call('HSET', key, 'born', int(now))
+    redis.call('HSET', key, 'born', int(now), 'n', n)
+  elseif not h.n then
+    redis.call('HSET', key, 'n', n)
+  elseif tonumber(h.n) ~= n and leave ~= '1' then
+    return {-2, 0, -1}
   end
   local function free(c)
     local holder = h['i|' .. c]
@@ -580,8 +593,11 @@ local function kvg_stand(keys, args)
     if h['i|' .. c] == pod then mine = c end
   end
   if leave == '1' then
-    if mine >= 0 then redis.call('HDEL', key, 'i|' .. mine, 'e|' .. mine) end
-    return {-1, 0}
+    if mine >= 0 then
+      redis.call('HDEL', key, 'i|' .. mine)
+      redis.call('HSET', key, 'e|' .. mine, int(now))
+    end
+    return {-1, 0, -1}
   end
   if mine < 0 and want >= 0 and want < n and free(want) then mine = want end
   if mine < 0 and now >= born + 2 * ttl then
@@ -593,9 +609,15 @@ local function kvg_stand(keys, args)
     end
   end
   redis.call('PEXPIRE', key, math.max(1000, math.floor(10 * ttl / 1000)))
-  if mine < 0 then return {-1, 0} end
+  if mine < 0 then return {-1, 0, -1} end
+  local holder, last = h['i|' .. mine], tonumber(h['e|' .. mine])
+  local unused = -1
+  -- its own claim, or the one it held before the hash was lost: its buckets stand
+  if holder ~= pod and not (mine == want and not holder and not last) then
+    unused = math.max(0, now - (last or born))
+  end
   redis.call('HSET', key, 'i|' .. mine, pod, 'e|' .. mine, int(now + ttl))
-  return {mine, math.floor(ttl)}
+  return {mine, math.floor(ttl), math.floor(unused)}
 end
 
 -- an operator's view of one scope (read-only)

@@ -257,6 +257,10 @@ class RedisStore:
         self._stand_buckets: dict[int, Bucket] = {}
         #: admissions from this replica's standing slices (no message to Redis)
         self.standing_admissions = 0
+        #: the claim taken last (a count) and since when its buckets count as refilling
+        #: (monotonic s): a slice's bucket from before it starts again (:meth:`_try_standing`)
+        self._stand_gen = 0
+        self._stand_since = 0.0
         if config.standing_share > 0:
             self._standing = Scope(self.prefix, "s", "standing", self._ledger)
             self._scope_at.append(self._standing)
@@ -572,9 +576,9 @@ class RedisStore:
             alts.append((False, [pool]))
         if t["tokens_per_minute"] is not None:
             b = stand.buckets.get(tenant.name)
-            if b is None:
+            if b is None:  # filled at its first use under a claim (_try_standing)
                 b = self._bucket(stand, tenant.name, "tenant-tpm", rate, burst, False)
-                b.avail, b.stamp = burst, time.monotonic()
+                b.avail = 0
             else:
                 b.rate, b.burst = rate, burst
                 b.avail = min(b.avail, burst)
@@ -615,6 +619,7 @@ class RedisStore:
         self._standing_plans.clear()
         self._ledger.clear_plans()
         ctl = self.controller
+        self._standing_overflow()
         for bid in range(ctl.backend_count):
             b = ctl.backend_state(bid)
             sc = self.scopes.get("b" + str(b["name"]))
@@ -632,6 +637,44 @@ class RedisStore:
                     if bid in t["guaranteed_backends"]:
                         g = int(t["guaranteed_slots"])
                 pool.base, pool.g, pool.gs = b["max_concurrency"], g, b["guaranteed_slots"]
+
+    def _standing_overflow(self) -> None:
+        """After a reload: slots this replica's requests hold in its standing slice of a
+        tenant beyond the tenant's new slice (smaller, or none) are not kept out of Redis by
+        ``st`` any more: they are adopted into the tenant's pool in Redis (re-asserted at once,
+        given back as those requests end), so that the other replicas count them. (They take
+        the pool's ``adopted`` units: :meth:`adopt_running` adopts only for a tenant that had
+        no concurrency limit, so had no slice, before the reload.)"""
+        stand = self._standing
+        if stand is None:
+            return
+        ctl, n = self.controller, self.config.standing_replicas
+        for name, sp in stand.pools.items():
+            if not sp.in_use:
+                continue
+            tid = ctl.tenant_id(name)
+            if tid is None:
+                continue
+            t = ctl.tenant_state(tid)
+            if t["max_concurrency"] is None:
+                continue
+            sliced = self._slices(t)
+            slots = sliced[0] if sliced else 0
+            over = sp.in_use - slots
+            if over <= 0:
+                continue
+            sc = self._scope("t", name)
+            conc = self._pool(sc, "conc", "tenant-concurrency", PLAIN, int(t["max_concurrency"]))
+            conc.st = slots * n
+            sp.q = slots
+            conc.in_use += over - conc.adopted
+            conc.adopted = over
+            conc.adopted_from = lambda sp=sp, slots=slots: max(0, sp.in_use - slots)
+            self._active.add(sc)
+            self._ledger.set_active(sc._i, True)
+            with contextlib.suppress(RuntimeError):
+                asyncio.get_running_loop()
+                self._kick(sc)
 
     def adopt_running(self, tenant: str, running: Callable[[], int]) -> None:
         """A reload gave ``tenant`` a concurrency limit it did not have: its requests running
@@ -654,6 +697,9 @@ class RedisStore:
             return
         sc = self._scope("t", tenant)
         pool = self._pool(sc, "conc", "tenant-concurrency", PLAIN, int(limit))
+        if self._standing is not None:  # the slices kept out of Redis, as _plan says them
+            sliced = self._slices(self.controller.tenant_state(tid))
+            pool.st = sliced[0] * self.config.standing_replicas if sliced else 0
         untracked = running() - (pool.in_use - pool.adopted)
         if untracked > pool.adopted:
             pool.in_use += untracked - pool.adopted
@@ -714,14 +760,20 @@ class RedisStore:
         the slice's rate, up to its burst)."""
         b = self._stand_buckets.get(tenant_id)
         if b is not None and b.rate > 0:
-            gained = int((now - b.stamp) * b.rate / 60.0)
-            if gained > 0:
-                avail, burst = b.avail, b.burst
-                if avail + gained >= burst:
-                    b.avail, b.stamp = max(avail, burst), now
-                else:
-                    b.avail = avail + gained
-                    b.stamp += gained * 60.0 / b.rate
+            if b.gen != self._stand_gen:
+                # first use under this claim: what the claim's bucket refilled since it was
+                # last used (a bucket that served an earlier claim keeps no more than that)
+                fresh = min(b.burst, int((now - self._stand_since) * b.rate / 60.0))
+                b.avail = fresh if b.gen == 0 else min(b.avail, fresh)
+                b.gen, b.stamp = self._stand_gen, now
+            gained = max(0, int((now - b.stamp) * b.rate / 60.0))
+            avail, burst = b.avail, b.burst
+            if avail + gained >= burst:
+                # full: refunds beyond the burst are dropped, as Redis's GCRA drops them
+                b.avail, b.stamp = burst, now
+            elif gained > 0:
+                b.avail = avail + gained
+                b.stamp += gained * 60.0 / b.rate
         try:
             hold = self._ledger.try_admit_key(key, tokens, now)
         except KeyError:  # the tenant's limits are too small for a slice
@@ -1829,14 +1881,26 @@ class RedisStore:
                     self._stand_claim,
                     "1" if leave else "0",
                 )
-            claim, ttl_us = int(got[0]), int(got[1])
-            if claim != self._stand_claim and not leave:
+            claim, ttl_us, unused_us = int(got[0]), int(got[1]), int(got[2])
+            if claim == -2:
+                if self._stand_claim != -2:
+                    logger.error(
+                        "store: standing slices: other replicas use another "
+                        "standing_replicas than %d; this one takes no claim until they agree",
+                        self.config.standing_replicas,
+                    )
+            elif claim != self._stand_claim and not leave:
                 logger.info(
                     "store: standing slices: %s",
                     f"claim {claim} of {self.config.standing_replicas}"
                     if claim >= 0
                     else "no claim (every one is held, or Redis is settling after a loss)",
                 )
+            if unused_us >= 0:
+                # a claim another replica held (or one Redis has no record of): its buckets
+                # hold what they would have refilled since it was last used, no more
+                self._stand_gen += 1
+                self._stand_since = time.monotonic() - unused_us / 1e6
             self._stand_claim = claim
             self._stand_until = sent + 0.9 * ttl_us / 1e6 if claim >= 0 else 0.0
             assert self._standing is not None
@@ -2151,7 +2215,7 @@ class RedisStore:
             "of": self.config.standing_replicas,
             "usable_s": round(max(0.0, self._stand_until - now), 3),
             "admissions": self.standing_admissions,
-            "tenants": max(len(stand.pools), len(stand.buckets)),
+            "tenants": len(stand.pools.keys() | stand.buckets.keys()),
             "slots_in_use": sum(p.in_use for p in stand.pools.values()),
         }
 

@@ -170,6 +170,7 @@ class Bucket:
         "_i",
         "_l",
         "fallback",
+        "gen",
         "global_avail",
         "limit_name",
         "name",
@@ -209,6 +210,8 @@ class Bucket:
         #: bucket, when its tokens were last refilled (``time.monotonic()`` seconds)
         self.sr = self.sb = 0
         self.stamp = 0.0
+        #: a standing slice's bucket: the claim it was last refilled under (0: none yet)
+        self.gen = 0
 
     def spec(self, ret: int, debt: int) -> dict[str, Any]:
         """The bucket as ``kvg_sync`` reads it."""
