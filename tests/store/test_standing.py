@@ -6,8 +6,10 @@ slices and one that holds none, and the claims (``kvg_stand``) go to at most
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -332,6 +334,32 @@ def established(server: RedisServer) -> None:
     server.client().hset("{kvg:stand}", "born", 0)
 
 
+@contextlib.asynccontextmanager
+async def claimer_and_other(
+    server: RedisServer, conc: int | None
+) -> AsyncIterator[tuple[Any, Named, Named, RedisStore, RedisStore, list[tuple[RedisStore, Any]]]]:
+    """Two replicas on an established claims hash, slices of a tenth over one claim: A holds
+    the claim, B none; both backends warm. Yields the core, the backend, tenant ``t``
+    (``conc`` at once), A, B and a list of holds, each released on the way out."""
+    established(server)
+    ctl, b, t, free = one_tenant(conc, None)
+    cfg = standing_config(server.url, 0.1, 1)
+    a_st, b_st = RedisStore(cfg, ctl), RedisStore(cfg, ctl)
+    await a_st.start(["b"])
+    await claimed(a_st)
+    await b_st.start(["b"])
+    held: list[tuple[RedisStore, Any]] = []
+    try:
+        assert b_st._stand_claim == -1
+        await warm_backend(a_st, b_st, b=b, free=free)
+        yield ctl, b, t, a_st, b_st, held
+    finally:
+        for st, hold in held:
+            st.release(hold, 1, 1)
+        await a_st.close()
+        await b_st.close()
+
+
 async def test_refunds_never_fill_a_slice_bucket_past_its_burst(redis_server: RedisServer) -> None:
     """TPM 6,000,000 with a burst of 60,000; slices of a tenth over one claim: a burst of
     6,000. A request that reserves the slice's whole burst and uses nothing is refunded after
@@ -379,17 +407,7 @@ async def test_a_reload_that_lowers_a_limit_counts_what_the_slice_runs(
     slice of 5). The slice's requests beyond its new size are re-asserted in Redis, so B is
     granted only what is left: never more than the new limit with A's 10 (9: nothing new
     until they drain)."""
-    established(redis_server)
-    ctl, b, t, free = one_tenant(100, None)
-    cfg = standing_config(redis_server.url, 0.1, 1)
-    a_st, b_st = RedisStore(cfg, ctl), RedisStore(cfg, ctl)
-    await a_st.start(["b"])
-    await claimed(a_st)
-    await b_st.start(["b"])
-    held: list[tuple[RedisStore, Any]] = []
-    try:
-        assert b_st._stand_claim == -1
-        await warm_backend(a_st, b_st, b=b, free=free)
+    async with claimer_and_other(redis_server, 100) as (ctl, b, t, a_st, b_st, held):
         for _ in range(10):
             hold = a_st.try_admit(b, t, "standard", 1)
             assert hold is not None
@@ -406,11 +424,6 @@ async def test_a_reload_that_lowers_a_limit_counts_what_the_slice_runs(
                 break
             held.append((b_st, hold))
         assert len(held) <= max(10, lowered), f"{len(held)} held of a limit of {lowered}"
-    finally:
-        for st, hold in held:
-            st.release(hold, 1, 1)
-        await a_st.close()
-        await b_st.close()
 
 
 async def test_a_claim_handed_over_brings_only_what_its_bucket_refilled(
@@ -471,16 +484,7 @@ async def test_a_pool_adopted_on_reload_leaves_the_slices_out_of_redis(
     """A reload gives t a concurrency limit of 100 (a slice of 10 over one claim, held by A).
     B runs 90 of t's requests from before the reload (adopted); A admits 10 from its slice:
     B's pool asks Redis without the slices, so B gets nothing more (before: 105 of 100)."""
-    established(redis_server)
-    ctl, b, t, free = one_tenant(None, None)
-    cfg = standing_config(redis_server.url, 0.1, 1)
-    a_st, b_st = RedisStore(cfg, ctl), RedisStore(cfg, ctl)
-    await a_st.start(["b"])
-    await claimed(a_st)
-    await b_st.start(["b"])
-    held: list[tuple[RedisStore, Any]] = []
-    try:
-        await warm_backend(a_st, b_st, b=b, free=free)
+    async with claimer_and_other(redis_server, None) as (ctl, b, t, a_st, b_st, held):
         ctl.update_tenant(t.id, max_concurrency=100)
         a_st.reload()
         b_st.reload()
@@ -494,11 +498,6 @@ async def test_a_pool_adopted_on_reload_leaves_the_slices_out_of_redis(
         while (hold := await take(b_st, b, t, 1)) is not None and len(held) < 30:
             held.append((b_st, hold))
         assert 90 + len(held) <= 100, 90 + len(held)
-    finally:
-        for st, hold in held:
-            st.release(hold, 1, 1)
-        await a_st.close()
-        await b_st.close()
 
 
 async def test_slices_on_a_redis_cluster(redis_cluster: Any) -> None:
