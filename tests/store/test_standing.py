@@ -561,3 +561,138 @@ def test_kvg_stand_odd_calls(redis_server: RedisServer) -> None:
     ]
     assert got == [0, 1, -2]
     assert client.fcall("kvg_stand", 1, key, "d", 1_000_000, 2, "x", "0")[0] == -1
+
+
+async def test_a_claim_whose_reply_was_lost_starts_its_buckets_empty(
+    redis_server: RedisServer,
+) -> None:
+    """Another replica held the only claim, spent it and gave it up just now (a rolling
+    restart). The new replica's first ``kvg_stand`` runs in Redis but its reply is lost (a
+    timeout): the next one finds the claim already its own. Its slice still holds only what
+    the claim refilled since it was given up (100 tokens a second), not a whole burst."""
+    established(redis_server)
+    ctl, b, t, free = one_tenant(None, 60_000)  # a slice: a burst of 6,000, 100 tokens/s
+    cfg = standing_config(redis_server.url, 0.1, 1)
+    client = redis_server.client()
+    client.function_load(LIBRARY, replace=True)
+    ttl_us = int(cfg.ttl_s * 1e6)
+    assert client.fcall("kvg_stand", 1, "{kvg:stand}", "old", ttl_us, 1, -1, "0")[0] == 0
+    client.fcall("kvg_stand", 1, "{kvg:stand}", "old", ttl_us, 1, 0, "1")  # given up
+    began = time.monotonic()
+    st = RedisStore(cfg, ctl)
+    await st.start(["b"])
+    fcall, lost = st._wire.fcall, []
+
+    async def first_reply_lost(name: str, *args: Any) -> Any:
+        reply = await fcall(name, *args)
+        if name == "kvg_stand" and not lost:
+            lost.append(reply)
+            raise TimeoutError  # applied in Redis, the reply too late
+        return reply
+
+    st._wire.fcall = first_reply_lost
+    try:
+        await claimed(st)
+        assert lost
+        await warm_backend(st, b=b, free=free)
+        got = 0
+        while (hold := st.try_admit(b, t, "standard", 100)) is not None:
+            st.release(hold, 100, 100)
+            got += 100
+            assert got <= 6000
+        allowed = 100 * (time.monotonic() - began) + 100
+        assert got <= allowed, (got, allowed)
+    finally:
+        await st.close()
+
+
+async def test_a_reload_after_adopting_keeps_what_was_adopted(redis_server: RedisServer) -> None:
+    """A reload gives t a limit of 100 (a slice of 10, held by A); A runs 80 of t's requests
+    from before it (adopted) and 10 from its slice; a second reload lowers the limit to 50.
+    Both the 80 adopted and the 5 beyond the new slice stay counted in Redis: B gets nothing
+    (before, the second reload replaced the 80 by the 5: B got 40, 130 running of 50)."""
+    async with claimer_and_other(redis_server, None) as (ctl, b, t, a_st, b_st, held):
+        ctl.update_tenant(t.id, max_concurrency=100)
+        a_st.reload()
+        b_st.reload()
+        a_st.adopt_running("t", lambda: 80)  # they run throughout
+        await a_st.flushed()
+        await idle_lanes(a_st)
+        for _ in range(10):
+            hold = a_st.try_admit(b, t, "standard", 1)
+            assert hold is not None
+            held.append((a_st, hold))
+        ctl.update_tenant(t.id, max_concurrency=50)
+        a_st.reload()
+        b_st.reload()
+        await a_st.flushed()
+        await idle_lanes(a_st)
+        conc = a_st._scope("t", "t").pools["conc"]
+        assert (conc.adopted, conc.spill) == (80, 5)
+        for _ in range(60):
+            hold = await take(b_st, b, t, 1)
+            if hold is None:
+                break
+            held.append((b_st, hold))
+        assert 80 + len(held) <= 90, f"{80 + len(held)} running of a limit of 50"
+
+
+async def test_a_limit_raised_again_takes_the_spill_back_into_the_slice(
+    redis_server: RedisServer,
+) -> None:
+    """A limit of 100 (a slice of 10, full on A) lowered to 50 (5 beyond the slice, counted in
+    Redis), then raised to 100 again: the slice holds its 10 again and nothing of it stays
+    counted in Redis, so B gets the 90 left (before: 85, the 5 counted twice)."""
+    async with claimer_and_other(redis_server, 100) as (ctl, b, t, a_st, b_st, held):
+        for _ in range(10):
+            hold = a_st.try_admit(b, t, "standard", 1)
+            assert hold is not None
+            held.append((a_st, hold))
+        ctl.update_tenant(t.id, max_concurrency=50)
+        a_st.reload()
+        b_st.reload()
+        conc = a_st._scope("t", "t").pools["conc"]
+        assert conc.spill == 5
+        await a_st.flushed()
+        ctl.update_tenant(t.id, max_concurrency=100)
+        a_st.reload()
+        b_st.reload()
+        assert conc.spill == 0
+        await a_st.flushed()
+        await idle_lanes(a_st)
+        while (hold := await take(b_st, b, t, 1)) is not None and len(held) < 120:
+            held.append((b_st, hold))
+        assert len(held) == 100, len(held)
+
+
+async def test_the_spill_goes_back_as_its_requests_end(redis_server: RedisServer) -> None:
+    """After a reload lowered the slice from 10 to 5, the heartbeat gives back the spill as the
+    slice's requests end: with 4 of the 10 ended (6 running), 1 is left; with all ended,
+    none, and Redis counts nothing for A."""
+    async with claimer_and_other(redis_server, 100) as (ctl, b, t, a_st, _, held):
+        for _ in range(10):
+            hold = a_st.try_admit(b, t, "standard", 1)
+            assert hold is not None
+            held.append((a_st, hold))
+        ctl.update_tenant(t.id, max_concurrency=50)
+        a_st.reload()
+        conc = a_st._scope("t", "t").pools["conc"]
+        assert (conc.spill, conc.in_use) == (5, 5)
+        for _ in range(4):
+            st, hold = held.pop()
+            st.release(hold, 1, 1)
+        a_st.tick()
+        assert (conc.spill, conc.in_use) == (1, 1)
+        while held:
+            st, hold = held.pop()
+            st.release(hold, 1, 1)
+        a_st.tick()
+        assert (conc.spill, conc.in_use) == (0, 0)
+        await a_st.flushed()
+        await idle_lanes(a_st)
+        await wait_for(lambda: redis_hget(redis_server, "{kvg:t:t}", "alloc|conc") == 0, 10,
+                       "A's spill given back in Redis")  # fmt: skip
+
+
+def redis_hget(server: RedisServer, key: str, field: str) -> int:
+    return int(server.client().hget(key, field) or 0)

@@ -639,42 +639,48 @@ class RedisStore:
                 pool.base, pool.g, pool.gs = b["max_concurrency"], g, b["guaranteed_slots"]
 
     def _standing_overflow(self) -> None:
-        """After a reload: slots this replica's requests hold in its standing slice of a
-        tenant beyond the tenant's new slice (smaller, or none) are not kept out of Redis by
-        ``st`` any more: they are adopted into the tenant's pool in Redis (re-asserted at once,
-        given back as those requests end), so that the other replicas count them. (They take
-        the pool's ``adopted`` units: :meth:`adopt_running` adopts only for a tenant that had
-        no concurrency limit, so had no slice, before the reload.)"""
+        """After a reload: the slots this replica's requests hold in its standing slice of a
+        tenant beyond the tenant's slice now (smaller, or none) are no longer kept out of
+        Redis by ``st``. They are the ``spill`` of the tenant's pool: counted in its
+        ``in_use``, re-asserted to Redis at once and given back as those requests end
+        (:meth:`_spill_ended`), so that the other replicas count them. Worked out again at
+        every reload: a limit raised again takes them back into the slice."""
         stand = self._standing
         if stand is None:
             return
         ctl, n = self.controller, self.config.standing_replicas
         for name, sp in stand.pools.items():
-            if not sp.in_use:
+            tsc = self.scopes.get("t" + name)
+            spilt = tsc.pools.get("conc") if tsc is not None else None
+            if not sp.in_use and (spilt is None or not spilt.spill):
                 continue
             tid = ctl.tenant_id(name)
-            if tid is None:
-                continue
-            t = ctl.tenant_state(tid)
-            if t["max_concurrency"] is None:
-                continue
+            t = ctl.tenant_state(tid) if tid is not None else None
+            if t is None or t["max_concurrency"] is None:
+                continue  # no limit to count them against any more
             sliced = self._slices(t)
             slots = sliced[0] if sliced else 0
-            over = sp.in_use - slots
-            if over <= 0:
-                continue
+            over = max(0, sp.in_use - slots)
+            sp.q = slots
             sc = self._scope("t", name)
             conc = self._pool(sc, "conc", "tenant-concurrency", PLAIN, int(t["max_concurrency"]))
             conc.st = slots * n
-            sp.q = slots
-            conc.in_use += over - conc.adopted
-            conc.adopted = over
-            conc.adopted_from = lambda sp=sp, slots=slots: max(0, sp.in_use - slots)
+            conc.in_use += over - conc.spill
+            conc.spill, conc.spill_of = over, sp
             self._active.add(sc)
             self._ledger.set_active(sc._i, True)
             with contextlib.suppress(RuntimeError):
                 asyncio.get_running_loop()
                 self._kick(sc)
+
+    def _spill_ended(self, pool: Pool) -> None:
+        """Gives back the spill of ``pool`` (:meth:`_standing_overflow`) whose requests have
+        ended: it keeps what its slice's requests still hold beyond the slice."""
+        sp = pool.spill_of
+        keep = 0 if sp is None else min(pool.spill, max(0, sp.in_use - sp.q))
+        if keep < pool.spill:
+            pool.in_use -= pool.spill - keep
+            pool.spill = keep
 
     def adopt_running(self, tenant: str, running: Callable[[], int]) -> None:
         """A reload gave ``tenant`` a concurrency limit it did not have: its requests running
@@ -1835,6 +1841,8 @@ class RedisStore:
                 p.taken = 0
                 if p.adopted:
                     self._adopted_ended(p)
+                if p.spill:
+                    self._spill_ended(p)
             if not (
                 used
                 or probing
@@ -1896,6 +1904,11 @@ class RedisStore:
                     if claim >= 0
                     else "no claim (every one is held, or Redis is settling after a loss)",
                 )
+            if unused_us < 0 and claim >= 0 and claim != self._stand_claim:
+                # a claim this replica did not know it held: taken by a call whose reply was
+                # lost (applied in Redis after the call timed out here), which said how long
+                # it had gone unused: count it as used just now (its buckets start empty)
+                unused_us = 0
             if unused_us >= 0:
                 # a claim another replica held (or one Redis has no record of): its buckets
                 # hold what they would have refilled since it was last used, no more

@@ -88,6 +88,8 @@ class Pool:
         adopted: units of ``in_use`` that no hold of this store took: requests of the tenant
             that ran before a reload gave it this limit (:meth:`RedisStore.adopt_running`),
             given back as they end; ``adopted_from``: how many of those still run.
+        st: units of the limit kept out of Redis as standing slices; ``spill``: units of
+            ``in_use`` held in a standing slice beyond its size after a reload.
     """
 
     __slots__ = (
@@ -103,6 +105,8 @@ class Pool:
         "name",
         "rq",
         "scope",
+        "spill",
+        "spill_of",
         "st",
     )
 
@@ -137,6 +141,11 @@ class Pool:
         #: units of the limit held as standing slices by the replicas that may hold one
         #: (``store.standing_share``): Redis keeps them out of what it grants
         self.st = 0
+        #: units of ``in_use`` that this replica's requests hold in its standing slice of the
+        #: tenant beyond the slice's size after a reload shrank it (``spill_of``: that slice's
+        #: pool), re-asserted to Redis until they end
+        self.spill = 0
+        self.spill_of: Pool | None = None
         self.adopted_from: Callable[[], int] | None = None
         self.limit = base if kind != GUARANTEE else g
 
