@@ -360,6 +360,23 @@ async def claimer_and_other(
         await b_st.close()
 
 
+def from_slice(st: RedisStore, b: Named, t: Named, n: int) -> list[tuple[RedisStore, Any]]:
+    """``n`` requests of ``t``, each admitted by ``st`` without Redis (its slice)."""
+    held = []
+    for _ in range(n):
+        hold = st.try_admit(b, t, "standard", 1)
+        assert hold is not None
+        held.append((st, hold))
+    return held
+
+
+def new_limit(ctl: Any, t: Named, conc: int, *stores: RedisStore) -> None:
+    """A reload that gives ``t`` a concurrency limit of ``conc``, on every store."""
+    ctl.update_tenant(t.id, max_concurrency=conc)
+    for st in stores:
+        st.reload()
+
+
 async def test_refunds_never_fill_a_slice_bucket_past_its_burst(redis_server: RedisServer) -> None:
     """TPM 6,000,000 with a burst of 60,000; slices of a tenth over one claim: a burst of
     6,000. A request that reserves the slice's whole burst and uses nothing is refunded after
@@ -408,14 +425,9 @@ async def test_a_reload_that_lowers_a_limit_counts_what_the_slice_runs(
     granted only what is left: never more than the new limit with A's 10 (9: nothing new
     until they drain)."""
     async with claimer_and_other(redis_server, 100) as (ctl, b, t, a_st, b_st, held):
-        for _ in range(10):
-            hold = a_st.try_admit(b, t, "standard", 1)
-            assert hold is not None
-            held.append((a_st, hold))
+        held += from_slice(a_st, b, t, 10)
         assert a_st.standing_admissions == 10
-        ctl.update_tenant(t.id, max_concurrency=lowered)
-        a_st.reload()
-        b_st.reload()
+        new_limit(ctl, t, lowered, a_st, b_st)
         await a_st.flushed()
         await idle_lanes(a_st)
         for _ in range(lowered + 20):
@@ -485,13 +497,8 @@ async def test_a_pool_adopted_on_reload_leaves_the_slices_out_of_redis(
     B runs 90 of t's requests from before the reload (adopted); A admits 10 from its slice:
     B's pool asks Redis without the slices, so B gets nothing more (before: 105 of 100)."""
     async with claimer_and_other(redis_server, None) as (ctl, b, t, a_st, b_st, held):
-        ctl.update_tenant(t.id, max_concurrency=100)
-        a_st.reload()
-        b_st.reload()
-        for _ in range(10):
-            hold = a_st.try_admit(b, t, "standard", 1)
-            assert hold is not None
-            held.append((a_st, hold))
+        new_limit(ctl, t, 100, a_st, b_st)
+        held += from_slice(a_st, b, t, 10)
         b_st.adopt_running("t", lambda: 90)
         await b_st.flushed()
         await idle_lanes(b_st)
@@ -612,19 +619,12 @@ async def test_a_reload_after_adopting_keeps_what_was_adopted(redis_server: Redi
     Both the 80 adopted and the 5 beyond the new slice stay counted in Redis: B gets nothing
     (before, the second reload replaced the 80 by the 5: B got 40, 130 running of 50)."""
     async with claimer_and_other(redis_server, None) as (ctl, b, t, a_st, b_st, held):
-        ctl.update_tenant(t.id, max_concurrency=100)
-        a_st.reload()
-        b_st.reload()
+        new_limit(ctl, t, 100, a_st, b_st)
         a_st.adopt_running("t", lambda: 80)  # they run throughout
         await a_st.flushed()
         await idle_lanes(a_st)
-        for _ in range(10):
-            hold = a_st.try_admit(b, t, "standard", 1)
-            assert hold is not None
-            held.append((a_st, hold))
-        ctl.update_tenant(t.id, max_concurrency=50)
-        a_st.reload()
-        b_st.reload()
+        held += from_slice(a_st, b, t, 10)
+        new_limit(ctl, t, 50, a_st, b_st)
         await a_st.flushed()
         await idle_lanes(a_st)
         conc = a_st._scope("t", "t").pools["conc"]
@@ -644,19 +644,12 @@ async def test_a_limit_raised_again_takes_the_spill_back_into_the_slice(
     Redis), then raised to 100 again: the slice holds its 10 again and nothing of it stays
     counted in Redis, so B gets the 90 left (before: 85, the 5 counted twice)."""
     async with claimer_and_other(redis_server, 100) as (ctl, b, t, a_st, b_st, held):
-        for _ in range(10):
-            hold = a_st.try_admit(b, t, "standard", 1)
-            assert hold is not None
-            held.append((a_st, hold))
-        ctl.update_tenant(t.id, max_concurrency=50)
-        a_st.reload()
-        b_st.reload()
+        held += from_slice(a_st, b, t, 10)
+        new_limit(ctl, t, 50, a_st, b_st)
         conc = a_st._scope("t", "t").pools["conc"]
         assert conc.spill == 5
         await a_st.flushed()
-        ctl.update_tenant(t.id, max_concurrency=100)
-        a_st.reload()
-        b_st.reload()
+        new_limit(ctl, t, 100, a_st, b_st)
         assert conc.spill == 0
         await a_st.flushed()
         await idle_lanes(a_st)
@@ -670,10 +663,7 @@ async def test_the_spill_goes_back_as_its_requests_end(redis_server: RedisServer
     slice's requests end: with 4 of the 10 ended (6 running), 1 is left; with all ended,
     none, and Redis counts nothing for A."""
     async with claimer_and_other(redis_server, 100) as (ctl, b, t, a_st, _, held):
-        for _ in range(10):
-            hold = a_st.try_admit(b, t, "standard", 1)
-            assert hold is not None
-            held.append((a_st, hold))
+        held += from_slice(a_st, b, t, 10)
         ctl.update_tenant(t.id, max_concurrency=50)
         a_st.reload()
         conc = a_st._scope("t", "t").pools["conc"]
