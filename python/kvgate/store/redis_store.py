@@ -473,6 +473,8 @@ class RedisStore:
         return parts
 
     def _backend_part_of(self, backend: Any, tenant: Any, t: Any, sheddable: bool) -> Part:
+        """The backend's part of ``tenant``'s plan (``t``: its ``tenant_state``): the shared
+        one, or one with the tenant's guarantee pool (never for a sheddable request)."""
         mine = t["guaranteed_slots"] if backend.id in t["guaranteed_backends"] else 0
         mine = 0 if sheddable else mine
         bpart = None if mine else self._backend_parts.get(backend.id)
