@@ -699,12 +699,13 @@ class StoreConfig(_Model):
             that share ÷ ``standing_replicas`` of the tenant's limits without any message to
             Redis, and Redis keeps that share out of what it grants, so the limits stay exact
             and at most this share of each limit is stranded. A request of a tenant seen
-            rarely (one of 100,000 API keys) then costs no Redis call, when its limits are
-            large enough for a slice of at least one slot and one request's tokens. Every
-            replica must have the same setting. 0 (default): no slices.
+            rarely (one of 100,000 API keys) then costs no Redis call, when each of the
+            tenant's limits gives a slice of at least one (slot, token a minute, token of
+            burst) and the request's tokens fit in the slice's. Every replica must have the
+            same setting. 0 (default): no slices.
         standing_replicas: how many replicas hold standing slices at once (1..64); the others
-            take every unit from Redis. A replica whose setting differs from the other
-            replicas' takes no slice.
+            take every unit from Redis. A replica whose setting (or ``standing_share``)
+            differs from the one the first replica recorded in Redis takes no slice.
         sentinel: find the primary through Redis Sentinel (:class:`SentinelConfig`); ``url``
             then gives the primary's credentials and database, its host and port are not used
             (name the master there, e.g. ``redis://:password@mymaster/0``). Not with

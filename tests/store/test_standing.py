@@ -554,8 +554,8 @@ async def test_admin_state_counts_each_tenant_with_a_slice_once(redis_server: Re
 
 def test_kvg_stand_odd_calls(redis_server: RedisServer) -> None:
     """``kvg_stand`` called as no replica calls it: leaving when there is no hash makes none;
-    a replica that says another number of claims than the hash's gets none (-2); a ``want``
-    that is not a number counts as none."""
+    a replica that says another number of claims, or another share, than the hash's gets none
+    (-2); a ``want`` that is not a number counts as none."""
     client = redis_server.client()
     client.function_load(LIBRARY, replace=True)
     key = "{kvg:stand}"
@@ -567,6 +567,10 @@ def test_kvg_stand_odd_calls(redis_server: RedisServer) -> None:
         for pod, n in (("a", 2), ("b", 2), ("c", 4))
     ]
     assert got == [0, 1, -2]
+    # the share as well, once a replica has said it
+    say = ("kvg_stand", 1, key)
+    assert client.fcall(*say, "a", 1_000_000, 2, 0, "0", "0.01")[0] == 0
+    assert client.fcall(*say, "e", 1_000_000, 2, -1, "0", "0.02")[0] == -2
     assert client.fcall("kvg_stand", 1, key, "d", 1_000_000, 2, "x", "0")[0] == -1
 
 

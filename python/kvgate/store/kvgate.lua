@@ -550,8 +550,9 @@ end
 -- large tenant limit (st, sr and sb above keep R slices out of what Redis grants). A replica
 -- may use its slices only while it holds one of the R claims of KEYS[1] (a HASH: i|<c> = the
 -- replica, e|<c> = its claim's expiry or when it was given up, server µs; born = when the hash
--- was made; n = R), renewed with each heartbeat. ARGV: pod, ttl µs, R, want (the claim it
--- held, or -1), leave ("1": give it up). Rules:
+-- was made; n = R; s = the share), renewed with each heartbeat. ARGV: pod, ttl µs, R, want
+-- (the claim it held, or -1), leave ("1": give it up), share (the replica's standing_share, as
+-- text; optional). Rules:
 --   a claim is free once it expired a whole ttl ago (its replica stopped using it at the
 --     expiry, by its own clock, and its requests have had a lease period to end), or at once
 --     when its replica gave it up (stopping cleanly, after its drain);
@@ -563,13 +564,14 @@ end
 --     held (or one the hash has no record of) is told how long the claim has gone unused
 --     (since the expiry or the giving up, else since the hash was made), and its slices'
 --     buckets start with only what they would have refilled meanwhile;
---   every replica must say the same R: a different one gets no claim (-2).
--- Answers {claim (-1: none, -2: R differs from the hash's), the claim's expiry - now (µs),
+--   every replica must say the same R and share: a different one gets no claim (-2).
+-- Answers {claim (-1: none, -2: R or share differs from the hash's), the claim's expiry - now (µs),
 -- µs the claim went unused (-1: the replica kept its own)}.
 local function kvg_stand(keys, args)
   local key, pod = keys[1], args[1]
   local ttl, n, leave = tonumber(args[2]), tonumber(args[3]), args[5]
   local want = tonumber(args[4]) or -1
+  local share = args[6]
   local now = now_us()
   local h = {}
   local flat = redis.call('HGETALL', key)
@@ -583,6 +585,13 @@ local function kvg_stand(keys, args)
     redis.call('HSET', key, 'n', n)
   elseif tonumber(h.n) ~= n and leave ~= '1' then
     return {-2, 0, -1}
+  end
+  if share then
+    if not h.s then
+      redis.call('HSET', key, 's', share)
+    elseif h.s ~= share and leave ~= '1' then
+      return {-2, 0, -1}
+    end
   end
   local function free(c)
     local holder = h['i|' .. c]

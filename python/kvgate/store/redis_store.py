@@ -1890,13 +1890,16 @@ class RedisStore:
                     self.config.standing_replicas,
                     self._stand_claim,
                     "1" if leave else "0",
+                    repr(float(self.config.standing_share)),
                 )
             claim, ttl_us, unused_us = int(got[0]), int(got[1]), int(got[2])
             if claim == -2:
                 if self._stand_claim != -2:
                     logger.error(
-                        "store: standing slices: other replicas use another "
-                        "standing_replicas than %d; this one takes no claim until they agree",
+                        "store: standing slices: other replicas use another standing_share or "
+                        "standing_replicas than %s and %d; this one takes no claim until they "
+                        "agree",
+                        self.config.standing_share,
                         self.config.standing_replicas,
                     )
             elif claim != self._stand_claim and not leave:
