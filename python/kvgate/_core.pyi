@@ -1294,6 +1294,9 @@ class QuotaLedger:
         given back or unknown."""
     def hold_parts(self, hold: int) -> tuple[list[tuple[int, int]], list[int]] | None:
         """The ``(pool, units)`` and buckets of a hold not yet given back, else ``None``."""
+    def pools_in_use(self, scope: int) -> list[tuple[int, int]]:
+        """The ``(pool, units in use)`` of the pools of ``scope`` whose requests hold units,
+        in index order (one pass in Rust). Raises ``ValueError`` for an unknown scope."""
     @property
     def admissions(self) -> int:
         """Admissions counted (by :meth:`try_admit`, and by the agent's own)."""

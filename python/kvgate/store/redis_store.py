@@ -255,6 +255,10 @@ class RedisStore:
         self._stand_until = 0.0
         self._stand_task: asyncio.Task[None] | None = None
         self._stand_buckets: dict[int, Bucket] = {}
+        #: the tenants this replica holds a slice of, and the tenant pools with a spill
+        #: (:meth:`_standing_overflow`)
+        self._stand_tenants: set[str] = set()
+        self._spilling: set[Pool] = set()
         #: admissions from this replica's standing slices (no message to Redis)
         self.standing_admissions = 0
         #: the claim taken last (a count) and since when its buckets count as refilling
@@ -570,6 +574,7 @@ class RedisStore:
             self._stand_buckets.pop(tenant.id, None)
             return None
         slots, rate, burst = sliced
+        self._stand_tenants.add(tenant.name)
         alts: list[tuple[bool, list[Pool]]] = []
         buckets: list[Bucket] = []
         if t["max_concurrency"] is not None:
@@ -651,11 +656,12 @@ class RedisStore:
         if stand is None:
             return
         ctl, n = self.controller, self.config.standing_replicas
-        for name, sp in stand.pools.items():
-            tsc = self.scopes.get("t" + name)
-            spilt = tsc.pools.get("conc") if tsc is not None else None
-            if not sp.in_use and (spilt is None or not spilt.spill):
-                continue
+        # the slices whose requests hold slots, and those that spilt at an earlier reload (read
+        # in one pass in Rust: a replica holds a slice of each of 100,000 tenants)
+        slices = {self._pool_at[i] for i, _ in self._ledger.pools_in_use(stand._i)}
+        slices.update(p.spill_of for p in self._spilling if p.spill_of is not None)
+        for sp in slices:
+            name = sp.name
             tid = ctl.tenant_id(name)
             t = ctl.tenant_state(tid) if tid is not None else None
             if t is None or t["max_concurrency"] is None:
@@ -669,6 +675,10 @@ class RedisStore:
             conc.st = slots * n
             conc.in_use += over - conc.spill
             conc.spill, conc.spill_of = over, sp
+            if over:
+                self._spilling.add(conc)
+            else:
+                self._spilling.discard(conc)
             self._active.add(sc)
             self._ledger.set_active(sc._i, True)
             with contextlib.suppress(RuntimeError):
@@ -683,6 +693,8 @@ class RedisStore:
         if keep < pool.spill:
             pool.in_use -= pool.spill - keep
             pool.spill = keep
+        if not keep:
+            self._spilling.discard(pool)
 
     def adopt_running(self, tenant: str, running: Callable[[], int]) -> None:
         """A reload gave ``tenant`` a concurrency limit it did not have: its requests running
@@ -2233,8 +2245,8 @@ class RedisStore:
             "of": self.config.standing_replicas,
             "usable_s": round(max(0.0, self._stand_until - now), 3),
             "admissions": self.standing_admissions,
-            "tenants": len(stand.pools.keys() | stand.buckets.keys()),
-            "slots_in_use": sum(p.in_use for p in stand.pools.values()),
+            "tenants": len(self._stand_tenants),
+            "slots_in_use": sum(n for _, n in self._ledger.pools_in_use(stand._i)),
         }
 
     def _connection_state(self) -> dict[str, Any]:

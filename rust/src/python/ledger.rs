@@ -204,6 +204,10 @@ impl PyQuotaLedger {
         self.inner.hold_parts(hold)
     }
 
+    fn pools_in_use(&self, scope: u32) -> PyResult<Vec<(u32, i64)>> {
+        self.inner.pools_in_use(scope).map_err(err)
+    }
+
     #[getter]
     fn admissions(&self) -> i64 {
         self.inner.admissions
